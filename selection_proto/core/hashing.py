@@ -1,0 +1,99 @@
+"""Block and sequence hashes, bit for bit equal to Dynamo's (core.md §5).
+
+`X(data, k)` is XXH3-64 with seed `k`. Token ids are packed little-endian u32; packing goes
+through `array` because it is several times faster than a Python loop and validates the u32
+range for free.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from array import array
+from collections.abc import Iterable, Sequence
+
+from xxhash import xxh3_64_intdigest
+
+__all__ = ["XXH_SEED", "block_hashes", "iv", "pack_tokens", "sequence_hashes", "hash64"]
+
+XXH_SEED = 1337
+U64 = 0xFFFFFFFFFFFFFFFF
+_LITTLE = sys.byteorder == "little"
+_pack_pair = struct.Struct("<QQ").pack
+_pack_u64 = struct.Struct("<Q").pack
+
+
+def hash64(data: bytes | bytearray | memoryview, seed: int = 0) -> int:
+    """`X(data, seed)`."""
+    return xxh3_64_intdigest(data, seed)
+
+
+def iv(lora_name: str | None = None, cache_namespace: str | None = None) -> int:
+    """The seed of local block hashes: 1337, salted by LoRA name and cache namespace."""
+    k = XXH_SEED
+    if lora_name:
+        k = (k + xxh3_64_intdigest(lora_name.encode("utf-8"), 0)) & U64
+    if cache_namespace:
+        k = (k + xxh3_64_intdigest(cache_namespace.encode("utf-8"), 1)) & U64
+    return k
+
+
+def pack_tokens(tokens: Iterable[int]) -> array[int]:
+    """Token ids as a u32 array; raises OverflowError / TypeError for a value that is not a u32."""
+    if isinstance(tokens, array) and tokens.typecode == "I":
+        return tokens
+    packed = array("I")
+    if packed.itemsize != 4:  # pragma: no cover - no such platform in practice
+        raise RuntimeError("array('I') is not 32 bits wide on this platform")
+    packed.fromlist(tokens if isinstance(tokens, list) else list(tokens))
+    return packed
+
+
+def _le_bytes(packed: array[int]) -> bytes:
+    if _LITTLE:
+        return packed.tobytes()
+    swapped = array("I", packed)  # pragma: no cover - big-endian hosts only
+    swapped.byteswap()  # pragma: no cover
+    return swapped.tobytes()  # pragma: no cover
+
+
+def block_hashes(
+    tokens: Sequence[int] | array[int],
+    block_size: int,
+    lora_name: str | None = None,
+    cache_namespace: str | None = None,
+    is_eagle: bool = False,
+) -> list[int]:
+    """Local hashes of the complete blocks of `tokens` (the tail is ignored)."""
+    if block_size == 0:
+        return []
+    k = iv(lora_name, cache_namespace)
+    count = len(tokens)
+    view = memoryview(_le_bytes(pack_tokens(tokens)))
+    step = block_size * 4
+    if not is_eagle:
+        n = count // block_size
+        return [xxh3_64_intdigest(view[i : i + step], k) for i in range(0, n * step, step)]
+    # Eagle windows overlap by one token: bs+1 tokens, stepping bs.
+    n = (count - 1) // block_size if count else 0
+    width = step + 4
+    return [xxh3_64_intdigest(view[i : i + width], k) for i in range(0, n * step, step)]
+
+
+def sequence_hashes(blocks: Sequence[int]) -> list[int]:
+    """Rolling prefix hashes: seq[0] = blocks[0]; seq[i] = X(LE64(seq[i-1]) || LE64(blocks[i]), 1337)."""
+    if not blocks:
+        return []
+    prev = blocks[0]
+    out = [prev]
+    append = out.append
+    for h in blocks[1:] if len(blocks) > 1 else ():
+        prev = xxh3_64_intdigest(_pack_pair(prev, h), XXH_SEED)
+        append(prev)
+    return out
+
+
+def multimodal_block_hash(window: Sequence[int], mm_hashes: Iterable[int], seed: int) -> int:
+    """Local hash of a block carrying multimodal hashes (core.md §5.1, events only)."""
+    data = _le_bytes(pack_tokens(list(window))) + b"".join(_pack_u64(h) for h in sorted(mm_hashes))
+    return xxh3_64_intdigest(data, seed)
