@@ -1,0 +1,340 @@
+"""Shape checking of JSON-like values with the exact error texts of api.md §2.3.
+
+Request types (types.py) declare each member's JSON kind in attrs metadata; this module checks a
+decoded JSON object against those declarations, and the types run the same checks when they are
+constructed directly, so the typed API and the bytes API answer with one text.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from array import array
+from collections.abc import Callable, Mapping
+from typing import Any, Final, TypeVar
+
+import attrs
+
+from .errors import Unprocessable
+from .hashing import pack_tokens
+
+__all__ = [
+    "ARRAY",
+    "BOOL",
+    "ENUM",
+    "F32",
+    "F64",
+    "I64",
+    "MAP",
+    "OBJECT",
+    "STR",
+    "U32",
+    "U64",
+    "FloatForInteger",
+    "ShapeContext",
+    "check_value",
+    "describe",
+    "from_json",
+    "shape_error",
+    "validate_instance",
+]
+
+SHAPE_PREFIX: Final = "Failed to deserialize the JSON body into the target type: "
+
+U64_MAX: Final = (1 << 64) - 1
+U32_MAX: Final = (1 << 32) - 1
+I64_MIN: Final = -(1 << 63)
+I64_MAX: Final = (1 << 63) - 1
+
+# Kinds are plain tuples so that the OpenAPI generator can read them too.
+U64: Final = ("int", "u64", 0, U64_MAX)
+U32: Final = ("int", "u32", 0, U32_MAX)
+I64: Final = ("int", "i64", I64_MIN, I64_MAX)
+F64: Final = ("float", "f64")
+F32: Final = ("float", "f32")
+STR: Final = ("str",)
+BOOL: Final = ("bool",)
+
+
+def ARRAY(item: tuple[Any, ...]) -> tuple[Any, ...]:
+    return ("array", item)
+
+
+def MAP(value: tuple[Any, ...], key: str = "str") -> tuple[Any, ...]:
+    """A JSON object with arbitrary keys; `key` is "str" or "u32" (decimal dp ranks)."""
+    return ("map", value, key)
+
+
+def ENUM(*values: str) -> tuple[Any, ...]:
+    return ("enum", values)
+
+
+def OBJECT(cls: type) -> tuple[Any, ...]:
+    return ("object", cls)
+
+
+_EXPECTED: Final = {
+    "str": "a string",
+    "bool": "a boolean",
+    "array": "a sequence",
+    "map": "a map",
+    "object": "a map",
+    "enum": "a string",
+}
+
+
+class FloatForInteger(Unprocessable):
+    """A float stood where an integer belongs. With orjson that may be an integer beyond 64 bits
+    that it parsed as a float, so the bytes layer re-reads the body exactly and checks again."""
+
+
+@attrs.frozen
+class ShapeContext:
+    """`may_contain_bools`: False when the raw JSON has no `true`/`false` literal at all, which lets
+    integer arrays skip the per-element bool test (the hot path of long `token_ids`)."""
+
+    may_contain_bools: bool = True
+
+
+TYPED: Final = ShapeContext()
+
+
+def describe(value: Any) -> str:
+    if value is None:
+        return "null"
+    if value is True:
+        return "boolean `true`"
+    if value is False:
+        return "boolean `false`"
+    if isinstance(value, int):
+        return f"integer `{value}`"
+    if isinstance(value, float):
+        return f"floating point `{value!r}`"
+    if isinstance(value, str):
+        return "string " + json.dumps(value, ensure_ascii=False)
+    if isinstance(value, (list, tuple, array)):
+        return "sequence"
+    if isinstance(value, Mapping):
+        return "map"
+    return f"value of type {type(value).__name__}"
+
+
+def join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def shape_error(path: str, reason: str, cls: type[Unprocessable] = Unprocessable) -> Unprocessable:
+    return cls(SHAPE_PREFIX + (f"{path}: {reason}" if path else reason))
+
+
+def _invalid_type(path: str, value: Any, expected: str) -> Unprocessable:
+    cls = FloatForInteger if isinstance(value, float) and not expected.startswith(("f", "a ")) else Unprocessable
+    return shape_error(path, f"invalid type: {describe(value)}, expected {expected}", cls)
+
+
+def _check_int(kind: tuple[Any, ...], value: Any, path: str) -> int:
+    if type(value) is not int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = int(value)
+        else:
+            raise _invalid_type(path, value, kind[1])
+    if value < kind[2] or value > kind[3]:
+        raise shape_error(path, f"invalid value: integer `{value}`, expected {kind[1]}")
+    return value
+
+
+def _check_int_array(kind: tuple[Any, ...], value: Any, path: str, ctx: ShapeContext) -> Any:
+    """Integer arrays: u32 become array('I'), i64 become a list of u64 (bit-for-bit reinterpreted),
+    u64 a list. The C-level conversion validates the range; bools are looked for separately."""
+    if not isinstance(value, (list, tuple, array)):
+        raise _invalid_type(path, value, "a sequence")
+    name = kind[1]
+    try:
+        if name == "u32":
+            packed = pack_tokens(value)
+        elif name == "i64":
+            packed = array("q", value)
+        else:
+            packed = array("Q", value)
+        if ctx.may_contain_bools and not isinstance(value, array) and bool in map(type, value):
+            raise TypeError
+    except (OverflowError, TypeError, ValueError):
+        for i, item in enumerate(value):
+            _check_int(kind, item, f"{path}[{i}]")
+        raise AssertionError("unreachable: array conversion failed on valid items") from None
+    if name == "u32":
+        return packed
+    if name == "i64":
+        return array("Q", packed.tobytes()).tolist()
+    return packed.tolist()
+
+
+def check_value(kind: tuple[Any, ...], value: Any, path: str, ctx: ShapeContext = TYPED) -> Any:
+    """Check one non-null value against `kind`; return it converted to its stored form."""
+    tag = kind[0]
+    if tag == "int":
+        return _check_int(kind, value, path)
+    if tag == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _invalid_type(path, value, kind[1])
+        return float(value)
+    if tag == "str":
+        if not isinstance(value, str):
+            raise _invalid_type(path, value, "a string")
+        return value
+    if tag == "bool":
+        if not isinstance(value, bool):
+            raise _invalid_type(path, value, "a boolean")
+        return value
+    if tag == "enum":
+        if not isinstance(value, str):
+            raise _invalid_type(path, value, "a string")
+        if value not in kind[1]:
+            raise shape_error(path, f"unknown variant `{value}`, expected {_one_of(kind[1])}")
+        return value
+    if tag == "array":
+        item = kind[1]
+        if item[0] == "int":
+            return _check_int_array(item, value, path, ctx)
+        if not isinstance(value, (list, tuple)):
+            raise _invalid_type(path, value, "a sequence")
+        return [check_value(item, v, f"{path}[{i}]", ctx) for i, v in enumerate(value)]
+    if tag == "map":
+        if not isinstance(value, Mapping):
+            raise _invalid_type(path, value, "a map")
+        out: dict[Any, Any] = {}
+        for k, v in value.items():
+            key: Any = k
+            if kind[2] == "u32":
+                key = _dp_rank_key(k, path)
+            item_path = join(path, str(k))
+            if v is None:
+                raise _invalid_type(item_path, v, _expected(kind[1]))
+            out[key] = check_value(kind[1], v, item_path, ctx)
+        return out
+    if tag == "object":
+        cls = kind[1]
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise _invalid_type(path, value, "a map")
+        return from_json(cls, value, path, ctx)
+    raise AssertionError(f"unknown kind {kind!r}")
+
+
+def _dp_rank_key(k: Any, path: str) -> int:
+    if isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= U32_MAX:
+        return k
+    text = str(k)
+    if text.isascii() and text.isdigit() and int(text) <= U32_MAX:
+        return int(text)
+    raise shape_error(join(path, text), f"invalid value: {describe(text)}, expected a dp_rank (u32)")
+
+
+def _expected(kind: tuple[Any, ...]) -> str:
+    if kind[0] in ("int", "float"):
+        return str(kind[1])
+    return _EXPECTED[kind[0]]
+
+
+def _one_of(values: tuple[str, ...]) -> str:
+    quoted = [f"`{v}`" for v in values]
+    if len(quoted) == 2:
+        return f"{quoted[0]} or {quoted[1]}"
+    return "one of " + ", ".join(quoted)
+
+
+T = TypeVar("T")
+
+# A member's rule returns the reason text of a violation, or None.
+Rule = Callable[[Any], "str | None"]
+
+
+def _meta(field: attrs.Attribute[Any]) -> Mapping[str, Any]:
+    return field.metadata
+
+
+def from_json(cls: type[T], obj: Any, path: str = "", ctx: ShapeContext = TYPED) -> T:
+    """Build `cls` from a decoded JSON object; raises Unprocessable with the api.md §2.3 text."""
+    if not isinstance(obj, Mapping):
+        raise _invalid_type(path, obj, "a map")
+    values: dict[str, Any] = {}
+    aliases: Mapping[str, str] = getattr(cls, "_json_aliases", {})
+    for alias, target in aliases.items():
+        if alias in obj:
+            a = obj[alias]
+            if target in obj and obj[target] != a:
+                raise shape_error(path, f"{alias}: conflicts with {target}")
+    for field in attrs.fields(cls):  # type: ignore[misc]
+        meta = _meta(field)
+        if "kind" not in meta:
+            continue
+        name = field.name
+        present = name in obj
+        value = obj[name] if present else None
+        if not present:
+            for alias, target in aliases.items():
+                if target == name and alias in obj:
+                    present, value = True, obj[alias]
+        field_path = join(path, name)
+        if not present:
+            if meta.get("required"):
+                raise shape_error(path, f"missing field `{name}`")
+            continue
+        if value is None:
+            if meta.get("nullable"):
+                values[name] = None
+                continue
+            if meta.get("required"):
+                raise _invalid_type(field_path, None, _expected(meta["kind"]))
+            raise _invalid_type(field_path, None, _expected(meta["kind"]))
+        checked = check_value(meta["kind"], value, field_path, ctx)
+        rule: Rule | None = meta.get("rule")
+        if rule is not None:
+            reason = rule(checked)
+            if reason is not None:
+                raise shape_error(field_path, reason)
+        values[name] = checked
+    return _trusted(cls, values)
+
+
+def _trusted(cls: type[T], values: Mapping[str, Any]) -> T:
+    """Construct without re-running the checks that `from_json` has just made."""
+    inst = object.__new__(cls)
+    for field in attrs.fields(cls):  # type: ignore[misc]
+        if field.name in values:
+            v = values[field.name]
+        elif field.default is attrs.NOTHING:
+            raise AssertionError(f"{cls.__name__}.{field.name} has no default")
+        elif isinstance(field.default, attrs.Factory):  # type: ignore[arg-type]
+            v = field.default.factory()  # type: ignore[attr-defined]
+        else:
+            v = field.default
+        conv = _meta(field).get("store")
+        object.__setattr__(inst, field.name, conv(v) if conv is not None and v is not None else v)
+    return inst
+
+
+def validate_instance(inst: Any, path: str = "") -> None:
+    """Run the member checks on a directly constructed request (the typed API)."""
+    for field in attrs.fields(type(inst)):
+        meta = _meta(field)
+        if "kind" not in meta:
+            continue
+        value = getattr(inst, field.name)
+        field_path = join(path, field.name)
+        if value is None:
+            if not meta.get("nullable"):
+                raise _invalid_type(field_path, None, _expected(meta["kind"]))
+            continue
+        checked = check_value(meta["kind"], value, field_path, TYPED)
+        rule: Rule | None = meta.get("rule")
+        if rule is not None:
+            reason = rule(checked)
+            if reason is not None:
+                raise shape_error(field_path, reason)
+        conv = meta.get("store")
+        if conv is not None:
+            checked = conv(checked)
+        if checked is not value:
+            object.__setattr__(inst, field.name, checked)

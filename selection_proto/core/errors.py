@@ -1,0 +1,86 @@
+"""Errors of the core, each carrying the HTTP status that `handle` answers with (core.md §4.3)."""
+
+from __future__ import annotations
+
+__all__ = [
+    "BadRequest",
+    "Conflict",
+    "Internal",
+    "MethodNotAllowed",
+    "NotFound",
+    "NotReady",
+    "PayloadTooLarge",
+    "SelectionError",
+    "StreamError",
+    "TooManyRequests",
+    "Unprocessable",
+    "UnsupportedMediaType",
+]
+
+
+class SelectionError(Exception):
+    """Base of every error the service answers; rendered as `{"error": message}` with `status`."""
+
+    status: int = 500
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message!r})"
+
+
+class BadRequest(SelectionError):
+    status = 400
+
+
+class NotFound(SelectionError):
+    status = 404
+
+
+class MethodNotAllowed(SelectionError):
+    status = 405
+
+    def __init__(self, allow: tuple[str, ...]) -> None:
+        super().__init__("method not allowed")
+        self.allow = allow
+
+
+class Conflict(SelectionError):
+    status = 409
+
+
+class PayloadTooLarge(SelectionError):
+    status = 413
+
+
+class UnsupportedMediaType(SelectionError):
+    status = 415
+
+
+class Unprocessable(SelectionError):
+    status = 422
+
+
+class TooManyRequests(SelectionError):
+    status = 429
+
+
+class Internal(SelectionError):
+    status = 500
+
+
+class NotReady(SelectionError):
+    status = 503
+
+
+class StreamError(Exception):
+    """An event stream must be closed with this WebSocket close code and reason."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(f"{code} {reason}")
+        self.code = code
+        self.reason = reason

@@ -1,0 +1,124 @@
+"""KV events: Dynamo's JSON `RouterEvent` / `KvCacheEvent` decoded into internal events (events.md §1, §2)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import attrs
+
+from .codec import ARRAY, ENUM, OBJECT, TYPED, U32, U64, ShapeContext, describe, from_json, join, shape_error
+from .errors import BadRequest
+from .index import TIERS
+from .types import member
+
+__all__ = ["Event", "decode_json_events"]
+
+Kind = Literal["stored", "removed", "cleared"]
+
+
+@attrs.frozen(kw_only=True)
+class Event:
+    """One decoded event. `worker_id` / `dp_rank` are None when the message leaves them to the
+    stream or query; `event_id` is None for engine events (assigned on application)."""
+
+    worker_id: int | None
+    dp_rank: int | None
+    tier: str
+    event_id: int | None
+    kind: Kind
+    parent_hash: int | None = None
+    blocks: tuple[tuple[int, int], ...] = ()  # (engine, local)
+    block_hashes: tuple[int, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class _StoredBlock:
+    block_hash: int = member(U64, required=True, nullable=False)
+    tokens_hash: int = member(U64, required=True, nullable=False)
+
+
+@attrs.frozen(kw_only=True)
+class _Stored:
+    parent_hash: int | None = member(U64)
+    start_position: int | None = member(U32)
+    blocks: list[_StoredBlock] = member(ARRAY(OBJECT(_StoredBlock)), required=True, nullable=False)
+
+
+@attrs.frozen(kw_only=True)
+class _Removed:
+    block_hashes: list[int] = member(ARRAY(U64), required=True, nullable=False)
+
+
+_VARIANTS = "one of `stored`, `removed`, `cleared`"
+
+
+def _decode_data(value: Any, path: str, ctx: ShapeContext) -> _Stored | _Removed | None:
+    """None means `cleared`."""
+    if isinstance(value, str):
+        if value == "cleared":
+            return None
+        raise shape_error(path, f"unknown variant `{value}`, expected {_VARIANTS}")
+    if isinstance(value, Mapping) and len(value) == 1:
+        (name, inner), = value.items()
+        if name == "stored":
+            return from_json(_Stored, inner, join(path, "stored"), ctx)
+        if name == "removed":
+            return from_json(_Removed, inner, join(path, "removed"), ctx)
+        if name == "cleared":
+            return None
+        raise shape_error(path, f"unknown variant `{name}`, expected {_VARIANTS}")
+    raise shape_error(path, f"invalid type: {describe(value)}, expected {_VARIANTS}")
+
+
+@attrs.frozen(kw_only=True)
+class _KvCacheEvent:
+    event_id: int = member(U64, required=True, nullable=False)
+    dp_rank: int | None = member(U32)
+
+
+@attrs.frozen(kw_only=True)
+class _RouterEvent:
+    worker_id: int = member(U64, required=True, nullable=False)
+    storage_tier: str = member(ENUM(*TIERS), default="device", nullable=False)
+
+
+def _decode_cache_event(obj: Any, path: str, worker_id: int | None, tier: str,
+                        ctx: ShapeContext) -> Event:
+    head = from_json(_KvCacheEvent, obj, path, ctx)
+    if "data" not in obj:
+        raise shape_error(path, "missing field `data`")
+    data = _decode_data(obj["data"], join(path, "data"), ctx)
+    if data is None:
+        return Event(worker_id=worker_id, dp_rank=head.dp_rank, tier=tier, event_id=head.event_id,
+                     kind="cleared")
+    if isinstance(data, _Stored):
+        return Event(worker_id=worker_id, dp_rank=head.dp_rank, tier=tier, event_id=head.event_id,
+                     kind="stored", parent_hash=data.parent_hash,
+                     blocks=tuple((b.block_hash, b.tokens_hash) for b in data.blocks))
+    return Event(worker_id=worker_id, dp_rank=head.dp_rank, tier=tier, event_id=head.event_id,
+                 kind="removed", block_hashes=tuple(data.block_hashes))
+
+
+def _decode_one(obj: Any, path: str, ctx: ShapeContext) -> Event:
+    if isinstance(obj, Mapping) and "event" not in obj and "data" in obj:
+        return _decode_cache_event(obj, path, None, "device", ctx)
+    head = from_json(_RouterEvent, obj, path, ctx)
+    if "event" not in obj:
+        raise shape_error(path, "missing field `event`")
+    return _decode_cache_event(obj["event"], join(path, "event"), head.worker_id, head.storage_tier, ctx)
+
+
+def decode_json_events(payload: Any, ctx: ShapeContext = TYPED) -> list[Event]:
+    """A §2.3 payload (one RouterEvent, one bare KvCacheEvent, or an array of them)."""
+    if isinstance(payload, list):
+        return [_decode_one(item, f"[{i}]", ctx) for i, item in enumerate(payload)]
+    return [_decode_one(payload, "", ctx)]
+
+
+def require_worker(event: Event, default: int | None) -> int:
+    if event.worker_id is not None:
+        return event.worker_id
+    if default is None:
+        raise BadRequest("worker_id is required for events without worker_id")
+    return default

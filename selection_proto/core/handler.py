@@ -1,0 +1,321 @@
+"""`handle`: one HTTP-shaped request in, one `Response` out, for every route of api.md §1.
+
+Order of checks: route (404/405), body size (413), query (400), content type (415), JSON syntax
+(400), shape (422), then the typed method. Unexpected exceptions become 500 `internal error`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Final, TypeVar
+
+from . import jsonio
+from .codec import FloatForInteger, ShapeContext, from_json
+from .errors import (
+    BadRequest,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    SelectionError,
+    UnsupportedMediaType,
+)
+from .events import decode_json_events
+from .types import (
+    OverlapScoresRequest,
+    Pending,
+    PotentialLoadsRequest,
+    ReservationRequest,
+    SelectAndReserveRequest,
+    SelectRequest,
+    WorkerPatchRequest,
+    WorkerRequest,
+)
+from .wire import Response, error_response, json_response, parse_query, parse_uint, percent_decode, query_int
+
+if TYPE_CHECKING:
+    from .service import SelectionService
+
+__all__ = ["MAX_BODY", "ROUTES", "handle"]
+
+MAX_BODY: Final = 8 * 1024 * 1024
+KEY_QUERY: Final = ("model_name", "tenant_id", "routing_group")
+EVENT_QUERY: Final = ("worker_id", "dp_rank", *KEY_QUERY)
+
+# route template -> allowed methods (HEAD is implied by GET)
+ROUTES: Final = {
+    "/health": ("GET",),
+    "/ready": ("GET",),
+    "/workers": ("GET", "POST"),
+    "/workers/{worker_id}": ("PATCH", "DELETE"),
+    "/select": ("POST",),
+    "/select_and_reserve": ("POST",),
+    "/reservations": ("POST",),
+    "/reservations/{reservation_id}/prefill_complete": ("POST",),
+    "/reservations/{reservation_id}": ("DELETE",),
+    "/loads": ("GET",),
+    "/potential_loads": ("POST",),
+    "/overlap_scores": ("POST",),
+    "/kv_events": ("GET", "POST"),
+    "/metrics": ("GET",),
+    "/openapi.json": ("GET",),
+    "/dump": ("GET",),
+}
+_BODY_ROUTES: Final = {
+    ("POST", "/workers"), ("PATCH", "/workers/{worker_id}"), ("POST", "/select"),
+    ("POST", "/select_and_reserve"), ("POST", "/reservations"), ("POST", "/potential_loads"),
+    ("POST", "/overlap_scores"), ("POST", "/kv_events"),
+}
+_JSON_TYPE: Final = "application/json"
+
+T = TypeVar("T")
+
+
+def match(path: str) -> tuple[str, str | None] | None:
+    """(route template, raw path parameter) or None."""
+    if path in ROUTES and "{" not in path:
+        return path, None
+    parts = path.split("/")
+    if len(parts) == 3 and parts[0] == "" and parts[2]:
+        if parts[1] == "workers":
+            return "/workers/{worker_id}", parts[2]
+        if parts[1] == "reservations":
+            return "/reservations/{reservation_id}", parts[2]
+    if len(parts) == 4 and parts[:2] == ["", "reservations"] and parts[2] and parts[3] == "prefill_complete":
+        return "/reservations/{reservation_id}/prefill_complete", parts[2]
+    return None
+
+
+def _allow(methods: tuple[str, ...]) -> str:
+    return ", ".join((*methods, "HEAD") if "GET" in methods else methods)
+
+
+def _media_type(headers: Iterable[tuple[str, str]]) -> str | None:
+    for name, value in headers:
+        if name.lower() == "content-type":
+            return value.split(";", 1)[0].strip().lower()
+    return None
+
+
+def _is_json(media: str | None) -> bool:
+    return media is not None and (media == _JSON_TYPE or (media.startswith("application/")
+                                                          and media.endswith("+json")))
+
+
+def _parse_json(body: bytes) -> Any:
+    try:
+        return jsonio.loads(body)
+    except jsonio.JSONSyntaxError as exc:
+        raise BadRequest(f"Failed to parse the request body as JSON: {exc.detail}") from None
+
+
+def _decode(body: bytes, build: Callable[[Any, ShapeContext], T]) -> T:
+    value = _parse_json(body)
+    ctx = ShapeContext(may_contain_bools=b"true" in body or b"false" in body)
+    try:
+        return build(value, ctx)
+    except FloatForInteger:
+        if not jsonio.FAST_PARSER:
+            raise
+        # orjson reads integers beyond 64 bits as floats; the exact parse names them correctly.
+        return build(jsonio.loads_exact(body), ctx)
+
+
+def _worker_id(raw: str) -> int:
+    try:
+        segment = percent_decode(raw)
+    except (ValueError, UnicodeDecodeError):
+        segment = raw
+    value = parse_uint(segment, 64)
+    if isinstance(value, str) or segment.startswith("+"):
+        raise BadRequest(f"Invalid URL: Cannot parse `{segment}` to a `u64`")
+    return value
+
+
+def _reservation_id(raw: str) -> str:
+    try:
+        return percent_decode(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise BadRequest("Invalid URL: invalid percent-encoding") from None
+
+
+def handle(service: SelectionService, method: str, path: str, query: str,
+           headers: Iterable[tuple[str, str]], body: bytes, now: float) -> Response | Pending:
+    matched = match(path)
+    route = matched[0] if matched else "unmatched"
+    try:
+        result = _dispatch(service, method, matched, query, headers, body, now)
+    except SelectionError as exc:
+        extra: tuple[tuple[str, str], ...] = ()
+        if isinstance(exc, MethodNotAllowed):
+            extra = (("allow", _allow(exc.allow)),)
+        result = error_response(exc.status, exc.message, extra)
+    except Exception:  # noqa: BLE001 - the bytes API never raises (core.md §4.2)
+        service.metrics.inc("selection_proto_internal_errors_total")
+        result = error_response(500, "internal error")
+    status = "pending" if isinstance(result, Pending) else str(result.status)
+    service.metrics.inc("selection_proto_requests_total", (method, route, status))
+    return result
+
+
+def _dispatch(service: SelectionService, method: str, matched: tuple[str, str | None] | None,
+              query: str, headers: Iterable[tuple[str, str]], body: bytes,
+              now: float) -> Response | Pending:
+    if matched is None:
+        raise NotFound("route not found")
+    route, param = matched
+    methods = ROUTES[route]
+    head = method == "HEAD" and "GET" in methods
+    verb = "GET" if head else method
+    if verb not in methods:
+        raise MethodNotAllowed(methods)
+    if len(body) > MAX_BODY:
+        service.metrics.inc("selection_proto_limit_rejections_total", ("body_size",))
+        raise PayloadTooLarge("Failed to buffer the request body: length limit exceeded")
+    if (verb, route) in _BODY_ROUTES:
+        media = _media_type(headers)
+        if not _is_json(media):
+            raise UnsupportedMediaType("Expected request with `Content-Type: application/json`")
+    response = _ROUTE_HANDLERS[(verb, route)](service, param, query, body, now)
+    if head and isinstance(response, Response):
+        return Response(response.status, response.headers, b"")
+    return response
+
+
+def _ok(value: Any, status: int = 200) -> Response:
+    return json_response(status, value.to_json())
+
+
+def _h_health(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+    return _ok(s.health())
+
+
+def _h_ready(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+    ready = s.ready(now=now)
+    return _ok(ready, 200 if ready.ready else 503)
+
+
+def _h_workers_get(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+    params = parse_query(q, KEY_QUERY)
+    records = s.list_workers(params.get("model_name"), params.get("tenant_id"))
+    return json_response(200, [r.to_json() for r in records])
+
+
+def _h_workers_post(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+    req = _decode(b, lambda v, ctx: from_json(WorkerRequest, v, "", ctx))
+    return _ok(s.upsert_worker(req, now=now), 201)
+
+
+def _h_worker_patch(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+    worker_id = _worker_id(p or "")
+    patch = _decode(b, lambda v, ctx: from_json(WorkerPatchRequest, v, "", ctx))
+    return _ok(s.patch_worker(worker_id, patch, now=now))
+
+
+def _h_worker_delete(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+    return _ok(s.delete_worker(_worker_id(p or ""), now=now))
+
+
+def _select_answer(result: Any) -> Response | Pending:
+    return result if isinstance(result, Pending) else _ok(result)
+
+
+def _h_select(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response | Pending:
+    req = _decode(b, lambda v, ctx: from_json(SelectRequest, v, "", ctx))
+    return _select_answer(s.select(req, now=now))
+
+
+def _h_select_and_reserve(s: SelectionService, p: str | None, q: str, b: bytes,
+                          now: float) -> Response | Pending:
+    req = _decode(b, lambda v, ctx: from_json(SelectAndReserveRequest, v, "", ctx))
+    return _select_answer(s.select_and_reserve(req, now=now))
+
+
+def _h_reserve(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+    req = _decode(b, lambda v, ctx: from_json(ReservationRequest, v, "", ctx))
+    return _ok(s.reserve(req, now=now), 201)
+
+
+def _h_prefill(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+    rid = _reservation_id(p or "")
+    params = parse_query(q, KEY_QUERY)
+    s.prefill_complete(rid, model_name=params.get("model_name"),
+                       tenant_id=params.get("tenant_id"), now=now)
+    return _ok(s.health())
+
+
+def _h_free(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+    rid = _reservation_id(p or "")
+    params = parse_query(q, KEY_QUERY)
+    s.free(rid, model_name=params.get("model_name"), tenant_id=params.get("tenant_id"), now=now)
+    return _ok(s.health())
+
+
+def _h_loads(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+    params = parse_query(q, KEY_QUERY)
+    return json_response(200, [m.to_json() for m in s.loads(params.get("model_name"),
+                                                             params.get("tenant_id"))])
+
+
+def _h_potential(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+    req = _decode(b, lambda v, ctx: from_json(PotentialLoadsRequest, v, "", ctx))
+    return json_response(200, [x.to_json() for x in s.potential_loads(req, now=now)])
+
+
+def _h_overlap(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+    req = _decode(b, lambda v, ctx: from_json(OverlapScoresRequest, v, "", ctx))
+    return _ok(s.overlap_scores(req, now=now))
+
+
+def _h_events_post(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+    params = parse_query(q, EVENT_QUERY)
+    worker_id = query_int(params, "worker_id", 64)
+    dp_rank = query_int(params, "dp_rank", 32)
+    events = _decode(b, decode_json_events)
+    report = s.apply_kv_events(events, now=now, worker_id=worker_id, dp_rank=dp_rank,
+                               model_name=params.get("model_name"),
+                               tenant_id=params.get("tenant_id"))
+    return _ok(report)
+
+
+def _h_events_get(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+    return error_response(426, "this endpoint requires a WebSocket upgrade", (("upgrade", "websocket"),))
+
+
+def _h_metrics(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+    text = s.metrics_text(now=now).encode("utf-8")
+    return Response(200, (("content-type", "text/plain; version=0.0.4; charset=utf-8"),
+                          ("content-length", str(len(text)))), text)
+
+
+def _h_openapi(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+    from .openapi import document
+
+    return json_response(200, document())
+
+
+def _h_dump(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+    params = parse_query(q, KEY_QUERY)
+    return json_response(200, s.dump(params.get("model_name"), params.get("tenant_id")))
+
+
+_ROUTE_HANDLERS: Final[dict[tuple[str, str], Callable[..., Response | Pending]]] = {
+    ("GET", "/health"): _h_health,
+    ("GET", "/ready"): _h_ready,
+    ("GET", "/workers"): _h_workers_get,
+    ("POST", "/workers"): _h_workers_post,
+    ("PATCH", "/workers/{worker_id}"): _h_worker_patch,
+    ("DELETE", "/workers/{worker_id}"): _h_worker_delete,
+    ("POST", "/select"): _h_select,
+    ("POST", "/select_and_reserve"): _h_select_and_reserve,
+    ("POST", "/reservations"): _h_reserve,
+    ("POST", "/reservations/{reservation_id}/prefill_complete"): _h_prefill,
+    ("DELETE", "/reservations/{reservation_id}"): _h_free,
+    ("GET", "/loads"): _h_loads,
+    ("POST", "/potential_loads"): _h_potential,
+    ("POST", "/overlap_scores"): _h_overlap,
+    ("POST", "/kv_events"): _h_events_post,
+    ("GET", "/kv_events"): _h_events_get,
+    ("GET", "/metrics"): _h_metrics,
+    ("GET", "/openapi.json"): _h_openapi,
+    ("GET", "/dump"): _h_dump,
+}

@@ -1,0 +1,155 @@
+"""Prometheus text exposition of the service's counters, gauges and histograms (api.md §5)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Final
+
+__all__ = ["FAMILIES", "Metrics"]
+
+_RATIO_BUCKETS: Final = tuple(round(0.1 * i, 1) for i in range(1, 11))
+_WAIT_BUCKETS: Final = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0)
+_DURATION_BUCKETS: Final = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                            0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_RANK_LABELS: Final = ("model_name", "tenant_id", "worker_id", "dp_rank")
+
+# name -> (type, help, label names, histogram bounds)
+FAMILIES: Final[Mapping[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]]] = {
+    "selection_proto_info": ("gauge", "Build information.", ("version",), ()),
+    "selection_proto_workers": ("gauge", "Catalog records by lifecycle.", ("lifecycle",), ()),
+    "selection_proto_schedulable_ranks": ("gauge", "Schedulable ranks per key.",
+                                          ("model_name", "tenant_id"), ()),
+    "selection_proto_requests_total": ("counter", "Requests answered by handle().",
+                                       ("method", "route", "status"), ()),
+    "selection_proto_selections_total": ("counter", "Final outcomes of selections.",
+                                         ("model_name", "tenant_id", "route", "status"), ()),
+    "selection_proto_predicted_hit_ratio": ("histogram", "cached_tokens / isl of selections.",
+                                            ("model_name", "tenant_id"), _RATIO_BUCKETS),
+    "selection_proto_non_max_overlap_selections_total": (
+        "counter", "Selections whose rank had less device overlap than the best candidate.",
+        ("model_name", "tenant_id"), ()),
+    "selection_proto_reservations_active": ("gauge", "Live bookings.", ("model_name", "tenant_id"), ()),
+    "selection_proto_reservation_events_total": ("counter", "Booking lifecycle events.",
+                                                 ("model_name", "tenant_id", "event"), ()),
+    "selection_proto_queue_pending": ("gauge", "Queued selections.", ("model_name", "tenant_id"), ()),
+    "selection_proto_queue_events_total": ("counter", "Queue events.",
+                                           ("model_name", "tenant_id", "event"), ()),
+    "selection_proto_queue_wait_seconds": ("histogram", "Time from enqueue to outcome.",
+                                           ("model_name", "tenant_id"), _WAIT_BUCKETS),
+    "selection_proto_kv_events_total": ("counter", "KV events applied or failed.",
+                                        ("model_name", "tenant_id", "tier", "kind", "result"), ()),
+    "selection_proto_kv_events_dropped_total": ("counter", "KV events or messages not applied.",
+                                                ("model_name", "tenant_id", "reason"), ()),
+    "selection_proto_kv_event_gaps_total": ("counter", "Detected event-id gaps.", _RANK_LABELS, ()),
+    "selection_proto_kv_missing_events_total": ("counter", "Event ids skipped by gaps.",
+                                                _RANK_LABELS, ()),
+    "selection_proto_kv_event_rewinds_total": ("counter", "Event ids that went backwards.",
+                                               _RANK_LABELS, ()),
+    "selection_proto_kv_stale_ranks": ("gauge", "Ranks whose index may miss events.",
+                                       ("model_name", "tenant_id"), ()),
+    "selection_proto_index_blocks": ("gauge", "Indexed blocks per tier.",
+                                     ("model_name", "tenant_id", "tier"), ()),
+    "selection_proto_limit_rejections_total": ("counter", "Requests refused by a limit.", ("limit",), ()),
+    "selection_proto_internal_errors_total": ("counter", "500 internal error answers.", (), ()),
+    "selection_proto_request_duration_seconds": ("histogram", "Request handling time.", ("route",),
+                                                 _DURATION_BUCKETS),
+    "selection_proto_connections": ("gauge", "Open connections.", ("kind",), ()),
+    "selection_proto_ws_messages_total": ("counter", "WebSocket messages.", ("direction", "type"), ()),
+    "selection_proto_ws_closes_total": ("counter", "WebSocket closes.", ("direction", "code"), ()),
+    "selection_proto_kv_subscription_failures_total": ("counter", "Subscription failures.",
+                                                       ("scheme", "reason"), ()),
+    "selection_proto_jsonrpc_messages_total": ("counter", "JSON-RPC messages.", ("outcome",), ()),
+}
+
+Labels = tuple[str, ...]
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _labels(names: Iterable[str], values: Iterable[str], extra: str = "") -> str:
+    parts = [f'{n}="{_escape(v)}"' for n, v in zip(names, values)]
+    if extra:
+        parts.append(extra)
+    return "{" + ",".join(parts) + "}" if parts else ""
+
+
+class _Histogram:
+    __slots__ = ("counts", "total", "count")
+
+    def __init__(self, bounds: int) -> None:
+        self.counts = [0] * bounds
+        self.total = 0.0
+        self.count = 0
+
+
+class Metrics:
+    """Stored samples; gauges that mirror state are passed to `render` by the service."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, dict[Labels, float]] = {}
+        self._histograms: dict[str, dict[Labels, _Histogram]] = {}
+
+    def _family(self, name: str, labels: Labels) -> tuple[str, str, tuple[str, ...], tuple[float, ...]]:
+        family = FAMILIES.get(name)
+        if family is None:
+            raise ValueError(f"unknown metric family {name!r}")
+        if len(labels) != len(family[2]):
+            raise ValueError(f"{name} takes labels {family[2]}, got {labels!r}")
+        return family
+
+    def inc(self, name: str, labels: Labels = (), by: float = 1.0) -> None:
+        self._family(name, labels)
+        samples = self._values.setdefault(name, {})
+        samples[labels] = samples.get(labels, 0.0) + by
+
+    def set(self, name: str, labels: Labels, value: float) -> None:
+        self._family(name, labels)
+        self._values.setdefault(name, {})[labels] = value
+
+    def observe(self, name: str, labels: Labels, value: float) -> None:
+        bounds = self._family(name, labels)[3]
+        hist = self._histograms.setdefault(name, {}).get(labels)
+        if hist is None:
+            hist = self._histograms[name][labels] = _Histogram(len(bounds))
+        for i, b in enumerate(bounds):
+            if value <= b:
+                hist.counts[i] += 1
+        hist.total += value
+        hist.count += 1
+
+    def record(self, name: str, labels: Labels, value: float) -> None:
+        """What a transport reports: counters add, gauges set, histograms observe."""
+        kind = self._family(name, labels)[0]
+        if kind == "counter":
+            self.inc(name, labels, value)
+        elif kind == "gauge":
+            self.set(name, labels, value)
+        else:
+            self.observe(name, labels, value)
+
+    def value(self, name: str, labels: Labels = ()) -> float:
+        return self._values.get(name, {}).get(labels, 0.0)
+
+    def render(self, state_gauges: Mapping[str, Mapping[Labels, float]]) -> str:
+        lines: list[str] = []
+        for name in sorted(FAMILIES):
+            kind, help_text, label_names, bounds = FAMILIES[name]
+            lines.append(f"# HELP {name} {help_text}")
+            lines.append(f"# TYPE {name} {kind}")
+            if kind == "histogram":
+                for labels, hist in sorted(self._histograms.get(name, {}).items()):
+                    for b, c in zip(bounds, hist.counts):
+                        le = f'le="{float(b)!r}"'
+                        lines.append(f"{name}_bucket{_labels(label_names, labels, le)} {float(c)!r}")
+                    inf = 'le="+Inf"'
+                    lines.append(f"{name}_bucket{_labels(label_names, labels, inf)} {float(hist.count)!r}")
+                    lines.append(f"{name}_sum{_labels(label_names, labels)} {float(hist.total)!r}")
+                    lines.append(f"{name}_count{_labels(label_names, labels)} {float(hist.count)!r}")
+                continue
+            samples = dict(self._values.get(name, {}))
+            samples.update(state_gauges.get(name, {}))
+            for labels, v in sorted(samples.items()):
+                lines.append(f"{name}{_labels(label_names, labels)} {float(v)!r}")
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,49 @@
+"""Output events the core appends for its caller to drain with `next_output()` (core.md §4.4)."""
+
+from __future__ import annotations
+
+import attrs
+
+from .errors import SelectionError
+from .types import SelectResponse
+from .wire import Response
+
+__all__ = ["CloseEventStream", "OutputEvent", "SelectionReady", "SubscribeKvEvents", "UnsubscribeKvEvents"]
+
+
+@attrs.frozen
+class SelectionReady:
+    """A pending selection has its final answer."""
+
+    ticket: int
+    result: SelectResponse | SelectionError
+    response: Response
+
+
+@attrs.frozen
+class SubscribeKvEvents:
+    """Connect to a rank's event endpoint and feed it to `stream_message(stream, ...)`."""
+
+    stream: int
+    worker_id: int
+    dp_rank: int
+    endpoint: str
+    model_name: str
+    tenant_id: str
+
+
+@attrs.frozen
+class UnsubscribeKvEvents:
+    stream: int
+
+
+@attrs.frozen
+class CloseEventStream:
+    """Close an inbound push stream with this WebSocket code and reason."""
+
+    stream: int
+    code: int
+    reason: str
+
+
+OutputEvent = SelectionReady | SubscribeKvEvents | UnsubscribeKvEvents | CloseEventStream

@@ -1,0 +1,1053 @@
+"""`SelectionService`: the catalog, the per-key state and every operation of api.md (core.md §4).
+
+The typed methods hold the logic; `handle` is a thin bytes codec around them, so every adapter
+answers identically. Nothing here reads a clock: time arrives as `now`; randomness comes only
+from the injected `random.Random`.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Final
+
+import attrs
+
+from .._version import __version__
+from .catalog import (
+    TOPOLOGY_PREFIX,
+    dp_range,
+    effective_taints,
+    endpoint_failure,
+    event_endpoints,
+    missing_metadata,
+)
+from .errors import (
+    BadRequest,
+    Conflict,
+    Internal,
+    NotFound,
+    NotReady,
+    SelectionError,
+    TooManyRequests,
+    Unprocessable,
+)
+from .events import Event, require_worker
+from .hashing import block_hashes as hash_blocks
+from .hashing import sequence_hashes
+from .index import LOWER_TIERS, IndexError_, KeyIndex, Rank
+from .metrics import Metrics
+from .outputs import OutputEvent, SubscribeKvEvents, UnsubscribeKvEvents
+from .settings import Settings, resolve_weights
+from .tracker import DuplicateReservation, Tracker, rank_text
+from .types import (
+    ApplyReport,
+    Candidate,
+    Excluded,
+    ModelLoadResponse,
+    OverlapScoresRequest,
+    OverlapScoresResponse,
+    Pending,
+    PotentialLoad,
+    PotentialLoadsRequest,
+    ReadyResponse,
+    ReservationRequest,
+    ReservationResponse,
+    RouterConfigOverride,
+    SelectAndReserveRequest,
+    SelectRequest,
+    SelectResponse,
+    StatusOk,
+    WorkerCatalogRecord,
+    WorkerPatchRequest,
+    WorkerRequest,
+)
+
+__all__ = ["SelectionService"]
+
+Key = tuple[str, str]
+SHUTTING_DOWN: Final = "selection service is shutting down"
+MAX_FAILURES: Final = 100
+_PATCH_FIELDS: Final = tuple(f.name for f in attrs.fields(WorkerPatchRequest))
+
+
+def key_label(key: Key) -> str:
+    return f"model={key[0]} tenant={key[1]}"
+
+
+def round_half_away(x: float) -> int:
+    return math.floor(x + 0.5) if x >= 0 else -math.floor(-x + 0.5)
+
+
+class _Fresh:
+    """Per-rank freshness of the index (events.md §6.1)."""
+
+    __slots__ = ("last_event_id", "last_event_at", "last_seq", "event_gaps", "missing_events",
+                 "rewinds", "stale", "open_streams", "loss_pending")
+
+    def __init__(self) -> None:
+        self.last_event_id: int | None = None
+        self.last_event_at: float | None = None
+        self.last_seq: int | None = None
+        self.event_gaps = 0
+        self.missing_events = 0
+        self.rewinds = 0
+        self.stale = False
+        self.open_streams = 0
+        self.loss_pending = False
+
+    def age(self, now: float) -> float | None:
+        return None if self.last_event_at is None else now - self.last_event_at
+
+
+class _KeyState:
+    """Everything a key (model, tenant) holds while it has a schedulable rank (core.md §6.4)."""
+
+    __slots__ = ("key", "label", "block_size", "index", "tracker", "fresh", "epoch", "workers",
+                 "taints", "_ranks")
+
+    def __init__(self, key: Key, block_size: int, now: float, settings: Settings) -> None:
+        self.key = key
+        self.label = key_label(key)
+        self.block_size = block_size
+        self.index = KeyIndex()
+        self.tracker = Tracker(settings.max_reservations_per_key, self.label)
+        self.fresh: dict[Rank, _Fresh] = {}
+        self.epoch = now
+        self.workers: dict[int, tuple[Rank, ...]] = {}  # schedulable worker -> its ranks
+        self.taints: dict[int, frozenset[str]] = {}
+        self._ranks: list[Rank] | None = None
+
+    def ranks(self) -> list[Rank]:
+        """Schedulable ranks sorted by (worker_id, dp_rank)."""
+        if self._ranks is None:
+            self._ranks = sorted(r for ranks in self.workers.values() for r in ranks)
+        return self._ranks
+
+    def add_rank(self, rank: Rank) -> None:
+        self.tracker.add_rank(rank)
+        self.index.device.ensure(rank)
+        self.fresh[rank] = _Fresh()
+        self._ranks = None
+
+    def drop_rank(self, rank: Rank) -> list[str]:
+        self.index.drop_rank(rank)
+        self.fresh.pop(rank, None)
+        self._ranks = None
+        return self.tracker.drop_rank(rank)
+
+    def reset_rank_events(self, rank: Rank) -> None:
+        self.index.drop_rank(rank)
+        self.index.device.ensure(rank)
+        self.fresh[rank] = _Fresh()
+
+
+@attrs.frozen
+class _Prompt:
+    blocks: list[int]
+    seqs: list[int] | None
+    isl: int
+
+
+@attrs.frozen
+class _Scored:
+    rank: Rank
+    logit: float
+    prefill_tokens: int
+    decode_blocks: int
+    device: int
+    host_ext: int
+    disk_ext: int
+    effective: float
+    cached: int
+
+
+class SelectionService:
+    """The Sans-IO selection service. See core.md §4.2 for the method table."""
+
+    def __init__(self, settings: Settings | None = None, rng: random.Random | None = None) -> None:
+        self.settings = settings if settings is not None else Settings()
+        self.rng = rng if rng is not None else random.Random(0)
+        self.metrics = Metrics()
+        self._records: dict[int, WorkerCatalogRecord] = {}
+        self._tombstones: OrderedDict[int, None] = OrderedDict()
+        self._key_records: dict[Key, set[int]] = {}  # non-deleted records per key
+        self._keys: dict[Key, _KeyState] = {}
+        self._subscriptions: dict[Rank, tuple[int, str]] = {}  # rank -> (stream, endpoint)
+        self._next_stream = 1
+        self._outputs: deque[OutputEvent] = deque()
+        self._now = -math.inf
+        self._shutting_down = False
+
+    # -- time and outputs ------------------------------------------------------------------------
+
+    def _advance(self, now: float) -> float:
+        if now > self._now:
+            self._now = now
+        return self._now
+
+    def next_output(self) -> OutputEvent | None:
+        return self._outputs.popleft() if self._outputs else None
+
+    def tick(self, now: float) -> None:
+        now = self._advance(now)
+        for state in list(self._keys.values()):
+            self._expire(state, now)
+
+    def next_deadline(self) -> float | None:
+        deadlines = [
+            d for s in self._keys.values()
+            if (d := s.tracker.next_expiry(self.settings.active_request_expiry_secs)) is not None
+        ]
+        return min(deadlines) if deadlines else None
+
+    def begin_shutdown(self, *, now: float) -> None:
+        self._advance(now)
+        self._shutting_down = True
+
+    @property
+    def shutting_down(self) -> bool:
+        return self._shutting_down
+
+    def _expire(self, state: _KeyState, now: float) -> None:
+        expired = state.tracker.expire(now, self.settings.active_request_expiry_secs)
+        if expired:
+            self.metrics.inc("selection_proto_reservation_events_total", (*state.key, "expired"),
+                             len(expired))
+
+    # -- health and readiness ------------------------------------------------------------------
+
+    def health(self) -> StatusOk:
+        return StatusOk()
+
+    def _schedulable_count(self) -> int:
+        return sum(1 for r in self._records.values() if r.lifecycle == "schedulable")
+
+    def ready(self, *, now: float) -> ReadyResponse:
+        self._advance(now)
+        count = self._schedulable_count()
+        return ReadyResponse(ready=count > 0 and not self._shutting_down, schedulable_workers=count,
+                             workers=tuple(self._sorted_records()))
+
+    def _sorted_records(self) -> list[WorkerCatalogRecord]:
+        return sorted(self._records.values(), key=lambda r: (*r.key, r.worker_id))
+
+    def _gate(self, model_name: str, tenant_id: str) -> _KeyState:
+        if not any(r.lifecycle == "schedulable" for r in self._records.values()):
+            raise NotReady("no schedulable workers are available")
+        state = self._keys.get((model_name, tenant_id))
+        if state is None or not state.workers:
+            raise NotReady(f"no schedulable workers for {key_label((model_name, tenant_id))}")
+        return state
+
+    def _check_id_length(self, field: str, value: str | None) -> None:
+        if value is not None and len(value) > self.settings.max_id_length:
+            self.metrics.inc("selection_proto_limit_rejections_total", ("id_length",))
+            raise BadRequest(f"{field} must be at most {self.settings.max_id_length} characters")
+
+    # -- catalog -------------------------------------------------------------------------------
+
+    def list_workers(self, model_name: str | None = None, tenant_id: str | None = None
+                     ) -> list[WorkerCatalogRecord]:
+        return [r for r in self._sorted_records()
+                if (model_name is None or r.key[0] == model_name)
+                and (tenant_id is None or r.key[1] == tenant_id)]
+
+    def upsert_worker(self, req: WorkerRequest, *, now: float) -> WorkerCatalogRecord:
+        return self._reconcile(req, self._records.get(req.worker_id), self._advance(now))
+
+    def patch_worker(self, worker_id: int, patch: WorkerPatchRequest, *, now: float
+                     ) -> WorkerCatalogRecord:
+        now = self._advance(now)
+        previous = self._records.get(worker_id)
+        if previous is None:
+            raise NotFound(f"worker {worker_id} not found")
+        changes = {n: getattr(patch, n) for n in _PATCH_FIELDS if getattr(patch, n) is not None}
+        merged = attrs.evolve(previous.request, **changes) if changes else previous.request
+        return self._reconcile(merged, previous, now)
+
+    def _pre_checks(self, req: WorkerRequest, previous: WorkerCatalogRecord | None) -> None:
+        s = self.settings
+        for taint in req.taints:
+            if taint.startswith(TOPOLOGY_PREFIX):
+                raise BadRequest(f"taint `{taint}` uses the reserved prefix dynamo.topology/; "
+                                 "use topology_domains instead")
+        if req.data_parallel_size is not None and req.data_parallel_size > s.max_dp_size:
+            self.metrics.inc("selection_proto_limit_rejections_total", ("dp_size",))
+            raise BadRequest(f"data_parallel_size {req.data_parallel_size} exceeds the limit of "
+                             f"{s.max_dp_size}")
+        self._check_id_length("model_name", req.model_name)
+        self._check_id_length("tenant_id", req.tenant_id)
+        key = (req.model_name, req.tenant_id)
+        others = self._key_records.get(key, set()) - {req.worker_id}
+        if not others:
+            live_keys = {k for k, ids in self._key_records.items() if ids - {req.worker_id}}
+            if key not in live_keys and len(live_keys) >= s.max_keys:
+                self.metrics.inc("selection_proto_limit_rejections_total", ("keys",))
+                raise Conflict(f"key limit reached: at most {s.max_keys} model/tenant keys")
+        if len(others) + 1 > s.max_workers_per_key:
+            self.metrics.inc("selection_proto_limit_rejections_total", ("workers_per_key",))
+            raise Conflict(f"worker limit reached for {key_label(key)}: at most "
+                           f"{s.max_workers_per_key} workers")
+
+    def _decide(self, req: WorkerRequest) -> tuple[str, tuple[str, ...]]:
+        reasons = missing_metadata(req, self.settings)
+        if reasons:
+            return "incomplete", tuple(reasons)
+        key = (req.model_name, req.tenant_id)
+        state = self._keys.get(key)
+        if state is not None and state.block_size != req.block_size and any(
+            w != req.worker_id for w in state.workers
+        ):
+            return "incomplete", (
+                f"reconciliation failed: block_size mismatch for {key_label(key)}: "
+                f"existing={state.block_size} requested={req.block_size}",
+            )
+        failure = endpoint_failure(req, self.settings)
+        if failure is not None:
+            return "incomplete", (f"reconciliation failed: {failure}",)
+        return "schedulable", ()
+
+    def _reconcile(self, req: WorkerRequest, previous: WorkerCatalogRecord | None, now: float
+                   ) -> WorkerCatalogRecord:
+        self._pre_checks(req, previous)
+        lifecycle, reasons = self._decide(req)
+        record = WorkerCatalogRecord(request=req, lifecycle=lifecycle,  # type: ignore[arg-type]
+                                     not_schedulable_reasons=reasons)
+        was = previous is not None and previous.lifecycle == "schedulable"
+        now_sched = lifecycle == "schedulable"
+        if (was and now_sched and previous is not None and previous.key == record.key
+                and previous.request.block_size == req.block_size):
+            self._update_in_place(previous, record)
+        else:
+            if was and previous is not None:
+                self._leave(previous)
+            if now_sched:
+                self._join(record, now)
+        if previous is not None:
+            self._key_records.get(previous.key, set()).discard(req.worker_id)
+            if not self._key_records.get(previous.key):
+                self._key_records.pop(previous.key, None)
+        self._key_records.setdefault(record.key, set()).add(req.worker_id)
+        self._tombstones.pop(req.worker_id, None)
+        self._records[req.worker_id] = record
+        return record
+
+    def _subscribe(self, state: _KeyState, rank: Rank, endpoint: str | None) -> None:
+        if self.settings.kv_events != "subscribe" or not endpoint:
+            return
+        stream = self._next_stream
+        self._next_stream += 1
+        self._subscriptions[rank] = (stream, endpoint)
+        self._outputs.append(SubscribeKvEvents(stream, rank[0], rank[1], endpoint, *state.key))
+
+    def _unsubscribe(self, rank: Rank) -> None:
+        sub = self._subscriptions.pop(rank, None)
+        if sub is not None:
+            self._outputs.append(UnsubscribeKvEvents(sub[0]))
+
+    def _join(self, record: WorkerCatalogRecord, now: float) -> None:
+        req = record.request
+        key = record.key
+        state = self._keys.get(key)
+        if state is None:
+            assert req.block_size is not None
+            state = self._keys[key] = _KeyState(key, req.block_size, now, self.settings)
+        ranks = tuple((req.worker_id, r) for r in dp_range(req))
+        state.workers[req.worker_id] = ranks
+        state.taints[req.worker_id] = effective_taints(req)
+        endpoints = event_endpoints(req)
+        for rank in ranks:
+            state.add_rank(rank)
+            self._subscribe(state, rank, endpoints.get(rank[1]))
+
+    def _drop_ranks(self, state: _KeyState, ranks: Iterable[Rank]) -> None:
+        for rank in ranks:
+            dropped = state.drop_rank(rank)
+            if dropped:
+                self.metrics.inc("selection_proto_reservation_events_total", (*state.key, "dropped"),
+                                 len(dropped))
+            self._unsubscribe(rank)
+
+    def _leave(self, record: WorkerCatalogRecord) -> None:
+        state = self._keys.get(record.key)
+        if state is None:
+            return
+        ranks = state.workers.pop(record.worker_id, ())
+        state.taints.pop(record.worker_id, None)
+        self._drop_ranks(state, ranks)
+        if not state.workers:
+            del self._keys[record.key]
+
+    def _update_in_place(self, previous: WorkerCatalogRecord, record: WorkerCatalogRecord) -> None:
+        state = self._keys[record.key]
+        req = record.request
+        wid = req.worker_id
+        old_ranks = state.workers.get(wid, ())
+        new_ranks = tuple((wid, r) for r in dp_range(req))
+        old_set, new_set = set(old_ranks), set(new_ranks)
+        self._drop_ranks(state, [r for r in old_ranks if r not in new_set])
+        state.workers[wid] = new_ranks
+        state.taints[wid] = effective_taints(req)
+        state._ranks = None
+        old_endpoints = event_endpoints(previous.request)
+        new_endpoints = event_endpoints(req)
+        subscribe = self.settings.kv_events == "subscribe"
+        for rank in new_ranks:
+            if rank not in old_set:
+                state.add_rank(rank)
+                self._subscribe(state, rank, new_endpoints.get(rank[1]))
+            elif subscribe and old_endpoints.get(rank[1]) != new_endpoints.get(rank[1]):
+                state.reset_rank_events(rank)
+                self._unsubscribe(rank)
+                self._subscribe(state, rank, new_endpoints.get(rank[1]))
+
+    def delete_worker(self, worker_id: int, *, now: float) -> WorkerCatalogRecord:
+        self._advance(now)
+        previous = self._records.get(worker_id)
+        if previous is None:
+            raise NotFound(f"worker {worker_id} not found")
+        if previous.lifecycle == "unschedulable":
+            return previous
+        if previous.lifecycle == "schedulable":
+            self._leave(previous)
+        record = WorkerCatalogRecord(request=previous.request, lifecycle="unschedulable")
+        self._records[worker_id] = record
+        ids = self._key_records.get(record.key)
+        if ids is not None:
+            ids.discard(worker_id)
+            if not ids:
+                del self._key_records[record.key]
+        self._tombstones[worker_id] = None
+        while len(self._tombstones) > self.settings.max_tombstones:
+            oldest, _ = self._tombstones.popitem(last=False)
+            del self._records[oldest]
+        return record
+
+    # -- prompts ---------------------------------------------------------------------------------
+
+    def _length_limits(self, req: Any) -> None:
+        limit = self.settings.max_prompt_tokens
+        for field in ("token_ids", "block_hashes", "sequence_hashes"):
+            value = getattr(req, field)
+            if value is not None and len(value) > limit:
+                self.metrics.inc("selection_proto_limit_rejections_total", ("prompt_tokens",))
+                raise BadRequest(f"{field} has {len(value)} entries; the limit is {limit}")
+
+    def _prompt(self, req: Any, state: _KeyState) -> _Prompt:
+        """Selection rules of core.md §9.1."""
+        self._length_limits(req)
+        if req.token_ids is not None:
+            blocks = hash_blocks(req.token_ids, state.block_size, req.lora_name, req.cache_namespace)
+            seqs = sequence_hashes(blocks) if self.settings.track_active_blocks else None
+            return _Prompt(blocks, seqs, len(req.token_ids))
+        if req.block_hashes is None:
+            raise BadRequest("block_hashes is required without token_ids")
+        if req.sequence_hashes is None:
+            raise BadRequest("sequence_hashes is required without token_ids")
+        if req.isl_tokens is None:
+            raise BadRequest("isl_tokens is required without token_ids")
+        if req.isl_tokens <= 0:
+            raise BadRequest("isl_tokens must be greater than 0")
+        if len(req.block_hashes) != len(req.sequence_hashes):
+            raise BadRequest(f"block_hashes length {len(req.block_hashes)} must match "
+                             f"sequence_hashes length {len(req.sequence_hashes)}")
+        return _Prompt(list(req.block_hashes), list(req.sequence_hashes), req.isl_tokens)
+
+    def _reservation_prompt(self, req: ReservationRequest, state: _KeyState) -> _Prompt:
+        self._length_limits(req)
+        if req.token_ids is not None:
+            blocks = hash_blocks(req.token_ids, state.block_size, req.lora_name, req.cache_namespace)
+            return _Prompt(blocks, sequence_hashes(blocks), len(req.token_ids))
+        if req.sequence_hashes is None:
+            raise BadRequest("sequence_hashes is required without token_ids")
+        if req.isl_tokens is None:
+            raise BadRequest("isl_tokens is required without token_ids")
+        return _Prompt([], list(req.sequence_hashes), req.isl_tokens)
+
+    # -- estimates -----------------------------------------------------------------------------
+
+    def _estimates(self, state: _KeyState, blocks: Sequence[int]
+                   ) -> tuple[dict[Rank, int], dict[Rank, int], dict[Rank, int]]:
+        """Device prefix, host extension and disk+external extension blocks per rank (§7.4)."""
+        device, hits = state.index.tiered(blocks)
+        host = hits["host_pinned"]
+        disk = dict(hits["disk"])
+        for r, n in hits["external"].items():
+            disk[r] = disk.get(r, 0) + n
+        return device, host, disk
+
+    def _effective(self, device: int, host: int, disk: int) -> float:
+        return (device + self.settings.host_cache_hit_weight * host
+                + self.settings.disk_cache_hit_weight * disk)
+
+    # -- selection -----------------------------------------------------------------------------
+
+    def select(self, req: SelectRequest, *, now: float) -> SelectResponse | Pending:
+        return self._select_counted(req, now, "select")
+
+    def select_and_reserve(self, req: SelectAndReserveRequest, *, now: float
+                           ) -> SelectResponse | Pending:
+        return self._select_counted(req, now, "select_and_reserve")
+
+    def _select_counted(self, req: SelectRequest, now: float, route: str) -> SelectResponse | Pending:
+        labels = (req.model_name, req.tenant_id, route)
+        try:
+            result = self._select(req, self._advance(now), route == "select_and_reserve")
+        except SelectionError as exc:
+            self.metrics.inc("selection_proto_selections_total", (*labels, str(exc.status)))
+            raise
+        self.metrics.inc("selection_proto_selections_total", (*labels, "200"))
+        return result
+
+    def _candidates(self, req: SelectRequest, state: _KeyState
+                    ) -> tuple[list[Rank], dict[Rank, str]]:
+        excluded: dict[Rank, str] = {}
+        ranks = state.ranks()
+        allowed = req.allowed_worker_ids
+        pinned = req.pinned_worker
+        required = req.routing_constraints.required_taints
+        if pinned is not None:
+            if allowed is not None and pinned.worker_id not in allowed:
+                raise BadRequest(f"pinned worker {pinned.worker_id} is not in allowed worker set")
+            rank = (pinned.worker_id, pinned.dp_rank)
+            taints = state.taints.get(pinned.worker_id, frozenset())
+            if rank not in state.tracker.loads or not taints.issuperset(required):
+                raise NotReady("no endpoints available to route work")
+            for r in ranks:
+                if r != rank:
+                    excluded[r] = "not_pinned"
+            return [rank], excluded
+        candidates = ranks
+        if allowed is not None:
+            candidates = []
+            for r in ranks:
+                if r[0] in allowed:
+                    candidates.append(r)
+                else:
+                    excluded[r] = "not_allowed"
+        if required:
+            kept = []
+            for r in candidates:
+                if state.taints[r[0]].issuperset(required):
+                    kept.append(r)
+                else:
+                    excluded[r] = "missing_required_taint"
+            candidates = kept
+        if not candidates:
+            raise NotReady("no endpoints available to route work")
+        return candidates, excluded
+
+    def _overloaded(self, state: _KeyState, rank: Rank) -> bool:
+        s = self.settings
+        load = state.tracker.loads[rank]
+        if s.active_prefill_tokens_threshold is not None and (
+            load.prefill_tokens > s.active_prefill_tokens_threshold
+        ):
+            return True
+        record = self._records[rank[0]].request
+        if (s.active_prefill_tokens_threshold_frac is not None
+                and record.max_num_batched_tokens is not None
+                and load.prefill_tokens > s.active_prefill_tokens_threshold_frac
+                * record.max_num_batched_tokens):
+            return True
+        total = record.total_kv_blocks
+        return (s.active_decode_blocks_threshold is not None and bool(total)
+                and len(load.unique) > s.active_decode_blocks_threshold * (total or 0))
+
+    def _filter_overloaded(self, req: SelectRequest, state: _KeyState, candidates: list[Rank],
+                           excluded: dict[Rank, str]) -> list[Rank]:
+        s = self.settings
+        if (s.active_prefill_tokens_threshold is None and s.active_decode_blocks_threshold is None
+                and s.active_prefill_tokens_threshold_frac is None):
+            return candidates
+        by_worker: dict[int, list[Rank]] = {}
+        for r in candidates:
+            by_worker.setdefault(r[0], []).append(r)
+        busy_workers = {w for w, rs in by_worker.items() if all(self._overloaded(state, r) for r in rs)}
+        if not busy_workers:
+            return candidates
+        kept = [r for r in candidates if r[0] not in busy_workers]
+        for r in candidates:
+            if r[0] in busy_workers:
+                excluded[r] = "overloaded"
+        if not kept:
+            if req.pinned_worker is not None:
+                raise TooManyRequests(f"pinned worker {req.pinned_worker.worker_id} is overloaded")
+            raise TooManyRequests("all eligible workers are overloaded")
+        return kept
+
+    def _score(self, req: SelectRequest, state: _KeyState, prompt: _Prompt, candidates: list[Rank]
+               ) -> list[_Scored]:
+        s = self.settings
+        o = req.router_config_override or _NO_OVERRIDE
+        scale, credit = resolve_weights(o.overlap_score_weight, o.prefill_load_scale,
+                                        o.overlap_score_credit, s.effective_prefill_load_scale,
+                                        s.effective_overlap_score_credit)
+        track = s.track_prefill_tokens if o.track_prefill_tokens is None else o.track_prefill_tokens
+        bs = state.block_size
+        isl = prompt.isl
+        w_host, w_disk = s.host_cache_hit_weight, s.disk_cache_hit_weight
+        w_req = s.decode_active_request_weight
+        device, host, disk = self._estimates(state, prompt.blocks)
+        loads = state.tracker.loads
+        distinct = set(prompt.seqs) if s.track_active_blocks and prompt.seqs else None
+        decay_setting = s.overlap_score_credit_decay
+        use_decay = decay_setting != 0 and track
+        if use_decay:
+            min_prefill = min(loads[r].prefill_tokens for r in candidates)
+            query_blocks = max(1, math.ceil(isl / bs))
+        preferred = req.routing_constraints.preferred_taints
+        scored: list[_Scored] = []
+        for r in candidates:
+            load = loads[r]
+            d = device.get(r, 0)
+            h = host.get(r, 0)
+            k = disk.get(r, 0)
+            effective = d + w_host * h + w_disk * k
+            cached = max(0, math.floor(effective * bs + 0.5))
+            new_prefill = max(0, isl - cached)
+            raw_prefill_blocks = (load.prefill_tokens + new_prefill + cached) / bs if track else 0.0
+            decay = 1.0
+            if use_decay:
+                decay = 1.0 / (1.0 + decay_setting * ((load.prefill_tokens - min_prefill) / bs)
+                               / query_blocks)
+            credit_blocks = credit * decay * d + w_host * h + w_disk * k
+            decode_blocks = len(load.unique)
+            if distinct is not None:
+                decode_blocks += load.new_blocks(distinct)
+            logit = (scale * max(0.0, raw_prefill_blocks - credit_blocks) + decode_blocks
+                     + w_req * load.requests)
+            if preferred:
+                taints = state.taints[r[0]]
+                weight = sum(w for t, w in preferred.items() if t in taints)
+                logit *= math.exp(-math.tanh(weight))
+            scored.append(_Scored(r, logit, load.prefill_tokens + (new_prefill if track else 0),
+                                  decode_blocks, d, h, k, effective, cached))
+        return scored
+
+    def _choose(self, state: _KeyState, scored: list[_Scored], temperature: float) -> _Scored:
+        if len(scored) == 1:
+            return scored[0]
+        if temperature == 0:
+            best = min(c.logit for c in scored)
+            tied = [c for c in scored if c.logit == best]
+            if len(tied) > 1:
+                tree = state.index.device
+                smallest = min(tree.size(c.rank) for c in tied)
+                tied = [c for c in tied if tree.size(c.rank) == smallest]
+            if len(tied) == 1:
+                return tied[0]
+            return tied[self.rng.randrange(len(tied))]
+        lo = min(c.logit for c in scored)
+        hi = max(c.logit for c in scored)
+        if lo == hi:
+            weights = [1.0] * len(scored)
+        else:
+            spread = (hi - lo) * temperature
+            weights = [math.exp(-(c.logit - lo) / spread) for c in scored]
+        total = sum(weights)
+        u = self.rng.random()
+        cumulative = 0.0
+        for c, w in zip(scored, weights):
+            cumulative += w / total
+            if cumulative >= u:
+                return c
+        return scored[-1]
+
+    def _select(self, req: SelectRequest, now: float, reserve: bool) -> SelectResponse:
+        if self._shutting_down:
+            raise NotReady(SHUTTING_DOWN)
+        state = self._gate(req.model_name, req.tenant_id)
+        rid: str | None = None
+        if reserve:
+            assert isinstance(req, SelectAndReserveRequest)
+            rid = req.reservation_id
+            if rid is None:
+                rid = str(uuid.UUID(int=self.rng.getrandbits(128), version=4))
+            else:
+                self._check_id_length("reservation_id", rid)
+        self._check_id_length("selection_id", req.selection_id)
+        prompt = self._prompt(req, state)
+        candidates, excluded = self._candidates(req, state)
+        candidates = self._filter_overloaded(req, state, candidates, excluded)
+        scored = self._score(req, state, prompt, candidates)
+        o = req.router_config_override
+        temperature = (o.router_temperature if o is not None and o.router_temperature is not None
+                       else self.settings.temperature)
+        chosen = self._choose(state, scored, temperature)
+        if rid is not None:
+            self._book(state, rid, chosen.rank, prompt, chosen.cached, o, req.expected_output_tokens,
+                       now, wrap=True)
+        self._observe_selection(state, prompt, chosen, scored)
+        record = self._records[chosen.rank[0]].request
+        response = SelectResponse(
+            selection_id=req.selection_id, reservation_id=rid, model_name=req.model_name,
+            tenant_id=req.tenant_id, worker_id=chosen.rank[0], dp_rank=chosen.rank[1],
+            endpoint=record.endpoint or "", effective_overlap_blocks=float(chosen.effective),
+            cached_tokens=chosen.cached, block_size=state.block_size,
+        )
+        if req.explain:
+            response = attrs.evolve(response, candidates=_explain(scored),
+                                    excluded=tuple(Excluded(worker_id=r[0], dp_rank=r[1], reason=why)
+                                                   for r, why in sorted(excluded.items())))
+        return response
+
+    def _observe_selection(self, state: _KeyState, prompt: _Prompt, chosen: _Scored,
+                           scored: list[_Scored]) -> None:
+        if prompt.isl > 0:
+            self.metrics.observe("selection_proto_predicted_hit_ratio", state.key,
+                                 chosen.cached / prompt.isl)
+        if chosen.device < max(c.device for c in scored):
+            self.metrics.inc("selection_proto_non_max_overlap_selections_total", state.key)
+
+    def _book(self, state: _KeyState, rid: str, rank: Rank, prompt: _Prompt, cached: int,
+              override: RouterConfigOverride | None, expected_output_tokens: int | None,
+              now: float, *, wrap: bool) -> None:
+        s = self.settings
+        o = override or _NO_OVERRIDE
+        track = s.track_prefill_tokens if o.track_prefill_tokens is None else o.track_prefill_tokens
+        reuse = s.assume_kv_reuse if o.assume_kv_reuse is None else o.assume_kv_reuse
+        self._expire(state, now)
+        try:
+            state.tracker.check_can_book(rid)
+        except DuplicateReservation as exc:
+            if wrap:
+                raise Conflict(f"failed to book scheduler state: {exc.message}") from None
+            raise
+        except TooManyRequests:
+            self.metrics.inc("selection_proto_limit_rejections_total", ("reservations_per_key",))
+            raise
+        seqs = prompt.seqs if prompt.seqs is not None else sequence_hashes(prompt.blocks)
+        blocks: list[int] | None = None
+        if s.track_active_blocks:
+            blocks = list(seqs) if reuse else [self.rng.getrandbits(64) for _ in seqs]
+        prefill = max(0, prompt.isl - cached) if track else 0
+        state.tracker.book(rid, rank, blocks, prefill, expected_output_tokens, now)
+        self.metrics.inc("selection_proto_reservation_events_total", (*state.key, "booked"))
+
+    # -- reservations --------------------------------------------------------------------------
+
+    def reserve(self, req: ReservationRequest, *, now: float) -> ReservationResponse:
+        now = self._advance(now)
+        if self._shutting_down:
+            raise NotReady(SHUTTING_DOWN)
+        state = self._gate(req.model_name, req.tenant_id)
+        self._check_id_length("reservation_id", req.reservation_id)
+        prompt = self._reservation_prompt(req, state)
+        if req.worker_id not in state.workers:
+            raise NotFound(f"schedulable worker {req.worker_id} not found for {state.label}")
+        rank = (req.worker_id, 0 if req.dp_rank is None else req.dp_rank)
+        if rank not in state.workers[req.worker_id]:
+            raise NotFound(f"Worker {rank_text(rank)} not found")
+        cached = 0
+        if prompt.blocks:
+            device, host, disk = self._estimates(state, prompt.blocks)
+            effective = self._effective(device.get(rank, 0), host.get(rank, 0), disk.get(rank, 0))
+            cached = max(0, math.floor(effective * state.block_size + 0.5))
+        self._book(state, req.reservation_id, rank, prompt, cached, req.router_config_override,
+                   req.expected_output_tokens, now, wrap=False)
+        record = self._records[req.worker_id].request
+        return ReservationResponse(reservation_id=req.reservation_id, model_name=req.model_name,
+                                   tenant_id=req.tenant_id, worker_id=rank[0], dp_rank=rank[1],
+                                   endpoint=record.endpoint or "")
+
+    def _find_booking(self, rid: str, model_name: str | None, tenant_id: str | None) -> _KeyState:
+        for key in sorted(self._keys):
+            if model_name is not None and key[0] != model_name:
+                continue
+            if tenant_id is not None and key[1] != tenant_id:
+                continue
+            state = self._keys[key]
+            if rid in state.tracker.bookings:
+                return state
+        raise NotFound(f"reservation {rid} not found")
+
+    def prefill_complete(self, reservation_id: str, *, model_name: str | None = None,
+                         tenant_id: str | None = None, now: float) -> None:
+        self._advance(now)
+        state = self._find_booking(reservation_id, model_name, tenant_id)
+        state.tracker.prefill_complete(reservation_id)
+        self.metrics.inc("selection_proto_reservation_events_total", (*state.key, "prefill_complete"))
+
+    def free(self, reservation_id: str, *, model_name: str | None = None,
+             tenant_id: str | None = None, now: float) -> None:
+        self._advance(now)
+        state = self._find_booking(reservation_id, model_name, tenant_id)
+        state.tracker.free(reservation_id)
+        self.metrics.inc("selection_proto_reservation_events_total", (*state.key, "freed"))
+
+    # -- loads and scores ----------------------------------------------------------------------
+
+    def loads(self, model_name: str | None = None, tenant_id: str | None = None
+              ) -> list[ModelLoadResponse]:
+        out = []
+        for key in sorted(self._keys):
+            if (model_name is not None and key[0] != model_name) or (
+                tenant_id is not None and key[1] != tenant_id
+            ):
+                continue
+            state = self._keys[key]
+            loads = state.tracker.loads
+            out.append(ModelLoadResponse(
+                model_name=key[0], tenant_id=key[1],
+                loads=tuple(PotentialLoad(worker_id=r[0], dp_rank=r[1],
+                                          potential_prefill_tokens=loads[r].prefill_tokens,
+                                          potential_decode_blocks=len(loads[r].unique),
+                                          active_requests=loads[r].requests)
+                            for r in state.ranks()),
+            ))
+        return out
+
+    def potential_loads(self, req: PotentialLoadsRequest, *, now: float) -> list[PotentialLoad]:
+        self._advance(now)
+        state = self._gate(req.model_name, req.tenant_id)
+        prompt = self._prompt(req, state)
+        o = req.router_config_override or _NO_OVERRIDE
+        s = self.settings
+        track = s.track_prefill_tokens if o.track_prefill_tokens is None else o.track_prefill_tokens
+        device, host, disk = self._estimates(state, prompt.blocks)
+        distinct = set(prompt.seqs) if s.track_active_blocks and prompt.seqs else None
+        out = []
+        for r in state.ranks():
+            load = state.tracker.loads[r]
+            effective = self._effective(device.get(r, 0), host.get(r, 0), disk.get(r, 0))
+            cached = max(0, math.floor(effective * state.block_size + 0.5))
+            decode = len(load.unique) + (load.new_blocks(distinct) if distinct is not None else 0)
+            out.append(PotentialLoad(
+                worker_id=r[0], dp_rank=r[1],
+                potential_prefill_tokens=load.prefill_tokens
+                + (max(0, prompt.isl - cached) if track else 0),
+                potential_decode_blocks=decode, active_requests=load.requests))
+        return out
+
+    def overlap_scores(self, req: OverlapScoresRequest, *, now: float) -> OverlapScoresResponse:
+        now = self._advance(now)
+        state = self._gate(req.model_name, req.tenant_id)
+        prompt = self._prompt(req, state)
+        device, host, disk = self._estimates(state, prompt.blocks)
+        rows = []
+        for r in sorted(set(device) | set(host) | set(disk)):
+            d, h, k = device.get(r, 0), host.get(r, 0), disk.get(r, 0)
+            if d + h + k == 0:
+                continue
+            fresh = state.fresh.get(r) or _Fresh()
+            rows.append({"worker_id": r[0], "dp_rank": r[1], "device_blocks": d,
+                         "host_pinned_extension_blocks": h, "disk_extension_blocks": k,
+                         "router_credit_blocks": float(self._effective(d, h, k)),
+                         "last_event_id": fresh.last_event_id,
+                         "last_event_age_secs": fresh.age(now), "stale": fresh.stale})
+        freshness = []
+        for r in state.ranks():
+            f = state.fresh[r]
+            freshness.append({"worker_id": r[0], "dp_rank": r[1], "last_event_id": f.last_event_id,
+                              "last_event_age_secs": f.age(now), "event_gaps": f.event_gaps,
+                              "missing_events": f.missing_events, "rewinds": f.rewinds,
+                              "stale": f.stale, "open_streams": f.open_streams})
+        return OverlapScoresResponse(block_size=state.block_size, num_blocks=len(prompt.blocks),
+                                     workers=tuple(rows), freshness=tuple(freshness))
+
+    # -- KV events -----------------------------------------------------------------------------
+
+    def _check_push_mode(self) -> None:
+        mode = self.settings.kv_events
+        if mode == "subscribe":
+            raise Conflict("kv events are pushed only when kv_events=push "
+                           "(this service runs kv_events=subscribe)")
+        if mode == "off":
+            raise Conflict("kv events are disabled (kv_events=off)")
+
+    def _bind(self, worker_id: int, dp_rank: int | None, model_name: str | None,
+              tenant_id: str | None) -> tuple[_KeyState, Rank]:
+        """The §7.2 checks of events.md for one worker and rank."""
+        record = self._records.get(worker_id)
+        if record is None:
+            raise NotFound(f"worker {worker_id} not found")
+        if record.lifecycle != "schedulable":
+            raise Conflict(f"worker {worker_id} is not schedulable")
+        if (model_name is not None and model_name != record.key[0]) or (
+            tenant_id is not None and tenant_id != record.key[1]
+        ):
+            raise Conflict(f"worker {worker_id} belongs to {key_label(record.key)}")
+        state = self._keys[record.key]
+        ranks = state.workers[worker_id]
+        rank = (worker_id, 0 if dp_rank is None else dp_rank)
+        if rank not in ranks:
+            raise BadRequest(f"dp_rank {rank[1]} is not a rank of worker {worker_id} "
+                             f"(ranks {ranks[0][1]}..{ranks[-1][1]})")
+        return state, rank
+
+    def apply_kv_events(self, events: Sequence[Event], *, now: float, worker_id: int | None = None,
+                        dp_rank: int | None = None, model_name: str | None = None,
+                        tenant_id: str | None = None) -> ApplyReport:
+        """Apply decoded JSON events (`POST /kv_events`); every check runs before the first event."""
+        now = self._advance(now)
+        self._check_push_mode()
+        if worker_id is not None:
+            self._bind(worker_id, dp_rank, model_name, tenant_id)
+        bound = []
+        for event in events:
+            wid = require_worker(event, worker_id)
+            rank_id = event.dp_rank if event.dp_rank is not None else dp_rank
+            bound.append((event, *self._bind(wid, rank_id, model_name, tenant_id)))
+        return self._apply_bound(bound, now)
+
+    def _apply_bound(self, bound: Sequence[tuple[Event, _KeyState, Rank]], now: float,
+                     touch_freshness: bool = True) -> ApplyReport:
+        applied = failed = 0
+        failures: list[tuple[int, str]] = []
+        for i, (event, state, rank) in enumerate(bound):
+            if touch_freshness:
+                self._note_event_id(state, rank, event.event_id, now)
+            error = self._apply_event(state, rank, event)
+            result = "ok" if error is None else error.label
+            self.metrics.inc("selection_proto_kv_events_total",
+                             (*state.key, event.tier, event.kind, result))
+            if error is None:
+                applied += 1
+            else:
+                failed += 1
+                if len(failures) < MAX_FAILURES:
+                    failures.append((i, error.text))
+        return ApplyReport(received=len(bound), applied=applied, failed=failed, dropped=0,
+                           failures=tuple(failures))
+
+    def _note_event_id(self, state: _KeyState, rank: Rank, event_id: int | None, now: float) -> None:
+        fresh = state.fresh[rank]
+        if event_id is None:
+            event_id = (fresh.last_event_id or 0) + 1
+        last = fresh.last_event_id
+        if last is not None:
+            labels = (*state.key, str(rank[0]), str(rank[1]))
+            if event_id == last + 1:
+                fresh.loss_pending = False
+            elif event_id > last + 1:
+                fresh.event_gaps += 1
+                fresh.missing_events += event_id - last - 1
+                fresh.stale = True
+                self.metrics.inc("selection_proto_kv_event_gaps_total", labels)
+                self.metrics.inc("selection_proto_kv_missing_events_total", labels,
+                                 event_id - last - 1)
+            else:
+                fresh.rewinds += 1
+                fresh.stale = True
+                self.metrics.inc("selection_proto_kv_event_rewinds_total", labels)
+        fresh.last_event_id = event_id
+        fresh.last_event_at = now
+
+    def _apply_event(self, state: _KeyState, rank: Rank, event: Event) -> IndexError_ | None:
+        index = state.index
+        if event.tier == "device":
+            tree = index.device
+            tree.ensure(rank)
+            try:
+                if event.kind == "stored":
+                    tree.store(rank, event.parent_hash, event.blocks)
+                elif event.kind == "removed":
+                    tree.remove(rank, event.block_hashes)
+                else:
+                    tree.clear(rank)
+                    tree.ensure(rank)
+                    fresh = state.fresh[rank]
+                    fresh.stale = False
+                    fresh.loss_pending = False
+            except IndexError_ as exc:
+                return exc
+            return None
+        tier = index.lower[event.tier]
+        if event.kind == "stored":
+            tier.store(rank, event.parent_hash, event.blocks)
+        elif event.kind == "removed":
+            tier.remove(rank, event.block_hashes)
+        else:
+            tier.clear(rank)
+        return None
+
+    # -- dump ----------------------------------------------------------------------------------
+
+    def dump(self, model_name: str | None = None, tenant_id: str | None = None) -> dict[str, Any]:
+        """A replayable snapshot of catalog and index (api.md §7)."""
+        def wanted(key: Key) -> bool:
+            return (model_name is None or key[0] == model_name) and (
+                tenant_id is None or key[1] == tenant_id)
+
+        keys = [k for k in sorted(self._keys) if wanted(k)]
+        events: list[dict[str, Any]] = []
+        for key in keys:
+            for tier, rank, parent, blocks in self._keys[key].index.dump():
+                events.append({
+                    "worker_id": rank[0], "storage_tier": tier,
+                    "event": {"event_id": len(events), "dp_rank": rank[1], "data": {"stored": {
+                        "parent_hash": parent,
+                        "blocks": [{"block_hash": e, "tokens_hash": t} for e, t in blocks]}}}})
+        return {
+            "format": "selection-proto-dump/1",
+            "version": __version__,
+            "keys": [{"model_name": k[0], "tenant_id": k[1], "block_size": self._keys[k].block_size}
+                     for k in keys],
+            "workers": [r.request.to_json() for r in self._sorted_records()
+                        if r.lifecycle != "unschedulable" and wanted(r.key)],
+            "events": events,
+        }
+
+    # -- metrics -------------------------------------------------------------------------------
+
+    def observe(self, family: str, labels: Sequence[str], value: float) -> None:
+        """Transports report timings and connection counts here (api.md §5.3)."""
+        self.metrics.record(family, tuple(labels), value)
+
+    def metrics_text(self, *, now: float) -> str:
+        self._advance(now)
+        lifecycles: dict[tuple[str, ...], float] = {
+            ("incomplete",): 0.0, ("schedulable",): 0.0, ("unschedulable",): 0.0}
+        for r in self._records.values():
+            lifecycles[(r.lifecycle,)] = lifecycles.get((r.lifecycle,), 0.0) + 1
+        ranks: dict[tuple[str, ...], float] = {}
+        active: dict[tuple[str, ...], float] = {}
+        pending: dict[tuple[str, ...], float] = {}
+        stale: dict[tuple[str, ...], float] = {}
+        blocks: dict[tuple[str, ...], float] = {}
+        for key, state in self._keys.items():
+            ranks[key] = float(len(state.ranks()))
+            active[key] = float(len(state.tracker.bookings))
+            pending[key] = 0.0
+            stale[key] = float(sum(1 for f in state.fresh.values() if f.stale))
+            blocks[(*key, "device")] = float(state.index.device.total_size())
+            for tier in LOWER_TIERS:
+                blocks[(*key, tier)] = float(state.index.lower[tier].total_size())
+        return self.metrics.render({
+            "selection_proto_info": {(__version__,): 1.0},
+            "selection_proto_workers": lifecycles,
+            "selection_proto_schedulable_ranks": ranks,
+            "selection_proto_reservations_active": active,
+            "selection_proto_queue_pending": pending,
+            "selection_proto_kv_stale_ranks": stale,
+            "selection_proto_index_blocks": blocks,
+        })
+
+    # -- bytes ---------------------------------------------------------------------------------
+
+    def handle(self, method: str, path: str, query: str, headers: Iterable[tuple[str, str]],
+               body: bytes, *, now: float) -> Any:
+        """Answer one HTTP-shaped request with `Response(status, headers, body)`; never raises."""
+        from .handler import handle
+
+        return handle(self, method, path, query, headers, body, now)
+
+
+_NO_OVERRIDE: Final = RouterConfigOverride()
+
+
+def _explain(scored: list[_Scored]) -> tuple[Candidate, ...]:
+    ordered = sorted(scored, key=lambda c: (c.logit, c.rank))
+    return tuple(
+        Candidate(worker_id=c.rank[0], dp_rank=c.rank[1], logit=float(c.logit),
+                  potential_prefill_tokens=c.prefill_tokens, potential_decode_blocks=c.decode_blocks,
+                  device_blocks=c.device, host_pinned_blocks=c.device + c.host_ext,
+                  disk_blocks=c.device + c.host_ext + c.disk_ext, cached_tokens=c.cached)
+        for c in ordered)
+
+

@@ -1,0 +1,135 @@
+"""Service settings (core.md §3). Out-of-range values raise `ValueError("<setting>: <reason>")`."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import attrs
+
+__all__ = ["Settings", "KvEventsMode", "QueuePolicy"]
+
+KvEventsMode = Literal["subscribe", "push", "off"]
+QueuePolicy = Literal["fcfs", "lcfs", "wspt"]
+
+
+def _check(name: str, ok: bool, reason: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {reason}")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@attrs.frozen(kw_only=True)
+class Settings:
+    """Router and limit settings. `prefill_load_scale` and `overlap_score_credit` are `None` when
+    not given, so that the deprecated `overlap_score_weight` alias can apply (core.md §3); read the
+    `effective_*` properties for the values in force."""
+
+    kv_events: KvEventsMode = "subscribe"
+    overlap_score_credit: float | None = None
+    overlap_score_credit_decay: float = 0.0
+    prefill_load_scale: float | None = None
+    overlap_score_weight: float | None = None
+    decode_active_request_weight: float = 0.0
+    host_cache_hit_weight: float = 0.75
+    disk_cache_hit_weight: float = 0.25
+    temperature: float = 0.0
+    track_active_blocks: bool = True
+    assume_kv_reuse: bool = True
+    track_prefill_tokens: bool = True
+    queue_threshold: float | None = None
+    queue_policy: QueuePolicy = "fcfs"
+    queue_timeout_secs: float = 30.0
+    queue_max_pending: int = 1024
+    active_request_expiry_secs: float = 300.0
+    active_decode_blocks_threshold: float | None = None
+    active_prefill_tokens_threshold: int | None = None
+    active_prefill_tokens_threshold_frac: float | None = None
+    zmq_endpoints: bool = True
+    max_keys: int = 1024
+    max_workers_per_key: int = 1024
+    max_dp_size: int = 1024
+    max_tombstones: int = 4096
+    max_reservations_per_key: int = 100000
+    max_prompt_tokens: int = 1048576
+    max_id_length: int = 256
+
+    def __attrs_post_init__(self) -> None:
+        _check("kv_events", self.kv_events in ("subscribe", "push", "off"),
+               "must be one of subscribe, push, off")
+        _check("queue_policy", self.queue_policy in ("fcfs", "lcfs", "wspt"),
+               "must be one of fcfs, lcfs, wspt")
+        if self.overlap_score_credit is not None:
+            _check("overlap_score_credit",
+                   _is_number(self.overlap_score_credit) and 0 <= self.overlap_score_credit <= 1,
+                   "must be in [0, 1]")
+        for name in ("overlap_score_credit_decay", "decode_active_request_weight",
+                     "host_cache_hit_weight", "disk_cache_hit_weight", "temperature"):
+            value = getattr(self, name)
+            _check(name, _is_number(value) and value >= 0, "must be a finite number >= 0")
+        for name in ("prefill_load_scale", "overlap_score_weight"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(name, _is_number(value) and value >= 0, "must be a finite number >= 0")
+        for name in ("queue_threshold", "active_decode_blocks_threshold",
+                     "active_prefill_tokens_threshold_frac"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(name, _is_number(value) and value > 0, "must be greater than 0")
+        for name in ("queue_timeout_secs", "active_request_expiry_secs"):
+            value = getattr(self, name)
+            _check(name, _is_number(value) and value > 0, "must be greater than 0")
+        if self.active_prefill_tokens_threshold is not None:
+            _check("active_prefill_tokens_threshold",
+                   _is_int(self.active_prefill_tokens_threshold)
+                   and self.active_prefill_tokens_threshold >= 0, "must be an integer >= 0")
+        for name in ("queue_max_pending", "max_keys", "max_workers_per_key", "max_dp_size",
+                     "max_reservations_per_key", "max_prompt_tokens", "max_id_length"):
+            value = getattr(self, name)
+            _check(name, _is_int(value) and value >= 1, "must be an integer >= 1")
+        _check("max_tombstones", _is_int(self.max_tombstones) and self.max_tombstones >= 0,
+               "must be an integer >= 0")
+        for name in ("track_active_blocks", "assume_kv_reuse", "track_prefill_tokens",
+                     "zmq_endpoints"):
+            _check(name, isinstance(getattr(self, name), bool), "must be a boolean")
+
+    @property
+    def effective_prefill_load_scale(self) -> float:
+        return resolve_weights(self.overlap_score_weight, self.prefill_load_scale,
+                               self.overlap_score_credit, 1.0, 1.0)[0]
+
+    @property
+    def effective_overlap_score_credit(self) -> float:
+        return resolve_weights(self.overlap_score_weight, self.prefill_load_scale,
+                               self.overlap_score_credit, 1.0, 1.0)[1]
+
+    @property
+    def queueing(self) -> bool:
+        return self.queue_threshold is not None
+
+
+def resolve_weights(
+    weight: float | None,
+    scale: float | None,
+    credit: float | None,
+    fallback_scale: float,
+    fallback_credit: float,
+) -> tuple[float, float]:
+    """(prefill_load_scale, overlap_score_credit): the deprecated alias first, explicit values win."""
+    eff_scale, eff_credit = fallback_scale, fallback_credit
+    if weight is not None:
+        eff_scale = weight
+        if weight == 0:
+            eff_credit = 0.0
+    if scale is not None:
+        eff_scale = scale
+    if credit is not None:
+        eff_credit = credit
+    return eff_scale, eff_credit

@@ -1,0 +1,518 @@
+"""Wire types of api.md §3 and §4 as frozen attrs classes.
+
+Request members carry their JSON kind in attrs metadata (read by codec.py and by the OpenAPI
+generator); constructing a request directly runs the same checks as decoding it from JSON.
+Responses know their JSON form (`to_json`), with members in the order api.md gives.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
+
+import attrs
+
+from .codec import (
+    ARRAY,
+    BOOL,
+    ENUM,
+    F32,
+    F64,
+    I64,
+    MAP,
+    OBJECT,
+    STR,
+    U32,
+    U64,
+    validate_instance,
+)
+
+__all__ = [
+    "ApplyReport",
+    "Candidate",
+    "Excluded",
+    "Lifecycle",
+    "ModelLoadResponse",
+    "OverlapScoresRequest",
+    "OverlapScoresResponse",
+    "Pending",
+    "PinnedWorker",
+    "PotentialLoad",
+    "PotentialLoadsRequest",
+    "ReadyResponse",
+    "ReservationRequest",
+    "ReservationResponse",
+    "RouterConfigOverride",
+    "RoutingConstraints",
+    "SelectAndReserveRequest",
+    "SelectRequest",
+    "SelectResponse",
+    "StatusOk",
+    "WorkerCatalogRecord",
+    "WorkerPatchRequest",
+    "WorkerRequest",
+]
+
+Lifecycle = Literal["incomplete", "schedulable", "draining", "unschedulable"]
+
+
+def member(
+    kind: tuple[Any, ...],
+    *,
+    default: Any = None,
+    factory: Any = None,
+    nullable: bool = True,
+    required: bool = False,
+    rule: Any = None,
+    store: Any = None,
+) -> Any:
+    """An attrs field that knows its JSON kind. `nullable`: `null` means absent; `store` converts
+    the checked value into its stored form (sets become sorted tuples, maps sorted dicts)."""
+    metadata = {"kind": kind, "nullable": nullable, "required": required, "rule": rule, "store": store}
+    if required:
+        return attrs.field(metadata=metadata)
+    if factory is not None:
+        return attrs.field(factory=factory, metadata=metadata)
+    return attrs.field(default=default, metadata=metadata)
+
+
+def _sorted_set(items: Any) -> tuple[str, ...]:
+    return tuple(sorted(set(items)))
+
+
+def _sorted_map(m: Mapping[Any, Any]) -> dict[Any, Any]:
+    return {k: m[k] for k in sorted(m)}
+
+
+def _in_unit(v: float) -> str | None:
+    return None if 0.0 <= v <= 1.0 else "must be in [0, 1]"
+
+
+def _credit_rule(v: float) -> str | None:
+    if 0.0 <= v <= 1.0:
+        return None
+    return "must be in [0, 1]; to weight prefill load more, raise prefill_load_scale instead"
+
+
+def _finite_nonneg(v: float) -> str | None:
+    return None if v >= 0.0 and v != float("inf") else "must be a finite number >= 0"
+
+
+class _Checked:
+    """Direct construction runs the JSON checks (core.md §4.2)."""
+
+    _json_aliases: ClassVar[Mapping[str, str]] = {}
+
+    def __attrs_post_init__(self) -> None:
+        validate_instance(self)
+
+
+_TENANT_ALIAS: Mapping[str, str] = {"routing_group": "tenant_id"}
+
+_WORKER_FIELDS_ORDER = (
+    "endpoint",
+    "kv_events_endpoint",
+    "kv_events_endpoints",
+    "replay_endpoint",
+    "block_size",
+    "data_parallel_start_rank",
+    "data_parallel_size",
+    "max_num_batched_tokens",
+    "total_kv_blocks",
+    "stable_routing_id",
+    "taints",
+    "topology_domains",
+    "kv_transfer_domain",
+    "kv_transfer_enforcement",
+    "kv_transfer_preferred_weight",
+)
+
+
+@attrs.frozen(kw_only=True)
+class WorkerRequest(_Checked):
+    """`POST /workers` (api.md §3.1)."""
+
+    _json_aliases: ClassVar[Mapping[str, str]] = _TENANT_ALIAS
+
+    worker_id: int = member(U64, required=True, nullable=False)
+    model_name: str = member(STR, default="default", nullable=False)
+    tenant_id: str = member(STR, default="default", nullable=False)
+    endpoint: str | None = member(STR)
+    kv_events_endpoint: str | None = member(STR)
+    kv_events_endpoints: dict[int, str] = member(
+        MAP(STR, key="u32"), factory=dict, nullable=False, store=_sorted_map
+    )
+    replay_endpoint: str | None = member(STR)
+    block_size: int | None = member(U32)
+    data_parallel_start_rank: int | None = member(U32)
+    data_parallel_size: int | None = member(U32)
+    max_num_batched_tokens: int | None = member(U64)
+    total_kv_blocks: int | None = member(U64)
+    stable_routing_id: str | None = member(STR)
+    taints: tuple[str, ...] = member(ARRAY(STR), factory=tuple, nullable=False, store=_sorted_set)
+    topology_domains: dict[str, str] = member(
+        MAP(STR), factory=dict, nullable=False, store=_sorted_map
+    )
+    kv_transfer_domain: str | None = member(STR)
+    kv_transfer_enforcement: str | None = member(ENUM("required", "preferred"))
+    kv_transfer_preferred_weight: float | None = member(F32)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "worker_id": self.worker_id,
+            "model_name": self.model_name,
+            "tenant_id": self.tenant_id,
+        }
+        for name in _WORKER_FIELDS_ORDER:
+            value = getattr(self, name)
+            if name == "kv_events_endpoints":
+                value = {str(k): v for k, v in value.items()}
+            elif name == "taints":
+                value = list(value)
+            out[name] = value
+        return out
+
+
+@attrs.frozen(kw_only=True)
+class WorkerPatchRequest(_Checked):
+    """`PATCH /workers/{id}` (api.md §3.2): every member optional; `None` keeps the stored value."""
+
+    endpoint: str | None = member(STR)
+    kv_events_endpoint: str | None = member(STR)
+    kv_events_endpoints: dict[int, str] | None = member(MAP(STR, key="u32"), store=_sorted_map)
+    replay_endpoint: str | None = member(STR)
+    block_size: int | None = member(U32)
+    data_parallel_start_rank: int | None = member(U32)
+    data_parallel_size: int | None = member(U32)
+    max_num_batched_tokens: int | None = member(U64)
+    total_kv_blocks: int | None = member(U64)
+    stable_routing_id: str | None = member(STR)
+    taints: tuple[str, ...] | None = member(ARRAY(STR), store=_sorted_set)
+    topology_domains: dict[str, str] | None = member(MAP(STR), store=_sorted_map)
+    kv_transfer_domain: str | None = member(STR)
+    kv_transfer_enforcement: str | None = member(ENUM("required", "preferred"))
+    kv_transfer_preferred_weight: float | None = member(F32)
+
+
+@attrs.frozen(kw_only=True)
+class WorkerCatalogRecord:
+    """A catalog entry: the request as given plus its lifecycle (api.md §3.3)."""
+
+    request: WorkerRequest
+    lifecycle: Lifecycle
+    not_schedulable_reasons: tuple[str, ...] = ()
+
+    @property
+    def worker_id(self) -> int:
+        return self.request.worker_id
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.request.model_name, self.request.tenant_id)
+
+    def to_json(self) -> dict[str, Any]:
+        req = self.request.to_json()
+        out: dict[str, Any] = {
+            "worker_id": req.pop("worker_id"),
+            "model_name": req.pop("model_name"),
+            "tenant_id": req.pop("tenant_id"),
+            "lifecycle": self.lifecycle,
+        }
+        for name, value in req.items():
+            if name == "kv_events_endpoints" and not value:
+                continue
+            out[name] = value
+        if self.not_schedulable_reasons:
+            out["not_schedulable_reasons"] = list(self.not_schedulable_reasons)
+        return out
+
+
+@attrs.frozen(kw_only=True)
+class RouterConfigOverride(_Checked):
+    """Per-request cost settings (core.md §9.6); `None` falls back to the service settings."""
+
+    overlap_score_credit: float | None = member(F64, rule=_credit_rule)
+    prefill_load_scale: float | None = member(F64, rule=_finite_nonneg)
+    overlap_score_weight: float | None = member(F64, rule=_finite_nonneg)
+    router_temperature: float | None = member(F64, rule=_finite_nonneg)
+    assume_kv_reuse: bool | None = member(BOOL)
+    track_prefill_tokens: bool | None = member(BOOL)
+    shared_cache_multiplier: float | None = member(F64, rule=_in_unit)
+
+
+@attrs.frozen(kw_only=True)
+class PinnedWorker(_Checked):
+    worker_id: int = member(U64, required=True, nullable=False)
+    dp_rank: int = member(U32, required=True, nullable=False)
+
+
+@attrs.frozen(kw_only=True)
+class RoutingConstraints(_Checked):
+    required_taints: tuple[str, ...] = member(
+        ARRAY(STR), factory=tuple, nullable=False, store=_sorted_set
+    )
+    preferred_taints: dict[str, float] = member(MAP(F64), factory=dict, nullable=False)
+
+
+
+@attrs.frozen(kw_only=True)
+class _Prompt(_Checked):
+    """Prompt members shared by the selection requests (api.md §3.5)."""
+
+    _json_aliases: ClassVar[Mapping[str, str]] = _TENANT_ALIAS
+
+    model_name: str = member(STR, default="default", nullable=False)
+    tenant_id: str = member(STR, default="default", nullable=False)
+    token_ids: array[int] | None = member(ARRAY(U32))
+    block_hashes: list[int] | None = member(ARRAY(I64))
+    sequence_hashes: list[int] | None = member(ARRAY(I64))
+    isl_tokens: int | None = member(U64)
+    lora_name: str | None = member(STR)
+    cache_namespace: str | None = member(STR)
+
+
+@attrs.frozen(kw_only=True)
+class OverlapScoresRequest(_Prompt):
+    """`POST /overlap_scores`."""
+
+
+@attrs.frozen(kw_only=True)
+class PotentialLoadsRequest(_Prompt):
+    """`POST /potential_loads`."""
+
+    router_config_override: RouterConfigOverride | None = member(OBJECT(RouterConfigOverride))
+
+
+@attrs.frozen(kw_only=True)
+class SelectRequest(_Prompt):
+    """`POST /select` (api.md §4.7)."""
+
+    selection_id: str | None = member(STR)
+    router_config_override: RouterConfigOverride | None = member(OBJECT(RouterConfigOverride))
+    pinned_worker: PinnedWorker | None = member(OBJECT(PinnedWorker))
+    allowed_worker_ids: frozenset[int] | None = member(ARRAY(U64), store=frozenset)
+    routing_constraints: RoutingConstraints = member(
+        OBJECT(RoutingConstraints), factory=RoutingConstraints, nullable=False
+    )
+    priority_jump: float | None = member(F64)
+    expected_output_tokens: int | None = member(U32)
+    explain: bool = member(BOOL, default=False, nullable=False)
+
+
+@attrs.frozen(kw_only=True)
+class SelectAndReserveRequest(SelectRequest):
+    """`POST /select_and_reserve`: a select that also books, under `reservation_id`."""
+
+    reservation_id: str | None = member(STR)
+
+
+@attrs.frozen(kw_only=True)
+class ReservationRequest(_Prompt):
+    """`POST /reservations` (api.md §4.10)."""
+
+    reservation_id: str = member(STR, required=True, nullable=False)
+    worker_id: int = member(U64, required=True, nullable=False)
+    dp_rank: int | None = member(U32)
+    router_config_override: RouterConfigOverride | None = member(OBJECT(RouterConfigOverride))
+    expected_output_tokens: int | None = member(U32)
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class StatusOk:
+    def to_json(self) -> dict[str, Any]:
+        return {"status": "ok"}
+
+
+@attrs.frozen(kw_only=True)
+class ReadyResponse:
+    ready: bool
+    schedulable_workers: int
+    workers: tuple[WorkerCatalogRecord, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ready": self.ready,
+            "schedulable_workers": self.schedulable_workers,
+            "workers": [w.to_json() for w in self.workers],
+        }
+
+
+@attrs.frozen(kw_only=True)
+class PotentialLoad:
+    worker_id: int
+    dp_rank: int
+    potential_prefill_tokens: int
+    potential_decode_blocks: int
+    active_requests: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "worker_id": self.worker_id,
+            "dp_rank": self.dp_rank,
+            "potential_prefill_tokens": self.potential_prefill_tokens,
+            "potential_decode_blocks": self.potential_decode_blocks,
+            "active_requests": self.active_requests,
+        }
+
+
+@attrs.frozen(kw_only=True)
+class ModelLoadResponse:
+    model_name: str
+    tenant_id: str
+    loads: tuple[PotentialLoad, ...]
+    pending_count: int = 0
+    pending_isl_tokens: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model_name": self.model_name,
+            "tenant_id": self.tenant_id,
+            "loads": [p.to_json() for p in self.loads],
+            "pending_count": self.pending_count,
+            "pending_isl_tokens": self.pending_isl_tokens,
+        }
+
+
+@attrs.frozen(kw_only=True)
+class Candidate:
+    """One cost breakdown of `explain` (core.md §9.8)."""
+
+    worker_id: int
+    dp_rank: int
+    logit: float
+    potential_prefill_tokens: int
+    potential_decode_blocks: int
+    device_blocks: int
+    host_pinned_blocks: int
+    disk_blocks: int
+    cached_tokens: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "worker_id": self.worker_id,
+            "dp_rank": self.dp_rank,
+            "logit": self.logit,
+            "potential_prefill_tokens": self.potential_prefill_tokens,
+            "potential_decode_blocks": self.potential_decode_blocks,
+            "device_blocks": self.device_blocks,
+            "host_pinned_blocks": self.host_pinned_blocks,
+            "disk_blocks": self.disk_blocks,
+            "cached_tokens": self.cached_tokens,
+        }
+
+
+@attrs.frozen(kw_only=True)
+class Excluded:
+    worker_id: int
+    dp_rank: int
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"worker_id": self.worker_id, "dp_rank": self.dp_rank, "reason": self.reason}
+
+
+@attrs.frozen(kw_only=True)
+class SelectResponse:
+    """The answer of `/select` and `/select_and_reserve` (api.md §4.7)."""
+
+    model_name: str
+    tenant_id: str
+    worker_id: int
+    dp_rank: int
+    endpoint: str
+    effective_overlap_blocks: float
+    cached_tokens: int
+    block_size: int
+    selection_id: str | None = None
+    reservation_id: str | None = None
+    candidates: tuple[Candidate, ...] | None = None
+    excluded: tuple[Excluded, ...] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.selection_id is not None:
+            out["selection_id"] = self.selection_id
+        if self.reservation_id is not None:
+            out["reservation_id"] = self.reservation_id
+        out["model_name"] = self.model_name
+        out["tenant_id"] = self.tenant_id
+        out["worker_id"] = self.worker_id
+        out["dp_rank"] = self.dp_rank
+        out["endpoint"] = self.endpoint
+        out["effective_overlap_blocks"] = float(self.effective_overlap_blocks)
+        out["cached_tokens"] = self.cached_tokens
+        out["block_size"] = self.block_size
+        if self.candidates is not None:
+            out["candidates"] = [c.to_json() for c in self.candidates]
+        if self.excluded is not None:
+            out["excluded"] = [e.to_json() for e in self.excluded]
+        return out
+
+
+@attrs.frozen(kw_only=True)
+class ReservationResponse:
+    reservation_id: str
+    model_name: str
+    tenant_id: str
+    worker_id: int
+    dp_rank: int
+    endpoint: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "reservation_id": self.reservation_id,
+            "model_name": self.model_name,
+            "tenant_id": self.tenant_id,
+            "worker_id": self.worker_id,
+            "dp_rank": self.dp_rank,
+            "endpoint": self.endpoint,
+        }
+
+
+@attrs.frozen(kw_only=True)
+class OverlapScoresResponse:
+    """`POST /overlap_scores`: rows and freshness are already JSON-shaped dicts (api.md §4.15)."""
+
+    block_size: int
+    num_blocks: int
+    workers: tuple[dict[str, Any], ...]
+    freshness: tuple[dict[str, Any], ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "block_size": self.block_size,
+            "num_blocks": self.num_blocks,
+            "workers": list(self.workers),
+            "freshness": list(self.freshness),
+        }
+
+
+@attrs.frozen(kw_only=True)
+class ApplyReport:
+    """What one KV-event message did (events.md §7.4)."""
+
+    received: int
+    applied: int
+    failed: int
+    dropped: int
+    failures: tuple[tuple[int, str], ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "received": self.received,
+            "applied": self.applied,
+            "failed": self.failed,
+            "dropped": self.dropped,
+            "failures": [{"index": i, "error": e} for i, e in self.failures],
+        }
+
+
+@attrs.frozen
+class Pending:
+    """A selection held back by the queue; its answer arrives as a `SelectionReady` output."""
+
+    ticket: int
