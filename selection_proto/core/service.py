@@ -204,6 +204,10 @@ class SelectionService:
         ]
         return min(deadlines) if deadlines else None
 
+    def cancel_ticket(self, ticket: int) -> bool:
+        """Forget a pending selection; the core does not queue yet, so nothing is ever pending."""
+        return False
+
     def begin_shutdown(self, *, now: float) -> None:
         self._advance(now)
         self._shutting_down = True

@@ -1,0 +1,173 @@
+"""Sans-IO HTTP/1.1 server connection on h11: bytes in, bytes out, answers from the core's `handle`.
+
+One `HttpConnection` per client. Requests are answered strictly in order (pipelining), bodies
+may be chunked, `Expect: 100-continue` gets its interim answer, and limits are enforced while
+reading: a body over 8 MiB is refused as soon as that is known, without reading the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from http import HTTPStatus
+from typing import Final
+
+import h11
+
+from ..core.handler import MAX_BODY
+from ..core.service import SelectionService
+from ..core.types import Pending
+from ..core.wire import Response, error_response
+
+__all__ = ["MAX_HEADER_BYTES", "HttpConnection"]
+
+MAX_HEADER_BYTES: Final = 16384
+_SERVER_HEADER: Final = (b"server", b"selection-proto")
+
+
+def _reason(status: int) -> bytes:
+    try:
+        return HTTPStatus(status).phrase.encode("ascii")
+    except ValueError:
+        return b""
+
+
+class HttpConnection:
+    """Feed received bytes with `receive_data`, send what `data_to_send` returns, close when
+    `closed` is true. `busy` tells whether a request is partly received or being answered."""
+
+    def __init__(self, service: SelectionService, clock: Callable[[], float]) -> None:
+        self._service = service
+        self._clock = clock
+        self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
+        self._out: list[bytes] = []
+        self._request: h11.Request | None = None
+        self._body: list[bytes] = []
+        self._body_len = 0
+        self._refused = False
+        self.closed = False
+        self.close_after_response = False
+
+    @property
+    def busy(self) -> bool:
+        return self._request is not None or self._h11.their_state not in (h11.IDLE, h11.DONE)
+
+    def data_to_send(self) -> bytes:
+        data = b"".join(self._out)
+        self._out.clear()
+        return data
+
+    def receive_data(self, data: bytes) -> None:
+        """`b""` means the peer closed its side."""
+        if self.closed:
+            return
+        self._h11.receive_data(data)
+        self._drain()
+
+    def shutdown(self) -> None:
+        """Finish the answer in progress with `connection: close`; close at once when idle."""
+        self.close_after_response = True
+        if not self.busy:
+            self.closed = True
+
+    def _drain(self) -> None:
+        while not self.closed:
+            try:
+                event = self._h11.next_event()
+            except h11.RemoteProtocolError as exc:
+                self._protocol_error(exc)
+                return
+            if event is h11.NEED_DATA:
+                if self._h11.they_are_waiting_for_100_continue and self._request is not None:
+                    self._send(h11.InformationalResponse(status_code=100, headers=[]))
+                return
+            if event is h11.PAUSED:
+                if self._h11.our_state is h11.DONE and self._h11.their_state is h11.DONE:
+                    self._h11.start_next_cycle()
+                    continue
+                return
+            if isinstance(event, h11.Request):
+                self._begin(event)
+            elif isinstance(event, h11.Data):
+                self._body_len += len(event.data)
+                if self._body_len > MAX_BODY:
+                    self._refuse_body()
+                    return
+                self._body.append(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                self._finish()
+            elif isinstance(event, h11.ConnectionClosed):
+                self.closed = True
+                return
+
+    def _begin(self, request: h11.Request) -> None:
+        self._request = request
+        self._body = []
+        self._body_len = 0
+        for name, value in request.headers:
+            if name == b"content-length" and int(value) > MAX_BODY:
+                self._refuse_body()
+                return
+            if name == b"connection" and b"close" in value.lower():
+                self.close_after_response = True
+
+    def _refuse_body(self) -> None:
+        self._service.metrics.inc("selection_proto_limit_rejections_total", ("body_size",))
+        self._respond(error_response(413, "Failed to buffer the request body: length limit exceeded"),
+                      close=True)
+
+    def _finish(self) -> None:
+        request = self._request
+        assert request is not None
+        target = request.target.decode("ascii", "replace")
+        path, _, query = target.partition("?")
+        headers = [(n.decode("latin-1"), v.decode("latin-1")) for n, v in request.headers]
+        method = request.method.decode("ascii", "replace")
+        result = self._service.handle(method, path, query, headers, b"".join(self._body),
+                                      now=self._clock())
+        if isinstance(result, Pending):
+            # The core queues only when queue_threshold is set, and this adapter does not hold
+            # answers yet (issue 5): refuse instead of hanging the client.
+            self._service.cancel_ticket(result.ticket)
+            result = error_response(503, "queued selections are not supported by this transport")
+        self._respond(result, close=self.close_after_response, head=method == "HEAD")
+
+    def _respond(self, response: Response, *, close: bool, head: bool = False) -> None:
+        headers = [(n.encode("latin-1"), v.encode("latin-1")) for n, v in response.headers]
+        headers.append(_SERVER_HEADER)
+        if close:
+            headers.append((b"connection", b"close"))
+        try:
+            self._send(h11.Response(status_code=response.status, headers=headers,
+                                    reason=_reason(response.status)))
+            if response.body and not head:
+                self._send(h11.Data(data=response.body))
+            self._send(h11.EndOfMessage())
+        except h11.LocalProtocolError:
+            self.closed = True
+            return
+        self._request = None
+        if close or self._h11.our_state is h11.MUST_CLOSE:
+            self.closed = True
+
+    def _protocol_error(self, exc: h11.RemoteProtocolError) -> None:
+        if self._h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            self.closed = True
+            return
+        if exc.error_status_hint == 431:
+            self._service.metrics.inc("selection_proto_limit_rejections_total", ("header_size",))
+            response = error_response(431, f"request header block exceeds {MAX_HEADER_BYTES} bytes")
+        else:
+            response = error_response(400, f"malformed HTTP request: {exc}")
+        self._respond(response, close=True)
+        self.closed = True
+
+    def _send(self, event: h11.Event) -> None:
+        data = self._h11.send(event)
+        if data:
+            self._out.append(data)
+
+    def timeout_response(self) -> None:
+        """The request did not arrive in time: 408 and close."""
+        if self._h11.our_state in (h11.IDLE, h11.SEND_RESPONSE) and self.busy:
+            self._respond(error_response(408, "request timeout"), close=True)
+        self.closed = True

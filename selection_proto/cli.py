@@ -1,0 +1,209 @@
+"""`selection-proto` command line: settings from flags, `SELECTION_PROTO_*` variables and a TOML
+file, in that precedence (transports.md §7)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tomllib
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any, NoReturn
+
+import attrs
+
+from ._version import __version__
+from .core.service import SelectionService
+from .core.settings import Settings
+
+__all__ = ["main"]
+
+PROG = "selection-proto"
+_SETTING_FIELDS = attrs.fields(Settings)
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+
+
+class UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def _kind(field: attrs.Attribute[Any]) -> tuple[str, tuple[str, ...]]:
+    """("bool" | "int" | "float" | "choice", choices) from the attrs annotation."""
+    hints = typing.get_type_hints(Settings)
+    hint = hints[field.name]
+    if typing.get_origin(hint) is typing.Literal:
+        return "choice", typing.get_args(hint)
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    base = args[0]
+    if typing.get_origin(base) is typing.Literal:
+        return "choice", typing.get_args(base)
+    for alias in args:
+        if typing.get_origin(alias) is typing.Literal:
+            return "choice", typing.get_args(alias)
+    if base is bool:
+        return "bool", ()
+    if base is int:
+        return "int", ()
+    return "float", ()
+
+
+def _nullable(field: attrs.Attribute[Any]) -> bool:
+    return type(None) in typing.get_args(typing.get_type_hints(Settings)[field.name])
+
+
+def _convert(field: attrs.Attribute[Any], raw: Any, source: str) -> Any:
+    kind, choices = _kind(field)
+    if isinstance(raw, str):
+        text = raw.strip()
+        if _nullable(field) and text.lower() == "none":
+            return None
+        if kind == "bool":
+            if text.lower() in _TRUE:
+                return True
+            if text.lower() in _FALSE:
+                return False
+            raise UsageError(f"{source}: invalid boolean value {raw!r}")
+        if kind == "choice":
+            if text not in choices:
+                raise UsageError(f"{source}: invalid choice {raw!r} (choose from {', '.join(choices)})")
+            return text
+        try:
+            return int(text) if kind == "int" else float(text)
+        except ValueError:
+            raise UsageError(f"{source}: invalid {kind} value {raw!r}") from None
+    return raw
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _env(name: str) -> str:
+    return "SELECTION_PROTO_" + name.upper()
+
+
+def _build_parser() -> _Parser:
+    parser = _Parser(prog=PROG, description="KV-cache-aware worker selection service.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    serve = sub.add_parser("serve", help="HTTP API on host:port")
+    serve.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
+    serve.add_argument("--port", default=None, help="0 = any free port (default 8092)")
+    serve.add_argument("--max-connections", default=None)
+    serve.add_argument("--keep-alive-timeout-secs", default=None)
+    serve.add_argument("--request-timeout-secs", default=None)
+    serve.add_argument("--shutdown-timeout-secs", default=None)
+    serve.add_argument("--backend", default=None, help="asyncio (default) or trio")
+    serve.add_argument("--log-level", default=None, help="debug, info, warning, error")
+    serve.add_argument("--random-state", default=None, help="seed of the random generator")
+    serve.add_argument("--config", default=None, help="TOML file of settings")
+    for field in _SETTING_FIELDS:
+        kind, _ = _kind(field)
+        if kind == "bool":
+            serve.add_argument(_flag(field.name), dest=field.name, default=None,
+                               action=argparse.BooleanOptionalAction)
+        else:
+            serve.add_argument(_flag(field.name), dest=field.name, default=None, metavar="VALUE")
+    return parser
+
+
+def _transport_value(args: argparse.Namespace, env: Mapping[str, str], name: str, default: Any,
+                     cast: type) -> Any:
+    raw = getattr(args, name)
+    source = _flag(name)
+    if raw is None and _env(name) in env:
+        raw, source = env[_env(name)], _env(name)
+    if raw is None:
+        return default
+    try:
+        return cast(raw)
+    except ValueError:
+        raise UsageError(f"{source}: invalid {cast.__name__} value {raw!r}") from None
+
+
+def settings_from(args: argparse.Namespace, env: Mapping[str, str]) -> Settings:
+    config_path = args.config or env.get(_env("config"))
+    from_file: dict[str, Any] = {}
+    if config_path:
+        try:
+            with open(config_path, "rb") as fh:
+                from_file = tomllib.load(fh)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise UsageError(f"--config {config_path}: {exc}") from None
+        names = {f.name for f in _SETTING_FIELDS}
+        for name in from_file:
+            if name not in names:
+                raise UsageError(f"--config {config_path}: unknown setting {name!r}")
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for field in _SETTING_FIELDS:
+        name = field.name
+        flag_value = getattr(args, name, None)
+        if flag_value is not None:
+            values[name], sources[name] = _convert(field, flag_value, _flag(name)), _flag(name)
+        elif _env(name) in env:
+            values[name], sources[name] = _convert(field, env[_env(name)], _env(name)), _env(name)
+        elif name in from_file:
+            source = f"--config {config_path}"
+            values[name], sources[name] = _convert(field, from_file[name], source), source
+    try:
+        return Settings(**values)
+    except (ValueError, TypeError) as exc:
+        text = str(exc)
+        name, _, reason = text.partition(": ")
+        raise UsageError(f"{sources.get(name, name)}: {reason or text}") from None
+
+
+def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    from .transports.server import ServerConfig, log, serve
+
+    settings = settings_from(args, env)
+    seed = _transport_value(args, env, "random_state", None, int)
+    backend = _transport_value(args, env, "backend", "asyncio", str)
+    if backend not in ("asyncio", "trio"):
+        raise UsageError(f"--backend: invalid choice {backend!r} (choose from asyncio, trio)")
+    config = ServerConfig(
+        host=_transport_value(args, env, "host", "127.0.0.1", str),
+        port=_transport_value(args, env, "port", 8092, int),
+        max_connections=_transport_value(args, env, "max_connections", 1024, int),
+        keep_alive_timeout_secs=_transport_value(args, env, "keep_alive_timeout_secs", 5.0, float),
+        request_timeout_secs=_transport_value(args, env, "request_timeout_secs", 30.0, float),
+        shutdown_timeout_secs=_transport_value(args, env, "shutdown_timeout_secs", 10.0, float),
+    )
+    rng = random.Random(seed) if seed is not None else random.Random()
+    service = SelectionService(settings, rng)
+    import anyio
+
+    try:
+        anyio.run(serve, service, config, backend=backend)
+    except RuntimeError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        log("info", "stopped")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    env = os.environ if env is None else env
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            raise UsageError("a command is required (serve)")
+        return _serve(args, env)
+    except UsageError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""The TCP server: anyio (asyncio or trio) around one `HttpConnection` per client (transports.md §2, §9)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from ..adapters.http import HttpConnection
+from ..core.service import SelectionService
+from ..core.wire import error_response
+
+__all__ = ["ServerConfig", "log", "serve"]
+
+
+def log(level: str, event: str, **fields: Any) -> None:
+    """One JSON object per line on stderr (transports.md §7.3)."""
+    record = {"ts": round(time.time(), 3), "level": level, "event": event, **fields}
+    print(json.dumps(record, separators=(",", ":")), file=sys.stderr, flush=True)
+
+
+class ServerConfig:
+    def __init__(self, host: str = "127.0.0.1", port: int = 8092, max_connections: int = 1024,
+                 keep_alive_timeout_secs: float = 5.0, request_timeout_secs: float = 30.0,
+                 shutdown_timeout_secs: float = 10.0) -> None:
+        self.host = host
+        self.port = port
+        self.max_connections = max_connections
+        self.keep_alive_timeout_secs = keep_alive_timeout_secs
+        self.request_timeout_secs = request_timeout_secs
+        self.shutdown_timeout_secs = shutdown_timeout_secs
+
+
+class _Server:
+    def __init__(self, service: SelectionService, config: ServerConfig,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.service = service
+        self.config = config
+        self.clock = clock
+        self.connections: set[HttpConnection] = set()
+        self.draining = False
+        self.idle = anyio.Event()
+        self.waits: dict[HttpConnection, anyio.CancelScope] = {}  # idle receives, cut by shutdown
+
+    def _report_connections(self) -> None:
+        self.service.observe("selection_proto_connections", ("http",), float(len(self.connections)))
+
+    async def client(self, stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            if len(self.connections) >= self.config.max_connections or self.draining:
+                self.service.metrics.inc("selection_proto_limit_rejections_total", ("connections",))
+                response = error_response(503, "too many connections", (("connection", "close"),))
+                head = b"HTTP/1.1 503 Service Unavailable\r\n" + b"".join(
+                    f"{n}: {v}\r\n".encode("latin-1") for n, v in response.headers)
+                try:
+                    await stream.send(head + b"\r\n" + response.body)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                    pass
+                return
+            conn = HttpConnection(self.service, self.clock)
+            self.connections.add(conn)
+            self._report_connections()
+            try:
+                await self._serve(stream, conn)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                pass
+            finally:
+                self.connections.discard(conn)
+                self._report_connections()
+                if self.draining and not self.connections:
+                    self.idle.set()
+
+    async def _serve(self, stream: anyio.abc.SocketStream, conn: HttpConnection) -> None:
+        while not conn.closed:
+            timeout = (self.config.request_timeout_secs if conn.busy
+                       else self.config.keep_alive_timeout_secs)
+            data = None
+            with anyio.move_on_after(timeout) as scope:
+                self.waits[conn] = scope
+                try:
+                    data = await stream.receive(65536)
+                except anyio.EndOfStream:
+                    data = b""
+            self.waits.pop(conn, None)
+            if data is None and conn.closed:
+                return
+            if data is None:
+                if conn.busy:
+                    conn.timeout_response()
+                    out = conn.data_to_send()
+                    if out:
+                        await stream.send(out)
+                return
+            conn.receive_data(data)
+            out = conn.data_to_send()
+            if out:
+                await stream.send(out)
+            if self.draining and not conn.busy:
+                return
+
+
+async def serve(service: SelectionService, config: ServerConfig,
+                ready: Callable[[str, int], None] | None = None) -> None:
+    """Listen until SIGTERM or SIGINT, then drain (transports.md §9)."""
+    server = _Server(service, config)
+    try:
+        listener = await anyio.create_tcp_listener(local_host=config.host, local_port=config.port,
+                                                   reuse_port=False)
+    except OSError as exc:
+        raise RuntimeError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from exc
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    log("info", "listening", url=f"http://{config.host}:{port}")
+    if ready is not None:
+        ready(config.host, port)
+    async with anyio.create_task_group() as tg:
+        async def accept() -> None:
+            async with listener:
+                # Clients run in the outer group so that stopping the accept loop spares them.
+                await listener.serve(server.client, task_group=tg)
+
+        accept_scope = anyio.CancelScope()
+
+        async def run_accept() -> None:
+            with accept_scope:
+                await accept()
+
+        tg.start_soon(run_accept)
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                log("info", "shutdown", signal=signal.Signals(signum).name)
+                break
+        server.draining = True
+        accept_scope.cancel()
+        service.begin_shutdown(now=time.monotonic())
+        for conn in list(server.connections):
+            conn.shutdown()
+            if not conn.busy:
+                server.waits.pop(conn, anyio.CancelScope()).cancel()
+        if server.connections:
+            with anyio.move_on_after(config.shutdown_timeout_secs):
+                await server.idle.wait()
+        tg.cancel_scope.cancel()
+    log("info", "stopped")
