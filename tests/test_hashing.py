@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+import pytest
+from conftest import load_vectors
+
+from selection_proto import block_hashes, iv, sequence_hashes
+from selection_proto.core.hashing import hash64, multimodal_block_hash
+
+
+def test_every_reference_vector_matches_dynamo() -> None:
+    cases = load_vectors("hashing.jsonl")
+    assert len(cases) == 300
+    for case in cases:
+        blocks = block_hashes(case["token_ids"], case["block_size"], case.get("lora_name"),
+                              case.get("cache_namespace"), case.get("is_eagle", False))
+        assert blocks == case["block_hashes"], case
+        if "sequence_hashes" in case:
+            assert sequence_hashes(blocks) == case["sequence_hashes"], case
+
+
+@pytest.mark.parametrize(
+    ("tokens", "bs", "kwargs", "expected"),
+    [
+        ([1, 2, 3, 4], 4, {}, [14643705804678351452]),
+        (list(range(1, 11)), 4, {}, [14643705804678351452, 16777012769546811212]),
+        ([0, 1, 2, 3], 4, {}, [9143094415614847814]),
+        ([0, 1, 2, 3], 4, {"lora_name": "adapter-a"}, [6665157333201000639]),
+        ([0, 1, 2, 3], 4, {"cache_namespace": "tenant-a"}, [17009624042690211646]),
+        ([0, 1, 2, 3], 4, {"lora_name": "adapter-a", "cache_namespace": "tenant-a"}, [8269515957840517240]),
+        ([1, 2, 3, 4], 4, {"lora_name": "sql-lora"}, [19676506188544538]),
+        (list(range(6)), 2, {"is_eagle": True}, [11646242937812223497, 9948816348502404300]),
+        (list(range(6)), 2, {}, [10918435022357402928, 10731123482949079648, 12189426826560619506]),
+        (list(range(32)), 16, {}, [15310707395893867146, 15292316782987903195]),
+        ([1, 2, 3], 0, {}, []),
+    ],
+)
+def test_fixed_vectors(tokens: list[int], bs: int, kwargs: dict[str, object], expected: list[int]) -> None:
+    assert block_hashes(tokens, bs, **kwargs) == expected  # type: ignore[arg-type]
+
+
+def test_seeds_sequences_and_multimodal() -> None:
+    assert hash64(b"test data", 1337) == 13226331709069118873
+    assert iv("adapter-a") == 8842669519798868182
+    assert iv(None, "tenant-a") == 1948188790972764086
+    assert iv("adapter-a", "tenant-a") == 10790858310771630931
+    assert iv("sql-lora") == 10034886934280409050
+    assert iv("", "") == 1337
+    assert sequence_hashes(block_hashes(list(range(1, 13)), 4)) == [
+        14643705804678351452, 4945711292740353085, 12583592247330656132]
+    assert sequence_hashes(block_hashes(list(range(32)), 16)) == [
+        15310707395893867146, 13769157705258532664]
+    assert multimodal_block_hash([0, 1], [42], 1337) == 6100948656312251355
+    assert multimodal_block_hash([0, 1], [42, 7], 1337) == 14276852609691940483
+
+
+def test_tokens_outside_u32_are_refused() -> None:
+    with pytest.raises(OverflowError):
+        block_hashes([1, 2**32], 1)
