@@ -372,7 +372,7 @@ def test_overload_thresholds(make_client: Any) -> None:
 
 def test_temperature_is_reproducible_and_follows_softmax(make_client: Any) -> None:
     picks = []
-    for seed in range(2):
+    for _seed in range(2):
         c = make_client(seed=7, temperature=1.0)
         scenario(c)
         picks.append([c.ok("POST", "/select", {"model_name": "m", "token_ids": PROMPT})["worker_id"]

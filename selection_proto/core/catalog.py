@@ -72,17 +72,17 @@ def validate_endpoint(endpoint: str, *, zmq_ok: bool, allow_ws: bool) -> str | N
     if scheme in ("tcp", "ipc") and not zmq_ok:
         return f"invalid ZMQ endpoint `{endpoint}`: ZMQ endpoints need the optional extra `zmq`"
     if scheme == "tcp":
-        host, colon, port = address.rpartition(":")
+        tcp_host, colon, tcp_port = address.rpartition(":")
         if not colon:
             return f"invalid ZMQ endpoint `{endpoint}`: missing TCP port"
-        if not host:
+        if not tcp_host:
             return f"invalid ZMQ endpoint `{endpoint}`: missing TCP host"
-        if host.startswith("["):
-            if not host.endswith("]"):
+        if tcp_host.startswith("["):
+            if not tcp_host.endswith("]"):
                 return f"invalid ZMQ endpoint `{endpoint}`: missing closing `]`"
-        elif ":" in host:
+        elif ":" in tcp_host:
             return f"invalid ZMQ endpoint `{endpoint}`: missing TCP port"
-        why = _parse_u16(port)
+        why = _parse_u16(tcp_port)
         if why is not None:
             return f"invalid ZMQ endpoint `{endpoint}`: invalid TCP port: {why}"
         return None
@@ -90,6 +90,7 @@ def validate_endpoint(endpoint: str, *, zmq_ok: bool, allow_ws: bool) -> str | N
         return None
     if scheme in ("ws", "wss") and allow_ws:
         authority = address
+        port: str | None
         for stop in ("/", "?"):
             authority = authority.split(stop, 1)[0]
         if authority.startswith("["):

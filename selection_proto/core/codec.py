@@ -8,7 +8,6 @@ constructed directly, so the typed API and the bytes API answer with one text.
 from __future__ import annotations
 
 import json
-import math
 from array import array
 from collections.abc import Callable, Mapping
 from typing import Any, Final, TypeVar
@@ -140,7 +139,7 @@ def _check_int(kind: tuple[Any, ...], value: Any, path: str) -> int:
             raise _invalid_type(path, value, kind[1])
     if value < kind[2] or value > kind[3]:
         raise shape_error(path, f"invalid value: integer `{value}`, expected {kind[1]}")
-    return value
+    return int(value)
 
 
 def _check_int_array(kind: tuple[Any, ...], value: Any, path: str, ctx: ShapeContext) -> Any:
@@ -245,6 +244,7 @@ def _one_of(values: tuple[str, ...]) -> str:
 
 
 T = TypeVar("T")
+FACTORY_TYPE: Final[type[Any]] = type(attrs.Factory(list))
 
 # A member's rule returns the reason text of a violation, or None.
 Rule = Callable[[Any], "str | None"]
@@ -265,7 +265,7 @@ def from_json(cls: type[T], obj: Any, path: str = "", ctx: ShapeContext = TYPED)
             a = obj[alias]
             if target in obj and obj[target] != a:
                 raise shape_error(path, f"{alias}: conflicts with {target}")
-    for field in attrs.fields(cls):  # type: ignore[misc]
+    for field in attrs.fields(cls):  # type: ignore[arg-type]
         meta = _meta(field)
         if "kind" not in meta:
             continue
@@ -301,12 +301,12 @@ def from_json(cls: type[T], obj: Any, path: str = "", ctx: ShapeContext = TYPED)
 def _trusted(cls: type[T], values: Mapping[str, Any]) -> T:
     """Construct without re-running the checks that `from_json` has just made."""
     inst = object.__new__(cls)
-    for field in attrs.fields(cls):  # type: ignore[misc]
+    for field in attrs.fields(cls):  # type: ignore[arg-type]
         if field.name in values:
             v = values[field.name]
         elif field.default is attrs.NOTHING:
             raise AssertionError(f"{cls.__name__}.{field.name} has no default")
-        elif isinstance(field.default, attrs.Factory):  # type: ignore[arg-type]
+        elif isinstance(field.default, FACTORY_TYPE):
             v = field.default.factory()  # type: ignore[attr-defined]
         else:
             v = field.default

@@ -358,7 +358,7 @@ class DeviceTree:
                 continue
             full = sorted(r for r in n.full if reach is None or r in reach)
             part = sorted((r, k) for r, k in n.part.items() if reach is None or r in reach)
-            blocks = list(zip(n.engs, n.locs))
+            blocks = list(zip(n.engs, n.locs, strict=False))
             for r in full:
                 out.append((r, ph, blocks))
             for r, k in part:

@@ -12,6 +12,7 @@ import json
 import math
 from typing import Any
 
+_orjson: Any
 try:  # pragma: no cover - exercised by whichever is installed
     import orjson as _orjson
 except ImportError:  # pragma: no cover
@@ -123,7 +124,8 @@ if _orjson is not None:
 
     def dumps(value: Any) -> bytes:
         """Compact UTF-8 JSON."""
-        return _dumps(value)
+        data: bytes = _dumps(value)
+        return data
 
 else:  # pragma: no cover
     _encoder = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)

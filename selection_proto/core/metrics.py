@@ -69,7 +69,7 @@ def _escape(value: str) -> str:
 
 
 def _labels(names: Iterable[str], values: Iterable[str], extra: str = "") -> str:
-    parts = [f'{n}="{_escape(v)}"' for n, v in zip(names, values)]
+    parts = [f'{n}="{_escape(v)}"' for n, v in zip(names, values, strict=False)]
     if extra:
         parts.append(extra)
     return "{" + ",".join(parts) + "}" if parts else ""
@@ -140,7 +140,7 @@ class Metrics:
             lines.append(f"# TYPE {name} {kind}")
             if kind == "histogram":
                 for labels, hist in sorted(self._histograms.get(name, {}).items()):
-                    for b, c in zip(bounds, hist.counts):
+                    for b, c in zip(bounds, hist.counts, strict=False):
                         le = f'le="{float(b)!r}"'
                         lines.append(f"{name}_bucket{_labels(label_names, labels, le)} {float(c)!r}")
                     inf = 'le="+Inf"'

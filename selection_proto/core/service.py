@@ -11,7 +11,7 @@ import math
 import random
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
 import attrs
@@ -28,12 +28,10 @@ from .catalog import (
 from .errors import (
     BadRequest,
     Conflict,
-    Internal,
     NotFound,
     NotReady,
     SelectionError,
     TooManyRequests,
-    Unprocessable,
 )
 from .events import Event, require_worker
 from .hashing import block_hashes as hash_blocks
@@ -656,7 +654,7 @@ class SelectionService:
         total = sum(weights)
         u = self.rng.random()
         cumulative = 0.0
-        for c, w in zip(scored, weights):
+        for c, w in zip(scored, weights, strict=False):
             cumulative += w / total
             if cumulative >= u:
                 return c

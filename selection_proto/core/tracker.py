@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-
-
 from .errors import Conflict, NotFound, TooManyRequests
 from .index import Rank
 
