@@ -307,7 +307,7 @@ def _trusted(cls: type[T], values: Mapping[str, Any]) -> T:
         elif field.default is attrs.NOTHING:
             raise AssertionError(f"{cls.__name__}.{field.name} has no default")
         elif isinstance(field.default, FACTORY_TYPE):
-            v = field.default.factory()  # type: ignore[attr-defined]
+            v = field.default.factory()
         else:
             v = field.default
         conv = _meta(field).get("store")
