@@ -103,6 +103,15 @@ class HttpConnection:
         self._request = request
         self._body = []
         self._body_len = 0
+        # h11 bounds only a header block that arrives in pieces; one that arrives whole is
+        # measured here (request line and header lines, as sent on the wire).
+        size = len(request.method) + len(request.target) + 12 + sum(
+            len(n) + len(v) + 4 for n, v in request.headers)
+        if size > MAX_HEADER_BYTES:
+            self._service.metrics.inc("selection_proto_limit_rejections_total", ("header_size",))
+            self._respond(error_response(431, f"request header block exceeds {MAX_HEADER_BYTES} bytes"),
+                          close=True)
+            return
         for name, value in request.headers:
             if name == b"content-length" and int(value) > MAX_BODY:
                 self._refuse_body()

@@ -1,0 +1,170 @@
+"""The real server: `selection-proto serve` in a subprocess on a loopback port, spoken to over sockets."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+
+class Server:
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "selection_proto", "serve", "--port", "0", "--kv-events", "push", *args],
+            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        assert self.proc.stderr is not None
+        line = self.proc.stderr.readline()
+        record = json.loads(line)
+        assert record["event"] == "listening", line
+        self.port = int(record["url"].rsplit(":", 1)[1])
+
+    def connect(self) -> socket.socket:
+        return socket.create_connection(("127.0.0.1", self.port), timeout=5)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=15)
+
+
+@pytest.fixture
+def server() -> Iterator[Server]:
+    s = Server("--keep-alive-timeout-secs", "2", "--request-timeout-secs", "1")
+    yield s
+    s.stop()
+
+
+def request(method: str, path: str, body: Any = None, headers: str = "") -> bytes:
+    data = b"" if body is None else json.dumps(body).encode()
+    head = (f"{method} {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(data)}\r\n{headers}\r\n").encode()
+    return head + data
+
+
+def read_response(sock: socket.socket, buf: bytearray, head_request: bool = False) -> tuple[int, dict[str, str], bytes]:
+    while b"\r\n\r\n" not in buf:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("closed")
+        buf += chunk
+    head, _, rest = bytes(buf).partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:])}
+    length = 0 if head_request else int(headers.get("content-length", "0"))
+    while len(rest) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("closed")
+        rest += chunk
+    buf[:] = rest[length:]
+    return status, headers, rest[:length]
+
+
+def test_keep_alive_pipelining_and_routes(server: Server) -> None:
+    with server.connect() as sock:
+        worker = {"worker_id": 1, "model_name": "m", "endpoint": "http://w1", "block_size": 4}
+        sock.sendall(request("POST", "/workers", worker) + request("POST", "/select", {
+            "model_name": "m", "token_ids": list(range(8))}) + request("GET", "/nope") + request("HEAD", "/health"))
+        buf = bytearray()
+        answers = [read_response(sock, buf) for _ in range(3)]
+        assert [a[0] for a in answers] == [201, 200, 404]
+        assert json.loads(answers[1][2])["worker_id"] == 1
+        status, headers, _ = read_response(sock, buf, head_request=True)
+        assert status == 200 and headers["content-length"] == "15"
+
+
+def test_chunked_body_and_100_continue(server: Server) -> None:
+    with server.connect() as sock:
+        body = json.dumps({"worker_id": 2, "endpoint": "e", "block_size": 4}).encode()
+        sock.sendall(b"POST /workers HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"expect: 100-continue\r\ntransfer-encoding: chunked\r\n\r\n")
+        assert sock.recv(100).startswith(b"HTTP/1.1 100")
+        sock.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+        status, _, payload = read_response(sock, bytearray())
+        assert status == 201 and json.loads(payload)["lifecycle"] == "schedulable"
+
+
+def test_limits_and_malformed(server: Server) -> None:
+    with server.connect() as sock:
+        sock.sendall(b"POST /select HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: 9000000\r\n\r\n")
+        status, headers, payload = read_response(sock, bytearray())
+        assert status == 413 and headers["connection"] == "close"
+        assert json.loads(payload) == {"error": "Failed to buffer the request body: length limit exceeded"}
+    with server.connect() as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 20000 + b"\r\n\r\n")
+        status, _, payload = read_response(sock, bytearray())
+        assert status == 431 and json.loads(payload) == {"error": "request header block exceeds 16384 bytes"}
+    with server.connect() as sock:
+        sock.sendall(b"NOT HTTP\r\n\r\n")
+        status, _, payload = read_response(sock, bytearray())
+        assert status == 400 and json.loads(payload)["error"].startswith("malformed HTTP request: ")
+    with server.connect() as sock:  # an incomplete request times out with 408
+        sock.sendall(b"POST /select HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\n{")
+        status, _, payload = read_response(sock, bytearray())
+        assert status == 408 and json.loads(payload) == {"error": "request timeout"}
+    with server.connect() as sock:  # the server still answers everyone else
+        sock.sendall(request("GET", "/health"))
+        assert read_response(sock, bytearray())[0] == 200
+
+
+def test_idle_keep_alive_is_closed(server: Server) -> None:
+    with server.connect() as sock:
+        start = time.monotonic()
+        assert sock.recv(10) == b""
+        assert time.monotonic() - start < 4
+
+
+def test_sigterm_drains_and_exits_zero() -> None:
+    s = Server()
+    with s.connect() as busy, s.connect() as idle:
+        busy.sendall(b"POST /workers HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 60\r\n\r\n{")
+        idle.sendall(request("GET", "/health"))
+        read_response(idle, bytearray())
+        time.sleep(0.2)
+        s.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        text = json.dumps({"worker_id": 5, "endpoint": "e", "block_size": 4}).encode()
+        body = text[:-1] + b" " * (60 - len(text)) + b"}"
+        busy.sendall(body[1:])
+        status, headers, _ = read_response(busy, bytearray())
+        assert status == 201 and headers["connection"] == "close"
+        assert idle.recv(10) == b""
+    assert s.proc.wait(timeout=15) == 0
+
+
+def test_cli_usage_errors_and_help() -> None:
+    def run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "selection_proto", *args], capture_output=True, text=True,
+                              timeout=60, env={**os.environ, **env})
+
+    assert run("--help").returncode == 0
+    assert run("serve", "--help").returncode == 0
+    assert run("--version").stdout.strip() == "selection-proto 0.1.0"
+    for args, env, line in [
+        (("serve", "--frob"), {}, "selection-proto: error: unrecognized arguments: --frob"),
+        ((), {}, "selection-proto: error: a command is required (serve)"),
+        (("serve", "--queue-threshold", "0"), {}, "selection-proto: error: --queue-threshold: must be greater than 0"),
+        (("serve",), {"SELECTION_PROTO_TRACK_PREFILL_TOKENS": "maybe"},
+         "selection-proto: error: SELECTION_PROTO_TRACK_PREFILL_TOKENS: invalid boolean value 'maybe'"),
+        (("serve", "--port", "abc"), {}, "selection-proto: error: --port: invalid int value 'abc'"),
+    ]:
+        result = run(*args, **env)
+        assert result.returncode == 2 and result.stderr.strip() == line, result.stderr
+
+
+def test_port_in_use_is_a_runtime_failure(server: Server) -> None:
+    result = subprocess.run([sys.executable, "-m", "selection_proto", "serve", "--port", str(server.port)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        f"selection-proto: error: cannot listen on 127.0.0.1:{server.port}")
