@@ -155,7 +155,7 @@ def _check_int_array(kind: tuple[Any, ...], value: Any, path: str, ctx: ShapeCon
             packed = array("q", value)
         else:
             packed = array("Q", value)
-        if ctx.may_contain_bools and not isinstance(value, array) and bool in map(type, value):
+        if ctx.may_contain_bools and not isinstance(value, array) and _has_bool(value, packed):
             raise TypeError
     except (OverflowError, TypeError, ValueError):
         for i, item in enumerate(value):
@@ -166,6 +166,27 @@ def _check_int_array(kind: tuple[Any, ...], value: Any, path: str, ctx: ShapeCon
     if name == "i64":
         return array("Q", packed.tobytes()).tolist()
     return packed.tolist()
+
+
+_ZERO: Final = array("q", [0]).tobytes()
+_ONE: Final = array("q", [1]).tobytes()
+
+
+def _has_bool(value: Any, packed: array[int]) -> bool:
+    """Whether `value` holds a bool. A bool packs as 0 or 1, so only the positions of packed 0s and
+    1s are looked at, found by C-level byte search: prompts rarely hold many of those tokens."""
+    width = packed.itemsize
+    data = packed.tobytes()
+    for needle in (_ZERO[:width], _ONE[:width]):
+        i = data.find(needle)
+        while i != -1:
+            if i % width == 0:
+                if type(value[i // width]) is bool:
+                    return True
+                i = data.find(needle, i + width)
+            else:
+                i = data.find(needle, i + 1)
+    return False
 
 
 def check_value(kind: tuple[Any, ...], value: Any, path: str, ctx: ShapeContext = TYPED) -> Any:

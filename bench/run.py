@@ -1,0 +1,71 @@
+"""In-process benchmarks of the core, side by side with the reference when its virtualenv exists.
+
+    python bench/run.py [--reference-python /path/to/venv/bin/python]
+
+Prints one table row per figure: ours, reference, ratio (ours / reference, higher is better).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+from workload import BLOCK_SIZE, WORKERS, best_rate, prompts  # noqa: E402
+
+from selection_proto import SelectionService, SelectRequest, Settings, WorkerRequest  # noqa: E402
+from selection_proto.core.hashing import block_hashes, sequence_hashes  # noqa: E402
+from selection_proto.core.index import DeviceTree  # noqa: E402
+
+
+def ours() -> dict[str, tuple[float, float]]:
+    results: dict[str, tuple[float, float]] = {}
+    for n in (1024, 16384, 131072):
+        tokens = prompts(n, 1)[0]
+        results[f"hash_{n}"] = best_rate(lambda t: block_hashes(t, BLOCK_SIZE), [tokens] * 20)
+        results[f"hash_seq_{n}"] = best_rate(lambda t: sequence_hashes(block_hashes(t, BLOCK_SIZE)), [tokens] * 20)
+    for blocks in (64, 1024, 8192):
+        chain = block_hashes(prompts(blocks * BLOCK_SIZE, 1)[0], BLOCK_SIZE)
+        tree = DeviceTree()
+        for w in range(WORKERS):
+            tree.store((w, 0), None, [(h ^ w, h) for h in chain[: blocks * (w + 1) // WORKERS]])
+        results[f"find_{blocks}"] = best_rate(tree.find, [chain] * 200)
+        stores = [[(h ^ (1 << 60) ^ i, h) for h in chain[:16]] for i in range(200)]
+        fresh = DeviceTree()
+        results[f"store16_{blocks}"] = best_rate(lambda b, t=fresh: t.store((99, 0), None, b), stores, repeat=1)
+    service = SelectionService(Settings(kv_events="push"), random.Random(0))
+    for w in range(WORKERS):
+        service.upsert_worker(WorkerRequest(worker_id=w, model_name="m", endpoint=f"http://w{w}",
+                                            block_size=BLOCK_SIZE), now=0.0)
+    for n, count in ((1024, 400), (16384, 60)):
+        items = prompts(n, count)
+        results[f"select_{n}"] = best_rate(
+            lambda p: service.select(SelectRequest(model_name="m", token_ids=p), now=1.0), items)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reference-python", default=os.environ.get("REFERENCE_PYTHON"))
+    args = parser.parse_args()
+    reference: dict[str, list[float]] = {}
+    if args.reference_python:
+        env = {**os.environ, "RUST_LOG": "warn", "DYN_LOG": "warn"}
+        out = subprocess.run([args.reference_python, os.path.join(os.path.dirname(__file__), "reference.py")],
+                             capture_output=True, text=True, env=env, check=True)
+        reference = json.loads(out.stdout.strip().splitlines()[-1])
+    mine = ours()
+    print(f"{'figure':<18}{'ours /s':>14}{'spread':>10}{'reference /s':>16}{'ratio':>8}")
+    for name, (rate, spread) in mine.items():
+        ref = reference.get(name)
+        ratio = f"{rate / ref[0]:.2f}" if ref else "-"
+        ref_text = f"{ref[0]:,.0f}" if ref else "-"
+        print(f"{name:<18}{rate:>14,.0f}{spread:>10,.0f}{ref_text:>16}{ratio:>8}")
+
+
+if __name__ == "__main__":
+    main()
