@@ -275,6 +275,17 @@ def _meta(field: attrs.Attribute[Any]) -> Mapping[str, Any]:
     return field.metadata
 
 
+def _checked_member(meta: Mapping[str, Any], value: Any, path: str, ctx: ShapeContext) -> Any:
+    """A non-null member checked against its kind and its rule (api.md §2.3, core.md §9.6)."""
+    checked = check_value(meta["kind"], value, path, ctx)
+    rule: Rule | None = meta.get("rule")
+    if rule is not None:
+        reason = rule(checked)
+        if reason is not None:
+            raise shape_error(path, reason)
+    return checked
+
+
 def from_json(cls: type[T], obj: Any, path: str = "", ctx: ShapeContext = TYPED) -> T:
     """Build `cls` from a decoded JSON object; raises Unprocessable with the api.md §2.3 text."""
     if not isinstance(obj, Mapping):
@@ -309,13 +320,7 @@ def from_json(cls: type[T], obj: Any, path: str = "", ctx: ShapeContext = TYPED)
             if meta.get("required"):
                 raise _invalid_type(field_path, None, _expected(meta["kind"]))
             raise _invalid_type(field_path, None, _expected(meta["kind"]))
-        checked = check_value(meta["kind"], value, field_path, ctx)
-        rule: Rule | None = meta.get("rule")
-        if rule is not None:
-            reason = rule(checked)
-            if reason is not None:
-                raise shape_error(field_path, reason)
-        values[name] = checked
+        values[name] = _checked_member(meta, value, field_path, ctx)
     return _trusted(cls, values)
 
 
@@ -348,12 +353,7 @@ def validate_instance(inst: Any, path: str = "") -> None:
             if not meta.get("nullable"):
                 raise _invalid_type(field_path, None, _expected(meta["kind"]))
             continue
-        checked = check_value(meta["kind"], value, field_path, TYPED)
-        rule: Rule | None = meta.get("rule")
-        if rule is not None:
-            reason = rule(checked)
-            if reason is not None:
-                raise shape_error(field_path, reason)
+        checked = _checked_member(meta, value, field_path, TYPED)
         conv = meta.get("store")
         if conv is not None:
             checked = conv(checked)

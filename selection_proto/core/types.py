@@ -321,6 +321,13 @@ class ReservationRequest(_Prompt):
 # -- responses ---------------------------------------------------------------------------------
 
 
+class _Flat:
+    """A response whose JSON members are its attrs fields, in declaration order."""
+
+    def to_json(self) -> dict[str, Any]:
+        return attrs.asdict(self, recurse=False)  # type: ignore[arg-type]
+
+
 @attrs.frozen
 class StatusOk:
     def to_json(self) -> dict[str, Any]:
@@ -342,21 +349,13 @@ class ReadyResponse:
 
 
 @attrs.frozen(kw_only=True)
-class PotentialLoad:
+class PotentialLoad(_Flat):
     worker_id: int
     dp_rank: int
     potential_prefill_tokens: int
     potential_decode_blocks: int
     active_requests: int
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "worker_id": self.worker_id,
-            "dp_rank": self.dp_rank,
-            "potential_prefill_tokens": self.potential_prefill_tokens,
-            "potential_decode_blocks": self.potential_decode_blocks,
-            "active_requests": self.active_requests,
-        }
 
 
 @attrs.frozen(kw_only=True)
@@ -378,7 +377,7 @@ class ModelLoadResponse:
 
 
 @attrs.frozen(kw_only=True)
-class Candidate:
+class Candidate(_Flat):
     """One cost breakdown of `explain` (core.md §9.8)."""
 
     worker_id: int
@@ -391,28 +390,14 @@ class Candidate:
     disk_blocks: int
     cached_tokens: int
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "worker_id": self.worker_id,
-            "dp_rank": self.dp_rank,
-            "logit": self.logit,
-            "potential_prefill_tokens": self.potential_prefill_tokens,
-            "potential_decode_blocks": self.potential_decode_blocks,
-            "device_blocks": self.device_blocks,
-            "host_pinned_blocks": self.host_pinned_blocks,
-            "disk_blocks": self.disk_blocks,
-            "cached_tokens": self.cached_tokens,
-        }
 
 
 @attrs.frozen(kw_only=True)
-class Excluded:
+class Excluded(_Flat):
     worker_id: int
     dp_rank: int
     reason: str
 
-    def to_json(self) -> dict[str, Any]:
-        return {"worker_id": self.worker_id, "dp_rank": self.dp_rank, "reason": self.reason}
 
 
 @attrs.frozen(kw_only=True)
@@ -454,7 +439,7 @@ class SelectResponse:
 
 
 @attrs.frozen(kw_only=True)
-class ReservationResponse:
+class ReservationResponse(_Flat):
     reservation_id: str
     model_name: str
     tenant_id: str
@@ -462,15 +447,6 @@ class ReservationResponse:
     dp_rank: int
     endpoint: str
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "reservation_id": self.reservation_id,
-            "model_name": self.model_name,
-            "tenant_id": self.tenant_id,
-            "worker_id": self.worker_id,
-            "dp_rank": self.dp_rank,
-            "endpoint": self.endpoint,
-        }
 
 
 @attrs.frozen(kw_only=True)
