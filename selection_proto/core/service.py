@@ -7,6 +7,7 @@ from the injected `random.Random`.
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 import uuid
@@ -38,7 +39,7 @@ from .hashing import block_hashes as hash_blocks
 from .hashing import sequence_hashes
 from .index import LOWER_TIERS, IndexError_, KeyIndex, Rank
 from .metrics import Metrics
-from .outputs import OutputEvent, SubscribeKvEvents, UnsubscribeKvEvents
+from .outputs import OutputEvent, SelectionReady, SubscribeKvEvents, UnsubscribeKvEvents
 from .settings import Settings, resolve_weights
 from .tracker import DuplicateReservation, Tracker, rank_text
 from .types import (
@@ -63,6 +64,7 @@ from .types import (
     WorkerPatchRequest,
     WorkerRequest,
 )
+from .wire import error_response, json_response
 
 __all__ = ["SelectionService"]
 
@@ -105,7 +107,7 @@ class _KeyState:
     """Everything a key (model, tenant) holds while it has a schedulable rank (core.md §6.4)."""
 
     __slots__ = ("key", "label", "block_size", "index", "tracker", "fresh", "epoch", "workers",
-                 "taints", "_ranks")
+                 "taints", "queue", "_ranks")
 
     def __init__(self, key: Key, block_size: int, now: float, settings: Settings) -> None:
         self.key = key
@@ -117,6 +119,7 @@ class _KeyState:
         self.epoch = now
         self.workers: dict[int, tuple[Rank, ...]] = {}  # schedulable worker -> its ranks
         self.taints: dict[int, frozenset[str]] = {}
+        self.queue: list[_Queued] = []  # in run order (core.md §10.3)
         self._ranks: list[Rank] | None = None
 
     def ranks(self) -> list[Rank]:
@@ -141,6 +144,24 @@ class _KeyState:
         self.index.drop_rank(rank)
         self.index.device.ensure(rank)
         self.fresh[rank] = _Fresh()
+
+
+class _Queued:
+    __slots__ = ("ticket", "order", "req", "rid", "prompt", "enqueued_at")
+
+    def __init__(self, ticket: int, order: float, req: SelectRequest, rid: str | None,
+                 prompt: _Prompt, enqueued_at: float) -> None:
+        self.ticket = ticket
+        self.order = order
+        self.req = req
+        self.rid = rid
+        self.prompt = prompt
+        self.enqueued_at = enqueued_at
+
+
+def _queue_order(entry: _Queued) -> tuple[float, int]:
+    """Higher order keys run first; tickets grow with arrival, so ties run in arrival order."""
+    return (-entry.order, entry.ticket)
 
 
 @attrs.frozen
@@ -179,6 +200,9 @@ class SelectionService:
         self._outputs: deque[OutputEvent] = deque()
         self._now = -math.inf
         self._shutting_down = False
+        self._next_ticket = 1
+        self._tickets: dict[int, Key] = {}  # pending ticket -> its key
+        self._dispatching = False
 
     # -- time and outputs ------------------------------------------------------------------------
 
@@ -193,32 +217,39 @@ class SelectionService:
     def tick(self, now: float) -> None:
         now = self._advance(now)
         for state in list(self._keys.values()):
-            self._expire(state, now)
+            if self._expire(state, now):
+                self._dispatch(state, now)
+            self._expire_queue(state, now)
+            self._dispatch(state, now)
 
     def next_deadline(self) -> float | None:
-        deadlines = [
-            d for s in self._keys.values()
-            if (d := s.tracker.next_expiry(self.settings.active_request_expiry_secs)) is not None
-        ]
+        """The earliest `now` at which `tick` has work: a booking expiry or a queue timeout."""
+        deadlines = []
+        for state in self._keys.values():
+            d = state.tracker.next_expiry(self.settings.active_request_expiry_secs)
+            if d is not None:
+                deadlines.append(d)
+            if state.queue:
+                deadlines.append(min(e.enqueued_at for e in state.queue)
+                                 + self.settings.queue_timeout_secs)
         return min(deadlines) if deadlines else None
 
-    def cancel_ticket(self, ticket: int) -> bool:
-        """Forget a pending selection; the core does not queue yet, so nothing is ever pending."""
-        return False
-
     def begin_shutdown(self, *, now: float) -> None:
-        self._advance(now)
+        now = self._advance(now)
         self._shutting_down = True
+        for state in self._keys.values():
+            self._fail_queue(state, NotReady(SHUTTING_DOWN), "shutdown", now)
 
     @property
     def shutting_down(self) -> bool:
         return self._shutting_down
 
-    def _expire(self, state: _KeyState, now: float) -> None:
+    def _expire(self, state: _KeyState, now: float) -> bool:
         expired = state.tracker.expire(now, self.settings.active_request_expiry_secs)
         if expired:
             self.metrics.inc("selection_proto_reservation_events_total", (*state.key, "expired"),
                              len(expired))
+        return bool(expired)
 
     # -- health and readiness ------------------------------------------------------------------
 
@@ -336,6 +367,9 @@ class SelectionService:
         self._key_records.setdefault(record.key, set()).add(req.worker_id)
         self._tombstones.pop(req.worker_id, None)
         self._records[req.worker_id] = record
+        self._dispatch(self._keys.get(record.key), now)
+        if previous is not None and previous.key != record.key:
+            self._dispatch(self._keys.get(previous.key), now)
         return record
 
     def _subscribe(self, state: _KeyState, rank: Rank, endpoint: str | None) -> None:
@@ -383,6 +417,8 @@ class SelectionService:
         self._drop_ranks(state, ranks)
         if not state.workers:
             del self._keys[record.key]
+            self._fail_queue(state, NotReady(f"no schedulable workers for {state.label}"), "failed",
+                             self._now)
 
     def _update_in_place(self, previous: WorkerCatalogRecord, record: WorkerCatalogRecord) -> None:
         state = self._keys[record.key]
@@ -416,6 +452,7 @@ class SelectionService:
             return previous
         if previous.lifecycle == "schedulable":
             self._leave(previous)
+            self._dispatch(self._keys.get(previous.key), self._now)
         record = WorkerCatalogRecord(request=previous.request, lifecycle="unschedulable")
         self._records[worker_id] = record
         ids = self._key_records.get(record.key)
@@ -502,7 +539,8 @@ class SelectionService:
         except SelectionError as exc:
             self.metrics.inc("selection_proto_selections_total", (*labels, str(exc.status)))
             raise
-        self.metrics.inc("selection_proto_selections_total", (*labels, "200"))
+        if not isinstance(result, Pending):
+            self.metrics.inc("selection_proto_selections_total", (*labels, "200"))
         return result
 
     def _candidates(self, req: SelectRequest, state: _KeyState
@@ -582,8 +620,8 @@ class SelectionService:
             raise TooManyRequests("all eligible workers are overloaded")
         return kept
 
-    def _score(self, req: SelectRequest, state: _KeyState, prompt: _Prompt, candidates: list[Rank]
-               ) -> list[_Scored]:
+    def _score(self, req: SelectRequest, state: _KeyState, prompt: _Prompt, candidates: list[Rank],
+               estimates: tuple[dict[Rank, int], dict[Rank, int], dict[Rank, int]]) -> list[_Scored]:
         s = self.settings
         o = req.router_config_override or _NO_OVERRIDE
         scale, credit = resolve_weights(o.overlap_score_weight, o.prefill_load_scale,
@@ -594,7 +632,7 @@ class SelectionService:
         isl = prompt.isl
         w_host, w_disk = s.host_cache_hit_weight, s.disk_cache_hit_weight
         w_req = s.decode_active_request_weight
-        device, host, disk = self._estimates(state, prompt.blocks)
+        device, host, disk = estimates
         loads = state.tracker.loads
         distinct = set(prompt.seqs) if s.track_active_blocks and prompt.seqs else None
         decay_setting = s.overlap_score_credit_decay
@@ -660,7 +698,8 @@ class SelectionService:
                 return c
         return scored[-1]
 
-    def _select(self, req: SelectRequest, now: float, reserve: bool) -> SelectResponse:
+    def _select(self, req: SelectRequest, now: float, reserve: bool) -> SelectResponse | Pending:
+        """Steps 2-11 of core.md §9.7."""
         if self._shutting_down:
             raise NotReady(SHUTTING_DOWN)
         state = self._gate(req.model_name, req.tenant_id)
@@ -675,8 +714,19 @@ class SelectionService:
         self._check_id_length("selection_id", req.selection_id)
         prompt = self._prompt(req, state)
         candidates, excluded = self._candidates(req, state)
+        estimates = self._estimates(state, prompt.blocks)
+        if (self.settings.queue_threshold is not None and req.allowed_worker_ids is None
+                and all(self._busy(state, r) for r in candidates)):
+            return self._enqueue(state, req, rid, prompt, candidates, estimates, now)
+        return self._finish_selection(state, req, rid, prompt, candidates, excluded, estimates, now)
+
+    def _finish_selection(self, state: _KeyState, req: SelectRequest, rid: str | None, prompt: _Prompt,
+                          candidates: list[Rank], excluded: dict[Rank, str],
+                          estimates: tuple[dict[Rank, int], dict[Rank, int], dict[Rank, int]],
+                          now: float) -> SelectResponse:
+        """Steps 9-11: overload filter, cost, choice, booking, answer."""
         candidates = self._filter_overloaded(req, state, candidates, excluded)
-        scored = self._score(req, state, prompt, candidates)
+        scored = self._score(req, state, prompt, candidates, estimates)
         o = req.router_config_override
         temperature = (o.router_temperature if o is not None and o.router_temperature is not None
                        else self.settings.temperature)
@@ -697,6 +747,111 @@ class SelectionService:
                                     excluded=tuple(Excluded(worker_id=r[0], dp_rank=r[1], reason=why)
                                                    for r, why in sorted(excluded.items())))
         return response
+
+    # -- queue (core.md §10) -------------------------------------------------------------------
+
+    def _busy(self, state: _KeyState, rank: Rank) -> bool:
+        threshold = self.settings.queue_threshold
+        assert threshold is not None
+        limit = self._records[rank[0]].request.max_num_batched_tokens or 0
+        return state.tracker.loads[rank].prefill_tokens > threshold * limit
+
+    def _enqueue(self, state: _KeyState, req: SelectRequest, rid: str | None, prompt: _Prompt,
+                 candidates: list[Rank],
+                 estimates: tuple[dict[Rank, int], dict[Rank, int], dict[Rank, int]],
+                 now: float) -> Pending:
+        s = self.settings
+        if len(state.queue) >= s.queue_max_pending:
+            self.metrics.inc("selection_proto_queue_events_total", (*state.key, "rejected_full"))
+            self.metrics.inc("selection_proto_limit_rejections_total", ("queue_full",))
+            raise TooManyRequests(f"queue is full for {state.label}: {s.queue_max_pending} requests pending")
+        jump = max(0.0, req.priority_jump or 0.0)
+        age = now - state.epoch
+        if s.queue_policy == "fcfs":
+            order = jump - age
+        elif s.queue_policy == "lcfs":
+            order = jump + age
+        else:
+            device, host, disk = estimates
+            cached = max(max(0, math.floor(self._effective(device.get(r, 0), host.get(r, 0),
+                                                           disk.get(r, 0)) * state.block_size + 0.5))
+                         for r in candidates)
+            order = (1 + jump) / max(1, max(0, prompt.isl - cached))
+        ticket = self._next_ticket
+        self._next_ticket += 1
+        entry = _Queued(ticket, order, req, rid, prompt, now)
+        bisect.insort(state.queue, entry, key=_queue_order)
+        self._tickets[ticket] = state.key
+        self.metrics.inc("selection_proto_queue_events_total", (*state.key, "queued"))
+        return Pending(ticket)
+
+    def _resolve(self, state: _KeyState, entry: _Queued, result: SelectResponse | SelectionError,
+                 event: str, now: float) -> None:
+        """Emit the one SelectionReady of a ticket."""
+        self._tickets.pop(entry.ticket, None)
+        route = "select_and_reserve" if isinstance(entry.req, SelectAndReserveRequest) else "select"
+        if isinstance(result, SelectionError):
+            response = error_response(result.status, result.message)
+        else:
+            response = json_response(200, result.to_json())
+        self.metrics.inc("selection_proto_selections_total",
+                         (*state.key, route, str(response.status)))
+        self.metrics.inc("selection_proto_queue_events_total", (*state.key, event))
+        self.metrics.observe("selection_proto_queue_wait_seconds", state.key, now - entry.enqueued_at)
+        self._outputs.append(SelectionReady(entry.ticket, result, response))
+
+    def _fail_queue(self, state: _KeyState, error: SelectionError, event: str, now: float) -> None:
+        entries, state.queue = state.queue, []
+        for entry in entries:
+            self._resolve(state, entry, error, event, now)
+
+    def _dispatch(self, state: _KeyState | None, now: float) -> None:
+        """Run queued requests whose candidates now include a rank that is not busy (§10.4)."""
+        if state is None or not state.queue or self._dispatching:
+            return
+        self._dispatching = True
+        try:
+            for entry in list(state.queue):
+                req = entry.req
+                try:
+                    candidates, excluded = self._candidates(req, state)
+                    if all(self._busy(state, r) for r in candidates):
+                        continue
+                    state.queue.remove(entry)
+                    estimates = self._estimates(state, entry.prompt.blocks)
+                    result: SelectResponse | SelectionError = self._finish_selection(
+                        state, req, entry.rid, entry.prompt, candidates, excluded, estimates, now)
+                    event = "dispatched"
+                except SelectionError as exc:
+                    if entry in state.queue:
+                        state.queue.remove(entry)
+                    result, event = exc, "failed"
+                self._resolve(state, entry, result, event, now)
+        finally:
+            self._dispatching = False
+
+    def _expire_queue(self, state: _KeyState, now: float) -> None:
+        timeout = self.settings.queue_timeout_secs
+        late = [e for e in state.queue if now - e.enqueued_at >= timeout]
+        for entry in late:
+            state.queue.remove(entry)
+            self._resolve(state, entry, NotReady(
+                f"timed out after {format(timeout, 'g')} s waiting in the queue for {state.label}"),
+                "timed_out", now)
+
+    def cancel(self, ticket: int, *, now: float) -> bool:
+        """The client went away: forget its pending selection; no SelectionReady follows."""
+        self._advance(now)
+        key = self._tickets.pop(ticket, None)
+        state = self._keys.get(key) if key is not None else None
+        if state is None:
+            return False
+        for entry in state.queue:
+            if entry.ticket == ticket:
+                state.queue.remove(entry)
+                self.metrics.inc("selection_proto_queue_events_total", (*state.key, "cancelled"))
+                return True
+        return False
 
     def _observe_selection(self, state: _KeyState, prompt: _Prompt, chosen: _Scored,
                            scored: list[_Scored]) -> None:
@@ -774,6 +929,7 @@ class SelectionService:
         state = self._find_booking(reservation_id, model_name, tenant_id)
         state.tracker.prefill_complete(reservation_id)
         self.metrics.inc("selection_proto_reservation_events_total", (*state.key, "prefill_complete"))
+        self._dispatch(state, self._now)
 
     def free(self, reservation_id: str, *, model_name: str | None = None,
              tenant_id: str | None = None, now: float) -> None:
@@ -781,6 +937,7 @@ class SelectionService:
         state = self._find_booking(reservation_id, model_name, tenant_id)
         state.tracker.free(reservation_id)
         self.metrics.inc("selection_proto_reservation_events_total", (*state.key, "freed"))
+        self._dispatch(state, self._now)
 
     # -- loads and scores ----------------------------------------------------------------------
 
@@ -794,6 +951,7 @@ class SelectionService:
                 continue
             state = self._keys[key]
             loads = state.tracker.loads
+            pending = state.queue
             out.append(ModelLoadResponse(
                 model_name=key[0], tenant_id=key[1],
                 loads=tuple(PotentialLoad(worker_id=r[0], dp_rank=r[1],
@@ -801,6 +959,8 @@ class SelectionService:
                                           potential_decode_blocks=len(loads[r].unique),
                                           active_requests=loads[r].requests)
                             for r in state.ranks()),
+                pending_count=len(pending),
+                pending_isl_tokens=sum(e.prompt.isl for e in pending),
             ))
         return out
 
@@ -1015,7 +1175,7 @@ class SelectionService:
         for key, state in self._keys.items():
             ranks[key] = float(len(state.ranks()))
             active[key] = float(len(state.tracker.bookings))
-            pending[key] = 0.0
+            pending[key] = float(len(state.queue))
             stale[key] = float(sum(1 for f in state.fresh.values() if f.stale))
             blocks[(*key, "device")] = float(state.index.device.total_size())
             for tier in LOWER_TIERS:

@@ -13,6 +13,7 @@ import anyio
 import anyio.abc
 
 from ..adapters.http import HttpConnection
+from ..core.outputs import SelectionReady
 from ..core.service import SelectionService
 from ..core.wire import error_response
 
@@ -47,6 +48,8 @@ class _Server:
         self.draining = False
         self.idle = anyio.Event()
         self.waits: dict[HttpConnection, anyio.CancelScope] = {}  # idle receives, cut by shutdown
+        self.waiting: dict[int, tuple[HttpConnection, anyio.abc.SocketStream, anyio.Lock]] = {}
+        self.wake = anyio.Event()
 
     def _report_connections(self) -> None:
         self.service.observe("selection_proto_connections", ("http",), float(len(self.connections)))
@@ -64,22 +67,64 @@ class _Server:
                     pass
                 return
             conn = HttpConnection(self.service, self.clock)
+            lock = anyio.Lock()
             self.connections.add(conn)
             self._report_connections()
             try:
-                await self._serve(stream, conn)
+                await self._serve(stream, conn, lock)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
                 pass
             finally:
+                if conn.pending_ticket is not None:
+                    # The client went away while its selection was queued.
+                    self.waiting.pop(conn.pending_ticket, None)
+                    self.service.cancel(conn.pending_ticket, now=self.clock())
                 self.connections.discard(conn)
                 self._report_connections()
                 if self.draining and not self.connections:
                     self.idle.set()
 
-    async def _serve(self, stream: anyio.abc.SocketStream, conn: HttpConnection) -> None:
+    async def pump(self) -> None:
+        """Deliver the core's outputs: answers of queued selections go to their connections.
+        Subscription outputs have no transport yet and are dropped (see docs/DECISIONS.md)."""
+        while (out := self.service.next_output()) is not None:
+            if isinstance(out, SelectionReady):
+                waiter = self.waiting.pop(out.ticket, None)
+                if waiter is None:
+                    continue
+                conn, stream, lock = waiter
+                conn.resolve(out.response)
+                data = conn.data_to_send()
+                if data:
+                    async with lock:
+                        try:
+                            await stream.send(data)
+                        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                            conn.closed = True
+                if conn.pending_ticket is not None:
+                    self.waiting[conn.pending_ticket] = (conn, stream, lock)
+                if conn.closed:
+                    self.waits.pop(conn, anyio.CancelScope()).cancel()
+        self.wake.set()
+
+    async def timer(self) -> None:
+        """Tick the core at its next deadline (booking expiry, queue timeout)."""
+        while True:
+            deadline = self.service.next_deadline()
+            delay = 1.0 if deadline is None else min(1.0, max(0.0, deadline - self.clock()))
+            with anyio.move_on_after(delay):
+                await self.wake.wait()
+            self.wake = anyio.Event()
+            self.service.tick(self.clock())
+            await self.pump()
+
+    async def _serve(self, stream: anyio.abc.SocketStream, conn: HttpConnection,
+                     lock: anyio.Lock) -> None:
         while not conn.closed:
-            timeout = (self.config.request_timeout_secs if conn.busy
+            timeout = (self.config.request_timeout_secs if conn.busy and conn.pending_ticket is None
                        else self.config.keep_alive_timeout_secs)
+            if conn.pending_ticket is not None:
+                timeout = float("inf")  # the queue's own timeout bounds the wait
             data = None
             with anyio.move_on_after(timeout) as scope:
                 self.waits[conn] = scope
@@ -98,9 +143,13 @@ class _Server:
                         await stream.send(out)
                 return
             conn.receive_data(data)
+            if conn.pending_ticket is not None:
+                self.waiting[conn.pending_ticket] = (conn, stream, lock)
             out = conn.data_to_send()
             if out:
-                await stream.send(out)
+                async with lock:
+                    await stream.send(out)
+            await self.pump()
             if self.draining and not conn.busy:
                 return
 
@@ -131,6 +180,7 @@ async def serve(service: SelectionService, config: ServerConfig,
                 await accept()
 
         tg.start_soon(run_accept)
+        tg.start_soon(server.timer)
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
                 log("info", "shutdown", signal=signal.Signals(signum).name)
@@ -138,6 +188,7 @@ async def serve(service: SelectionService, config: ServerConfig,
         server.draining = True
         accept_scope.cancel()
         service.begin_shutdown(now=time.monotonic())
+        await server.pump()
         for conn in list(server.connections):
             conn.shutdown()
             if not conn.busy:
