@@ -168,3 +168,44 @@ def test_port_in_use_is_a_runtime_failure(server: Server) -> None:
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].startswith(
         f"selection-proto: error: cannot listen on 127.0.0.1:{server.port}")
+
+
+def test_queued_select_is_answered_when_load_frees() -> None:
+    s = Server("--queue-threshold", "1", "--queue-timeout-secs", "3")
+    try:
+        with s.connect() as admin, s.connect() as waiter, s.connect() as leaver:
+            buf = bytearray()
+            admin.sendall(request("POST", "/workers", {"worker_id": 1, "endpoint": "e", "block_size": 4,
+                                                       "max_num_batched_tokens": 8}))
+            assert read_response(admin, buf)[0] == 201
+            admin.sendall(request("POST", "/reservations", {"reservation_id": "hold", "worker_id": 1,
+                                                            "token_ids": list(range(16))}))
+            assert read_response(admin, buf)[0] == 201
+            waiter.sendall(request("POST", "/select", {"token_ids": [1, 2, 3, 4], "selection_id": "w"})
+                           + request("GET", "/health"))
+            leaver.sendall(request("POST", "/select", {"token_ids": [1, 2, 3, 4]}))
+            time.sleep(0.3)
+            leaver.close()  # a client that goes away cancels its ticket
+            time.sleep(0.2)
+            admin.sendall(request("GET", "/loads"))
+            assert json.loads(read_response(admin, buf)[2])[0]["pending_count"] == 1
+            waiter.settimeout(0.3)
+            with pytest.raises(TimeoutError):
+                waiter.recv(1)
+            waiter.settimeout(5)
+            admin.sendall(request("DELETE", "/reservations/hold"))
+            assert read_response(admin, buf)[0] == 200
+            wbuf = bytearray()
+            status, _, body = read_response(waiter, wbuf)
+            assert status == 200 and json.loads(body)["selection_id"] == "w"
+            assert read_response(waiter, wbuf)[0] == 200  # the pipelined request behind it
+            admin.sendall(request("POST", "/reservations", {"reservation_id": "hold", "worker_id": 1,
+                                                            "token_ids": list(range(16))}))
+            assert read_response(admin, buf)[0] == 201
+            waiter.sendall(request("POST", "/select", {"token_ids": [1]}))
+            start = time.monotonic()
+            status, _, body = read_response(waiter, wbuf)
+            assert status == 503 and "timed out after 3 s waiting in the queue" in json.loads(body)["error"]
+            assert 2.5 < time.monotonic() - start < 5
+    finally:
+        assert s.stop() == 0

@@ -142,6 +142,8 @@ class _Server:
                     if out:
                         await stream.send(out)
                 return
+            if not data and conn.pending_ticket is not None:
+                return  # the client left while its selection waited: `client` cancels the ticket
             conn.receive_data(data)
             if conn.pending_ticket is not None:
                 self.waiting[conn.pending_ticket] = (conn, stream, lock)
