@@ -90,6 +90,20 @@ def _env(name: str) -> str:
     return "SELECTION_PROTO_" + name.upper()
 
 
+def _add_settings(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--backend", default=None, help="asyncio (default) or trio")
+    command.add_argument("--log-level", default=None, help="debug, info, warning, error")
+    command.add_argument("--random-state", default=None, help="seed of the random generator")
+    command.add_argument("--config", default=None, help="TOML file of settings")
+    for field in _SETTING_FIELDS:
+        kind, _ = _kind(field)
+        if kind == "bool":
+            command.add_argument(_flag(field.name), dest=field.name, default=None,
+                                 action=argparse.BooleanOptionalAction)
+        else:
+            command.add_argument(_flag(field.name), dest=field.name, default=None, metavar="VALUE")
+
+
 def _build_parser() -> _Parser:
     parser = _Parser(prog=PROG, description="KV-cache-aware worker selection service.")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
@@ -101,17 +115,9 @@ def _build_parser() -> _Parser:
     serve.add_argument("--keep-alive-timeout-secs", default=None)
     serve.add_argument("--request-timeout-secs", default=None)
     serve.add_argument("--shutdown-timeout-secs", default=None)
-    serve.add_argument("--backend", default=None, help="asyncio (default) or trio")
-    serve.add_argument("--log-level", default=None, help="debug, info, warning, error")
-    serve.add_argument("--random-state", default=None, help="seed of the random generator")
-    serve.add_argument("--config", default=None, help="TOML file of settings")
-    for field in _SETTING_FIELDS:
-        kind, _ = _kind(field)
-        if kind == "bool":
-            serve.add_argument(_flag(field.name), dest=field.name, default=None,
-                               action=argparse.BooleanOptionalAction)
-        else:
-            serve.add_argument(_flag(field.name), dest=field.name, default=None, metavar="VALUE")
+    _add_settings(serve)
+    stdio = sub.add_parser("stdio", help="JSON-RPC 2.0 lines on stdin/stdout")
+    _add_settings(stdio)
     return parser
 
 
@@ -162,14 +168,30 @@ def settings_from(args: argparse.Namespace, env: Mapping[str, str]) -> Settings:
         raise UsageError(f"{sources.get(name, name)}: {reason or text}") from None
 
 
-def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    from .transports.server import ServerConfig, log, serve
-
+def _service_and_backend(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[SelectionService, str]:
     settings = settings_from(args, env)
     seed = _transport_value(args, env, "random_state", None, int)
     backend = _transport_value(args, env, "backend", "asyncio", str)
     if backend not in ("asyncio", "trio"):
         raise UsageError(f"--backend: invalid choice {backend!r} (choose from asyncio, trio)")
+    rng = random.Random(seed) if seed is not None else random.Random()
+    return SelectionService(settings, rng), backend
+
+
+def _stdio(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    import anyio
+
+    from .transports.stdio import serve_stdio
+
+    service, backend = _service_and_backend(args, env)
+    anyio.run(serve_stdio, service, backend=backend)
+    return 0
+
+
+def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    from .transports.server import ServerConfig, log, serve
+
+    service, backend = _service_and_backend(args, env)
     config = ServerConfig(
         host=_transport_value(args, env, "host", "127.0.0.1", str),
         port=_transport_value(args, env, "port", 8092, int),
@@ -178,8 +200,6 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         request_timeout_secs=_transport_value(args, env, "request_timeout_secs", 30.0, float),
         shutdown_timeout_secs=_transport_value(args, env, "shutdown_timeout_secs", 10.0, float),
     )
-    rng = random.Random(seed) if seed is not None else random.Random()
-    service = SelectionService(settings, rng)
     import anyio
 
     try:
@@ -198,8 +218,8 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     try:
         args = parser.parse_args(argv)
         if args.command is None:
-            raise UsageError("a command is required (serve)")
-        return _serve(args, env)
+            raise UsageError("a command is required (serve, stdio)")
+        return _stdio(args, env) if args.command == "stdio" else _serve(args, env)
     except UsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,282 @@
+"""Sans-IO JSON-RPC 2.0 over newline-delimited JSON, dispatching to the core's `handle` (transports.md §6).
+
+Feed input bytes with `receive_data` (and `end_of_input` at EOF), hand the core's `SelectionReady`
+outputs to `deliver`, and write what `data_to_send` returns. Results are the very bytes `handle`
+produced, spliced into the envelope, so JSON lines and HTTP answer identically.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Callable
+from http import HTTPStatus
+from typing import Any, Final
+from urllib.parse import quote, urlencode
+
+from ..core import jsonio
+from ..core.outputs import SelectionReady
+from ..core.service import SelectionService
+from ..core.types import Pending
+from ..core.wire import Response
+
+__all__ = ["MAX_LINE", "METHODS", "JsonRpcSession"]
+
+MAX_LINE: Final = 8 * 1024 * 1024
+_JSON: Final = ("content-type", "application/json")
+_MSGPACK: Final = ("content-type", "application/msgpack")
+
+# method -> (HTTP method, route template, path parameter, has body)
+METHODS: Final[dict[str, tuple[str, str, str | None, bool]]] = {
+    "health": ("GET", "/health", None, False),
+    "ready": ("GET", "/ready", None, False),
+    "workers.create": ("POST", "/workers", None, True),
+    "workers.list": ("GET", "/workers", None, False),
+    "workers.update": ("PATCH", "/workers/{}", "worker_id", True),
+    "workers.delete": ("DELETE", "/workers/{}", "worker_id", False),
+    "select": ("POST", "/select", None, True),
+    "select_and_reserve": ("POST", "/select_and_reserve", None, True),
+    "reservations.create": ("POST", "/reservations", None, True),
+    "reservations.prefill_complete": ("POST", "/reservations/{}/prefill_complete", "reservation_id", False),
+    "reservations.free": ("DELETE", "/reservations/{}", "reservation_id", False),
+    "loads": ("GET", "/loads", None, False),
+    "potential_loads": ("POST", "/potential_loads", None, True),
+    "overlap_scores": ("POST", "/overlap_scores", None, True),
+    "kv_events": ("POST", "/kv_events", None, True),
+    "metrics": ("GET", "/metrics", None, False),
+    "openapi": ("GET", "/openapi.json", None, False),
+    "dump": ("GET", "/dump", None, False),
+}
+_EVENT_QUERY: Final = ("worker_id", "dp_rank", "model_name", "tenant_id", "routing_group")
+
+Id = str | int | None
+
+
+class _ParamsError(Exception):
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+def _envelope_error(rid: Id, code: int, message: str, data: dict[str, Any] | None = None) -> bytes:
+    error: dict[str, Any] = {"code": code, "message": message}
+    if data is not None:
+        error["data"] = data
+    return jsonio.dumps({"jsonrpc": "2.0", "id": rid, "error": error}) + b"\n"
+
+
+def render(rid: Id, response: Response) -> bytes:
+    """The JSON-RPC answer for one `handle` response (transports.md §6.4)."""
+    status, headers, body = response
+    head = b'{"jsonrpc":"2.0","id":' + jsonio.dumps(rid)
+    if dict(headers).get("content-type") != "application/json":
+        body = jsonio.dumps({"content_type": dict(headers).get("content-type", ""),
+                             "text": body.decode("utf-8")})
+    if 200 <= status < 300:
+        return head + b',"result":' + body + b"}\n"
+    parsed = jsonio.loads(body) if body else None
+    message = parsed.get("error") if isinstance(parsed, dict) else None
+    if not isinstance(message, str):
+        message = HTTPStatus(status).phrase
+    return head + b',"error":' + jsonio.dumps({"code": status, "message": message, "data": {
+        "status": status, "body": parsed}}) + b"}\n"
+
+
+class JsonRpcSession:
+    def __init__(self, service: SelectionService, clock: Callable[[], float]) -> None:
+        self._service = service
+        self._clock = clock
+        self._buffer = bytearray()
+        self._discarding = False
+        self._out: list[bytes] = []
+        self._waiting: dict[int, Id] = {}  # ticket -> request id (None for a notification)
+        self._in_flight: dict[Id, int] = {}  # request id -> ticket
+        self.shutdown_requested = False
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def data_to_send(self) -> bytes:
+        data = b"".join(self._out)
+        self._out.clear()
+        return data
+
+    def _count(self, outcome: str) -> None:
+        self._service.observe("selection_proto_jsonrpc_messages_total", (outcome,), 1.0)
+
+    # -- framing -------------------------------------------------------------------------------
+
+    def receive_data(self, data: bytes) -> None:
+        start = 0
+        while True:
+            end = data.find(b"\n", start)
+            if end == -1:
+                break
+            piece = data[start:end]
+            start = end + 1
+            if self._discarding:
+                self._discarding = False
+                continue
+            if len(self._buffer) + len(piece) > MAX_LINE:
+                self._buffer.clear()
+                self._too_long()
+                continue
+            line = bytes(self._buffer) + piece if self._buffer else piece
+            self._buffer.clear()
+            self._line(line)
+        rest = data[start:]
+        if self._discarding:
+            return
+        if len(self._buffer) + len(rest) > MAX_LINE:
+            # Never buffer beyond the limit: answer now, drop bytes up to the next newline.
+            self._buffer.clear()
+            self._discarding = True
+            self._too_long()
+            return
+        self._buffer += rest
+
+    def end_of_input(self) -> None:
+        if self._buffer and not self._discarding:
+            line = bytes(self._buffer)
+            self._buffer.clear()
+            self._line(line)
+
+    def _too_long(self) -> None:
+        self._count("line_too_long")
+        self._service.metrics.inc("selection_proto_limit_rejections_total", ("line_size",))
+        self._out.append(_envelope_error(None, -32600, "Invalid Request",
+                                         {"detail": f"line exceeds {MAX_LINE} bytes"}))
+
+    # -- envelope ------------------------------------------------------------------------------
+
+    def _line(self, line: bytes) -> None:
+        if line.endswith(b"\r"):
+            line = line[:-1]
+        if not line.strip(b" \t"):
+            return
+        try:
+            message = jsonio.loads(line)
+        except jsonio.JSONSyntaxError as exc:
+            self._count("parse_error")
+            self._out.append(_envelope_error(None, -32700, "Parse error", {"detail": exc.detail}))
+            return
+        if isinstance(message, list):
+            self._invalid(None, "batch requests are not supported")
+            return
+        if not isinstance(message, dict):
+            self._invalid(None, "a request must be a JSON object")
+            return
+        has_id = "id" in message
+        rid = message.get("id")
+        valid_id = isinstance(rid, (str, int)) and not isinstance(rid, bool)
+        if has_id and not valid_id:
+            self._invalid(None, "id must be a string or an integer")
+            return
+        method = message.get("method")
+        if message.get("jsonrpc") != "2.0" or not isinstance(method, str):
+            self._invalid(rid if has_id else None, "jsonrpc must be \"2.0\" and method a string")
+            return
+        params = message.get("params", {})
+        if not isinstance(params, dict):
+            self._count("invalid_params")
+            if has_id:
+                self._out.append(_envelope_error(rid, -32602, "Invalid params",
+                                                 {"detail": "params must be an object"}))
+            return
+        if has_id and rid in self._in_flight:
+            self._invalid(rid, f"id {rid} is already in flight")
+            return
+        self._count("request" if has_id else "notification")
+        self._call(rid if has_id else None, has_id, method, params)
+
+    def _invalid(self, rid: Id, detail: str) -> None:
+        self._count("invalid_request")
+        self._out.append(_envelope_error(rid, -32600, "Invalid Request", {"detail": detail}))
+
+    # -- dispatch ------------------------------------------------------------------------------
+
+    def _call(self, rid: Id, answer: bool, method: str, params: dict[str, Any]) -> None:
+        if method == "cancel":
+            ticket = self._in_flight.pop(params.get("id"), None)  # type: ignore[arg-type]
+            if ticket is not None:
+                self._waiting.pop(ticket, None)
+                self._service.cancel(ticket, now=self._clock())
+            return
+        if method == "shutdown":
+            self.shutdown_requested = True
+            if answer:
+                self._out.append(b'{"jsonrpc":"2.0","id":' + jsonio.dumps(rid) + b',"result":{"status":"ok"}}\n')
+            return
+        route = METHODS.get(method)
+        if route is None:
+            self._count("method_not_found")
+            if answer:
+                self._out.append(_envelope_error(rid, -32601, "Method not found", {"method": method}))
+            return
+        try:
+            http_method, path, query, headers, body = _request(method, route, params)
+        except _ParamsError as exc:
+            self._count("invalid_params")
+            if answer:
+                self._out.append(_envelope_error(rid, -32602, "Invalid params", {"detail": exc.detail}))
+            return
+        result = self._service.handle(http_method, path, query, headers, body, now=self._clock())
+        if isinstance(result, Pending):
+            self._waiting[result.ticket] = rid
+            if answer:
+                self._in_flight[rid] = result.ticket
+            return
+        if answer:
+            self._out.append(render(rid, result))
+
+    def deliver(self, ready: SelectionReady) -> bool:
+        """Write the deferred answer of one of this session's tickets; False if not ours."""
+        if ready.ticket not in self._waiting:
+            return False
+        rid = self._waiting.pop(ready.ticket)
+        if rid is not None and self._in_flight.get(rid) == ready.ticket:
+            del self._in_flight[rid]
+            self._out.append(render(rid, ready.response))
+        return True
+
+
+def _request(method: str, route: tuple[str, str, str | None, bool], params: dict[str, Any]
+             ) -> tuple[str, str, str, list[tuple[str, str]], bytes]:
+    http_method, template, path_param, has_body = route
+    rest = dict(params)
+    path = template
+    if path_param is not None:
+        value = rest.pop(path_param, None)
+        if path_param == "worker_id":
+            if isinstance(value, bool) or not isinstance(value, (int, str)):
+                raise _ParamsError("worker_id must be an integer")
+            segment = str(value)
+        else:
+            if not isinstance(value, str):
+                raise _ParamsError("reservation_id must be a string")
+            segment = value
+        path = template.format(quote(segment, safe=""))
+    headers = [_JSON]
+    if method == "kv_events":
+        query = _query({k: rest.pop(k) for k in _EVENT_QUERY if k in rest})
+        if "batch_b64" in rest:
+            encoded = rest.pop("batch_b64")
+            try:
+                body = base64.b64decode(encoded, validate=True) if isinstance(encoded, str) else None
+            except (binascii.Error, ValueError):
+                body = None
+            if body is None:
+                raise _ParamsError("batch_b64 must be base64")
+            return http_method, path, query, [_MSGPACK], body
+        return http_method, path, query, headers, jsonio.dumps(rest.get("events", []))
+    if has_body:
+        return http_method, path, "", headers, jsonio.dumps(rest)
+    return http_method, path, _query(rest), headers, b""
+
+
+def _query(params: dict[str, Any]) -> str:
+    for name, value in params.items():
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise _ParamsError(f"{name} must be a string or an integer")
+    return urlencode({k: str(v) for k, v in params.items()})

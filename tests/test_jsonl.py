@@ -1,0 +1,152 @@
+"""`selection-proto stdio` as a real subprocess, and the Sans-IO session directly."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+from typing import Any
+
+from conftest import worker
+
+from selection_proto import SelectionService, Settings
+from selection_proto.adapters.jsonl import MAX_LINE, JsonRpcSession
+
+
+def rpc(rid: Any, method: str, **params: Any) -> bytes:
+    message: dict[str, Any] = {"jsonrpc": "2.0", "method": method, "params": params}
+    if rid is not None:
+        message["id"] = rid
+    return json.dumps(message).encode() + b"\n"
+
+
+def run_session(data: bytes, *args: str, timeout: float = 60) -> tuple[list[dict[str, Any]], str, int]:
+    proc = subprocess.run([sys.executable, "-m", "selection_proto", "stdio", "--kv-events", "push", *args],
+                          input=data, capture_output=True, timeout=timeout)
+    lines = proc.stdout.decode().splitlines()
+    return [json.loads(line) for line in lines], proc.stderr.decode(), proc.returncode
+
+
+def test_whole_session_with_bad_lines() -> None:
+    data = b"".join([
+        rpc(1, "workers.create", **worker(1)),
+        b"this is not json\n",
+        b"   \t \r\n",
+        b"[1, 2]\n",
+        b'"text"\n',
+        b'{"jsonrpc": "1.0", "id": 7, "method": "health"}\n',
+        b'{"jsonrpc": "2.0", "id": [1], "method": "health"}\n',
+        b'{"jsonrpc": "2.0", "id": 8, "method": "health", "params": [1]}\n',
+        rpc(2, "select", model_name="m", token_ids=[1, 2, 3, 4]),
+        rpc(3, "workers.delete", worker_id=9),
+        rpc(None, "workers.create", **worker(2)),  # a notification: processed, never answered
+        rpc(None, "no.such.method"),
+        rpc(4, "no.such.method"),
+        rpc(5, "reservations.free", reservation_id="a/b"),
+        rpc(6, "workers.update", worker_id=True),
+        rpc(9, "ready"),
+        rpc(10, "workers.list", model_name="m"),
+        rpc(11, "kv_events", worker_id=1, events=[{"event_id": 1, "data": "cleared"}]),
+        b'{"jsonrpc":"2.0","id":12,"method":"health"}',  # final line without newline
+    ])
+    answers, stderr, code = run_session(data)
+    assert code == 0
+    by_id = {a["id"]: a for a in answers if a["id"] is not None}
+    anonymous = [a["error"] for a in answers if a["id"] is None]
+    assert [e["code"] for e in anonymous] == [-32700, -32600, -32600, -32600]
+    assert anonymous[1]["data"] == {"detail": "batch requests are not supported"}
+    assert by_id[1]["result"]["lifecycle"] == "schedulable"
+    assert by_id[7]["error"]["code"] == -32600
+    assert by_id[8]["error"]["code"] == -32602
+    assert by_id[2]["result"]["worker_id"] == 1
+    assert by_id[3]["error"] == {"code": 404, "message": "worker 9 not found",
+                                 "data": {"status": 404, "body": {"error": "worker 9 not found"}}}
+    assert by_id[4]["error"] == {"code": -32601, "message": "Method not found", "data": {"method": "no.such.method"}}
+    assert by_id[5]["error"]["message"] == "reservation a/b not found"
+    assert by_id[6]["error"] == {"code": -32602, "message": "Invalid params",
+                                 "data": {"detail": "worker_id must be an integer"}}
+    assert by_id[9]["result"]["schedulable_workers"] == 2
+    assert [w["worker_id"] for w in by_id[10]["result"]] == [1, 2]
+    assert by_id[11]["result"]["applied"] == 1
+    assert by_id[12]["result"] == {"status": "ok"}
+    assert len(answers) == 16
+    for line in stderr.splitlines():
+        assert "level" in json.loads(line)
+
+
+def test_over_long_line_is_answered_and_the_stream_resyncs() -> None:
+    data = b'{"jsonrpc":"2.0","id":1,"method":"health","junk":"' + b"x" * (MAX_LINE + 10) + b'"}\n' + rpc(2, "health")
+    answers, _, code = run_session(data)
+    assert code == 0
+    assert answers == [
+        {"jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": "Invalid Request",
+                                                 "data": {"detail": "line exceeds 8388608 bytes"}}},
+        {"jsonrpc": "2.0", "id": 2, "result": {"status": "ok"}}]
+
+
+def test_queued_answers_overtake_and_eof_answers_what_waits() -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "selection_proto", "stdio", "--kv-events", "push",
+                             "--queue-threshold", "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
+    assert proc.stdin is not None and proc.stdout is not None
+
+    def send(data: bytes) -> None:
+        assert proc.stdin is not None
+        proc.stdin.write(data)
+        proc.stdin.flush()
+
+    def answer() -> dict[str, Any]:
+        assert proc.stdout is not None
+        return json.loads(proc.stdout.readline())
+
+    send(rpc(1, "workers.create", **worker(1, max_num_batched_tokens=8)))
+    assert answer()["id"] == 1
+    send(rpc(2, "reservations.create", model_name="m", reservation_id="hold", worker_id=1,
+             token_ids=list(range(16))))
+    assert answer()["id"] == 2
+    send(rpc("q", "select", model_name="m", token_ids=[1, 2, 3, 4]))
+    send(rpc("q", "select", model_name="m", token_ids=[1, 2, 3, 4]))
+    assert answer() == {"jsonrpc": "2.0", "id": "q", "error": {
+        "code": -32600, "message": "Invalid Request", "data": {"detail": "id q is already in flight"}}}
+    send(rpc("gone", "select", model_name="m", token_ids=[1, 2, 3, 4]))
+    send(rpc(None, "cancel", id="gone"))
+    send(rpc(3, "loads"))
+    loads = answer()
+    assert loads["id"] == 3 and loads["result"][0]["pending_count"] == 1  # "gone" was cancelled
+    send(rpc(4, "reservations.free", reservation_id="hold"))
+    first, second = answer(), answer()
+    assert {first["id"], second["id"]} == {"q", 4}  # the deferred answer may come first
+    send(rpc(5, "reservations.create", model_name="m", reservation_id="hold", worker_id=1,
+             token_ids=list(range(16))))
+    assert answer()["id"] == 5
+    send(rpc("late", "select", model_name="m", token_ids=[1]))
+    time.sleep(0.2)
+    proc.stdin.close()
+    last = answer()
+    assert last["id"] == "late" and last["error"]["message"] == "selection service is shutting down"
+    assert proc.wait(timeout=30) == 0
+
+
+def test_same_bytes_over_http_jsonl_and_in_process() -> None:
+    def fresh() -> SelectionService:
+        return SelectionService(Settings(kv_events="push"), random.Random(5))
+
+    body = {"model_name": "m", "token_ids": list(range(12)), "explain": True}
+    direct = fresh()
+    direct.handle("POST", "/workers", "", [("content-type", "application/json")],
+                  json.dumps(worker(1)).encode(), now=0.0)
+    http_body = direct.handle("POST", "/select_and_reserve", "", [("content-type", "application/json")],
+                              json.dumps(body).encode(), now=0.0).body
+    session_service = fresh()
+    session = JsonRpcSession(session_service, lambda: 0.0)
+    session.receive_data(rpc(1, "workers.create", **worker(1)) + rpc(2, "select_and_reserve", **body))
+    lines = session.data_to_send().splitlines()
+    assert lines[1] == b'{"jsonrpc":"2.0","id":2,"result":' + http_body + b"}"
+    typed = fresh()
+    from selection_proto import SelectAndReserveRequest, WorkerRequest
+
+    typed.upsert_worker(WorkerRequest(**worker(1)), now=0.0)
+    answer = typed.select_and_reserve(SelectAndReserveRequest(**body), now=0.0)
+    assert json.dumps(answer.to_json(), separators=(",", ":")).encode() == http_body
