@@ -24,5 +24,5 @@ def test_mypy_strict_core() -> None:
 
 
 def test_ruff_clean() -> None:
-    result = _run("ruff", "check", "selection_proto", "tests", "bench")
+    result = _run("ruff", "check", "selection_proto", "tests", "bench", "examples")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -13,7 +13,7 @@ from typing import Final
 
 import h11
 
-from ..core.handler import MAX_BODY
+from ..core.handler import MAX_BODY, match
 from ..core.service import SelectionService
 from ..core.types import Pending
 from ..core.wire import Response, error_response
@@ -131,8 +131,11 @@ class HttpConnection:
         path, _, query = target.partition("?")
         headers = [(n.decode("latin-1"), v.decode("latin-1")) for n, v in request.headers]
         method = request.method.decode("ascii", "replace")
-        result = self._service.handle(method, path, query, headers, b"".join(self._body),
-                                      now=self._clock())
+        started = self._clock()
+        result = self._service.handle(method, path, query, headers, b"".join(self._body), now=started)
+        matched = match(path)
+        self._service.observe("selection_proto_request_duration_seconds",
+                              (matched[0] if matched else "unmatched",), self._clock() - started)
         if isinstance(result, Pending):
             # The answer arrives later as a SelectionReady; later pipelined requests wait behind it.
             self.pending_ticket = result.ticket
