@@ -174,6 +174,12 @@ def _service_and_backend(args: argparse.Namespace, env: Mapping[str, str]) -> tu
     backend = _transport_value(args, env, "backend", "asyncio", str)
     if backend not in ("asyncio", "trio"):
         raise UsageError(f"--backend: invalid choice {backend!r} (choose from asyncio, trio)")
+    level = _transport_value(args, env, "log_level", "info", str)
+    from .transports.server import LEVELS, set_log_level
+
+    if level not in LEVELS:
+        raise UsageError(f"--log-level: invalid choice {level!r} (choose from debug, info, warning, error)")
+    set_log_level(level)
     rng = random.Random(seed) if seed is not None else random.Random()
     return SelectionService(settings, rng), backend
 

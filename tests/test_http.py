@@ -209,3 +209,27 @@ def test_queued_select_is_answered_when_load_frees() -> None:
             assert 2.5 < time.monotonic() - start < 5
     finally:
         assert s.stop() == 0
+
+
+def test_trio_backend_serves_the_same_api() -> None:
+    s = Server("--backend", "trio")
+    try:
+        with s.connect() as sock:
+            buf = bytearray()
+            sock.sendall(request("POST", "/workers", {"worker_id": 1, "endpoint": "e", "block_size": 4}))
+            assert read_response(sock, buf)[0] == 201
+            sock.sendall(request("POST", "/select", {"token_ids": [1, 2, 3, 4]}))
+            status, _, body = read_response(sock, buf)
+            assert status == 200 and json.loads(body)["worker_id"] == 1
+            sock.sendall(request("GET", "/metrics"))
+            text = read_response(sock, buf)[2].decode()
+            assert 'selection_proto_request_duration_seconds_count{route="/select"} 1.0' in text
+            assert 'selection_proto_connections{kind="http"} 1.0' in text
+    finally:
+        assert s.stop() == 0
+
+
+def test_log_level_filters_stderr() -> None:
+    proc = subprocess.run([sys.executable, "-m", "selection_proto", "stdio", "--log-level", "warning"],
+                          input=b"", capture_output=True, timeout=60)
+    assert proc.returncode == 0 and proc.stderr == b""

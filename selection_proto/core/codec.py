@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from array import array
 from collections.abc import Callable, Mapping
-from typing import Any, Final, TypeVar
+from typing import Any, Final, NamedTuple, TypeVar
 
 import attrs
 
@@ -271,91 +271,91 @@ FACTORY_TYPE: Final[type[Any]] = type(attrs.Factory(list))
 Rule = Callable[[Any], "str | None"]
 
 
-def _meta(field: attrs.Attribute[Any]) -> Mapping[str, Any]:
-    return field.metadata
+class _Member(NamedTuple):
+    name: str
+    kind: tuple[Any, ...] | None  # None: not a JSON member, always its default
+    required: bool
+    nullable: bool
+    rule: Rule | None
+    store: Callable[[Any], Any] | None
+    default: Any
+    factory: Callable[[], Any] | None
+    alias: str | None
 
 
-def _checked_member(meta: Mapping[str, Any], value: Any, path: str, ctx: ShapeContext) -> Any:
-    """A non-null member checked against its kind and its rule (api.md §2.3, core.md §9.6)."""
-    checked = check_value(meta["kind"], value, path, ctx)
-    rule: Rule | None = meta.get("rule")
-    if rule is not None:
-        reason = rule(checked)
-        if reason is not None:
-            raise shape_error(path, reason)
-    return checked
+def members(cls: type) -> tuple[_Member, ...]:
+    """The member table of a request type, derived once from its attrs fields (read-only after)."""
+    table: tuple[_Member, ...] | None = cls.__dict__.get("_json_members")
+    if table is None:
+        aliases = {target: alias for alias, target in getattr(cls, "_json_aliases", {}).items()}
+        rows = []
+        for field in attrs.fields(cls):
+            meta = field.metadata
+            factory = field.default.factory if isinstance(field.default, FACTORY_TYPE) else None
+            default = None if factory is not None or field.default is attrs.NOTHING else field.default
+            rows.append(_Member(field.name, meta.get("kind"), bool(meta.get("required")),
+                                bool(meta.get("nullable")), meta.get("rule"), meta.get("store"),
+                                default, factory, aliases.get(field.name)))
+        table = tuple(rows)
+        type.__setattr__(cls, "_json_members", table)
+    return table
 
 
 def from_json(cls: type[T], obj: Any, path: str = "", ctx: ShapeContext = TYPED) -> T:
-    """Build `cls` from a decoded JSON object; raises Unprocessable with the api.md §2.3 text."""
+    """Build `cls` from a decoded JSON object; raises Unprocessable with the api.md §2.3 text.
+    The instance is filled directly: its checks are the ones made here."""
     if not isinstance(obj, Mapping):
         raise _invalid_type(path, obj, "a map")
-    values: dict[str, Any] = {}
     aliases: Mapping[str, str] = getattr(cls, "_json_aliases", {})
     for alias, target in aliases.items():
-        if alias in obj:
-            a = obj[alias]
-            if target in obj and obj[target] != a:
-                raise shape_error(path, f"{alias}: conflicts with {target}")
-    for field in attrs.fields(cls):  # type: ignore[arg-type]
-        meta = _meta(field)
-        if "kind" not in meta:
-            continue
-        name = field.name
-        present = name in obj
-        value = obj[name] if present else None
-        if not present:
-            for alias, target in aliases.items():
-                if target == name and alias in obj:
-                    present, value = True, obj[alias]
-        field_path = join(path, name)
-        if not present:
-            if meta.get("required"):
-                raise shape_error(path, f"missing field `{name}`")
-            continue
-        if value is None:
-            if meta.get("nullable"):
-                values[name] = None
-                continue
-            if meta.get("required"):
-                raise _invalid_type(field_path, None, _expected(meta["kind"]))
-            raise _invalid_type(field_path, None, _expected(meta["kind"]))
-        values[name] = _checked_member(meta, value, field_path, ctx)
-    return _trusted(cls, values)
-
-
-def _trusted(cls: type[T], values: Mapping[str, Any]) -> T:
-    """Construct without re-running the checks that `from_json` has just made."""
+        if alias in obj and target in obj and obj[target] != obj[alias]:
+            raise shape_error(path, f"{alias}: conflicts with {target}")
     inst = object.__new__(cls)
-    for field in attrs.fields(cls):  # type: ignore[arg-type]
-        if field.name in values:
-            v = values[field.name]
-        elif field.default is attrs.NOTHING:
-            raise AssertionError(f"{cls.__name__}.{field.name} has no default")
-        elif isinstance(field.default, FACTORY_TYPE):
-            v = field.default.factory()
+    put = object.__setattr__
+    for m in members(cls):
+        name = m.name
+        if name in obj and m.kind is not None:
+            value = obj[name]
+        elif m.alias is not None and m.alias in obj:
+            value = obj[m.alias]
         else:
-            v = field.default
-        conv = _meta(field).get("store")
-        object.__setattr__(inst, field.name, conv(v) if conv is not None and v is not None else v)
+            if m.required:
+                raise shape_error(path, f"missing field `{name}`")
+            default = m.factory() if m.factory is not None else m.default
+            put(inst, name, m.store(default) if m.store is not None and default is not None else default)
+            continue
+        field_path = f"{path}.{name}" if path else name
+        if value is None:
+            if not m.nullable:
+                raise _invalid_type(field_path, None, _expected(m.kind))  # type: ignore[arg-type]
+            put(inst, name, None)
+            continue
+        checked = check_value(m.kind, value, field_path, ctx)  # type: ignore[arg-type]
+        if m.rule is not None:
+            reason = m.rule(checked)
+            if reason is not None:
+                raise shape_error(field_path, reason)
+        put(inst, name, m.store(checked) if m.store is not None else checked)
     return inst
 
 
 def validate_instance(inst: Any, path: str = "") -> None:
     """Run the member checks on a directly constructed request (the typed API)."""
-    for field in attrs.fields(type(inst)):
-        meta = _meta(field)
-        if "kind" not in meta:
+    for m in members(type(inst)):
+        if m.kind is None:
             continue
-        value = getattr(inst, field.name)
-        field_path = join(path, field.name)
+        value = getattr(inst, m.name)
+        field_path = f"{path}.{m.name}" if path else m.name
         if value is None:
-            if not meta.get("nullable"):
-                raise _invalid_type(field_path, None, _expected(meta["kind"]))
+            if not m.nullable:
+                raise _invalid_type(field_path, None, _expected(m.kind))
             continue
-        checked = _checked_member(meta, value, field_path, TYPED)
-        conv = meta.get("store")
-        if conv is not None:
-            checked = conv(checked)
+        checked = check_value(m.kind, value, field_path, TYPED)
+        if m.rule is not None:
+            reason = m.rule(checked)
+            if reason is not None:
+                raise shape_error(field_path, reason)
+        if m.store is not None:
+            checked = m.store(checked)
         if checked is not value:
-            object.__setattr__(inst, field.name, checked)
+            object.__setattr__(inst, m.name, checked)

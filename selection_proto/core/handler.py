@@ -101,16 +101,16 @@ def _is_json(media: str | None) -> bool:
                                                           and media.endswith("+json")))
 
 
-def _parse_json(body: bytes) -> Any:
+def _parse_json(body: bytes) -> tuple[Any, bool]:
     try:
-        return jsonio.loads(body)
+        return jsonio.loads_with_hints(body)
     except jsonio.JSONSyntaxError as exc:
         raise BadRequest(f"Failed to parse the request body as JSON: {exc.detail}") from None
 
 
 def _decode(body: bytes, build: Callable[[Any, ShapeContext], T]) -> T:
-    value = _parse_json(body)
-    ctx = ShapeContext(may_contain_bools=b"true" in body or b"false" in body)
+    value, bools = _parse_json(body)
+    ctx = ShapeContext(may_contain_bools=bools)
     try:
         return build(value, ctx)
     except FloatForInteger:

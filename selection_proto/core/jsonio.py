@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Any, Final
 
 _orjson: Any
 try:  # pragma: no cover - exercised by whichever is installed
@@ -18,7 +18,7 @@ try:  # pragma: no cover - exercised by whichever is installed
 except ImportError:  # pragma: no cover
     _orjson = None
 
-__all__ = ["MAX_DEPTH", "JSONSyntaxError", "dumps", "loads", "loads_exact", "FAST_PARSER"]
+__all__ = ["MAX_DEPTH", "JSONSyntaxError", "dumps", "loads", "loads_exact", "loads_with_hints", "FAST_PARSER"]
 
 FAST_PARSER = _orjson is not None
 
@@ -86,18 +86,39 @@ def _skip_ws(text: str, i: int) -> int:
     return i
 
 
+# One C-level pass keeps only the bytes that matter for the two pre-checks below.
+_STRUCTURE: Final = b'[{"\\tf'
+_DROP: Final = bytes(b for b in range(256) if b not in _STRUCTURE)
+
+
+def structure_hints(raw: bytes) -> tuple[bool, bool]:
+    """(may be deeper than 64 levels, may hold a `true`/`false` literal) from one pass over `raw`.
+
+    Brackets bound the depth. A literal bool is a `t` or `f` outside strings; quote parity finds
+    "outside" unless a backslash could escape a quote, in which case bools are assumed."""
+    kept = raw.translate(None, _DROP)
+    deep = kept.count(b"[") + kept.count(b"{") > MAX_DEPTH
+    if b"\\" in kept:
+        return deep, True
+    outside = kept.split(b'"')[0::2]
+    return deep, any(b"t" in seg or b"f" in seg for seg in outside)
+
+
 def loads(data: bytes | str) -> Any:
     """Parse one JSON document; raises JSONSyntaxError with a detail text."""
+    return loads_with_hints(data)[0]
+
+
+def loads_with_hints(data: bytes | str) -> tuple[Any, bool]:
+    """The value and whether it may contain a bool (see `structure_hints`)."""
     if isinstance(data, memoryview):
         data = bytes(data)
     raw = data.encode("utf-8") if isinstance(data, str) else data
-    # Counting brackets is a C-speed upper bound on depth; only deep-looking bodies get walked.
-    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH:
-        value = _parse(data)
-        if _too_deep(value):
-            raise JSONSyntaxError("nesting too deep")
-        return value
-    return _parse(data)
+    deep, bools = structure_hints(raw)
+    value = _parse(data)
+    if deep and _too_deep(value):
+        raise JSONSyntaxError("nesting too deep")
+    return value, bools
 
 
 def loads_exact(data: bytes | str) -> Any:

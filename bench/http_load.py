@@ -1,0 +1,119 @@
+"""HTTP `/select` requests per second with wrk (keep-alive, loopback), side by side:
+ours (`selection-proto serve`), the reference (`python -m dynamo.select_service`) and a bare h11
+server answering `200 {}` (the ceiling of h11 on anyio).
+
+    python bench/http_load.py [--reference-python /path/to/venv/bin/python] [--seconds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(__file__))
+from workload import BLOCK_SIZE, WORKERS, prompts  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"port {port} did not open")
+
+
+def post(port: int, path: str, body: object) -> None:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"}, method="POST")
+    urllib.request.urlopen(req, timeout=10).read()
+
+
+def register(port: int, tenant_field: str) -> None:
+    for w in range(WORKERS):
+        post(port, "/workers", {"worker_id": w, "model_name": "m", tenant_field: "default",
+                                "endpoint": f"http://w{w}", "block_size": BLOCK_SIZE,
+                                "kv_events_endpoint": f"tcp://127.0.0.1:{41000 + w}"})
+
+
+def wrk(port: int, tokens: int, connections: int, seconds: int) -> float:
+    body = json.dumps({"model_name": "m", "token_ids": prompts(tokens, 1)[0]})
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
+        script.write('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+                     f"wrk.body = {json.dumps(body)}\n")
+    out = subprocess.run(["wrk", "-t", str(min(connections, 2)), "-c", str(connections), "-d", f"{seconds}s",
+                          "-s", script.name, f"http://127.0.0.1:{port}/select"],
+                         capture_output=True, text=True, check=True).stdout
+    os.unlink(script.name)
+    match = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    if errors:
+        raise RuntimeError(f"{errors.group(1)} non-2xx answers:\n{out}")
+    assert match, out
+    return float(match.group(1))
+
+
+def start(cmd: list[str], port: int, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    wait_port(port)
+    return proc
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reference-python", default=os.environ.get("REFERENCE_PYTHON"))
+    parser.add_argument("--seconds", type=int, default=5)
+    args = parser.parse_args()
+    rows: dict[str, dict[tuple[int, int], float]] = {}
+    servers: list[tuple[str, list[str], dict[str, str] | None, str | None]] = [
+        ("ours", [sys.executable, "-m", "selection_proto", "serve", "--kv-events", "push",
+                  "--log-level", "warning", "--port"], None, "tenant_id"),
+        ("bare_h11", [sys.executable, os.path.join(HERE, "bare_h11.py")], None, None),
+    ]
+    if args.reference_python:
+        servers.insert(1, ("reference", [args.reference_python, "-m", "dynamo.select_service", "--port"],
+                           {**os.environ, "RUST_LOG": "warn", "DYN_LOG": "warn"}, "routing_group"))
+    for name, cmd, env, tenant_field in servers:
+        port = free_port()
+        proc = start(cmd + [str(port)], port, env)
+        try:
+            if tenant_field is not None:
+                register(port, tenant_field)
+            rows[name] = {}
+            for tokens in (1024, 16384):
+                for connections in (1, 8, 64):
+                    rows[name][(tokens, connections)] = wrk(port, tokens, connections, args.seconds)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    print(f"{'tokens':>7}{'conns':>6}" + "".join(f"{n:>12}" for n in rows) + "   ours/ref  ours/bare")
+    for tokens in (1024, 16384):
+        for connections in (1, 8, 64):
+            values = [rows[n][(tokens, connections)] for n in rows]
+            ours = rows["ours"][(tokens, connections)]
+            ref = rows.get("reference", {}).get((tokens, connections))
+            bare = rows["bare_h11"][(tokens, connections)]
+            print(f"{tokens:>7}{connections:>6}" + "".join(f"{v:>12,.0f}" for v in values)
+                  + f"{(ours / ref if ref else float('nan')):>11.2f}{ours / bare:>11.2f}")
+
+
+if __name__ == "__main__":
+    main()
