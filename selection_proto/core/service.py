@@ -13,7 +13,7 @@ import random
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import attrs
 
@@ -171,8 +171,9 @@ class _Prompt:
     isl: int
 
 
-@attrs.frozen
-class _Scored:
+class _Scored(NamedTuple):
+    """One candidate's cost and its parts (a tuple: built for every candidate of every select)."""
+
     rank: Rank
     logit: float
     prefill_tokens: int
@@ -624,9 +625,10 @@ class SelectionService:
                estimates: tuple[dict[Rank, int], dict[Rank, int], dict[Rank, int]]) -> list[_Scored]:
         s = self.settings
         o = req.router_config_override or _NO_OVERRIDE
+        base_scale, base_credit = resolve_weights(s.overlap_score_weight, s.prefill_load_scale,
+                                                  s.overlap_score_credit, 1.0, 1.0)
         scale, credit = resolve_weights(o.overlap_score_weight, o.prefill_load_scale,
-                                        o.overlap_score_credit, s.effective_prefill_load_scale,
-                                        s.effective_overlap_score_credit)
+                                        o.overlap_score_credit, base_scale, base_credit)
         track = s.track_prefill_tokens if o.track_prefill_tokens is None else o.track_prefill_tokens
         bs = state.block_size
         isl = prompt.isl
@@ -635,38 +637,43 @@ class SelectionService:
         device, host, disk = estimates
         loads = state.tracker.loads
         distinct = set(prompt.seqs) if s.track_active_blocks and prompt.seqs else None
+        n_distinct = len(distinct) if distinct is not None else 0
         decay_setting = s.overlap_score_credit_decay
         use_decay = decay_setting != 0 and track
         if use_decay:
             min_prefill = min(loads[r].prefill_tokens for r in candidates)
             query_blocks = max(1, math.ceil(isl / bs))
         preferred = req.routing_constraints.preferred_taints
+        floor = math.floor
         scored: list[_Scored] = []
+        append = scored.append
         for r in candidates:
             load = loads[r]
             d = device.get(r, 0)
-            h = host.get(r, 0)
-            k = disk.get(r, 0)
+            h = host.get(r, 0) if host else 0
+            k = disk.get(r, 0) if disk else 0
             effective = d + w_host * h + w_disk * k
-            cached = max(0, math.floor(effective * bs + 0.5))
-            new_prefill = max(0, isl - cached)
-            raw_prefill_blocks = (load.prefill_tokens + new_prefill + cached) / bs if track else 0.0
+            cached = floor(effective * bs + 0.5)  # effective >= 0: floor(x + 0.5) rounds half up
+            new_prefill = isl - cached if isl > cached else 0
+            active_prefill = load.prefill_tokens
+            raw_prefill_blocks = (active_prefill + new_prefill + cached) / bs if track else 0.0
             decay = 1.0
             if use_decay:
-                decay = 1.0 / (1.0 + decay_setting * ((load.prefill_tokens - min_prefill) / bs)
+                decay = 1.0 / (1.0 + decay_setting * ((active_prefill - min_prefill) / bs)
                                / query_blocks)
             credit_blocks = credit * decay * d + w_host * h + w_disk * k
-            decode_blocks = len(load.unique)
+            unique = load.unique
+            decode_blocks = len(unique)
             if distinct is not None:
-                decode_blocks += load.new_blocks(distinct)
-            logit = (scale * max(0.0, raw_prefill_blocks - credit_blocks) + decode_blocks
-                     + w_req * load.requests)
+                decode_blocks += load.new_blocks(distinct) if unique else n_distinct
+            excess = raw_prefill_blocks - credit_blocks
+            logit = scale * (excess if excess > 0.0 else 0.0) + decode_blocks + w_req * load.requests
             if preferred:
                 taints = state.taints[r[0]]
                 weight = sum(w for t, w in preferred.items() if t in taints)
                 logit *= math.exp(-math.tanh(weight))
-            scored.append(_Scored(r, logit, load.prefill_tokens + (new_prefill if track else 0),
-                                  decode_blocks, d, h, k, effective, cached))
+            append(_Scored(r, logit, active_prefill + (new_prefill if track else 0),
+                           decode_blocks, d, h, k, effective, cached))
         return scored
 
     def _choose(self, state: _KeyState, scored: list[_Scored], temperature: float) -> _Scored:
@@ -677,8 +684,9 @@ class SelectionService:
             tied = [c for c in scored if c.logit == best]
             if len(tied) > 1:
                 tree = state.index.device
-                smallest = min(tree.size(c.rank) for c in tied)
-                tied = [c for c in tied if tree.size(c.rank) == smallest]
+                sizes = [tree.size(c.rank) for c in tied]
+                smallest = min(sizes)
+                tied = [c for c, size in zip(tied, sizes, strict=True) if size == smallest]
             if len(tied) == 1:
                 return tied[0]
             return tied[self.rng.randrange(len(tied))]
