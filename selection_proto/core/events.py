@@ -30,6 +30,7 @@ class Event:
     parent_hash: int | None = None
     blocks: tuple[tuple[int, int], ...] = ()  # (engine, local)
     block_hashes: tuple[int, ...] = ()
+    namespace: str | None = None  # engine stores: the cache namespace their blocks were hashed with
 
 
 @attrs.frozen(kw_only=True)

@@ -66,6 +66,7 @@ _BODY_ROUTES: Final = {
     ("POST", "/overlap_scores"), ("POST", "/kv_events"),
 }
 _JSON_TYPE: Final = "application/json"
+_MSGPACK_TYPES: Final = ("application/msgpack", "application/x-msgpack")
 
 T = TypeVar("T")
 
@@ -173,6 +174,8 @@ def _dispatch(service: SelectionService, method: str, matched: tuple[str, str | 
         raise PayloadTooLarge("Failed to buffer the request body: length limit exceeded")
     if (verb, route) in _BODY_ROUTES:
         media = _media_type(headers)
+        if (verb, route) == ("POST", "/kv_events") and media in _MSGPACK_TYPES:
+            return _h_engine_batch(service, query, body, now)
         if not _is_json(media):
             raise UnsupportedMediaType("Expected request with `Content-Type: application/json`")
     response = _ROUTE_HANDLERS[(verb, route)](service, param, query, body, now)
@@ -274,6 +277,15 @@ def _h_events_post(s: SelectionService, p: str | None, q: str, b: bytes, now: fl
     report = s.apply_kv_events(events, now=now, worker_id=worker_id, dp_rank=dp_rank,
                                model_name=params.get("model_name"),
                                tenant_id=params.get("tenant_id"))
+    return _ok(report)
+
+
+def _h_engine_batch(s: SelectionService, q: str, b: bytes, now: float) -> Response:
+    params = parse_query(q, EVENT_QUERY)
+    worker_id = query_int(params, "worker_id", 64)
+    dp_rank = query_int(params, "dp_rank", 32)
+    report = s.apply_engine_batch(b, worker_id=worker_id, dp_rank=dp_rank, now=now,
+                                  model_name=params.get("model_name"), tenant_id=params.get("tenant_id"))
     return _ok(report)
 
 

@@ -26,20 +26,29 @@ from .catalog import (
     event_endpoints,
     missing_metadata,
 )
+from .engine import InvalidBatch, NamespaceMemory, convert, decode_batch
 from .errors import (
     BadRequest,
     Conflict,
     NotFound,
     NotReady,
     SelectionError,
+    StreamError,
     TooManyRequests,
+    Unprocessable,
 )
-from .events import Event, require_worker
+from .events import Event, decode_json_events, require_worker
 from .hashing import block_hashes as hash_blocks
 from .hashing import sequence_hashes
 from .index import LOWER_TIERS, IndexError_, KeyIndex, Rank
 from .metrics import Metrics
-from .outputs import OutputEvent, SelectionReady, SubscribeKvEvents, UnsubscribeKvEvents
+from .outputs import (
+    CloseEventStream,
+    OutputEvent,
+    SelectionReady,
+    SubscribeKvEvents,
+    UnsubscribeKvEvents,
+)
 from .settings import Settings, resolve_weights
 from .tracker import DuplicateReservation, Tracker, rank_text
 from .types import (
@@ -106,8 +115,8 @@ class _Fresh:
 class _KeyState:
     """Everything a key (model, tenant) holds while it has a schedulable rank (core.md §6.4)."""
 
-    __slots__ = ("key", "label", "block_size", "index", "tracker", "fresh", "epoch", "workers",
-                 "taints", "queue", "_ranks")
+    __slots__ = ("key", "label", "block_size", "index", "tracker", "fresh", "memory", "epoch",
+                 "workers", "taints", "queue", "_ranks")
 
     def __init__(self, key: Key, block_size: int, now: float, settings: Settings) -> None:
         self.key = key
@@ -116,6 +125,7 @@ class _KeyState:
         self.index = KeyIndex()
         self.tracker = Tracker(settings.max_reservations_per_key, self.label)
         self.fresh: dict[Rank, _Fresh] = {}
+        self.memory: dict[Rank, NamespaceMemory] = {}  # engine-event cache namespaces (events.md §4.5)
         self.epoch = now
         self.workers: dict[int, tuple[Rank, ...]] = {}  # schedulable worker -> its ranks
         self.taints: dict[int, frozenset[str]] = {}
@@ -137,6 +147,7 @@ class _KeyState:
     def drop_rank(self, rank: Rank) -> list[str]:
         self.index.drop_rank(rank)
         self.fresh.pop(rank, None)
+        self.memory.pop(rank, None)
         self._ranks = None
         return self.tracker.drop_rank(rank)
 
@@ -144,6 +155,23 @@ class _KeyState:
         self.index.drop_rank(rank)
         self.index.device.ensure(rank)
         self.fresh[rank] = _Fresh()
+        self.memory.pop(rank, None)
+
+
+class _Stream:
+    """One source of KV events: an inbound push stream or an outbound subscription."""
+
+    __slots__ = ("sid", "kind", "worker_id", "dp_rank", "key", "delivered", "connected", "first")
+
+    def __init__(self, sid: int, kind: str, worker_id: int, dp_rank: int, key: Key) -> None:
+        self.sid = sid
+        self.kind = kind  # "push" or "subscription"
+        self.worker_id = worker_id
+        self.dp_rank = dp_rank
+        self.key = key
+        self.delivered: set[Rank] = set()  # ranks this stream fed since it (re)connected
+        self.connected = kind == "push"
+        self.first = True  # no message seen since it (re)connected
 
 
 class _Queued:
@@ -197,6 +225,7 @@ class SelectionService:
         self._key_records: dict[Key, set[int]] = {}  # non-deleted records per key
         self._keys: dict[Key, _KeyState] = {}
         self._subscriptions: dict[Rank, tuple[int, str]] = {}  # rank -> (stream, endpoint)
+        self._streams: dict[int, _Stream] = {}
         self._next_stream = 1
         self._outputs: deque[OutputEvent] = deque()
         self._now = -math.inf
@@ -235,9 +264,16 @@ class SelectionService:
                                  + self.settings.queue_timeout_secs)
         return min(deadlines) if deadlines else None
 
+    def _close_push_streams(self, worker_id: int | None, reason: str) -> None:
+        for sid, stream in list(self._streams.items()):
+            if stream.kind == "push" and (worker_id is None or stream.worker_id == worker_id):
+                del self._streams[sid]
+                self._outputs.append(CloseEventStream(sid, 1001, reason))
+
     def begin_shutdown(self, *, now: float) -> None:
         now = self._advance(now)
         self._shutting_down = True
+        self._close_push_streams(None, "server shutting down")
         for state in self._keys.values():
             self._fail_queue(state, NotReady(SHUTTING_DOWN), "shutdown", now)
 
@@ -379,11 +415,13 @@ class SelectionService:
         stream = self._next_stream
         self._next_stream += 1
         self._subscriptions[rank] = (stream, endpoint)
+        self._streams[stream] = _Stream(stream, "subscription", rank[0], rank[1], state.key)
         self._outputs.append(SubscribeKvEvents(stream, rank[0], rank[1], endpoint, *state.key))
 
     def _unsubscribe(self, rank: Rank) -> None:
         sub = self._subscriptions.pop(rank, None)
         if sub is not None:
+            self._streams.pop(sub[0], None)
             self._outputs.append(UnsubscribeKvEvents(sub[0]))
 
     def _join(self, record: WorkerCatalogRecord, now: float) -> None:
@@ -416,6 +454,7 @@ class SelectionService:
         ranks = state.workers.pop(record.worker_id, ())
         state.taints.pop(record.worker_id, None)
         self._drop_ranks(state, ranks)
+        self._close_push_streams(record.worker_id, f"worker {record.worker_id} is no longer schedulable")
         if not state.workers:
             del self._keys[record.key]
             self._fail_queue(state, NotReady(f"no schedulable workers for {state.label}"), "failed",
@@ -1135,6 +1174,192 @@ class SelectionService:
         else:
             tier.clear(rank)
         return None
+
+    def apply_engine_batch(self, payload: bytes, *, worker_id: int | None, dp_rank: int | None = None,
+                           seq: int | None = None, stream: int | None = None, now: float,
+                           model_name: str | None = None, tenant_id: str | None = None) -> ApplyReport:
+        """Apply one msgpack `KVEventBatch` (`POST /kv_events` with a msgpack body)."""
+        now = self._advance(now)
+        self._check_push_mode()
+        if worker_id is None:
+            raise BadRequest("worker_id is required for events without worker_id")
+        return self._engine_batch(payload, worker_id, dp_rank, seq, None, model_name, tenant_id, now)
+
+    def _engine_batch(self, payload: bytes, worker_id: int, dp_rank: int | None, seq: int | None,
+                      source: _Stream | None, model_name: str | None, tenant_id: str | None,
+                      now: float) -> ApplyReport:
+        try:
+            batch = decode_batch(payload)
+        except InvalidBatch as exc:
+            raise Unprocessable(f"invalid engine batch: {exc.detail}") from None
+        state, rank = self._bind(worker_id, batch.dp_rank if batch.dp_rank is not None else dp_rank,
+                                 model_name, tenant_id)
+        stream_rank = (worker_id, source.dp_rank) if source is not None else rank
+        if stream_rank not in state.fresh:
+            stream_rank = rank
+        if seq is not None:
+            self._note_seq(state, stream_rank, rank, seq)
+        elif source is not None and source.first and state.fresh[rank].loss_pending:
+            state.fresh[rank].stale = True  # a reconnect without proof of continuity
+        memory = state.memory.setdefault(rank, NamespaceMemory())
+        applied = failed = dropped = 0
+        failures: list[tuple[int, str]] = []
+        for i, raw in enumerate(batch.events):
+            event = convert(raw, state.block_size, memory)
+            if isinstance(event, str):
+                dropped += 1
+                self.metrics.inc("selection_proto_kv_events_dropped_total", (*state.key, event))
+                continue
+            fresh = state.fresh[rank]
+            fresh.last_event_id = (fresh.last_event_id or 0) + 1
+            fresh.last_event_at = now
+            if event.kind == "stored":
+                for engine_hash, _ in event.blocks:
+                    memory.remember(engine_hash, event.namespace)
+            elif event.kind == "removed":
+                memory.forget(event.block_hashes)
+            elif event.tier == "device":
+                memory.clear()
+            error = self._apply_event(state, rank, event)
+            self.metrics.inc("selection_proto_kv_events_total", (*state.key, event.tier, event.kind,
+                                                                 "ok" if error is None else error.label))
+            if error is None:
+                applied += 1
+            else:
+                failed += 1
+                if len(failures) < MAX_FAILURES:
+                    failures.append((i, error.text))
+        if source is not None:
+            source.delivered.add(rank)
+            source.first = False
+        return ApplyReport(received=len(batch.events), applied=applied, failed=failed, dropped=dropped,
+                           failures=tuple(failures))
+
+    def _note_seq(self, state: _KeyState, stream_rank: Rank, batch_rank: Rank, seq: int) -> None:
+        fresh = state.fresh[stream_rank]
+        last = fresh.last_seq
+        broken = False
+        if last is not None:
+            labels = (*state.key, str(stream_rank[0]), str(stream_rank[1]))
+            if seq == last + 1:
+                fresh.loss_pending = False
+            elif seq > last + 1:
+                broken = True
+                fresh.event_gaps += 1
+                fresh.missing_events += seq - last - 1
+                self.metrics.inc("selection_proto_kv_event_gaps_total", labels)
+                self.metrics.inc("selection_proto_kv_missing_events_total", labels, seq - last - 1)
+            else:
+                broken = True
+                fresh.rewinds += 1
+                self.metrics.inc("selection_proto_kv_event_rewinds_total", labels)
+        if broken:
+            fresh.stale = True
+            state.fresh[batch_rank].stale = True
+        fresh.last_seq = seq
+
+    # -- event streams (WebSocket push, outbound subscriptions) ---------------------------------
+
+    def open_event_stream(self, worker_id: int, dp_rank: int = 0, *, model_name: str | None = None,
+                          tenant_id: str | None = None, now: float) -> int:
+        """Bind an inbound push stream (after the WebSocket handshake); raises SelectionError."""
+        self._advance(now)
+        self._check_push_mode()
+        state, rank = self._bind(worker_id, dp_rank, model_name, tenant_id)
+        sid = self._next_stream
+        self._next_stream += 1
+        self._streams[sid] = _Stream(sid, "push", worker_id, dp_rank, state.key)
+        state.fresh[rank].open_streams += 1
+        return sid
+
+    def stream_message(self, stream: int, data: bytes | str, *, seq: int | None = None,
+                       now: float) -> ApplyReport:
+        """One message of a stream: text is JSON events, bytes one engine batch. A push stream
+        that must be closed raises StreamError; a subscription drops and counts bad messages."""
+        now = self._advance(now)
+        source = self._streams.get(stream)
+        if source is None:
+            raise StreamError(1008, "stream is not open")
+        try:
+            if isinstance(data, str):
+                return self._stream_json(source, data, now)
+            return self._engine_batch(data, source.worker_id, source.dp_rank, seq, source, None, None,
+                                      now)
+        except SelectionError as exc:
+            decoding = isinstance(exc, Unprocessable) or (isinstance(exc, BadRequest)
+                                                          and exc.message.startswith("Failed to parse"))
+            if source.kind == "subscription":
+                reason = "invalid_message" if decoding else "binding"
+                self.metrics.inc("selection_proto_kv_events_dropped_total", (*source.key, reason))
+                return ApplyReport(received=0, applied=0, failed=0, dropped=1)
+            if decoding:
+                detail = exc.message
+                for prefix in ("Failed to deserialize the JSON body into the target type: ",
+                               "Failed to parse the request body as JSON: "):
+                    if detail.startswith(prefix):
+                        detail = "invalid kv event: " + detail[len(prefix):]
+                raise StreamError(1007, detail) from None
+            raise StreamError(1008, exc.message) from None
+
+    def _stream_json(self, source: _Stream, text: str, now: float) -> ApplyReport:
+        from . import jsonio
+        from .codec import ShapeContext
+
+        try:
+            value, bools = jsonio.loads_with_hints(text)
+        except jsonio.JSONSyntaxError as exc:
+            raise BadRequest(f"Failed to parse the request body as JSON: {exc.detail}") from None
+        events = decode_json_events(value, ShapeContext(may_contain_bools=bools))
+        bound = []
+        for event in events:
+            if event.worker_id is not None and event.worker_id != source.worker_id:
+                raise Conflict(f"event worker_id {event.worker_id} does not match stream worker_id "
+                               f"{source.worker_id}")
+            rank_id = event.dp_rank if event.dp_rank is not None else source.dp_rank
+            bound.append((event, *self._bind(source.worker_id, rank_id, None, None)))
+        report = self._apply_bound(bound, now)
+        for _, _, rank in bound:
+            source.delivered.add(rank)
+        source.first = False
+        return report
+
+    def _stream_lost(self, source: _Stream) -> None:
+        state = self._keys.get(source.key)
+        if state is None:
+            return
+        for rank in source.delivered:
+            fresh = state.fresh.get(rank)
+            if fresh is not None:
+                fresh.loss_pending = True
+        if source.connected:
+            fresh = state.fresh.get((source.worker_id, source.dp_rank))
+            if fresh is not None and fresh.open_streams > 0:
+                fresh.open_streams -= 1
+        source.delivered.clear()
+        source.connected = False
+
+    def close_event_stream(self, stream: int, *, now: float) -> None:
+        """The inbound WebSocket closed."""
+        self._advance(now)
+        source = self._streams.pop(stream, None)
+        if source is not None:
+            self._stream_lost(source)
+
+    def subscription_state(self, stream: int, connected: bool, *, now: float) -> None:
+        """An outbound subscription connected or was lost."""
+        self._advance(now)
+        source = self._streams.get(stream)
+        if source is None or source.kind != "subscription":
+            return
+        if connected and not source.connected:
+            state = self._keys.get(source.key)
+            fresh = state.fresh.get((source.worker_id, source.dp_rank)) if state is not None else None
+            if fresh is not None:
+                fresh.open_streams += 1
+            source.connected = True
+            source.first = True
+        elif not connected and source.connected:
+            self._stream_lost(source)
 
     # -- dump ----------------------------------------------------------------------------------
 
