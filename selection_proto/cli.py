@@ -115,6 +115,7 @@ def _build_parser() -> _Parser:
     serve.add_argument("--keep-alive-timeout-secs", default=None)
     serve.add_argument("--request-timeout-secs", default=None)
     serve.add_argument("--shutdown-timeout-secs", default=None)
+    serve.add_argument("--ws-ping-interval-secs", default=None)
     _add_settings(serve)
     stdio = sub.add_parser("stdio", help="JSON-RPC 2.0 lines on stdin/stdout")
     _add_settings(stdio)
@@ -205,6 +206,7 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         keep_alive_timeout_secs=_transport_value(args, env, "keep_alive_timeout_secs", 5.0, float),
         request_timeout_secs=_transport_value(args, env, "request_timeout_secs", 30.0, float),
         shutdown_timeout_secs=_transport_value(args, env, "shutdown_timeout_secs", 10.0, float),
+        ws_ping_interval_secs=_transport_value(args, env, "ws_ping_interval_secs", 20.0, float),
     )
     import anyio
 

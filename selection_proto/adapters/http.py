@@ -17,6 +17,7 @@ from ..core.handler import MAX_BODY, match
 from ..core.service import SelectionService
 from ..core.types import Pending
 from ..core.wire import Response, error_response
+from .ws import check_handshake
 
 __all__ = ["MAX_HEADER_BYTES", "HttpConnection"]
 
@@ -44,6 +45,8 @@ class HttpConnection:
         self._body: list[bytes] = []
         self._body_len = 0
         self.pending_ticket: int | None = None
+        # Set when the request was a valid WebSocket upgrade: (target, headers, trailing bytes).
+        self.upgrade: tuple[str, list[tuple[bytes, bytes]], bytes] | None = None
         self.closed = False
         self.close_after_response = False
 
@@ -131,6 +134,16 @@ class HttpConnection:
         path, _, query = target.partition("?")
         headers = [(n.decode("latin-1"), v.decode("latin-1")) for n, v in request.headers]
         method = request.method.decode("ascii", "replace")
+        if path == "/kv_events" and any(n == "upgrade" for n, _ in headers):
+            detail = check_handshake(method, headers)
+            if detail is None:
+                # Hand the connection over to a WebSocket session (transports.md §2, Upgrade).
+                self.upgrade = (target, list(request.headers), self._h11.trailing_data[0])
+                self._request = None
+                self.closed = True
+                return
+            self._respond(error_response(400, f"invalid WebSocket upgrade: {detail}"), close=True)
+            return
         started = self._clock()
         result = self._service.handle(method, path, query, headers, b"".join(self._body), now=started)
         matched = match(path)

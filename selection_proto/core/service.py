@@ -1061,7 +1061,8 @@ class SelectionService:
 
     # -- KV events -----------------------------------------------------------------------------
 
-    def _check_push_mode(self) -> None:
+    def check_push_mode(self) -> None:
+        """409 unless KV events may be pushed in this mode (events.md §7.1)."""
         mode = self.settings.kv_events
         if mode == "subscribe":
             raise Conflict("kv events are pushed only when kv_events=push "
@@ -1094,7 +1095,7 @@ class SelectionService:
                         tenant_id: str | None = None) -> ApplyReport:
         """Apply decoded JSON events (`POST /kv_events`); every check runs before the first event."""
         now = self._advance(now)
-        self._check_push_mode()
+        self.check_push_mode()
         if worker_id is not None:
             self._bind(worker_id, dp_rank, model_name, tenant_id)
         bound = []
@@ -1180,7 +1181,7 @@ class SelectionService:
                            model_name: str | None = None, tenant_id: str | None = None) -> ApplyReport:
         """Apply one msgpack `KVEventBatch` (`POST /kv_events` with a msgpack body)."""
         now = self._advance(now)
-        self._check_push_mode()
+        self.check_push_mode()
         if worker_id is None:
             raise BadRequest("worker_id is required for events without worker_id")
         return self._engine_batch(payload, worker_id, dp_rank, seq, None, model_name, tenant_id, now)
@@ -1264,7 +1265,7 @@ class SelectionService:
                           tenant_id: str | None = None, now: float) -> int:
         """Bind an inbound push stream (after the WebSocket handshake); raises SelectionError."""
         self._advance(now)
-        self._check_push_mode()
+        self.check_push_mode()
         state, rank = self._bind(worker_id, dp_rank, model_name, tenant_id)
         sid = self._next_stream
         self._next_stream += 1

@@ -13,7 +13,8 @@ import anyio
 import anyio.abc
 
 from ..adapters.http import HttpConnection
-from ..core.outputs import SelectionReady
+from ..adapters.ws import PushSession
+from ..core.outputs import CloseEventStream, SelectionReady
 from ..core.service import SelectionService
 from ..core.wire import error_response
 
@@ -39,7 +40,8 @@ def log(level: str, event: str, **fields: Any) -> None:
 class ServerConfig:
     def __init__(self, host: str = "127.0.0.1", port: int = 8092, max_connections: int = 1024,
                  keep_alive_timeout_secs: float = 5.0, request_timeout_secs: float = 30.0,
-                 shutdown_timeout_secs: float = 10.0) -> None:
+                 shutdown_timeout_secs: float = 10.0, ws_ping_interval_secs: float = 20.0) -> None:
+        self.ws_ping_interval_secs = ws_ping_interval_secs
         self.host = host
         self.port = port
         self.max_connections = max_connections
@@ -60,6 +62,8 @@ class _Server:
         self.waits: dict[HttpConnection, anyio.CancelScope] = {}  # idle receives, cut by shutdown
         self.waiting: dict[int, tuple[HttpConnection, anyio.abc.SocketStream, anyio.Lock]] = {}
         self.wake = anyio.Event()
+        self.ws_sessions: dict[int, tuple[PushSession, anyio.abc.SocketStream, anyio.Lock]] = {}
+        self.ws_count = 0
 
     def _report_connections(self) -> None:
         self.service.observe("selection_proto_connections", ("http",), float(len(self.connections)))
@@ -115,6 +119,17 @@ class _Server:
                     self.waiting[conn.pending_ticket] = (conn, stream, lock)
                 if conn.closed:
                     self.waits.pop(conn, anyio.CancelScope()).cancel()
+            elif isinstance(out, CloseEventStream):
+                entry = self.ws_sessions.pop(out.stream, None)
+                if entry is not None:
+                    session, stream, lock = entry
+                    session.stream = None  # the core already forgot it
+                    session.close(out.code, out.reason)
+                    try:
+                        await self._ws_flush(session, stream, lock)
+                        await stream.aclose()
+                    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                        pass
         self.wake.set()
 
     async def timer(self) -> None:
@@ -161,9 +176,60 @@ class _Server:
             if out:
                 async with lock:
                     await stream.send(out)
+            if conn.upgrade is not None:
+                await self._websocket(stream, conn, lock)
+                return
             await self.pump()
             if self.draining and not conn.busy:
                 return
+
+    async def _websocket(self, stream: anyio.abc.SocketStream, conn: HttpConnection,
+                         lock: anyio.Lock) -> None:
+        """The rest of an upgraded connection: one inbound KV-event push stream."""
+        assert conn.upgrade is not None
+        target, headers, trailing = conn.upgrade
+        self.connections.discard(conn)
+        self._report_connections()
+        session = PushSession(self.service, self.clock, target, headers, trailing)
+        self.ws_count += 1
+        self.service.observe("selection_proto_connections", ("websocket_in",), float(self.ws_count))
+        if session.stream is not None:
+            self.ws_sessions[session.stream] = (session, stream, lock)
+        try:
+            await self._ws_flush(session, stream, lock)
+            interval = self.config.ws_ping_interval_secs
+            while not session.closed:
+                data = None
+                with anyio.move_on_after(interval):
+                    try:
+                        data = await stream.receive(65536)
+                    except anyio.EndOfStream:
+                        data = b""
+                if data is None:
+                    if session.ping_outstanding:
+                        session.close(1011, "keepalive ping timeout")
+                    else:
+                        session.ping()
+                else:
+                    session.receive_data(data)
+                await self._ws_flush(session, stream, lock)
+                await self.pump()
+        finally:
+            session.connection_lost()
+            if session.stream is not None:
+                self.ws_sessions.pop(session.stream, None)
+            for sid, (other, _, _) in list(self.ws_sessions.items()):
+                if other is session:
+                    del self.ws_sessions[sid]
+            self.ws_count -= 1
+            self.service.observe("selection_proto_connections", ("websocket_in",), float(self.ws_count))
+
+    async def _ws_flush(self, session: PushSession, stream: anyio.abc.SocketStream,
+                        lock: anyio.Lock) -> None:
+        out = session.data_to_send()
+        if out:
+            async with lock:
+                await stream.send(out)
 
 
 async def serve(service: SelectionService, config: ServerConfig,

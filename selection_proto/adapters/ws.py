@@ -1,0 +1,285 @@
+"""Sans-IO WebSocket KV-event streams on wsproto (transports.md §3, §4; events.md §7).
+
+`PushSession` is the server side of `GET /kv_events` after the HTTP upgrade; `SubscriptionSession`
+is the client side of an outbound `ws://` subscription. Both reassemble fragmented messages up to
+8 MiB, answer pings, echo closes, and hand each complete message to the core.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Callable, Iterable
+from typing import Final
+
+from wsproto import ConnectionType, WSConnection
+from wsproto.connection import ConnectionState
+from wsproto.events import (
+    AcceptConnection,
+    BytesMessage,
+    CloseConnection,
+    Event,
+    Ping,
+    Pong,
+    RejectConnection,
+    Request,
+    TextMessage,
+)
+from wsproto.utilities import LocalProtocolError, RemoteProtocolError
+
+from ..core.errors import SelectionError, StreamError
+from ..core.service import SelectionService
+from ..core.wire import parse_query, query_int
+
+__all__ = ["MAX_MESSAGE", "PushSession", "SubscriptionSession", "check_handshake", "cut_reason"]
+
+MAX_MESSAGE: Final = 8 * 1024 * 1024
+PUSH_QUERY: Final = ("worker_id", "dp_rank", "model_name", "tenant_id", "routing_group", "framing", "ack")
+
+
+def cut_reason(reason: str) -> str:
+    """At most 123 bytes of UTF-8, cut on a character boundary (RFC 6455 §5.5)."""
+    data = reason.encode("utf-8")
+    if len(data) <= 123:
+        return reason
+    return data[:123].decode("utf-8", "ignore")
+
+
+def check_handshake(method: str, headers: Iterable[tuple[str, str]]) -> str | None:
+    """Why a request with an `Upgrade` header is not a valid RFC 6455 handshake, or None."""
+    fields: dict[str, str] = {}
+    for name, value in headers:
+        key = name.lower()
+        fields[key] = f"{fields[key]}, {value}" if key in fields else value
+    if method != "GET":
+        return "the method must be GET"
+    if fields.get("upgrade", "").strip().lower() != "websocket":
+        return "the Upgrade header must be websocket"
+    if "upgrade" not in [t.strip().lower() for t in fields.get("connection", "").split(",")]:
+        return "the Connection header must include upgrade"
+    if fields.get("sec-websocket-version", "").strip() != "13":
+        return "Sec-WebSocket-Version must be 13"
+    key = fields.get("sec-websocket-key", "").strip()
+    try:
+        if len(base64.b64decode(key, validate=True)) != 16:
+            raise ValueError
+    except (binascii.Error, ValueError):
+        return "missing or invalid Sec-WebSocket-Key"
+    return None
+
+
+class _Session:
+    """Message reassembly, control frames and closing shared by both roles."""
+
+    kind = "websocket_in"
+
+    def __init__(self, service: SelectionService, clock: Callable[[], float], ws: WSConnection) -> None:
+        self._service = service
+        self._clock = clock
+        self._ws = ws
+        self._out: list[bytes] = []
+        self._parts: list[bytes | str] = []
+        self._size = 0
+        self.closed = False
+        self.close_code: int | None = None
+        self.ping_outstanding = False
+
+    def data_to_send(self) -> bytes:
+        data = b"".join(self._out)
+        self._out.clear()
+        return data
+
+    def _send(self, event: Event) -> None:
+        try:
+            self._out.append(self._ws.send(event))
+        except LocalProtocolError:
+            self.closed = True
+
+    def _count(self, family: str, labels: tuple[str, ...]) -> None:
+        self._service.observe(family, labels, 1.0)
+
+    def close(self, code: int, reason: str) -> None:
+        if self.closed:
+            return
+        if self._ws.state is ConnectionState.OPEN:
+            self._send(CloseConnection(code=code, reason=cut_reason(reason)))
+            self._count("selection_proto_ws_closes_total", ("out", str(code)))
+        self.closed = True
+        self.close_code = code
+        self._closed()
+
+    def _closed(self) -> None:
+        """Hook: the stream ended (tell the core)."""
+
+    def ping(self) -> None:
+        if not self.closed and self._ws.state is ConnectionState.OPEN:
+            self._send(Ping(payload=b"keepalive"))
+            self.ping_outstanding = True
+
+    def connection_lost(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.close_code = 1006
+            self._closed()
+
+    def receive_data(self, data: bytes) -> None:
+        """`b""` means the peer closed the TCP connection."""
+        if self.closed:
+            return
+        if not data:
+            self.connection_lost()
+            return
+        try:
+            self._ws.receive_data(data)
+        except (LocalProtocolError, RemoteProtocolError) as exc:
+            self.close(1002, f"protocol error: {exc}")
+            return
+        for event in self._ws.events():
+            if self.closed:
+                return
+            self._event(event)
+
+    def _event(self, event: Event) -> None:
+        if isinstance(event, (TextMessage, BytesMessage)):
+            self._parts.append(event.data)
+            self._size += len(event.data)
+            if self._size > MAX_MESSAGE:
+                self._service.metrics.inc("selection_proto_limit_rejections_total", ("ws_message_size",))
+                self.close(1009, f"message exceeds {MAX_MESSAGE} bytes")
+                return
+            if event.message_finished:
+                parts, self._parts, self._size = self._parts, [], 0
+                if isinstance(event, TextMessage):
+                    self._count("selection_proto_ws_messages_total", ("in", "text"))
+                    self._message("".join(parts))  # type: ignore[arg-type]
+                else:
+                    self._count("selection_proto_ws_messages_total", ("in", "binary"))
+                    self._message(b"".join(parts))  # type: ignore[arg-type]
+        elif isinstance(event, Ping):
+            self._send(event.response())
+        elif isinstance(event, Pong):
+            self.ping_outstanding = False
+        elif isinstance(event, CloseConnection):
+            if self._ws.state is ConnectionState.REMOTE_CLOSING:
+                self._count("selection_proto_ws_closes_total", ("in", str(event.code)))
+                self._send(event.response())
+                self.closed = True
+                self.close_code = event.code
+                self._closed()
+            elif event.code == 1007:  # wsproto found invalid UTF-8 in a text frame
+                self.close(1007, "invalid UTF-8 in text message")
+            else:
+                self.close(1002, f"protocol error: {event.reason}")
+        else:
+            self._other(event)
+
+    def _message(self, data: bytes | str) -> None:
+        raise NotImplementedError
+
+    def _other(self, event: Event) -> None:
+        """Hook for handshake events (client role)."""
+
+
+class PushSession(_Session):
+    """The server side of `GET /kv_events` (a push stream), from the upgrade request on."""
+
+    def __init__(self, service: SelectionService, clock: Callable[[], float], target: str,
+                 headers: list[tuple[bytes, bytes]], trailing: bytes) -> None:
+        super().__init__(service, clock, WSConnection(ConnectionType.SERVER))
+        self._ws.initiate_upgrade_connection(headers, target)
+        for event in self._ws.events():
+            if isinstance(event, Request):
+                self._send(AcceptConnection())
+        self.stream: int | None = None
+        self._seq_framing = False
+        self._ack = False
+        self._processed = 0
+        self._bind(target.partition("?")[2])
+        if trailing and not self.closed:
+            self.receive_data(trailing)
+
+    def _bind(self, query: str) -> None:
+        """The events.md §7.2 checks; a failure closes the new connection with 1008."""
+        try:
+            service = self._service
+            service.check_push_mode()
+            params = parse_query(query, PUSH_QUERY)
+            if "worker_id" not in params:
+                raise SelectionError("worker_id is required", 400)
+            worker_id = query_int(params, "worker_id", 64)
+            dp_rank = query_int(params, "dp_rank", 32)
+            framing = params.get("framing", "raw")
+            ack = params.get("ack", "false")
+            if framing not in ("raw", "seq"):
+                raise SelectionError("Failed to deserialize query string: framing: unknown variant "
+                                     f"`{framing}`, expected `raw` or `seq`", 400)
+            if ack not in ("true", "false"):
+                raise SelectionError("Failed to deserialize query string: ack: invalid boolean "
+                                     f"`{ack}`", 400)
+            assert worker_id is not None
+            self.stream = service.open_event_stream(
+                worker_id, 0 if dp_rank is None else dp_rank, model_name=params.get("model_name"),
+                tenant_id=params.get("tenant_id"), now=self._clock())
+            self._seq_framing = framing == "seq"
+            self._ack = ack == "true"
+        except SelectionError as exc:
+            self.close(1008, exc.message)
+
+    def _message(self, data: bytes | str) -> None:
+        assert self.stream is not None
+        seq = None
+        if isinstance(data, bytes) and self._seq_framing:
+            if len(data) < 8:
+                self.close(1007, "invalid engine batch: missing 8-byte seq prefix")
+                return
+            seq, data = int.from_bytes(data[:8], "big"), data[8:]
+        try:
+            self._service.stream_message(self.stream, data, seq=seq, now=self._clock())
+        except StreamError as exc:
+            self.close(exc.code, exc.reason)
+            return
+        self._processed += 1
+        if self._ack:
+            self._send(TextMessage(data=f'{{"ack":{self._processed}}}'))
+            self._count("selection_proto_ws_messages_total", ("out", "text"))
+
+    def _closed(self) -> None:
+        if self.stream is not None:
+            self._service.close_event_stream(self.stream, now=self._clock())
+            self.stream = None
+
+
+class SubscriptionSession(_Session):
+    """The client side of an outbound `ws://` / `wss://` subscription (transports.md §4)."""
+
+    kind = "websocket_out"
+
+    def __init__(self, service: SelectionService, clock: Callable[[], float], stream: int, host: str,
+                 target: str) -> None:
+        super().__init__(service, clock, WSConnection(ConnectionType.CLIENT))
+        self.stream = stream
+        self.accepted = False
+        self.rejected: str | None = None
+        self._seq_framing = "framing=seq" in target.partition("?")[2].split("&")
+        self._send(Request(host=host, target=target))
+
+    def _other(self, event: Event) -> None:
+        if isinstance(event, AcceptConnection):
+            self.accepted = True
+            self._service.subscription_state(self.stream, True, now=self._clock())
+        elif isinstance(event, RejectConnection):
+            self.rejected = f"handshake refused with status {event.status_code}"
+            self.closed = True
+
+    def _message(self, data: bytes | str) -> None:
+        seq = None
+        if isinstance(data, bytes) and self._seq_framing:
+            if len(data) < 8:
+                self._service.metrics.inc("selection_proto_kv_events_dropped_total", ("", "", "invalid_message"))
+                return
+            seq, data = int.from_bytes(data[:8], "big"), data[8:]
+        self._service.stream_message(self.stream, data, seq=seq, now=self._clock())
+
+    def _closed(self) -> None:
+        if self.accepted:
+            self._service.subscription_state(self.stream, False, now=self._clock())

@@ -1,0 +1,172 @@
+"""`GET /kv_events` over a real socket with the `websockets` client against the real server."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import pytest
+from test_http import Server, read_response, request
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+B1, B2 = 14643705804678351452, 16777012769546811212
+
+
+@pytest.fixture
+def server() -> Iterator[Server]:
+    s = Server("--ws-ping-interval-secs", "1")
+    with s.connect() as sock:
+        buf = bytearray()
+        for wid in (1, 2):
+            sock.sendall(request("POST", "/workers", {"worker_id": wid, "endpoint": f"http://w{wid}",
+                                                      "block_size": 4}))
+            assert read_response(sock, buf)[0] == 201
+    yield s
+    assert s.stop() == 0
+
+
+def http(server: Server, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    with server.connect() as sock:
+        sock.sendall(request(method, path, body))
+        status, _, payload = read_response(sock, bytearray())
+        return status, json.loads(payload)
+
+
+def device_blocks(server: Server) -> dict[int, int]:
+    _, answer = http(server, "POST", "/overlap_scores", {"token_ids": list(range(1, 13))})
+    return {row["worker_id"]: row["device_blocks"] for row in answer["workers"]}
+
+
+def engine_batch(hashes: list[int], tokens: list[int], parent: int | None = None) -> bytes:
+    return msgpack.packb([0.0, [["BlockStored", hashes, parent, tokens, 4, None, "GPU", None, None]], 0])
+
+
+def url(server: Server, query: str) -> str:
+    return f"ws://127.0.0.1:{server.port}/kv_events?{query}"
+
+
+def test_text_and_binary_pushes_reach_the_index(server: Server) -> None:
+    with connect(url(server, "worker_id=1&ack=true")) as ws:
+        ws.send(json.dumps([{"event_id": 1, "data": {"stored": {"parent_hash": None, "blocks": [
+            {"block_hash": 101, "tokens_hash": B1}]}}}]))
+        assert json.loads(ws.recv(timeout=5)) == {"ack": 1}
+        ws.send(engine_batch([102], [5, 6, 7, 8], parent=101))
+        assert json.loads(ws.recv(timeout=5)) == {"ack": 2}
+        assert device_blocks(server) == {1: 2}
+        ws.ping().wait(timeout=5)
+
+
+def test_seq_framing_gaps_and_acks(server: Server) -> None:
+    with connect(url(server, "worker_id=2&framing=seq&ack=true")) as ws:
+        ws.send((5).to_bytes(8, "big") + engine_batch([201], [1, 2, 3, 4]))
+        ws.recv(timeout=5)
+        ws.send((9).to_bytes(8, "big") + engine_batch([202], [5, 6, 7, 8], parent=201))
+        ws.recv(timeout=5)
+    _, answer = http(server, "POST", "/overlap_scores", {"token_ids": list(range(1, 13))})
+    fresh = {f["worker_id"]: f for f in answer["freshness"]}[2]
+    assert (fresh["event_gaps"], fresh["missing_events"], fresh["stale"]) == (1, 3, True)
+
+
+@pytest.mark.parametrize(("query", "message", "code", "reason"), [
+    ("worker_id=9", None, 1008, "worker 9 not found"),
+    ("", None, 1008, "worker_id is required"),
+    ("worker_id=1&dp_rank=3", None, 1008, "dp_rank 3 is not a rank of worker 1 (ranks 0..0)"),
+    ("worker_id=1", b"\xc1\xc1", 1007, "invalid engine batch: "),
+    ("worker_id=1", "{not json", 1007, "invalid kv event: "),
+    ("worker_id=1", json.dumps({"worker_id": 2, "event": {"event_id": 1, "data": "cleared"}}), 1008,
+     "event worker_id 2 does not match stream worker_id 1"),
+    ("worker_id=1&framing=seq", b"\x00\x01", 1007, "invalid engine batch: missing 8-byte seq prefix"),
+    ("worker_id=1", b"\x00" * (8 * 1024 * 1024 + 1), 1009, "message exceeds 8388608 bytes"),
+])
+def test_refusals_close_with_code_and_reason(server: Server, query: str, message: Any, code: int,
+                                             reason: str) -> None:
+    with connect(url(server, query), max_size=None) as ws:
+        with pytest.raises(ConnectionClosed) as info:
+            if message is not None:
+                ws.send(message)
+            ws.recv(timeout=5)
+    assert info.value.rcvd is not None
+    assert info.value.rcvd.code == code and info.value.rcvd.reason.startswith(reason)
+    assert http(server, "GET", "/health")[0] == 200
+
+
+def test_deleting_the_worker_closes_its_stream(server: Server) -> None:
+    with connect(url(server, "worker_id=2")) as ws:
+        time.sleep(0.2)
+        assert http(server, "DELETE", "/workers/2")[0] == 200
+        with pytest.raises(ConnectionClosed) as info:
+            ws.recv(timeout=5)
+    assert info.value.rcvd is not None
+    assert (info.value.rcvd.code, info.value.rcvd.reason) == (1001, "worker 2 is no longer schedulable")
+
+
+def test_plain_get_and_bad_handshakes(server: Server) -> None:
+    assert http(server, "GET", "/kv_events") == (426, {"error": "this endpoint requires a WebSocket upgrade"})
+    with server.connect() as sock:
+        sock.sendall(b"GET /kv_events?worker_id=1 HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\n"
+                     b"connection: upgrade\r\nsec-websocket-version: 12\r\nsec-websocket-key: abc\r\n\r\n")
+        status, _, body = read_response(sock, bytearray())
+        assert status == 400
+        assert json.loads(body) == {"error": "invalid WebSocket upgrade: Sec-WebSocket-Version must be 13"}
+
+
+def test_subscribe_mode_refuses_pushes() -> None:
+    sub = _server_with("--kv-events", "subscribe")
+    try:
+        with connect(f"ws://127.0.0.1:{sub.port}/kv_events?worker_id=1") as ws:
+            with pytest.raises(ConnectionClosed) as info:
+                ws.recv(timeout=5)
+        assert info.value.rcvd is not None and info.value.rcvd.code == 1008
+        assert info.value.rcvd.reason == ("kv events are pushed only when kv_events=push "
+                                          "(this service runs kv_events=subscribe)")
+    finally:
+        sub.stop()
+
+
+def _server_with(*args: str) -> Server:
+    import subprocess
+    import sys
+
+    s = Server.__new__(Server)
+    s.proc = subprocess.Popen([sys.executable, "-m", "selection_proto", "serve", "--port", "0", *args],
+                              stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    assert s.proc.stderr is not None
+    s.port = int(json.loads(s.proc.stderr.readline())["url"].rsplit(":", 1)[1])
+    return s
+
+
+def test_a_publisher_dying_mid_frame_loses_nothing_acknowledged(server: Server) -> None:
+    with connect(url(server, "worker_id=1&ack=true")) as ws:
+        ws.send(json.dumps({"event_id": 1, "data": {"stored": {"parent_hash": None, "blocks": [
+            {"block_hash": 101, "tokens_hash": B1}]}}}))
+        assert json.loads(ws.recv(timeout=5)) == {"ack": 1}
+        raw = ws.socket
+        # Half of a masked binary frame (FIN, opcode 2, mask bit, length 100), then the socket dies.
+        raw.sendall(bytes([0x82, 0x80 | 100]) + b"\x01\x02\x03\x04" + b"\x00" * 20)
+        raw.shutdown(socket.SHUT_RDWR)
+    time.sleep(0.3)
+    assert device_blocks(server) == {1: 1}
+    _, answer = http(server, "POST", "/overlap_scores", {"token_ids": list(range(1, 13))})
+    fresh = {f["worker_id"]: f for f in answer["freshness"]}[1]
+    assert fresh["open_streams"] == 0
+
+
+def test_a_slow_publisher_does_not_block_http(server: Server) -> None:
+    with connect(url(server, "worker_id=1")) as ws:
+        ws.socket.sendall(bytes([0x82, 0x80 | 100]) + b"\x01\x02\x03\x04")  # a frame that never ends
+        start = time.monotonic()
+        assert http(server, "GET", "/health")[0] == 200
+        assert time.monotonic() - start < 2
+
+
+def test_keepalive_pings_are_answered(server: Server) -> None:
+    with connect(url(server, "worker_id=1"), ping_interval=None) as ws:
+        time.sleep(2.5)  # the server pings after 1 s of silence; the client library answers
+        ws.send(json.dumps({"event_id": 1, "data": "cleared"}))
+        time.sleep(0.2)
+    assert http(server, "GET", "/health")[0] == 200
