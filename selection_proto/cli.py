@@ -176,7 +176,7 @@ def _service_and_backend(args: argparse.Namespace, env: Mapping[str, str]) -> tu
     if backend not in ("asyncio", "trio"):
         raise UsageError(f"--backend: invalid choice {backend!r} (choose from asyncio, trio)")
     level = _transport_value(args, env, "log_level", "info", str)
-    from .transports.server import LEVELS, set_log_level
+    from .transports.logs import LEVELS, set_log_level
 
     if level not in LEVELS:
         raise UsageError(f"--log-level: invalid choice {level!r} (choose from debug, info, warning, error)")
@@ -196,7 +196,8 @@ def _stdio(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
 
 def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    from .transports.server import ServerConfig, log, serve
+    from .transports.logs import log
+    from .transports.server import ServerConfig, serve
 
     service, backend = _service_and_backend(args, env)
     config = ServerConfig(

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import signal
-import sys
 import time
 from collections.abc import Callable
-from typing import Any
 
 import anyio
 import anyio.abc
@@ -17,24 +14,10 @@ from ..adapters.ws import PushSession
 from ..core.outputs import CloseEventStream, SelectionReady
 from ..core.service import SelectionService
 from ..core.wire import error_response
+from .logs import log
+from .subscriber import Subscriptions
 
-__all__ = ["ServerConfig", "log", "serve"]
-
-
-LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
-_threshold = {"level": LEVELS["info"]}  # set once by the CLI from --log-level
-
-
-def set_log_level(level: str) -> None:
-    _threshold["level"] = LEVELS[level]
-
-
-def log(level: str, event: str, **fields: Any) -> None:
-    """One JSON object per line on stderr (transports.md §7.3)."""
-    if LEVELS[level] < _threshold["level"]:
-        return
-    record = {"ts": round(time.time(), 3), "level": level, "event": event, **fields}
-    print(json.dumps(record, separators=(",", ":")), file=sys.stderr, flush=True)
+__all__ = ["ServerConfig", "serve"]
 
 
 class ServerConfig:
@@ -64,6 +47,7 @@ class _Server:
         self.wake = anyio.Event()
         self.ws_sessions: dict[int, tuple[PushSession, anyio.abc.SocketStream, anyio.Lock]] = {}
         self.ws_count = 0
+        self.subscriptions: Subscriptions | None = None
 
     def _report_connections(self) -> None:
         self.service.observe("selection_proto_connections", ("http",), float(len(self.connections)))
@@ -99,8 +83,8 @@ class _Server:
                     self.idle.set()
 
     async def pump(self) -> None:
-        """Deliver the core's outputs: answers of queued selections go to their connections.
-        Subscription outputs have no transport yet and are dropped (see docs/DECISIONS.md)."""
+        """Deliver the core's outputs: answers of queued selections to their connections,
+        subscription changes to the subscriber, closes to their WebSocket sessions."""
         while (out := self.service.next_output()) is not None:
             if isinstance(out, SelectionReady):
                 waiter = self.waiting.pop(out.ticket, None)
@@ -119,6 +103,8 @@ class _Server:
                     self.waiting[conn.pending_ticket] = (conn, stream, lock)
                 if conn.closed:
                     self.waits.pop(conn, anyio.CancelScope()).cancel()
+            elif self.subscriptions is not None and self.subscriptions.route(out):
+                pass
             elif isinstance(out, CloseEventStream):
                 entry = self.ws_sessions.pop(out.stream, None)
                 if entry is not None:
@@ -259,6 +245,8 @@ async def serve(service: SelectionService, config: ServerConfig,
 
         tg.start_soon(run_accept)
         tg.start_soon(server.timer)
+        server.subscriptions = Subscriptions(service, tg, server.pump)
+        await server.pump()  # subscriptions of workers restored before the start
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
                 log("info", "shutdown", signal=signal.Signals(signum).name)
@@ -267,6 +255,7 @@ async def serve(service: SelectionService, config: ServerConfig,
         accept_scope.cancel()
         service.begin_shutdown(now=time.monotonic())
         await server.pump()
+        server.subscriptions.close_all()
         for conn in list(server.connections):
             conn.shutdown()
             if not conn.busy:

@@ -11,7 +11,8 @@ import anyio
 from ..adapters.jsonl import JsonRpcSession
 from ..core.outputs import SelectionReady
 from ..core.service import SelectionService
-from .server import log
+from .logs import log
+from .subscriber import Subscriptions
 
 __all__ = ["serve_stdio"]
 
@@ -27,10 +28,14 @@ async def serve_stdio(service: SelectionService) -> None:
     in_fd = sys.stdin.fileno()
     done = anyio.Event()
 
+    subscriptions: list[Subscriptions] = []
+
     async def flush() -> None:
         while (event := service.next_output()) is not None:
             if isinstance(event, SelectionReady):
                 session.deliver(event)
+            elif subscriptions:
+                subscriptions[0].route(event)
         data = session.data_to_send()
         if data:
             await anyio.to_thread.run_sync(out.write, data)
@@ -64,12 +69,14 @@ async def serve_stdio(service: SelectionService) -> None:
     log("info", "stdio", pid=os.getpid())
     service.observe("selection_proto_connections", ("stdio",), 1.0)
     async with anyio.create_task_group() as tg:
+        subscriptions.append(Subscriptions(service, tg, flush))
         tg.start_soon(read)
         tg.start_soon(timer)
         tg.start_soon(signals)
         await done.wait()
         service.begin_shutdown(now=anyio.current_time())
         await flush()
+        subscriptions[0].close_all()
         tg.cancel_scope.cancel()
     out.close()
     log("info", "stopped")

@@ -1,0 +1,174 @@
+"""Outbound KV-event subscriptions: `ws://` / `wss://` (wsproto client) and `tcp://` / `ipc://`
+(pyzmq SUB, extra `zmq`), driven by the core's Subscribe/Unsubscribe outputs (transports.md §4)."""
+
+from __future__ import annotations
+
+import ssl
+import time
+from collections.abc import Awaitable, Callable
+from urllib.parse import urlsplit
+
+import anyio
+import anyio.abc
+
+from ..adapters.ws import SubscriptionSession
+from ..core.outputs import OutputEvent, SubscribeKvEvents, UnsubscribeKvEvents
+from ..core.service import SelectionService
+from .logs import log
+
+__all__ = ["BACKOFF_MAX", "BACKOFF_START", "Subscriptions", "backoff_delays"]
+
+BACKOFF_START = 0.5
+BACKOFF_MAX = 30.0
+STABLE_AFTER = 30.0  # a connection that lasted this long resets the backoff
+CONNECT_TIMEOUT = 10.0
+
+
+def backoff_delays(start: float = BACKOFF_START, cap: float = BACKOFF_MAX) -> Callable[[], float]:
+    """0.5 s, doubling, at most 30 s."""
+    state = {"next": start}
+
+    def delay() -> float:
+        value = state["next"]
+        state["next"] = min(cap, value * 2)
+        return value
+
+    return delay
+
+
+class Subscriptions:
+    """One task per subscribed rank; `route` takes the core's subscription outputs."""
+
+    def __init__(self, service: SelectionService, tg: anyio.abc.TaskGroup,
+                 changed: Callable[[], Awaitable[None]]) -> None:
+        self.service = service
+        self.tg = tg
+        self.changed = changed
+        self.scopes: dict[int, anyio.CancelScope] = {}
+
+    def route(self, out: OutputEvent) -> bool:
+        if isinstance(out, SubscribeKvEvents):
+            scope = anyio.CancelScope()
+            self.scopes[out.stream] = scope
+            self.tg.start_soon(self._run, out, scope)
+            return True
+        if isinstance(out, UnsubscribeKvEvents):
+            scope = self.scopes.pop(out.stream, None)
+            if scope is not None:
+                scope.cancel()
+            return True
+        return False
+
+    def close_all(self) -> None:
+        for scope in self.scopes.values():
+            scope.cancel()
+        self.scopes.clear()
+
+    def _failed(self, scheme: str, reason: str, sub: SubscribeKvEvents, detail: str) -> None:
+        self.service.observe("selection_proto_kv_subscription_failures_total", (scheme, reason), 1.0)
+        log("warning", "kv_subscription_failed", worker_id=sub.worker_id, dp_rank=sub.dp_rank,
+            endpoint=sub.endpoint, reason=reason, detail=detail)
+
+    async def _run(self, sub: SubscribeKvEvents, scope: anyio.CancelScope) -> None:
+        with scope:
+            scheme = sub.endpoint.partition("://")[0]
+            if scheme in ("ws", "wss"):
+                await self._websocket(sub, scheme)
+            else:
+                await self._zmq(sub, scheme)
+
+    async def _websocket(self, sub: SubscribeKvEvents, scheme: str) -> None:
+        parts = urlsplit(sub.endpoint)
+        host = parts.hostname or ""
+        port = parts.port or (443 if scheme == "wss" else 80)
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        delays = backoff_delays()
+        while True:
+            started = time.monotonic()
+            reason, detail = await self._ws_once(sub, scheme, host, port, target)
+            self._failed(scheme, reason, sub, detail)
+            if time.monotonic() - started >= STABLE_AFTER:
+                delays = backoff_delays()
+            await anyio.sleep(delays())
+
+    async def _ws_once(self, sub: SubscribeKvEvents, scheme: str, host: str, port: int,
+                       target: str) -> tuple[str, str]:
+        """One connection's life; returns why it ended as (reason label, detail)."""
+        try:
+            with anyio.fail_after(CONNECT_TIMEOUT):
+                stream: anyio.abc.ByteStream = await anyio.connect_tcp(
+                    host, port, tls=scheme == "wss", ssl_context=ssl.create_default_context()
+                    if scheme == "wss" else None, tls_standard_compatible=False)
+        except ssl.SSLError as exc:
+            return "tls", str(exc)
+        except (OSError, TimeoutError) as exc:
+            return "connect", str(exc) or type(exc).__name__
+        session = SubscriptionSession(self.service, anyio.current_time, sub.stream,
+                                      f"{host}:{port}", target)
+        try:
+            async with stream:
+                await stream.send(session.data_to_send())
+                while not session.closed:
+                    try:
+                        data = await stream.receive(65536)
+                    except anyio.EndOfStream:
+                        data = b""
+                    session.receive_data(data)
+                    out = session.data_to_send()
+                    if out:
+                        await stream.send(out)
+                    await self.changed()
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+            session.connection_lost()
+            return "closed", str(exc) or type(exc).__name__
+        finally:
+            session.connection_lost()
+        if not session.accepted:
+            return "handshake", session.rejected or "connection closed during the handshake"
+        return "closed", f"closed with code {session.close_code}"
+
+    async def _zmq(self, sub: SubscribeKvEvents, scheme: str) -> None:
+        try:
+            import zmq
+        except ImportError:
+            self._failed(scheme, "zmq_unavailable", sub, "pyzmq is not installed")
+            return
+        context = zmq.Context.instance()
+        socket = context.socket(zmq.SUB)
+        socket.setsockopt(zmq.SUBSCRIBE, b"")
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(sub.endpoint)
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+
+        def receive_some() -> list[list[bytes]]:
+            # Runs in a worker thread: wait up to 100 ms, then take what is queued.
+            messages: list[list[bytes]] = []
+            if poller.poll(100):
+                while len(messages) < 256:
+                    try:
+                        messages.append(socket.recv_multipart(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+            return messages
+
+        self.service.subscription_state(sub.stream, True, now=anyio.current_time())
+        try:
+            while True:
+                messages = await anyio.to_thread.run_sync(receive_some, abandon_on_cancel=True)
+                for frames in messages:
+                    deliver_zmq(self.service, sub.stream, frames, sub.model_name, sub.tenant_id)
+                if messages:
+                    await self.changed()
+        finally:
+            self.service.subscription_state(sub.stream, False, now=anyio.current_time())
+            socket.close(linger=0)
+
+
+def deliver_zmq(service: SelectionService, stream: int, frames: list[bytes], model_name: str,
+                tenant_id: str) -> None:
+    """One ZMQ message: exactly [topic, 8-byte big-endian seq, payload] (events.md §3.1)."""
+    if len(frames) != 3 or len(frames[1]) != 8:
+        service.metrics.inc("selection_proto_kv_events_dropped_total", (model_name, tenant_id, "bad_zmq_frames"))
+        return
+    service.stream_message(stream, frames[2], seq=int.from_bytes(frames[1], "big"), now=anyio.current_time())
