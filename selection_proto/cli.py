@@ -119,7 +119,45 @@ def _build_parser() -> _Parser:
     _add_settings(serve)
     stdio = sub.add_parser("stdio", help="JSON-RPC 2.0 lines on stdin/stdout")
     _add_settings(stdio)
+    relay = sub.add_parser("relay", help="forward an engine's ZMQ KV events over one WebSocket")
+    relay.add_argument("--zmq", required=True, help="the engine's ZMQ PUB endpoint (tcp:// or ipc://)")
+    relay.add_argument("--to", required=True, help="ws://SELECTOR:8092/kv_events")
+    relay.add_argument("--worker-id", required=True, type=int)
+    relay.add_argument("--dp-rank", default=0, type=int)
+    relay.add_argument("--topic", default="", help="ZMQ topic prefix (default: all)")
+    relay.add_argument("--buffer", default=1024, type=int, help="messages buffered while disconnected")
+    relay.add_argument("--backend", default=None, help="asyncio (default) or trio")
+    relay.add_argument("--log-level", default=None, help="debug, info, warning, error")
     return parser
+
+
+def _relay(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    import anyio
+
+    from .transports.logs import LEVELS, set_log_level
+
+    level = _transport_value(args, env, "log_level", "info", str)
+    if level not in LEVELS:
+        raise UsageError(f"--log-level: invalid choice {level!r} (choose from debug, info, warning, error)")
+    set_log_level(level)
+    backend = _transport_value(args, env, "backend", "asyncio", str)
+    if not args.zmq.startswith(("tcp://", "ipc://")):
+        raise UsageError(f"--zmq: expected a tcp:// or ipc:// endpoint, not {args.zmq!r}")
+    if not args.to.startswith(("ws://", "wss://")):
+        raise UsageError(f"--to: expected a ws:// or wss:// URL, not {args.to!r}")
+    if args.buffer < 1:
+        raise UsageError("--buffer: must be at least 1")
+    try:
+        import zmq  # noqa: F401
+    except ImportError:
+        print(f"{PROG}: error: relay needs the optional extra zmq (pip install 'selection-proto[zmq]')",
+              file=sys.stderr)
+        return 1
+    from .transports.relay import run_relay
+
+    anyio.run(run_relay, args.zmq, args.to, args.worker_id, args.dp_rank, args.topic, args.buffer,
+              backend=backend)
+    return 0
 
 
 def _transport_value(args: argparse.Namespace, env: Mapping[str, str], name: str, default: Any,
@@ -227,7 +265,9 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     try:
         args = parser.parse_args(argv)
         if args.command is None:
-            raise UsageError("a command is required (serve, stdio)")
+            raise UsageError("a command is required (serve, stdio, relay)")
+        if args.command == "relay":
+            return _relay(args, env)
         return _stdio(args, env) if args.command == "stdio" else _serve(args, env)
     except UsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 from collections.abc import Callable, Iterable
 from typing import Final
 
@@ -31,7 +32,7 @@ from ..core.errors import SelectionError, StreamError
 from ..core.service import SelectionService
 from ..core.wire import parse_query, query_int
 
-__all__ = ["MAX_MESSAGE", "PushSession", "SubscriptionSession", "check_handshake", "cut_reason"]
+__all__ = ["MAX_MESSAGE", "ForwardingClient", "PushSession", "SubscriptionSession", "check_handshake", "cut_reason"]
 
 MAX_MESSAGE: Final = 8 * 1024 * 1024
 PUSH_QUERY: Final = ("worker_id", "dp_rank", "model_name", "tenant_id", "routing_group", "framing", "ack")
@@ -283,3 +284,56 @@ class SubscriptionSession(_Session):
     def _closed(self) -> None:
         if self.accepted:
             self._service.subscription_state(self.stream, False, now=self._clock())
+
+
+class ForwardingClient:
+    """The client side of the relay's connection to `/kv_events`: sends binary messages, reads
+    `{"ack": n}` texts, and reports how the connection ended. No core involved."""
+
+    def __init__(self, host: str, target: str) -> None:
+        self._ws = WSConnection(ConnectionType.CLIENT)
+        self._out: list[bytes] = [self._ws.send(Request(host=host, target=target))]
+        self.accepted = False
+        self.closed = False
+        self.acked = 0
+        self.close_code: int | None = None
+        self.close_reason = ""
+        self.rejected: str | None = None
+
+    def data_to_send(self) -> bytes:
+        data = b"".join(self._out)
+        self._out.clear()
+        return data
+
+    def send_binary(self, data: bytes) -> None:
+        self._out.append(self._ws.send(BytesMessage(data=data)))
+
+    def receive_data(self, data: bytes) -> None:
+        if self.closed:
+            return
+        if not data:
+            self.closed, self.close_code = True, 1006
+            return
+        try:
+            self._ws.receive_data(data)
+        except (LocalProtocolError, RemoteProtocolError) as exc:
+            self.closed, self.close_code, self.close_reason = True, 1002, str(exc)
+            return
+        for event in self._ws.events():
+            if isinstance(event, AcceptConnection):
+                self.accepted = True
+            elif isinstance(event, RejectConnection):
+                self.rejected = f"handshake refused with status {event.status_code}"
+                self.closed = True
+            elif isinstance(event, TextMessage):
+                try:
+                    self.acked = max(self.acked, int(json.loads(event.data)["ack"]))
+                except (ValueError, KeyError, TypeError):
+                    pass
+            elif isinstance(event, Ping):
+                self._out.append(self._ws.send(event.response()))
+            elif isinstance(event, CloseConnection):
+                self.close_code, self.close_reason = event.code, event.reason or ""
+                if self._ws.state is ConnectionState.REMOTE_CLOSING:
+                    self._out.append(self._ws.send(event.response()))
+                self.closed = True
