@@ -8,10 +8,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck
+from hypothesis import settings as hypothesis_settings
 
 from selection_proto import SelectionService, Settings
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# `ci` keeps the whole fuzz part of the suite to a few minutes on 2 cores; `long` is for soak runs:
+#   HYPOTHESIS_PROFILE=long python -m pytest tests/test_fuzz.py tests/test_stateful.py tests/test_queue.py
+hypothesis_settings.register_profile("ci", max_examples=150, deadline=None,
+                                     suppress_health_check=[HealthCheck.too_slow])
+hypothesis_settings.register_profile("long", max_examples=20_000, deadline=None,
+                                     suppress_health_check=[HealthCheck.too_slow])
+hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def vectors_dir() -> Path:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -16,15 +18,27 @@ import pytest
 
 
 class Server:
-    def __init__(self, *args: str) -> None:
+    """`selection-proto serve` on a free loopback port; its stderr log lines are kept in `logs`."""
+
+    def __init__(self, *args: str, mode: str = "push") -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "selection_proto", "serve", "--port", "0", "--kv-events", "push", *args],
+            [sys.executable, "-m", "selection_proto", "serve", "--port", "0", "--kv-events", mode, *args],
             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
         assert self.proc.stderr is not None
+        ready, _, _ = select.select([self.proc.stderr], [], [], 30)
+        assert ready, "the server did not report its port within 30 s"
         line = self.proc.stderr.readline()
         record = json.loads(line)
         assert record["event"] == "listening", line
         self.port = int(record["url"].rsplit(":", 1)[1])
+        self.logs: list[str] = [line]
+        # Keep draining stderr so that a chatty server never blocks on a full pipe.
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.logs.append(line)
 
     def connect(self) -> socket.socket:
         return socket.create_connection(("127.0.0.1", self.port), timeout=5)

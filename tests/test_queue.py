@@ -7,7 +7,7 @@ import random
 from typing import Any
 
 from conftest import Client, worker
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -231,6 +231,5 @@ class QueueMachine(RuleBasedStateMachine):
             assert all(p.active_requests == 0 and p.potential_prefill_tokens == 0 for p in load.loads)
 
 
-QueueMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=40, deadline=None,
-                                          suppress_health_check=[HealthCheck.too_slow])
+QueueMachine.TestCase.settings = settings(stateful_step_count=40)
 TestQueueMachine = QueueMachine.TestCase

@@ -9,15 +9,15 @@ import sys
 import time
 
 import zmq
+from test_http import Server
 from test_subscriptions import device_blocks, free_port, http, vllm_batch, wait_for
-from test_websocket import _server_with
 
 
 def test_relay_forwards_in_order_and_reports_counters() -> None:
     zport = free_port()
     pub = zmq.Context.instance().socket(zmq.PUB)
     pub.bind(f"tcp://127.0.0.1:{zport}")
-    server = _server_with("--kv-events", "push")
+    server = Server()
     relay = None
     try:
         http(server.port, "POST", "/workers", {"worker_id": 3, "endpoint": "http://w3", "block_size": 4})

@@ -12,8 +12,7 @@ from typing import Any
 
 import msgpack
 import zmq
-from test_http import read_response, request
-from test_websocket import _server_with
+from test_http import Server, read_response, request
 from websockets.sync.server import serve as ws_serve
 
 B = [14643705804678351452, 16777012769546811212]
@@ -57,7 +56,7 @@ def test_zmq_publisher_feeds_the_index_directly() -> None:
     context = zmq.Context.instance()
     pub = context.socket(zmq.PUB)
     pub.bind(f"tcp://127.0.0.1:{zport}")
-    server = _server_with("--kv-events", "subscribe")
+    server = Server(mode="subscribe")
     try:
         status, record = http(server.port, "POST", "/workers", {
             "worker_id": 1, "endpoint": "http://w1", "block_size": 4,
@@ -104,7 +103,7 @@ def test_websocket_engine_endpoint_with_reconnect() -> None:
     engine = ws_serve(handler, "127.0.0.1", wport)
     thread = threading.Thread(target=engine.serve_forever, daemon=True)
     thread.start()
-    server = _server_with("--kv-events", "subscribe")
+    server = Server(mode="subscribe")
     try:
         http(server.port, "POST", "/workers", {"worker_id": 1, "endpoint": "http://w1", "block_size": 4,
                                               "kv_events_endpoint": f"ws://127.0.0.1:{wport}/events"})
@@ -122,7 +121,7 @@ def test_websocket_engine_endpoint_with_reconnect() -> None:
 
 def test_unreachable_endpoints_are_retried_and_counted() -> None:
     dead = free_port()
-    server = _server_with("--kv-events", "subscribe")
+    server = Server(mode="subscribe")
     try:
         status, record = http(server.port, "POST", "/workers", {
             "worker_id": 1, "endpoint": "http://w1", "block_size": 4, "kv_events_endpoint": f"ws://127.0.0.1:{dead}/"})

@@ -116,7 +116,7 @@ def test_plain_get_and_bad_handshakes(server: Server) -> None:
 
 
 def test_subscribe_mode_refuses_pushes() -> None:
-    sub = _server_with("--kv-events", "subscribe")
+    sub = Server(mode="subscribe")
     try:
         with connect(f"ws://127.0.0.1:{sub.port}/kv_events?worker_id=1") as ws:
             with pytest.raises(ConnectionClosed) as info:
@@ -126,18 +126,6 @@ def test_subscribe_mode_refuses_pushes() -> None:
                                           "(this service runs kv_events=subscribe)")
     finally:
         sub.stop()
-
-
-def _server_with(*args: str) -> Server:
-    import subprocess
-    import sys
-
-    s = Server.__new__(Server)
-    s.proc = subprocess.Popen([sys.executable, "-m", "selection_proto", "serve", "--port", "0", *args],
-                              stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    assert s.proc.stderr is not None
-    s.port = int(json.loads(s.proc.stderr.readline())["url"].rsplit(":", 1)[1])
-    return s
 
 
 def test_a_publisher_dying_mid_frame_loses_nothing_acknowledged(server: Server) -> None:

@@ -52,7 +52,9 @@ class HttpConnection:
 
     @property
     def busy(self) -> bool:
-        return self._request is not None or self._h11.their_state not in (h11.IDLE, h11.DONE)
+        """A request is partly received (bytes buffered count too) or being answered."""
+        return (self._request is not None or self._h11.their_state not in (h11.IDLE, h11.DONE)
+                or bool(self._h11.trailing_data[0]))
 
     def data_to_send(self) -> bytes:
         data = b"".join(self._out)

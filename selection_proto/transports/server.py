@@ -82,7 +82,7 @@ class _Server:
                 if self.draining and not self.connections:
                     self.idle.set()
 
-    async def pump(self) -> None:
+    async def pump(self, wake_timer: bool = True) -> None:
         """Deliver the core's outputs: answers of queued selections to their connections,
         subscription changes to the subscriber, closes to their WebSocket sessions."""
         while (out := self.service.next_output()) is not None:
@@ -116,7 +116,8 @@ class _Server:
                         await stream.aclose()
                     except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
                         pass
-        self.wake.set()
+        if wake_timer:
+            self.wake.set()  # state changed: the timer recomputes the next deadline
 
     async def timer(self) -> None:
         """Tick the core at its next deadline (booking expiry, queue timeout)."""
@@ -127,15 +128,22 @@ class _Server:
                 await self.wake.wait()
             self.wake = anyio.Event()
             self.service.tick(self.clock())
-            await self.pump()
+            await self.pump(wake_timer=False)
 
     async def _serve(self, stream: anyio.abc.SocketStream, conn: HttpConnection,
                      lock: anyio.Lock) -> None:
+        request_started: float | None = None
         while not conn.closed:
-            timeout = (self.config.request_timeout_secs if conn.busy and conn.pending_ticket is None
-                       else self.config.keep_alive_timeout_secs)
             if conn.pending_ticket is not None:
                 timeout = float("inf")  # the queue's own timeout bounds the wait
+            elif conn.busy:
+                # One deadline per request: a client trickling bytes cannot extend it.
+                if request_started is None:
+                    request_started = self.clock()
+                timeout = max(0.0, request_started + self.config.request_timeout_secs - self.clock())
+            else:
+                request_started = None
+                timeout = self.config.keep_alive_timeout_secs
             data = None
             with anyio.move_on_after(timeout) as scope:
                 self.waits[conn] = scope

@@ -1,0 +1,219 @@
+"""A Hypothesis state machine over the whole core: workers come and go and are patched, KV events
+of both encodings (malformed ones too), selects, reservations, prefill completions, frees, ticks,
+with queueing on or off. The invariants are those of docs/INVARIANTS.md."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import msgpack
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from selection_proto import Pending, SelectionReady, SelectionService, Settings
+
+WORKERS = st.integers(1, 4)
+TOKENS = st.lists(st.integers(0, 3), min_size=0, max_size=24)
+ALLOWED = {200, 201, 400, 404, 405, 409, 413, 415, 422, 429, 503}
+
+
+class ServiceMachine(RuleBasedStateMachine):
+    @initialize(seed=st.integers(0, 2**32 - 1), queueing=st.booleans())
+    def start(self, seed: int, queueing: bool) -> None:
+        self.service = SelectionService(Settings(kv_events="push", max_reservations_per_key=8,
+                                                 queue_threshold=1.0 if queueing else None),
+                                        random.Random(seed))
+        self.tickets: set[int] = set()
+        self.now = 0.0
+        self.bookings: set[str] = set()
+        self.next_id = 0
+        self.event_id = 0
+
+    def call(self, method: str, path: str, body: Any = None, query: str = "", raw: bytes | None = None) -> tuple[int, Any]:
+        self.now += 0.01
+        data = raw if raw is not None else (b"" if body is None else json.dumps(body).encode())
+        status, headers, payload = self.service.handle(method, path, query, [("content-type", "application/json")],
+                                                       data, now=self.now)
+        assert status in ALLOWED or (status == 503 and path == "/ready"), (status, payload)
+        assert dict(headers)["content-length"] == str(len(payload))
+        return status, json.loads(payload)
+
+    @rule(wid=WORKERS, dp=st.integers(1, 2), bs=st.sampled_from([2, 4]))
+    def upsert(self, wid: int, dp: int, bs: int) -> None:
+        status, _ = self.call("POST", "/workers", {"worker_id": wid, "endpoint": f"http://w{wid}",
+                                                    "block_size": bs, "data_parallel_size": dp,
+                                                    "max_num_batched_tokens": 8})
+        assert status == 201
+        # A worker that leaves or loses ranks drops their bookings (core.md §6.5).
+        self.bookings = {b for b in self.bookings if self.live(b)}
+
+    @rule(wid=WORKERS, dp=st.none() | st.integers(1, 2), taint=st.booleans())
+    def patch(self, wid: int, dp: int | None, taint: bool) -> None:
+        body: dict[str, Any] = {"taints": ["t"] if taint else []}
+        if dp is not None:
+            body["data_parallel_size"] = dp
+        status, _ = self.call("PATCH", f"/workers/{wid}", body)
+        assert status in (200, 404)
+        self.bookings = {b for b in self.bookings if self.live(b)}
+
+    @rule(wid=WORKERS, tokens=TOKENS, parent=st.booleans(), cut=st.none() | st.integers(0, 80),
+          medium=st.sampled_from([None, "GPU", "CPU", "DISK"]))
+    def engine_batch(self, wid: int, tokens: list[int], parent: bool, cut: int | None, medium: str | None) -> None:
+        hashes = [1000 + i for i in range(len(tokens) // 2)]
+        payload = msgpack.packb([0.0, [["BlockStored", hashes, 999 if parent else None, tokens, 2, None, medium,
+                                        None, None], ["BlockRemoved", hashes[:1]]], 0])
+        if cut is not None:
+            payload = payload[:cut]  # a truncated batch must change nothing
+        before = self.snapshot()
+        self.now += 0.01
+        status, _, body = self.service.handle("POST", "/kv_events", f"worker_id={wid}",
+                                              [("content-type", "application/msgpack")], payload, now=self.now)
+        assert status in ALLOWED, body
+        if status != 200:
+            assert self.snapshot() == before
+
+    @rule(dt=st.floats(0, 400))
+    def tick(self, dt: float) -> None:
+        self.now += dt
+        self.service.tick(self.now)
+        self.bookings = {b for b in self.bookings if self.live(b)}
+
+    @rule(wid=WORKERS)
+    def delete(self, wid: int) -> None:
+        status, _ = self.call("DELETE", f"/workers/{wid}")
+        assert status in (200, 404)
+        self.bookings = {b for b in self.bookings if self.live(b)}
+
+    def live(self, rid: str) -> bool:
+        return any(rid in s.tracker.bookings for s in self.service._keys.values())
+
+    @rule(wid=WORKERS, tokens=TOKENS, dp=st.integers(0, 1), parent=st.booleans())
+    def store(self, wid: int, tokens: list[int], dp: int, parent: bool) -> None:
+        from selection_proto import block_hashes
+
+        blocks = block_hashes(tokens, 2)
+        self.event_id += 1
+        data = {"stored": {"parent_hash": (blocks[0] * 7 % 2**64) if parent and blocks else None,
+                           "blocks": [{"block_hash": h * 7 % 2**64, "tokens_hash": h} for h in blocks[parent:]]}}
+        before = self.snapshot()
+        status, _ = self.call("POST", "/kv_events", [{"worker_id": wid, "event": {
+            "event_id": self.event_id, "dp_rank": dp, "data": data}}])
+        if status != 200:
+            assert self.snapshot() == before
+
+    @rule(wid=WORKERS, tokens=TOKENS)
+    def remove(self, wid: int, tokens: list[int]) -> None:
+        from selection_proto import block_hashes
+
+        self.event_id += 1
+        hashes = [h * 7 % 2**64 for h in block_hashes(tokens, 2)]
+        self.call("POST", "/kv_events", [{"worker_id": wid, "event": {
+            "event_id": self.event_id, "data": {"removed": {"block_hashes": hashes}}}}])
+
+    @rule(tokens=TOKENS, reserve=st.booleans(), pin=st.none() | WORKERS)
+    def select(self, tokens: list[int], reserve: bool, pin: int | None) -> None:
+        body: dict[str, Any] = {"token_ids": tokens, "explain": True}
+        if pin is not None:
+            body["pinned_worker"] = {"worker_id": pin, "dp_rank": 0}
+        if reserve:
+            self.next_id += 1
+            body["reservation_id"] = f"r{self.next_id}"
+        before = self.snapshot()
+        self.now += 0.01
+        result = self.service.handle("POST", "/select_and_reserve" if reserve else "/select", "",
+                                     [("content-type", "application/json")], json.dumps(body).encode(),
+                                     now=self.now)
+        if isinstance(result, Pending):
+            self.tickets.add(result.ticket)
+            return
+        status, answer = result.status, json.loads(result.body)
+        assert status in ALLOWED
+        if status == 200:
+            if reserve:
+                self.bookings.add(answer["reservation_id"])
+            scores = [c["device_blocks"] for c in answer["candidates"]]
+            assert all(0 <= s <= len(tokens) // 2 for s in scores)
+        else:
+            assert self.snapshot() == before
+
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        if not self.bookings:
+            return
+        rid = data.draw(st.sampled_from(sorted(self.bookings)))
+        if data.draw(st.booleans()):
+            assert self.call("POST", f"/reservations/{rid}/prefill_complete")[0] == 200
+        else:
+            assert self.call("DELETE", f"/reservations/{rid}")[0] == 200
+            self.bookings.discard(rid)
+
+    @rule(raw=st.binary(max_size=40), path=st.sampled_from(["/select", "/workers", "/kv_events", "/reservations"]))
+    def garbage(self, raw: bytes, path: str) -> None:
+        before = self.snapshot()
+        status, answer = self.call("POST", path, raw=raw)
+        assert "error" in answer or status in (200, 201)
+        if status >= 400:
+            assert self.snapshot() == before
+
+    def drain(self) -> None:
+        while (out := self.service.next_output()) is not None:
+            if isinstance(out, SelectionReady):
+                assert out.ticket in self.tickets, "a ticket answered twice or never issued"
+                self.tickets.discard(out.ticket)
+                if out.response.status == 200:
+                    rid = json.loads(out.response.body).get("reservation_id")
+                    if rid is not None:
+                        self.bookings.add(rid)
+
+    def snapshot(self) -> tuple[Any, ...]:
+        s = self.service
+        return (json.dumps([r.to_json() for r in s.list_workers()]),
+                json.dumps([m.to_json() for m in s.loads()]), json.dumps(s.dump()))
+
+    @invariant()
+    def loads_are_consistent(self) -> None:
+        if not hasattr(self, "service"):
+            return
+        self.drain()
+        assert sum(m.pending_count for m in self.service.loads()) == len(self.tickets)
+        for state in self.service._keys.values():
+            total = 0
+            for load in state.tracker.loads.values():
+                assert load.requests >= 0 and load.prefill_tokens >= 0
+                assert all(c > 0 for c in load.unique.values())
+                total += load.requests
+            assert total == len(state.tracker.bookings)
+        assert self.bookings == {b for b in self.bookings if self.live(b)}
+
+    @invariant()
+    def scores_are_prefix_consistent(self) -> None:
+        if not hasattr(self, "service"):
+            return
+        from selection_proto import block_hashes
+
+        q = block_hashes([0, 1, 2, 3, 0, 1, 2, 3], 2)
+        for state in self.service._keys.values():
+            full, _ = state.index.device.find(q)
+            for k in range(len(q) + 1):
+                part, _ = state.index.device.find(q[:k])
+                for rank, score in full.items():
+                    assert score <= len(q)
+                    assert part.get(rank, 0) == min(score, k)
+
+    def teardown(self) -> None:
+        if not hasattr(self, "service"):
+            return
+        self.service.begin_shutdown(now=self.now)
+        self.drain()
+        assert not self.tickets, "every ticket gets exactly one answer"
+        for rid in sorted(self.bookings):
+            assert self.call("DELETE", f"/reservations/{rid}")[0] == 200
+        for state in self.service._keys.values():
+            for load in state.tracker.loads.values():
+                assert (load.requests, load.prefill_tokens, len(load.unique)) == (0, 0, 0)
+
+
+ServiceMachine.TestCase.settings = settings(stateful_step_count=30)

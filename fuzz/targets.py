@@ -1,0 +1,194 @@
+"""Fuzz targets: each takes arbitrary bytes, feeds one adapter or decoder, and checks that nothing
+raises and that what comes out is well formed. Shared by the Hypothesis runs in the test suite and
+by `python fuzz/run.py TARGET` (atheris when installed)."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+
+import msgpack
+
+from selection_proto import SelectionService, Settings, WorkerRequest
+from selection_proto.adapters.http import HttpConnection
+from selection_proto.adapters.jsonl import JsonRpcSession
+from selection_proto.adapters.ws import PushSession
+from selection_proto.core.engine import InvalidBatch, decode_batch
+from selection_proto.core.errors import SelectionError, StreamError
+
+__all__ = ["SPLITTERS", "TARGETS", "fresh_service", "seeds"]
+
+ALLOWED_STATUSES = {100, 101, 200, 201, 400, 404, 405, 408, 409, 413, 415, 422, 426, 429, 431, 500, 503}
+
+
+def fresh_service(mode: str = "push") -> SelectionService:
+    service = SelectionService(Settings(kv_events=mode), random.Random(0))  # type: ignore[arg-type]
+    for wid in (1, 2):
+        service.upsert_worker(WorkerRequest(worker_id=wid, model_name="default", endpoint=f"http://w{wid}",
+                                            block_size=4, data_parallel_size=2), now=0.0)
+    return service
+
+
+def _clock() -> float:
+    return 1.0
+
+
+def http_stream(data: bytes) -> None:
+    """Arbitrary bytes into one HTTP connection, in chunks whose sizes come from the data itself."""
+    service = fresh_service()
+    conn = HttpConnection(service, _clock)
+    pos = 0
+    step = (data[0] % 13 + 1) if data else 1
+    out = b""
+    while pos < len(data) and not conn.closed:
+        conn.receive_data(data[pos:pos + step])
+        out += conn.data_to_send()
+        pos += step
+    if not conn.closed:
+        conn.receive_data(b"")
+        out += conn.data_to_send()
+    _check_http_output(out)
+    # Whatever that connection did, the service keeps serving everyone else.
+    other = HttpConnection(service, _clock)
+    other.receive_data(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+    assert other.data_to_send().startswith(b"HTTP/1.1 200 ")
+
+
+def _check_http_output(out: bytes) -> None:
+    rest = out
+    while rest:
+        head, sep, rest = rest.partition(b"\r\n\r\n")
+        assert sep, out[:200]
+        lines = head.split(b"\r\n")
+        status = int(lines[0].split()[1])
+        assert status in ALLOWED_STATUSES, lines[0]
+        headers = dict(line.split(b": ", 1) for line in lines[1:])
+        length = int(headers.get(b"content-length", b"0"))
+        body, rest = rest[:length], rest[length:]
+        if headers.get(b"content-type") == b"application/json" and body:
+            json.loads(body)
+
+
+def jsonl_stream(data: bytes) -> None:
+    service = fresh_service()
+    session = JsonRpcSession(service, _clock)
+    session.receive_data(data)
+    session.end_of_input()
+    for line in session.data_to_send().splitlines():
+        message = json.loads(line)
+        assert message["jsonrpc"] == "2.0" and ("result" in message) != ("error" in message)
+
+
+def ws_stream(data: bytes) -> None:
+    """Arbitrary frame bytes after a valid upgrade of a push stream."""
+    service = fresh_service()
+    headers = [(b"host", b"x"), (b"upgrade", b"websocket"), (b"connection", b"Upgrade"),
+               (b"sec-websocket-key", b"dGhlIHNhbXBsZSBub25jZQ=="), (b"sec-websocket-version", b"13")]
+    query = "worker_id=1&framing=seq&ack=true" if data[:1] == b"\x01" else "worker_id=1&ack=true"
+    session = PushSession(service, _clock, f"/kv_events?{query}", headers, b"")
+    assert session.data_to_send().startswith(b"HTTP/1.1 101")
+    session.receive_data(data)
+    session.data_to_send()
+    session.receive_data(b"")
+    assert session.closed
+
+
+def json_events(data: bytes) -> None:
+    service = fresh_service()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return
+    before = service.dump()
+    status, _, body = service.handle("POST", "/kv_events", "worker_id=1", [("content-type", "application/json")],
+                                     data, now=1.0)
+    assert status in ALLOWED_STATUSES
+    payload = json.loads(body)
+    if status != 200:
+        assert service.dump() == before and "error" in payload
+    stream = service.open_event_stream(2, 0, now=1.0)
+    try:
+        service.stream_message(stream, text, now=1.0)
+    except StreamError as exc:
+        assert exc.code in (1007, 1008)
+
+
+def engine_batch(data: bytes) -> None:
+    service = fresh_service()
+    try:
+        decode_batch(data)
+        valid = True
+    except InvalidBatch:
+        valid = False
+    before = service.dump()
+    try:
+        report = service.apply_engine_batch(data, worker_id=1, now=1.0)
+        assert valid and report.received == report.applied + report.failed + report.dropped
+    except SelectionError as exc:
+        assert not valid or exc.status in (400, 409)
+        assert service.dump() == before
+
+
+TARGETS: dict[str, Callable[[bytes], None]] = {
+    "http": http_stream,
+    "jsonl": jsonl_stream,
+    "ws": ws_stream,
+    "json_events": json_events,
+    "engine_batch": engine_batch,
+}
+
+
+def seeds(target: str) -> list[bytes]:
+    """Valid inputs that mutation starts from."""
+    body = json.dumps({"token_ids": list(range(12))}).encode()
+    batch = msgpack.packb([0.0, [["BlockStored", [1, 2], None, list(range(8)), 4, None, "GPU", None, None],
+                                 ["BlockRemoved", [1]], ["AllBlocksCleared"]], 0])
+    if target == "http":
+        return [b"POST /select HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                % (len(body), body) + b"GET /loads HTTP/1.1\r\nhost: x\r\n\r\n",
+                b"POST /workers HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+                b"5\r\n{\"wor\r\n0\r\n\r\n"]
+    if target == "jsonl":
+        return [b'{"jsonrpc":"2.0","id":1,"method":"select","params":' + body + b"}\n"
+                b'{"jsonrpc":"2.0","id":2,"method":"loads"}\n{"jsonrpc":"2.0","method":"cancel","params":{"id":1}}\n']
+    if target == "ws":
+        text = b'{"event_id":1,"data":"cleared"}'
+        return [b"\x81" + bytes([0x80 | len(text)]) + b"\x00\x00\x00\x00" + text + b"\x89\x80\x00\x00\x00\x00"]
+    if target == "json_events":
+        return [json.dumps([{"worker_id": 1, "event": {"event_id": 1, "data": {"stored": {"parent_hash": None,
+                "blocks": [{"block_hash": 5, "tokens_hash": 6}]}}}}]).encode()]
+    return [batch]
+
+
+def _http_out(chunks: list[bytes]) -> bytes:
+    conn = HttpConnection(fresh_service(), _clock)
+    out = b""
+    for chunk in chunks:
+        conn.receive_data(chunk)
+        out += conn.data_to_send()
+    return out
+
+
+def _jsonl_out(chunks: list[bytes]) -> bytes:
+    session = JsonRpcSession(fresh_service(), _clock)
+    for chunk in chunks:
+        session.receive_data(chunk)
+    session.end_of_input()
+    return session.data_to_send()
+
+
+def _ws_out(chunks: list[bytes]) -> bytes:
+    service = fresh_service()
+    headers = [(b"host", b"x"), (b"upgrade", b"websocket"), (b"connection", b"Upgrade"),
+               (b"sec-websocket-key", b"dGhlIHNhbXBsZSBub25jZQ=="), (b"sec-websocket-version", b"13")]
+    session = PushSession(service, _clock, "/kv_events?worker_id=1&ack=true", headers, b"")
+    out = session.data_to_send()
+    for chunk in chunks:
+        session.receive_data(chunk)
+        out += session.data_to_send()
+    return out + json.dumps(service.dump()).encode()
+
+
+# target -> function from input chunks to everything observable; splitting must not change it
+SPLITTERS: dict[str, Callable[[list[bytes]], bytes]] = {"http": _http_out, "jsonl": _jsonl_out, "ws": _ws_out}
