@@ -95,6 +95,7 @@ def _add_settings(command: argparse.ArgumentParser) -> None:
     command.add_argument("--log-level", default=None, help="debug, info, warning, error")
     command.add_argument("--random-state", default=None, help="seed of the random generator")
     command.add_argument("--config", default=None, help="TOML file of settings")
+    command.add_argument("--restore", default=None, metavar="PATH", help="replay a /dump file at start")
     for field in _SETTING_FIELDS:
         kind, _ = _kind(field)
         if kind == "bool":
@@ -220,7 +221,21 @@ def _service_and_backend(args: argparse.Namespace, env: Mapping[str, str]) -> tu
         raise UsageError(f"--log-level: invalid choice {level!r} (choose from debug, info, warning, error)")
     set_log_level(level)
     rng = random.Random(seed) if seed is not None else random.Random()
-    return SelectionService(settings, rng), backend
+    service = SelectionService(settings, rng)
+    restore = _transport_value(args, env, "restore", None, str)
+    if restore is not None:
+        import json
+
+        from .core.errors import SelectionError
+
+        try:
+            with open(restore, "rb") as fh:
+                service.restore(json.load(fh), now=0.0)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--restore {restore}: {exc}") from None
+        except SelectionError as exc:
+            raise UsageError(f"--restore {restore}: {exc.message}") from None
+    return service, backend
 
 
 def _stdio(args: argparse.Namespace, env: Mapping[str, str]) -> int:

@@ -442,3 +442,49 @@ def test_metrics_and_dump(client: Client) -> None:
              client.ok("POST", "/overlap_scores", query)["workers"]]
     assert strip == [{k: v for k, v in row.items() if not k.startswith("last_event")} for row in
                      fresh.ok("POST", "/overlap_scores", query)["workers"]]
+
+
+def test_restore_replays_a_dump_and_validates_first(client: Client) -> None:
+    scenario(client)
+    dump = client.ok("GET", "/dump")
+    fresh = Client(SelectionService(Settings(kv_events="push")))
+    fresh.service.restore(dump, now=1.0)
+    query = {"model_name": "m", "token_ids": PROMPT}
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("last_event")} for r in rows]  # noqa: E731
+    assert strip(fresh.ok("POST", "/overlap_scores", query)["workers"]) == strip(
+        client.ok("POST", "/overlap_scores", query)["workers"])
+    assert fresh.ok("GET", "/workers") == client.ok("GET", "/workers")
+    with pytest.raises(Exception) as busy:
+        fresh.service.restore(dump, now=2.0)
+    assert str(busy.value) == "restore needs an empty catalog"
+    empty = SelectionService(Settings(kv_events="push"))
+    bad = {**dump, "events": [*dump["events"], {"worker_id": 9, "event": {"event_id": 9, "data": "cleared"}}]}
+    with pytest.raises(Unprocessable) as info:
+        empty.restore(bad, now=1.0)
+    assert info.value.message == "invalid dump: events[3].worker_id: worker 9 is not in the dump"
+    assert empty.list_workers() == []  # nothing was applied
+    with pytest.raises(Unprocessable) as info:
+        empty.restore({**dump, "workers": [{"worker_id": "x"}]}, now=1.0)
+    assert info.value.message == 'invalid dump: workers[0]: worker_id: invalid type: string "x", expected u64'
+
+
+def test_openapi_documents_every_route_method_status_and_member(client: Client) -> None:
+    from selection_proto.core.handler import ROUTES
+
+    doc = client.ok("GET", "/openapi.json")
+    assert doc["openapi"] == "3.1.0" and doc["info"]["version"] == "0.1.0"
+    for route, methods in ROUTES.items():
+        for method in methods:
+            op = doc["paths"][route][method.lower()]
+            assert op["operationId"] and op["responses"]
+    assert set(doc["paths"]["/select"]["post"]["responses"]) == {"200", "400", "413", "415", "422", "429", "503"}
+    schemas = doc["components"]["schemas"]
+    import attrs
+
+    from selection_proto import SelectRequest, WorkerRequest
+
+    for cls in (WorkerRequest, SelectRequest):
+        assert set(schemas[cls.__name__]["properties"]) == {f.name for f in attrs.fields(cls)}
+    assert schemas["WorkerRequest"]["required"] == ["worker_id"]
+    assert schemas["WorkerRequest"]["properties"]["worker_id"]["format"] == "uint64"
+    assert schemas["SelectRequest"]["properties"]["token_ids"]["type"] == ["array", "null"]

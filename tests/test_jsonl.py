@@ -150,3 +150,29 @@ def test_same_bytes_over_http_jsonl_and_in_process() -> None:
     typed.upsert_worker(WorkerRequest(**worker(1)), now=0.0)
     answer = typed.select_and_reserve(SelectAndReserveRequest(**body), now=0.0)
     assert json.dumps(answer.to_json(), separators=(",", ":")).encode() == http_body
+
+
+def test_settings_from_file_environment_and_flags(tmp_path: Any) -> None:
+    import os
+
+    config = tmp_path / "settings.toml"
+    config.write_text('kv_events = "push"\nqueue_threshold = 2.0\n')
+    create = rpc(1, "workers.create", **worker(1)) + rpc(2, "kv_events", worker_id=1, events=[])
+
+    def run(*args: str, **env: str) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run([sys.executable, "-m", "selection_proto", "stdio", *args], input=create,
+                              capture_output=True, timeout=60, env={**os.environ, **env})
+
+    answers = [json.loads(line) for line in run("--config", str(config)).stdout.splitlines()]
+    # queue_threshold from the file makes max_num_batched_tokens required; kv_events=push accepts events
+    assert answers[0]["result"]["not_schedulable_reasons"] == [
+        "max_num_batched_tokens is required while queueing is enabled"]
+    assert answers[1]["error"]["message"] == "worker 1 is not schedulable"
+    answers = [json.loads(line) for line in run("--config", str(config), "--queue-threshold", "none",
+                                                SELECTION_PROTO_KV_EVENTS="off").stdout.splitlines()]
+    assert answers[0]["result"]["lifecycle"] == "schedulable"  # the flag wins over the file
+    assert answers[1]["error"]["message"] == "kv events are disabled (kv_events=off)"  # env over file
+    config.write_text("frob = 1\n")
+    result = run("--config", str(config))
+    assert result.returncode == 2
+    assert result.stderr.decode().strip() == f"selection-proto: error: --config {config}: unknown setting 'frob'"

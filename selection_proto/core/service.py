@@ -12,7 +12,7 @@ import math
 import random
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final, NamedTuple
 
 import attrs
@@ -1388,6 +1388,50 @@ class SelectionService:
                         if r.lifecycle != "unschedulable" and wanted(r.key)],
             "events": events,
         }
+
+    def restore(self, dump: Any, *, now: float) -> None:
+        """Replay a `/dump` into this empty service (api.md §7): validated whole first."""
+        from .codec import from_json
+
+        now = self._advance(now)
+        if self._records:
+            raise Conflict("restore needs an empty catalog")
+
+        def invalid(path: str, reason: str) -> Unprocessable:
+            return Unprocessable(f"invalid dump: {path}: {reason}")
+
+        if not isinstance(dump, Mapping):
+            raise invalid("(root)", "expected a map")
+        if dump.get("format") != "selection-proto-dump/1":
+            raise invalid("format", "expected \"selection-proto-dump/1\"")
+        for name in ("keys", "workers", "events"):
+            if not isinstance(dump.get(name), list):
+                raise invalid(name, "expected a sequence")
+        workers = []
+        for i, raw in enumerate(dump["workers"]):
+            try:
+                workers.append(from_json(WorkerRequest, raw))
+            except Unprocessable as exc:
+                raise invalid(f"workers[{i}]", exc.message.split(": ", 1)[1]) from None
+        try:
+            events = decode_json_events(dump["events"])
+        except Unprocessable as exc:
+            raise invalid("events", exc.message.split(": ", 1)[1]) from None
+        ranks = {req.worker_id: dp_range(req) for req in workers}
+        for i, event in enumerate(events):
+            if event.worker_id not in ranks:
+                raise invalid(f"events[{i}].worker_id", f"worker {event.worker_id} is not in the dump")
+            if (event.dp_rank or 0) not in ranks[event.worker_id]:
+                raise invalid(f"events[{i}].event.dp_rank", f"not a rank of worker {event.worker_id}")
+        for req in workers:
+            self.upsert_worker(req, now=now)
+        bound = []
+        for event in events:
+            try:
+                bound.append((event, *self._bind(event.worker_id or 0, event.dp_rank, None, None)))
+            except SelectionError:
+                continue  # its worker did not become schedulable here (e.g. another kv_events mode)
+        self._apply_bound(bound, now, touch_freshness=False)
 
     # -- metrics -------------------------------------------------------------------------------
 
