@@ -29,7 +29,7 @@ out = {}
 for width in (1, 16):
     events = [json.dumps({"event_id": i, "dp_rank": 0, "data": {"stored": {"parent_hash": None, "blocks": [
         {"block_hash": i * 100 + j, "tokens_hash": i * 100 + j} for j in range(width)]}}}).encode()
-        for i in range(1, %d)]
+        for i in range(1, N_PLUS_ONE)]
     best = 0.0
     for _ in range(3):
         tree = RadixTree()
@@ -39,7 +39,7 @@ for width in (1, 16):
         best = max(best, len(events) / (time.perf_counter() - start))
     out[f"json_store{width}"] = best
 print(json.dumps(out))
-""" % (N + 1)
+""".replace("N_PLUS_ONE", str(N + 1))
 
 
 def service() -> SelectionService:

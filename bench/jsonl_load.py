@@ -17,6 +17,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workload import BLOCK_SIZE, WORKERS, prompts  # noqa: E402
 
 
+def _write(pipe: object, data: bytes) -> None:
+    pipe.write(data)  # type: ignore[attr-defined]
+    pipe.flush()  # type: ignore[attr-defined]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=3000)
@@ -38,7 +43,7 @@ def main() -> None:
                              "params": {"model_name": "m", "token_ids": prompt}}).encode() + b"\n"
                  for i in range(calls)]
         start = time.perf_counter()
-        writer = threading.Thread(target=lambda: (proc.stdin.write(b"".join(lines)), proc.stdin.flush()))  # type: ignore[union-attr]
+        writer = threading.Thread(target=_write, args=(proc.stdin, b"".join(lines)))
         writer.start()
         for _ in range(calls):
             assert b'"result"' in proc.stdout.readline()

@@ -59,7 +59,7 @@ def replay(trace: list[dict[str, object]], workers: int, policy: str) -> dict[st
     event_id = 0
     for n, req in enumerate(trace):
         now = float(req["timestamp"]) / 1000  # type: ignore[arg-type]
-        for end, rid in [e for e in ends if e[0] <= now]:
+        for _, rid in [e for e in ends if e[0] <= now]:
             service.free(rid, now=now)
         ends = [e for e in ends if e[0] > now]
         tokens = tokens_of(req["hash_ids"])  # type: ignore[arg-type]
