@@ -8,6 +8,7 @@ constructed directly, so the typed API and the bytes API answer with one text.
 from __future__ import annotations
 
 import json
+import sys
 from array import array
 from collections.abc import Callable, Mapping
 from typing import Any, Final, NamedTuple, TypeVar
@@ -168,24 +169,22 @@ def _check_int_array(kind: tuple[Any, ...], value: Any, path: str, ctx: ShapeCon
     return packed.tolist()
 
 
-_ZERO: Final = array("q", [0]).tobytes()
-_ONE: Final = array("q", [1]).tobytes()
+_LOW_BYTE_FIRST: Final = sys.byteorder == "little"
 
 
 def _has_bool(value: Any, packed: array[int]) -> bool:
-    """Whether `value` holds a bool. A bool packs as 0 or 1, so only the positions of packed 0s and
-    1s are looked at, found by C-level byte search: prompts rarely hold many of those tokens."""
+    """Whether `value` holds a bool. A bool packs as 0 or 1, so only lanes whose lowest byte is 0 or
+    1 can hold one; those are found with a C-level search of the lowest bytes (a strided copy), and
+    only they are looked at."""
     width = packed.itemsize
-    data = packed.tobytes()
-    for needle in (_ZERO[:width], _ONE[:width]):
-        i = data.find(needle)
+    start = 0 if _LOW_BYTE_FIRST else width - 1
+    low = memoryview(packed).cast("B")[start::width].tobytes()
+    for needle in (b"\x00", b"\x01"):
+        i = low.find(needle)
         while i != -1:
-            if i % width == 0:
-                if type(value[i // width]) is bool:
-                    return True
-                i = data.find(needle, i + width)
-            else:
-                i = data.find(needle, i + 1)
+            if packed[i] <= 1 and type(value[i]) is bool:
+                return True
+            i = low.find(needle, i + 1)
     return False
 
 

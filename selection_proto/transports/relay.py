@@ -14,6 +14,7 @@ import anyio.abc
 from ..adapters.ws import ForwardingClient
 from .logs import log
 from .subscriber import backoff_delays
+from .zmq_sub import zmq_batches
 
 __all__ = ["Relay", "run_relay"]
 
@@ -57,31 +58,9 @@ class Relay:
 
 
 async def _zmq_loop(relay: Relay, endpoint: str, topic: bytes) -> None:
-    import zmq
-
-    socket = zmq.Context.instance().socket(zmq.SUB)
-    socket.setsockopt(zmq.SUBSCRIBE, topic)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(endpoint)
-    poller = zmq.Poller()
-    poller.register(socket, zmq.POLLIN)
-
-    def receive_some() -> list[list[bytes]]:
-        messages: list[list[bytes]] = []
-        if poller.poll(100):
-            while len(messages) < 256:
-                try:
-                    messages.append(socket.recv_multipart(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-        return messages
-
-    try:
-        while True:
-            for frames in await anyio.to_thread.run_sync(receive_some, abandon_on_cancel=True):
-                relay.offer(frames)
-    finally:
-        socket.close(linger=0)
+    async for messages in zmq_batches(endpoint, topic):
+        for frames in messages:
+            relay.offer(frames)
 
 
 async def _read(stream: anyio.abc.ByteStream, client: ForwardingClient, lock: anyio.Lock,

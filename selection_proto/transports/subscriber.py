@@ -15,6 +15,7 @@ from ..adapters.ws import SubscriptionSession
 from ..core.outputs import OutputEvent, SubscribeKvEvents, UnsubscribeKvEvents
 from ..core.service import SelectionService
 from .logs import log
+from .zmq_sub import zmq_batches
 
 __all__ = ["BACKOFF_MAX", "BACKOFF_START", "Subscriptions", "backoff_delays"]
 
@@ -129,40 +130,19 @@ class Subscriptions:
 
     async def _zmq(self, sub: SubscribeKvEvents, scheme: str) -> None:
         try:
-            import zmq
+            import zmq  # noqa: F401
         except ImportError:
             self._failed(scheme, "zmq_unavailable", sub, "pyzmq is not installed")
             return
-        context = zmq.Context.instance()
-        socket = context.socket(zmq.SUB)
-        socket.setsockopt(zmq.SUBSCRIBE, b"")
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.connect(sub.endpoint)
-        poller = zmq.Poller()
-        poller.register(socket, zmq.POLLIN)
-
-        def receive_some() -> list[list[bytes]]:
-            # Runs in a worker thread: wait up to 100 ms, then take what is queued.
-            messages: list[list[bytes]] = []
-            if poller.poll(100):
-                while len(messages) < 256:
-                    try:
-                        messages.append(socket.recv_multipart(zmq.NOBLOCK))
-                    except zmq.Again:
-                        break
-            return messages
-
         self.service.subscription_state(sub.stream, True, now=anyio.current_time())
         try:
-            while True:
-                messages = await anyio.to_thread.run_sync(receive_some, abandon_on_cancel=True)
+            async for messages in zmq_batches(sub.endpoint):
                 for frames in messages:
                     deliver_zmq(self.service, sub.stream, frames, sub.model_name, sub.tenant_id)
                 if messages:
                     await self.changed()
         finally:
             self.service.subscription_state(sub.stream, False, now=anyio.current_time())
-            socket.close(linger=0)
 
 
 def deliver_zmq(service: SelectionService, stream: int, frames: list[bytes], model_name: str,
