@@ -33,6 +33,16 @@ async def main() -> None:
             rates.append(len(items) / (loop.time() - start))
         rates.sort()
         results[f"select_{n}"] = (rates[2], rates[-1] - rates[0])
+    items = [{"model_name": "m", "token_ids": p} for p in prompts(1024, 400)]
+    rates = []
+    for _ in range(5):
+        start = loop.time()
+        for item in items:
+            answer = await service.select_and_reserve(item)
+            await service.free_reservation(answer["selection_id"])
+        rates.append(len(items) / (loop.time() - start))
+    rates.sort()
+    results["reserve_free_1024"] = (rates[2], rates[-1] - rates[0])
     service.shutdown()
     print(json.dumps(results))
 

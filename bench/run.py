@@ -17,7 +17,13 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 from workload import BLOCK_SIZE, WORKERS, best_rate, prompts  # noqa: E402
 
-from selection_proto import SelectionService, SelectRequest, Settings, WorkerRequest  # noqa: E402
+from selection_proto import (  # noqa: E402
+    SelectAndReserveRequest,
+    SelectionService,
+    SelectRequest,
+    Settings,
+    WorkerRequest,
+)
 from selection_proto.core.hashing import block_hashes, sequence_hashes  # noqa: E402
 from selection_proto.core.index import DeviceTree  # noqa: E402
 
@@ -45,6 +51,16 @@ def ours() -> dict[str, tuple[float, float]]:
         items = prompts(n, count)
         results[f"select_{n}"] = best_rate(
             lambda p: service.select(SelectRequest(model_name="m", token_ids=p), now=1.0), items)
+    pairs = prompts(1024, 400)
+    counter = iter(range(10**9))
+
+    def reserve_and_free(p: list[int]) -> None:
+        rid = f"r{next(counter)}"
+        service.select_and_reserve(SelectAndReserveRequest(model_name="m", token_ids=p, reservation_id=rid),
+                                   now=1.0)
+        service.free(rid, now=1.0)
+
+    results["reserve_free_1024"] = best_rate(reserve_and_free, pairs)
     return results
 
 

@@ -247,3 +247,24 @@ def test_log_level_filters_stderr() -> None:
     proc = subprocess.run([sys.executable, "-m", "selection_proto", "stdio", "--log-level", "warning"],
                           input=b"", capture_output=True, timeout=60)
     assert proc.returncode == 0 and proc.stderr == b""
+
+
+def test_connection_cap_answers_503() -> None:
+    s = Server("--max-connections", "2")
+    try:
+        held = [s.connect(), s.connect()]
+        for sock in held:  # make sure both are accepted and counted
+            sock.sendall(request("GET", "/health"))
+            read_response(sock, bytearray())
+        with s.connect() as extra:
+            status, headers, body = read_response(extra, bytearray())
+            assert status == 503 and headers["connection"] == "close"
+            assert json.loads(body) == {"error": "too many connections"}
+        held[0].close()
+        time.sleep(0.2)
+        with s.connect() as again:
+            again.sendall(request("GET", "/health"))
+            assert read_response(again, bytearray())[0] == 200
+        held[1].close()
+    finally:
+        assert s.stop() == 0

@@ -176,3 +176,23 @@ def test_settings_from_file_environment_and_flags(tmp_path: Any) -> None:
     result = run("--config", str(config))
     assert result.returncode == 2
     assert result.stderr.decode().strip() == f"selection-proto: error: --config {config}: unknown setting 'frob'"
+
+
+def test_kv_events_notifications_and_msgpack_batches() -> None:
+    import base64
+
+    import msgpack
+
+    batch = msgpack.packb([0.0, [["BlockStored", [5, 6], None, list(range(1, 9)), 4, None, "GPU", None, None]], 0])
+    data = b"".join([
+        rpc(1, "workers.create", **worker(1)),
+        rpc(None, "kv_events", worker_id=1, batch_b64=base64.b64encode(batch).decode()),  # a notification
+        rpc(2, "overlap_scores", model_name="m", token_ids=list(range(1, 9))),
+        rpc(3, "kv_events", worker_id=1, batch_b64="***"),
+    ])
+    answers, _, code = run_session(data)
+    assert code == 0
+    by_id = {a["id"]: a for a in answers}
+    assert set(by_id) == {1, 2, 3}
+    assert by_id[2]["result"]["workers"][0]["device_blocks"] == 2
+    assert by_id[3]["error"] == {"code": -32602, "message": "Invalid params", "data": {"detail": "batch_b64 must be base64"}}

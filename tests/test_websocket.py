@@ -158,3 +158,14 @@ def test_keepalive_pings_are_answered(server: Server) -> None:
         ws.send(json.dumps({"event_id": 1, "data": "cleared"}))
         time.sleep(0.2)
     assert http(server, "GET", "/health")[0] == 200
+
+
+def test_protocol_violations_close_1002(server: Server) -> None:
+    with connect(url(server, "worker_id=1")) as ws:
+        raw = ws.socket
+        raw.sendall(bytes([0x82, 0x03]) + b"abc")  # a client frame without a mask
+        raw.settimeout(5)
+        data = raw.recv(4096)
+    assert data[0] == 0x88  # a close frame
+    code = int.from_bytes(data[2:4], "big")
+    assert code == 1002 and data[4:].decode().startswith("protocol error: ")
