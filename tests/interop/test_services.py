@@ -1,6 +1,6 @@
-"""The two HTTP services side by side on one scenario: the same engine-format events published over
-ZMQ reach both (each subscribes to the same PUB sockets); then selects, bookings, potential loads
-and overlap scores are compared where the two API versions agree (differences.md §5)."""
+"""The two HTTP services side by side on one scenario: the same engine-format batches are published
+over ZMQ to the reference and pushed over WebSocket (seq framing) to ours; then selects, bookings,
+potential loads and overlap scores are compared where the two API versions agree (differences.md §5)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from typing import Any
 
 import msgpack
 import pytest
 import zmq
+from websockets.sync.client import connect
 
 from tests.test_http import Server
 
@@ -60,7 +62,7 @@ def both(reference_python: str) -> Iterator[tuple[Http, Http, dict[int, Any]]]:
     ref = subprocess.Popen([reference_python, "-m", "dynamo.select_service", "--port", str(ref_port)],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            env={**os.environ, "RUST_LOG": "error", "DYN_LOG": "error"})
-    ours = Server(mode="subscribe")
+    ours = Server()
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -77,7 +79,10 @@ def both(reference_python: str) -> Iterator[tuple[Http, Http, dict[int, Any]]]:
                     "worker_id": wid, "model_name": "m", service.tenant_field: "default",
                     "endpoint": f"http://w{wid}", "block_size": 4, "kv_events_endpoint": endpoints[wid]})
                 assert status == 201
-        yield services[0], services[1], pubs
+        with ExitStack() as stack:
+            streams = {wid: stack.enter_context(connect(
+                f"ws://127.0.0.1:{ours.port}/kv_events?worker_id={wid}&framing=seq&ack=true")) for wid in WORKERS}
+            yield services[0], services[1], {wid: (pubs[wid], streams[wid]) for wid in WORKERS}
     finally:
         ours.stop()
         ref.terminate()
@@ -116,7 +121,10 @@ def test_same_scenario_same_answers(both: tuple[Http, Http, dict[int, Any]]) -> 
 
     def send(wid: int, payload: bytes) -> None:
         seqs[wid] += 1
-        pubs[wid].send_multipart([b"", seqs[wid].to_bytes(8, "big"), payload])
+        pub, ws = pubs[wid]
+        pub.send_multipart([b"", seqs[wid].to_bytes(8, "big"), payload])
+        ws.send(seqs[wid].to_bytes(8, "big") + payload)
+        ws.recv(timeout=10)  # the ack: ours has applied it
 
     query = {"model_name": "m", "token_ids": prompt}
     query_b = {"model_name": "m", "token_ids": other_prompt}
