@@ -18,6 +18,7 @@ from typing import Any, Final, NamedTuple
 import attrs
 
 from .._version import __version__
+from . import jsonio
 from .catalog import (
     TOPOLOGY_PREFIX,
     dp_range,
@@ -26,6 +27,7 @@ from .catalog import (
     event_endpoints,
     missing_metadata,
 )
+from .codec import ShapeContext, from_json
 from .engine import InvalidBatch, NamespaceMemory, convert, decode_batch
 from .errors import (
     BadRequest,
@@ -38,6 +40,7 @@ from .errors import (
     Unprocessable,
 )
 from .events import Event, decode_json_events, require_worker
+from .handler import handle as handle_request
 from .hashing import block_hashes as hash_blocks
 from .hashing import sequence_hashes
 from .index import LOWER_TIERS, IndexError_, KeyIndex, Rank
@@ -73,7 +76,7 @@ from .types import (
     WorkerPatchRequest,
     WorkerRequest,
 )
-from .wire import error_response, json_response
+from .wire import Response, error_response, json_response
 
 __all__ = ["SelectionService"]
 
@@ -1303,9 +1306,6 @@ class SelectionService:
             raise StreamError(1008, exc.message) from None
 
     def _stream_json(self, source: _Stream, text: str, now: float) -> ApplyReport:
-        from . import jsonio
-        from .codec import ShapeContext
-
         try:
             value, bools = jsonio.loads_with_hints(text)
         except jsonio.JSONSyntaxError as exc:
@@ -1391,8 +1391,6 @@ class SelectionService:
 
     def restore(self, dump: Any, *, now: float) -> None:
         """Replay a `/dump` into this empty service (api.md §7): validated whole first."""
-        from .codec import from_json
-
         now = self._advance(now)
         if self._records:
             raise Conflict("restore needs an empty catalog")
@@ -1471,11 +1469,9 @@ class SelectionService:
     # -- bytes ---------------------------------------------------------------------------------
 
     def handle(self, method: str, path: str, query: str, headers: Iterable[tuple[str, str]],
-               body: bytes, *, now: float) -> Any:
+               body: bytes, *, now: float) -> Response | Pending:
         """Answer one HTTP-shaped request with `Response(status, headers, body)`; never raises."""
-        from .handler import handle
-
-        return handle(self, method, path, query, headers, body, now)
+        return handle_request(self, method, path, query, headers, body, now)
 
 
 _NO_OVERRIDE: Final = RouterConfigOverride()

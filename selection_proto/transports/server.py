@@ -45,6 +45,7 @@ class _Server:
         self.waits: dict[HttpConnection, anyio.CancelScope] = {}  # idle receives, cut by shutdown
         self.waiting: dict[int, tuple[HttpConnection, anyio.abc.SocketStream, anyio.Lock]] = {}
         self.wake = anyio.Event()
+        self.timer_target = float("inf")
         self.ws_sessions: dict[int, tuple[PushSession, anyio.abc.SocketStream, anyio.Lock]] = {}
         self.ws_count = 0
         self.subscriptions: Subscriptions | None = None
@@ -117,13 +118,16 @@ class _Server:
                     except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
                         pass
         if wake_timer:
-            self.wake.set()  # state changed: the timer recomputes the next deadline
+            deadline = self.service.next_deadline()
+            if deadline is not None and deadline < self.timer_target:
+                self.wake.set()  # something is due before the timer would look again
 
     async def timer(self) -> None:
         """Tick the core at its next deadline (booking expiry, queue timeout)."""
         while True:
             deadline = self.service.next_deadline()
             delay = 1.0 if deadline is None else min(1.0, max(0.0, deadline - self.clock()))
+            self.timer_target = self.clock() + delay
             with anyio.move_on_after(delay):
                 await self.wake.wait()
             self.wake = anyio.Event()
