@@ -975,19 +975,24 @@ class SelectionService:
 
     def prefill_complete(self, reservation_id: str, *, model_name: str | None = None,
                          tenant_id: str | None = None, now: float) -> None:
-        self._advance(now)
-        state = self._find_booking(reservation_id, model_name, tenant_id)
-        state.tracker.prefill_complete(reservation_id)
-        self.metrics.inc("selection_proto_reservation_events_total", (*state.key, "prefill_complete"))
-        self._dispatch(state, self._now)
+        self._finish_booking(reservation_id, model_name, tenant_id, now, free=False)
 
     def free(self, reservation_id: str, *, model_name: str | None = None,
              tenant_id: str | None = None, now: float) -> None:
-        self._advance(now)
-        state = self._find_booking(reservation_id, model_name, tenant_id)
-        state.tracker.free(reservation_id)
-        self.metrics.inc("selection_proto_reservation_events_total", (*state.key, "freed"))
-        self._dispatch(state, self._now)
+        self._finish_booking(reservation_id, model_name, tenant_id, now, free=True)
+
+    def _finish_booking(self, rid: str, model_name: str | None, tenant_id: str | None, now: float,
+                        *, free: bool) -> None:
+        """Prefill completion or free: both release load, so both may dispatch queued requests."""
+        now = self._advance(now)
+        state = self._find_booking(rid, model_name, tenant_id)
+        if free:
+            state.tracker.free(rid)
+        else:
+            state.tracker.prefill_complete(rid)
+        self.metrics.inc("selection_proto_reservation_events_total",
+                         (*state.key, "freed" if free else "prefill_complete"))
+        self._dispatch(state, now)
 
     # -- loads and scores ----------------------------------------------------------------------
 
