@@ -169,3 +169,24 @@ def test_protocol_violations_close_1002(server: Server) -> None:
     assert data[0] == 0x88  # a close frame
     code = int.from_bytes(data[2:4], "big")
     assert code == 1002 and data[4:].decode().startswith("protocol error: ")
+
+
+def test_silent_peer_is_closed_1011(server: Server) -> None:
+    with server.connect() as sock:
+        sock.sendall(b"GET /kv_events?worker_id=1 HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\n"
+                     b"connection: Upgrade\r\nsec-websocket-version: 13\r\n"
+                     b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
+        sock.settimeout(6)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += sock.recv(4096)
+        assert data.startswith(b"HTTP/1.1 101")
+        frames = data.partition(b"\r\n\r\n")[2]
+        start = time.monotonic()
+        while b"\x88" not in frames:  # ignore the server's pings; wait for its close frame
+            chunk = sock.recv(4096)
+            assert chunk, "closed without a close frame"
+            frames += chunk
+        close = frames[frames.index(b"\x88"):]
+        assert int.from_bytes(close[2:4], "big") == 1011 and close[4:].startswith(b"keepalive ping timeout")
+        assert 1.5 < time.monotonic() - start < 5
