@@ -268,3 +268,16 @@ def test_connection_cap_answers_503() -> None:
         held[1].close()
     finally:
         assert s.stop() == 0
+
+
+def test_second_signal_during_drain_exits_1() -> None:
+    s = Server("--shutdown-timeout-secs", "30")
+    with s.connect() as busy:
+        busy.sendall(b"POST /workers HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: 60\r\n\r\n{")  # an answer the drain would wait for
+        time.sleep(0.3)
+        s.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert s.proc.poll() is None  # draining
+        s.proc.send_signal(signal.SIGINT)
+        assert s.proc.wait(timeout=10) == 1

@@ -259,21 +259,44 @@ async def serve(service: SelectionService, config: ServerConfig,
         tg.start_soon(server.timer)
         server.subscriptions = Subscriptions(service, tg, server.pump)
         await server.pump()  # subscriptions of workers restored before the start
+        forced = False
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
                 log("info", "shutdown", signal=signal.Signals(signum).name)
                 break
-        server.draining = True
-        accept_scope.cancel()
-        service.begin_shutdown(now=time.monotonic())
-        await server.pump()
-        server.subscriptions.close_all()
-        for conn in list(server.connections):
-            conn.shutdown()
-            if not conn.busy:
-                server.waits.pop(conn, anyio.CancelScope()).cancel()
-        if server.connections:
-            with anyio.move_on_after(config.shutdown_timeout_secs):
-                await server.idle.wait()
+
+            async def second_signal() -> None:
+                nonlocal forced
+                async for again in signals:
+                    log("warning", "shutdown_forced", signal=signal.Signals(again).name)
+                    forced = True
+                    tg.cancel_scope.cancel()
+                    return
+
+            # The watcher must end inside this block: trio refuses a receiver used after it.
+            async with anyio.create_task_group() as watch:
+                watch.start_soon(second_signal)
+                await _drain(server, service, config, accept_scope)
+                watch.cancel_scope.cancel()
         tg.cancel_scope.cancel()
+    if forced:
+        raise RuntimeError("a second signal arrived during the graceful shutdown")
     log("info", "stopped")
+
+
+async def _drain(server: _Server, service: SelectionService, config: ServerConfig,
+                 accept_scope: anyio.CancelScope) -> None:
+    """Stop accepting, answer what is in flight, close idle connections (transports.md §9)."""
+    server.draining = True
+    accept_scope.cancel()
+    service.begin_shutdown(now=time.monotonic())
+    await server.pump()
+    if server.subscriptions is not None:
+        server.subscriptions.close_all()
+    for conn in list(server.connections):
+        conn.shutdown()
+        if not conn.busy:
+            server.waits.pop(conn, anyio.CancelScope()).cancel()
+    if server.connections:
+        with anyio.move_on_after(config.shutdown_timeout_secs):
+            await server.idle.wait()
