@@ -201,3 +201,23 @@ def test_sigterm_under_load_answers_or_closes_cleanly() -> None:
     asyncio.run(main())
     assert s.proc.wait(timeout=20) == 0
     assert set(results) <= {"200", "503", "closed"} and "200" in results
+
+
+def test_a_client_that_never_reads_is_aborted() -> None:
+    s = Server("--request-timeout-secs", "1")
+    try:
+        stuck = s.connect()
+        burst = request("GET", "/openapi.json") * 2000  # 40 MB of answers, far beyond any buffer
+        stuck.setblocking(False)
+        try:
+            stuck.sendall(burst)
+        except BlockingIOError:
+            pass
+        time.sleep(3)  # never read: the server's send stalls, and it gives up after 1 s
+        with s.connect() as sock:
+            sock.sendall(request("GET", "/metrics"))
+            text = read_response(sock, bytearray())[2].decode()
+        assert 'selection_proto_connections{kind="http"} 1.0' in text  # only this one is left
+        stuck.close()
+    finally:
+        assert s.stop() == 0

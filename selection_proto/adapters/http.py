@@ -45,6 +45,7 @@ class HttpConnection:
         self._body: list[bytes] = []
         self._body_len = 0
         self.pending_ticket: int | None = None
+        self._paused = False  # an answer was produced; the next request waits until it is taken
         # Set when the request was a valid WebSocket upgrade: (target, headers, trailing bytes).
         self.upgrade: tuple[str, list[tuple[bytes, bytes]], bytes] | None = None
         self.closed = False
@@ -57,6 +58,11 @@ class HttpConnection:
                 or bool(self._h11.trailing_data[0]))
 
     def data_to_send(self) -> bytes:
+        """What to send now. Pipelined requests are parsed only after the previous answer has been
+        taken here, so call it until it returns b"" (memory stays bounded by one answer)."""
+        if not self._out and self._paused and not self.closed:
+            self._paused = False
+            self._drain()
         data = b"".join(self._out)
         self._out.clear()
         return data
@@ -75,7 +81,7 @@ class HttpConnection:
             self.closed = True
 
     def _drain(self) -> None:
-        while not self.closed and self.pending_ticket is None:
+        while not self.closed and self.pending_ticket is None and not self._paused:
             try:
                 event = self._h11.next_event()
             except h11.RemoteProtocolError as exc:
@@ -182,6 +188,8 @@ class HttpConnection:
         self._request = None
         if close or self._h11.our_state is h11.MUST_CLOSE:
             self.closed = True
+        else:
+            self._paused = True
 
     def _protocol_error(self, exc: h11.RemoteProtocolError) -> None:
         if self._h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):

@@ -83,6 +83,14 @@ class _Server:
                 if self.draining and not self.connections:
                     self.idle.set()
 
+    async def send(self, stream: anyio.abc.SocketStream, data: bytes) -> None:
+        """A send that does not complete within request_timeout_secs aborts the connection."""
+        with anyio.move_on_after(self.config.request_timeout_secs) as scope:
+            await stream.send(data)
+        if scope.cancelled_caught:
+            await anyio.aclose_forcefully(stream)
+            raise anyio.BrokenResourceError("send timed out")
+
     async def pump(self, wake_timer: bool = True) -> None:
         """Deliver the core's outputs: answers of queued selections to their connections,
         subscription changes to the subscriber, closes to their WebSocket sessions."""
@@ -93,13 +101,12 @@ class _Server:
                     continue
                 conn, stream, lock = waiter
                 conn.resolve(out.response)
-                data = conn.data_to_send()
-                if data:
-                    async with lock:
-                        try:
-                            await stream.send(data)
-                        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                            conn.closed = True
+                async with lock:
+                    try:
+                        while data := conn.data_to_send():
+                            await self.send(stream, data)
+                    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                        conn.closed = True
                 if conn.pending_ticket is not None:
                     self.waiting[conn.pending_ticket] = (conn, stream, lock)
                 if conn.closed:
@@ -161,19 +168,17 @@ class _Server:
             if data is None:
                 if conn.busy:
                     conn.timeout_response()
-                    out = conn.data_to_send()
-                    if out:
-                        await stream.send(out)
+                    while out := conn.data_to_send():
+                        await self.send(stream, out)
                 return
             if not data and conn.pending_ticket is not None:
                 return  # the client left while its selection waited: `client` cancels the ticket
             conn.receive_data(data)
+            while out := conn.data_to_send():  # one answer at a time: pipelining stays bounded
+                async with lock:
+                    await self.send(stream, out)
             if conn.pending_ticket is not None:
                 self.waiting[conn.pending_ticket] = (conn, stream, lock)
-            out = conn.data_to_send()
-            if out:
-                async with lock:
-                    await stream.send(out)
             if conn.upgrade is not None:
                 await self._websocket(stream, conn, lock)
                 return
@@ -227,7 +232,7 @@ class _Server:
         out = session.data_to_send()
         if out:
             async with lock:
-                await stream.send(out)
+                await self.send(stream, out)
 
 
 async def serve(service: SelectionService, config: ServerConfig,
