@@ -2,7 +2,7 @@
 ours (`selection-proto serve`), the reference (`python -m dynamo.select_service`) and a bare h11
 server answering `200 {}` (the ceiling of h11 on anyio).
 
-    python bench/http_load.py [--reference-python /path/to/venv/bin/python] [--seconds 5]
+    python bench/http_load.py [--reference-python /path/to/venv/bin/python] [--seconds 5] [--servers ours,bare_h11]
 """
 
 from __future__ import annotations
@@ -81,7 +81,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reference-python", default=os.environ.get("REFERENCE_PYTHON"))
     parser.add_argument("--seconds", type=int, default=5)
+    parser.add_argument("--servers", default="ours,reference,bare_h11",
+                        help="comma-separated subset to measure (ours is always measured)")
     args = parser.parse_args()
+    wanted = {"ours", *args.servers.split(",")}
     rows: dict[str, dict[tuple[int, int], float]] = {}
     servers: list[tuple[str, list[str], dict[str, str] | None, str | None]] = [
         ("ours", [sys.executable, "-m", "selection_proto", "serve", "--kv-events", "push",
@@ -92,6 +95,8 @@ def main() -> None:
         servers.insert(1, ("reference", [args.reference_python, "-m", "dynamo.select_service", "--port"],
                            {**os.environ, "RUST_LOG": "warn", "DYN_LOG": "warn"}, "routing_group"))
     for name, cmd, env, tenant_field in servers:
+        if name not in wanted:
+            continue
         port = free_port()
         proc = start(cmd + [str(port)], port, env)
         try:
@@ -110,9 +115,9 @@ def main() -> None:
             values = [rows[n][(tokens, connections)] for n in rows]
             ours = rows["ours"][(tokens, connections)]
             ref = rows.get("reference", {}).get((tokens, connections))
-            bare = rows["bare_h11"][(tokens, connections)]
+            bare = rows.get("bare_h11", {}).get((tokens, connections))
             print(f"{tokens:>7}{connections:>6}" + "".join(f"{v:>12,.0f}" for v in values)
-                  + f"{(ours / ref if ref else float('nan')):>11.2f}{ours / bare:>11.2f}")
+                  + f"{(ours / ref if ref else float('nan')):>11.2f}{(ours / bare if bare else float('nan')):>11.2f}")
 
 
 if __name__ == "__main__":

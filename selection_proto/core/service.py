@@ -53,7 +53,7 @@ from .outputs import (
     UnsubscribeKvEvents,
 )
 from .settings import Settings, resolve_weights
-from .tracker import DuplicateReservation, Tracker, rank_text
+from .tracker import DuplicateReservation, RankLoad, Tracker, rank_text
 from .types import (
     ApplyReport,
     Candidate,
@@ -195,11 +195,35 @@ def _queue_order(entry: _Queued) -> tuple[float, int]:
     return (-entry.order, entry.ticket)
 
 
-@attrs.frozen
 class _Prompt:
-    blocks: list[int]
-    seqs: list[int] | None
-    isl: int
+    """A prompt's block hashes and, computed only when needed, its sequence hashes.
+
+    Sequence hashes cost one Python-level hash per block; a selection needs them only when a
+    candidate has active blocks or when it books. Hashes chained here from token ids identify
+    distinct prefixes, so their count is the block count (a 64-bit collision would already
+    confuse the index); hashes a client sent are counted as given, duplicates merged."""
+
+    __slots__ = ("blocks", "isl", "_seqs", "_distinct")
+
+    def __init__(self, blocks: list[int], seqs: list[int] | None, isl: int) -> None:
+        self.blocks = blocks
+        self.isl = isl
+        self._seqs = seqs
+        self._distinct: set[int] | None = None
+
+    @property
+    def seqs(self) -> list[int]:
+        if self._seqs is None:
+            self._seqs = sequence_hashes(self.blocks)
+        return self._seqs
+
+    def new_blocks(self, load: RankLoad) -> int:
+        """How many of this prompt's blocks `load` does not hold yet."""
+        if self._distinct is None:
+            if not load.unique and self._seqs is None:
+                return len(self.blocks)
+            self._distinct = set(self.seqs)
+        return load.new_blocks(self._distinct)
 
 
 class _Scored(NamedTuple):
@@ -524,8 +548,7 @@ class SelectionService:
         self._length_limits(req)
         if req.token_ids is not None:
             blocks = hash_blocks(req.token_ids, state.block_size, req.lora_name, req.cache_namespace)
-            seqs = sequence_hashes(blocks) if self.settings.track_active_blocks else None
-            return _Prompt(blocks, seqs, len(req.token_ids))
+            return _Prompt(blocks, None, len(req.token_ids))
         if req.block_hashes is None:
             raise BadRequest("block_hashes is required without token_ids")
         if req.sequence_hashes is None:
@@ -543,7 +566,7 @@ class SelectionService:
         self._length_limits(req)
         if req.token_ids is not None:
             blocks = hash_blocks(req.token_ids, state.block_size, req.lora_name, req.cache_namespace)
-            return _Prompt(blocks, sequence_hashes(blocks), len(req.token_ids))
+            return _Prompt(blocks, None, len(req.token_ids))
         if req.sequence_hashes is None:
             raise BadRequest("sequence_hashes is required without token_ids")
         if req.isl_tokens is None:
@@ -678,8 +701,7 @@ class SelectionService:
         w_req = s.decode_active_request_weight
         device, host, disk = estimates
         loads = state.tracker.loads
-        distinct = set(prompt.seqs) if s.track_active_blocks and prompt.seqs else None
-        n_distinct = len(distinct) if distinct is not None else 0
+        track_blocks = s.track_active_blocks
         decay_setting = s.overlap_score_credit_decay
         use_decay = decay_setting != 0 and track
         if use_decay:
@@ -704,10 +726,9 @@ class SelectionService:
                 decay = 1.0 / (1.0 + decay_setting * ((active_prefill - min_prefill) / bs)
                                / query_blocks)
             credit_blocks = credit * decay * d + w_host * h + w_disk * k
-            unique = load.unique
-            decode_blocks = len(unique)
-            if distinct is not None:
-                decode_blocks += load.new_blocks(distinct) if unique else n_distinct
+            decode_blocks = len(load.unique)
+            if track_blocks:
+                decode_blocks += prompt.new_blocks(load)
             excess = raw_prefill_blocks - credit_blocks
             logit = scale * (excess if excess > 0.0 else 0.0) + decode_blocks + w_req * load.requests
             if preferred:
@@ -928,7 +949,7 @@ class SelectionService:
         except TooManyRequests:
             self.metrics.inc("selection_proto_limit_rejections_total", ("reservations_per_key",))
             raise
-        seqs = prompt.seqs if prompt.seqs is not None else sequence_hashes(prompt.blocks)
+        seqs = prompt.seqs
         blocks: list[int] | None = None
         if s.track_active_blocks:
             blocks = list(seqs) if reuse else [self.rng.getrandbits(64) for _ in seqs]
@@ -1027,13 +1048,12 @@ class SelectionService:
         s = self.settings
         track = s.track_prefill_tokens if o.track_prefill_tokens is None else o.track_prefill_tokens
         device, host, disk = self._estimates(state, prompt.blocks)
-        distinct = set(prompt.seqs) if s.track_active_blocks and prompt.seqs else None
         out = []
         for r in state.ranks():
             load = state.tracker.loads[r]
             effective = self._effective(device.get(r, 0), host.get(r, 0), disk.get(r, 0))
             cached = max(0, math.floor(effective * state.block_size + 0.5))
-            decode = len(load.unique) + (load.new_blocks(distinct) if distinct is not None else 0)
+            decode = len(load.unique) + (prompt.new_blocks(load) if s.track_active_blocks else 0)
             out.append(PotentialLoad(
                 worker_id=r[0], dp_rank=r[1],
                 potential_prefill_tokens=load.prefill_tokens
