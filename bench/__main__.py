@@ -1,7 +1,8 @@
 """`python -m bench all [--reference-python PY]`: every benchmark, in one run.
 
 Sub-commands: core (in-process select and hashing), index (lookup latency, memory), events,
-http (wrk against ours, the reference and bare h11), jsonl, trace, all.
+http (wrk against ours, the reference and bare h11), path (one request's phases in process),
+jsonl, trace, all.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = {"core": "run.py", "index": "index.py", "events": "events.py", "http": "http_load.py",
-           "jsonl": "jsonl_load.py", "trace": "trace.py"}
+           "path": "request_path.py", "jsonl": "jsonl_load.py", "trace": "trace.py"}
 TAKES_REFERENCE = {"core", "index", "events", "http"}
 
 

@@ -2,7 +2,8 @@
 ours (`selection-proto serve`), the reference (`python -m dynamo.select_service`) and a bare h11
 server answering `200 {}` (the ceiling of h11 on anyio).
 
-    python bench/http_load.py [--reference-python /path/to/venv/bin/python] [--seconds 5] [--servers ours,bare_h11]
+    python bench/http_load.py [--reference-python /path/to/venv/bin/python] [--seconds 5] [--servers ours,bare_h11] [--rounds 3]
+        [--compare-tree /path/to/worktree-of-an-earlier-commit]
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import os
 import re
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -83,40 +85,51 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=5)
     parser.add_argument("--servers", default="ours,reference,bare_h11",
                         help="comma-separated subset to measure (ours is always measured)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure every server this many times, alternating; report medians")
+    parser.add_argument("--compare-tree", action="append", default=[], metavar="PATH",
+                        help="also measure `selection-proto serve` from this source tree (e.g. a "
+                             "`git worktree` of an earlier commit), as the row ours@PATH")
     args = parser.parse_args()
-    wanted = {"ours", *args.servers.split(",")}
-    rows: dict[str, dict[tuple[int, int], float]] = {}
+    wanted = {"ours", *args.servers.split(","), *(f"ours@{t}" for t in args.compare_tree)}
+    samples: dict[str, dict[tuple[int, int], list[float]]] = {}
     servers: list[tuple[str, list[str], dict[str, str] | None, str | None]] = [
         ("ours", [sys.executable, "-m", "selection_proto", "serve", "--kv-events", "push",
                   "--log-level", "warning", "--port"], None, "tenant_id"),
         ("bare_h11", [sys.executable, os.path.join(HERE, "bare_h11.py")], None, None),
     ]
+    for tree in args.compare_tree:
+        servers.insert(1, (f"ours@{tree}", servers[0][1], {**os.environ, "PYTHONPATH": tree}, "tenant_id"))
     if args.reference_python:
         servers.insert(1, ("reference", [args.reference_python, "-m", "dynamo.select_service", "--port"],
                            {**os.environ, "RUST_LOG": "warn", "DYN_LOG": "warn"}, "routing_group"))
-    for name, cmd, env, tenant_field in servers:
-        if name not in wanted:
-            continue
-        port = free_port()
-        proc = start(cmd + [str(port)], port, env)
-        try:
-            if tenant_field is not None:
-                register(port, tenant_field)
-            rows[name] = {}
-            for tokens in (1024, 16384):
-                for connections in (1, 8, 64):
-                    rows[name][(tokens, connections)] = wrk(port, tokens, connections, args.seconds)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
-    print(f"{'tokens':>7}{'conns':>6}" + "".join(f"{n:>12}" for n in rows) + "   ours/ref  ours/bare")
+    for _ in range(args.rounds):
+        for name, cmd, env, tenant_field in servers:
+            if name not in wanted:
+                continue
+            port = free_port()
+            proc = start(cmd + [str(port)], port, env)
+            try:
+                if tenant_field is not None:
+                    register(port, tenant_field)
+                for tokens in (1024, 16384):
+                    for connections in (1, 8, 64):
+                        rate = wrk(port, tokens, connections, args.seconds)
+                        samples.setdefault(name, {}).setdefault((tokens, connections), []).append(rate)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+    rows = {name: {case: statistics.median(rates) for case, rates in cases.items()}
+            for name, cases in samples.items()}
+    widths = {n: max(12, len(n) + 2) for n in rows}
+    print(f"{'tokens':>7}{'conns':>6}" + "".join(f"{n:>{widths[n]}}" for n in rows) + "   ours/ref  ours/bare")
     for tokens in (1024, 16384):
         for connections in (1, 8, 64):
-            values = [rows[n][(tokens, connections)] for n in rows]
+            values = [(n, rows[n][(tokens, connections)]) for n in rows]
             ours = rows["ours"][(tokens, connections)]
             ref = rows.get("reference", {}).get((tokens, connections))
             bare = rows.get("bare_h11", {}).get((tokens, connections))
-            print(f"{tokens:>7}{connections:>6}" + "".join(f"{v:>12,.0f}" for v in values)
+            print(f"{tokens:>7}{connections:>6}" + "".join(f"{v:>{widths[n]},.0f}" for n, v in values)
                   + f"{(ours / ref if ref else float('nan')):>11.2f}{(ours / bare if bare else float('nan')):>11.2f}")
 
 

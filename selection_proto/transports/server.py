@@ -66,7 +66,7 @@ class _Server:
                     pass
                 return
             conn = HttpConnection(self.service, self.clock)
-            lock = anyio.Lock()
+            lock = anyio.Lock(fast_acquire=True)
             self.connections.add(conn)
             self._report_connections()
             try:
