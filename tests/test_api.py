@@ -488,3 +488,23 @@ def test_openapi_documents_every_route_method_status_and_member(client: Client) 
     assert schemas["WorkerRequest"]["required"] == ["worker_id"]
     assert schemas["WorkerRequest"]["properties"]["worker_id"]["format"] == "uint64"
     assert schemas["SelectRequest"]["properties"]["token_ids"]["type"] == ["array", "null"]
+
+
+def test_decode_block_estimates_count_only_blocks_a_rank_does_not_hold(client: Client) -> None:
+    """Sequence hashes are computed lazily (DECISIONS.md); the counts must not change: a rank with
+    active blocks counts the prompt's blocks it lacks, an idle rank counts all of them, and
+    client-sent sequence hashes count once each."""
+    for wid in (1, 2):
+        client.ok("POST", "/workers", worker(wid), status=201)
+    booked = list(range(100, 108))  # 2 blocks of 4
+    client.ok("POST", "/reservations", {"model_name": "m", "worker_id": 1, "reservation_id": "r",
+                                        "token_ids": booked}, status=201)
+    prompt = booked[:4] + [7, 7, 7, 7, 8, 8, 8, 8]  # shares the first block, then 2 new blocks
+    loads = client.ok("POST", "/potential_loads", {"model_name": "m", "token_ids": prompt})
+    assert [(x["worker_id"], x["potential_decode_blocks"]) for x in loads] == [(1, 2 + 2), (2, 3)]
+    answer = client.ok("POST", "/select", {"model_name": "m", "token_ids": prompt, "explain": True})
+    assert sorted((c["worker_id"], c["potential_decode_blocks"]) for c in answer["candidates"]) == [
+        (1, 4), (2, 3)]
+    given = client.ok("POST", "/potential_loads", {"model_name": "m", "block_hashes": [1, 2, 3],
+                                                   "sequence_hashes": [5, 5, 6], "isl_tokens": 12})
+    assert [(x["worker_id"], x["potential_decode_blocks"]) for x in given] == [(1, 2 + 2), (2, 2)]
