@@ -196,3 +196,35 @@ def test_kv_events_notifications_and_msgpack_batches() -> None:
     assert set(by_id) == {1, 2, 3}
     assert by_id[2]["result"]["workers"][0]["device_blocks"] == 2
     assert by_id[3]["error"] == {"code": -32602, "message": "Invalid params", "data": {"detail": "batch_b64 must be base64"}}
+
+
+def test_shape_errors_match_http_for_values_the_fast_parser_cannot_hold() -> None:
+    """JSON lines hand the parsed params to the core without encoding them again; integers beyond
+    64 bits, bools among tokens and floats for integers still answer HTTP's status and text."""
+    bad_bodies = [
+        {"model_name": "m", "token_ids": [1, 18446744073709551616]},
+        {"model_name": "m", "token_ids": [1, 2**80]},
+        {"model_name": "m", "token_ids": [1, True]},
+        {"model_name": "m", "token_ids": [1, 2.5]},
+        {"model_name": "m", "token_ids": [1, 2], "allowed_worker_ids": [-1]},
+        {"model_name": "m", "block_hashes": [2**64], "sequence_hashes": [1], "isl_tokens": 4},
+    ]
+    service = SelectionService(Settings(kv_events="push"), random.Random(5))
+    service.handle("POST", "/workers", "", [("content-type", "application/json")],
+                   json.dumps(worker(1)).encode(), now=0.0)
+    session = JsonRpcSession(service, lambda: 0.0)
+    for i, body in enumerate(bad_bodies):
+        http = service.handle("POST", "/select", "", [("content-type", "application/json")],
+                              json.dumps(body).encode(), now=0.0)
+        session.receive_data(rpc(i, "select", **body))
+        answer = json.loads(session.data_to_send())
+        assert http.status == 422, (body, http)
+        assert answer["error"]["code"] == 422
+        assert answer["error"]["message"] == json.loads(http.body)["error"], body
+    events = [{"worker_id": 1, "event": {"event_id": 1, "data": {"stored": {
+        "parent_hash": None, "blocks": [{"block_hash": 2**65, "tokens_hash": 1}]}}}}]
+    http = service.handle("POST", "/kv_events", "", [("content-type", "application/json")],
+                          json.dumps(events).encode(), now=0.0)
+    session.receive_data(rpc(99, "kv_events", events=events))
+    answer = json.loads(session.data_to_send())
+    assert (answer["error"]["code"], answer["error"]["message"]) == (http.status, json.loads(http.body)["error"])

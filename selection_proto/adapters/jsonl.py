@@ -15,6 +15,7 @@ from typing import Any, Final
 from urllib.parse import quote, urlencode
 
 from ..core import jsonio
+from ..core.handler import ParsedBody
 from ..core.outputs import SelectionReady
 from ..core.service import SelectionService
 from ..core.types import Pending
@@ -156,7 +157,7 @@ class JsonRpcSession:
         if not line.strip(b" \t"):
             return
         try:
-            message = jsonio.loads(line)
+            message, may_contain_bools = jsonio.loads_with_hints(line)
         except jsonio.JSONSyntaxError as exc:
             self._count("parse_error")
             self._out.append(_envelope_error(None, -32700, "Parse error", {"detail": exc.detail}))
@@ -188,7 +189,7 @@ class JsonRpcSession:
             self._invalid(rid, f"id {rid} is already in flight")
             return
         self._count("request" if has_id else "notification")
-        self._call(rid if has_id else None, has_id, method, params)
+        self._call(rid if has_id else None, has_id, method, params, line, may_contain_bools)
 
     def _invalid(self, rid: Id, detail: str) -> None:
         self._count("invalid_request")
@@ -196,9 +197,10 @@ class JsonRpcSession:
 
     # -- dispatch ------------------------------------------------------------------------------
 
-    def _call(self, rid: Id, answer: bool, method: str, params: dict[str, Any]) -> None:
+    def _call(self, rid: Id, answer: bool, method: str, params: dict[str, Any], line: bytes,
+              may_contain_bools: bool) -> None:
         if method == "cancel":
-            ticket = self._in_flight.pop(params.get("id"), None)  # type: ignore[arg-type]
+            ticket = self._in_flight.pop(params.get("id"), None)
             if ticket is not None:
                 self._waiting.pop(ticket, None)
                 self._service.cancel(ticket, now=self._clock())
@@ -215,7 +217,8 @@ class JsonRpcSession:
                 self._out.append(_envelope_error(rid, -32601, "Method not found", {"method": method}))
             return
         try:
-            http_method, path, query, headers, body = _request(method, route, params)
+            http_method, path, query, headers, body = _request(method, route, params, line,
+                                                               may_contain_bools)
         except _ParamsError as exc:
             self._count("invalid_params")
             if answer:
@@ -241,9 +244,18 @@ class JsonRpcSession:
         return True
 
 
-def _request(method: str, route: tuple[str, str, str | None, bool], params: dict[str, Any]
-             ) -> tuple[str, str, str, list[tuple[str, str]], bytes]:
+def _request(method: str, route: tuple[str, str, str | None, bool], params: dict[str, Any],
+             line: bytes, may_contain_bools: bool
+             ) -> tuple[str, str, str, list[tuple[str, str]], bytes | ParsedBody]:
+    """The HTTP-shaped request of a call. A JSON body is handed over parsed, as `ParsedBody`:
+    the line was parsed once, here, and is not encoded and parsed again."""
     http_method, template, path_param, has_body = route
+
+    def parsed(pick: Callable[[dict[str, Any]], Any]) -> ParsedBody:
+        def exact() -> Any:
+            return pick(jsonio.loads_exact(line)["params"])
+        return ParsedBody(pick(params), may_contain_bools, len(line), exact)
+
     rest = dict(params)
     path = template
     if path_param is not None:
@@ -269,10 +281,17 @@ def _request(method: str, route: tuple[str, str, str | None, bool], params: dict
             if body is None:
                 raise _ParamsError("batch_b64 must be base64")
             return http_method, path, query, [_MSGPACK], body
-        return http_method, path, query, headers, jsonio.dumps(rest.get("events", []))
+        return http_method, path, query, headers, parsed(lambda p: p.get("events", []))
     if has_body:
-        return http_method, path, "", headers, jsonio.dumps(rest)
+        return http_method, path, "", headers, parsed(lambda p: _without(p, path_param))
     return http_method, path, _query(rest), headers, b""
+
+
+def _without(params: dict[str, Any], name: str | None) -> dict[str, Any]:
+    rest = dict(params)
+    if name is not None:
+        rest.pop(name, None)
+    return rest
 
 
 def _query(params: dict[str, Any]) -> str:

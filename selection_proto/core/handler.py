@@ -35,7 +35,7 @@ from .wire import Response, error_response, json_response, parse_query, parse_ui
 if TYPE_CHECKING:
     from .service import SelectionService
 
-__all__ = ["MAX_BODY", "ROUTES", "handle"]
+__all__ = ["MAX_BODY", "ROUTES", "ParsedBody", "handle"]
 
 MAX_BODY: Final = 8 * 1024 * 1024
 KEY_QUERY: Final = ("model_name", "tenant_id", "routing_group")
@@ -109,8 +109,28 @@ def _parse_json(body: bytes) -> tuple[Any, bool]:
         raise BadRequest(f"Failed to parse the request body as JSON: {exc.detail}") from None
 
 
-def _decode(body: bytes, build: Callable[[Any, ShapeContext], T]) -> T:
-    value, bools = _parse_json(body)
+class ParsedBody:
+    """A JSON body that its caller has already parsed, so that it is not encoded and parsed again
+    (JSON lines parse each whole line once). `exact` re-reads the same value with exact integers
+    (see `jsonio.loads_exact`); `size` is the length of the text it came from."""
+
+    __slots__ = ("value", "may_contain_bools", "size", "exact")
+
+    def __init__(self, value: Any, may_contain_bools: bool, size: int, exact: Callable[[], Any]) -> None:
+        self.value = value
+        self.may_contain_bools = may_contain_bools
+        self.size = size
+        self.exact = exact
+
+
+Body = bytes | ParsedBody
+
+
+def _decode(body: Body, build: Callable[[Any, ShapeContext], T]) -> T:
+    if isinstance(body, ParsedBody):
+        value, bools = body.value, body.may_contain_bools
+    else:
+        value, bools = _parse_json(body)
     ctx = ShapeContext(may_contain_bools=bools)
     try:
         return build(value, ctx)
@@ -118,7 +138,7 @@ def _decode(body: bytes, build: Callable[[Any, ShapeContext], T]) -> T:
         if not jsonio.FAST_PARSER:
             raise
         # orjson reads integers beyond 64 bits as floats; the exact parse names them correctly.
-        return build(jsonio.loads_exact(body), ctx)
+        return build(body.exact() if isinstance(body, ParsedBody) else jsonio.loads_exact(body), ctx)
 
 
 def _worker_id(raw: str) -> int:
@@ -140,7 +160,7 @@ def _reservation_id(raw: str) -> str:
 
 
 def handle(service: SelectionService, method: str, path: str, query: str,
-           headers: Iterable[tuple[str, str]], body: bytes, now: float) -> Response | Pending:
+           headers: Iterable[tuple[str, str]], body: Body, now: float) -> Response | Pending:
     matched = match(path)
     route = matched[0] if matched else "unmatched"
     try:
@@ -159,7 +179,7 @@ def handle(service: SelectionService, method: str, path: str, query: str,
 
 
 def _dispatch(service: SelectionService, method: str, matched: tuple[str, str | None] | None,
-              query: str, headers: Iterable[tuple[str, str]], body: bytes,
+              query: str, headers: Iterable[tuple[str, str]], body: Body,
               now: float) -> Response | Pending:
     if matched is None:
         raise NotFound("route not found")
@@ -169,12 +189,12 @@ def _dispatch(service: SelectionService, method: str, matched: tuple[str, str | 
     verb = "GET" if head else method
     if verb not in methods:
         raise MethodNotAllowed(methods)
-    if len(body) > MAX_BODY:
+    if (body.size if isinstance(body, ParsedBody) else len(body)) > MAX_BODY:
         service.metrics.inc("selection_proto_limit_rejections_total", ("body_size",))
         raise PayloadTooLarge("Failed to buffer the request body: length limit exceeded")
     if (verb, route) in _BODY_ROUTES:
         media = _media_type(headers)
-        if (verb, route) == ("POST", "/kv_events") and media in _MSGPACK_TYPES:
+        if (verb, route) == ("POST", "/kv_events") and media in _MSGPACK_TYPES and isinstance(body, bytes):
             return _h_engine_batch(service, query, body, now)
         if not _is_json(media):
             raise UnsupportedMediaType("Expected request with `Content-Type: application/json`")
@@ -188,33 +208,33 @@ def _ok(value: Any, status: int = 200) -> Response:
     return json_response(status, value.to_json())
 
 
-def _h_health(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+def _h_health(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
     return _ok(s.health())
 
 
-def _h_ready(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+def _h_ready(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
     ready = s.ready(now=now)
     return _ok(ready, 200 if ready.ready else 503)
 
 
-def _h_workers_get(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+def _h_workers_get(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
     params = parse_query(q, KEY_QUERY)
     records = s.list_workers(params.get("model_name"), params.get("tenant_id"))
     return json_response(200, [r.to_json() for r in records])
 
 
-def _h_workers_post(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+def _h_workers_post(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
     req = _decode(b, lambda v, ctx: from_json(WorkerRequest, v, "", ctx))
     return _ok(s.upsert_worker(req, now=now), 201)
 
 
-def _h_worker_patch(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+def _h_worker_patch(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
     worker_id = _worker_id(p or "")
     patch = _decode(b, lambda v, ctx: from_json(WorkerPatchRequest, v, "", ctx))
     return _ok(s.patch_worker(worker_id, patch, now=now))
 
 
-def _h_worker_delete(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+def _h_worker_delete(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
     return _ok(s.delete_worker(_worker_id(p or ""), now=now))
 
 
@@ -222,23 +242,23 @@ def _select_answer(result: Any) -> Response | Pending:
     return result if isinstance(result, Pending) else _ok(result)
 
 
-def _h_select(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response | Pending:
+def _h_select(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response | Pending:
     req = _decode(b, lambda v, ctx: from_json(SelectRequest, v, "", ctx))
     return _select_answer(s.select(req, now=now))
 
 
-def _h_select_and_reserve(s: SelectionService, p: str | None, q: str, b: bytes,
+def _h_select_and_reserve(s: SelectionService, p: str | None, q: str, b: Body,
                           now: float) -> Response | Pending:
     req = _decode(b, lambda v, ctx: from_json(SelectAndReserveRequest, v, "", ctx))
     return _select_answer(s.select_and_reserve(req, now=now))
 
 
-def _h_reserve(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+def _h_reserve(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
     req = _decode(b, lambda v, ctx: from_json(ReservationRequest, v, "", ctx))
     return _ok(s.reserve(req, now=now), 201)
 
 
-def _h_prefill(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+def _h_prefill(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
     rid = _reservation_id(p or "")
     params = parse_query(q, KEY_QUERY)
     s.prefill_complete(rid, model_name=params.get("model_name"),
@@ -246,30 +266,30 @@ def _h_prefill(s: SelectionService, p: str | None, q: str, b: bytes, now: float)
     return _ok(s.health())
 
 
-def _h_free(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+def _h_free(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
     rid = _reservation_id(p or "")
     params = parse_query(q, KEY_QUERY)
     s.free(rid, model_name=params.get("model_name"), tenant_id=params.get("tenant_id"), now=now)
     return _ok(s.health())
 
 
-def _h_loads(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+def _h_loads(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
     params = parse_query(q, KEY_QUERY)
     return json_response(200, [m.to_json() for m in s.loads(params.get("model_name"),
                                                              params.get("tenant_id"))])
 
 
-def _h_potential(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+def _h_potential(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
     req = _decode(b, lambda v, ctx: from_json(PotentialLoadsRequest, v, "", ctx))
     return json_response(200, [x.to_json() for x in s.potential_loads(req, now=now)])
 
 
-def _h_overlap(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+def _h_overlap(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
     req = _decode(b, lambda v, ctx: from_json(OverlapScoresRequest, v, "", ctx))
     return _ok(s.overlap_scores(req, now=now))
 
 
-def _h_events_post(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+def _h_events_post(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
     params = parse_query(q, EVENT_QUERY)
     worker_id = query_int(params, "worker_id", 64)
     dp_rank = query_int(params, "dp_rank", 32)
@@ -289,23 +309,23 @@ def _h_engine_batch(s: SelectionService, q: str, b: bytes, now: float) -> Respon
     return _ok(report)
 
 
-def _h_events_get(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+def _h_events_get(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
     return error_response(426, "this endpoint requires a WebSocket upgrade", (("upgrade", "websocket"),))
 
 
-def _h_metrics(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+def _h_metrics(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
     text = s.metrics_text(now=now).encode("utf-8")
     return Response(200, (("content-type", "text/plain; version=0.0.4; charset=utf-8"),
                           ("content-length", str(len(text)))), text)
 
 
-def _h_openapi(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+def _h_openapi(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
     from .openapi import document
 
     return json_response(200, document())
 
 
-def _h_dump(s: SelectionService, p: str | None, q: str, b: bytes, now: float) -> Response:
+def _h_dump(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
     params = parse_query(q, KEY_QUERY)
     return json_response(200, s.dump(params.get("model_name"), params.get("tenant_id")))
 

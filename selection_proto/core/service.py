@@ -40,6 +40,7 @@ from .errors import (
     Unprocessable,
 )
 from .events import Event, decode_json_events, require_worker
+from .handler import ParsedBody
 from .handler import handle as handle_request
 from .hashing import block_hashes as hash_blocks
 from .hashing import sequence_hashes
@@ -1494,8 +1495,9 @@ class SelectionService:
     # -- bytes ---------------------------------------------------------------------------------
 
     def handle(self, method: str, path: str, query: str, headers: Iterable[tuple[str, str]],
-               body: bytes, *, now: float) -> Response | Pending:
-        """Answer one HTTP-shaped request with `Response(status, headers, body)`; never raises."""
+               body: bytes | ParsedBody, *, now: float) -> Response | Pending:
+        """Answer one HTTP-shaped request with `Response(status, headers, body)`; never raises.
+        `body` may be a `ParsedBody` when the caller has parsed the JSON already."""
         return handle_request(self, method, path, query, headers, body, now)
 
 
