@@ -536,20 +536,24 @@ class SelectionService:
 
     # -- prompts ---------------------------------------------------------------------------------
 
-    def _length_limits(self, req: Any) -> None:
+    def _token_prompt(self, req: Any, state: _KeyState) -> _Prompt | None:
+        """Enforce the length limits; the prompt of `token_ids` when the request has them."""
         limit = self.settings.max_prompt_tokens
         for field in ("token_ids", "block_hashes", "sequence_hashes"):
             value = getattr(req, field)
             if value is not None and len(value) > limit:
                 self.metrics.inc("selection_proto_limit_rejections_total", ("prompt_tokens",))
                 raise BadRequest(f"{field} has {len(value)} entries; the limit is {limit}")
+        if req.token_ids is None:
+            return None
+        blocks = hash_blocks(req.token_ids, state.block_size, req.lora_name, req.cache_namespace)
+        return _Prompt(blocks, None, len(req.token_ids))
 
     def _prompt(self, req: Any, state: _KeyState) -> _Prompt:
         """Selection rules of core.md §9.1."""
-        self._length_limits(req)
-        if req.token_ids is not None:
-            blocks = hash_blocks(req.token_ids, state.block_size, req.lora_name, req.cache_namespace)
-            return _Prompt(blocks, None, len(req.token_ids))
+        prompt = self._token_prompt(req, state)
+        if prompt is not None:
+            return prompt
         if req.block_hashes is None:
             raise BadRequest("block_hashes is required without token_ids")
         if req.sequence_hashes is None:
@@ -564,10 +568,9 @@ class SelectionService:
         return _Prompt(list(req.block_hashes), list(req.sequence_hashes), req.isl_tokens)
 
     def _reservation_prompt(self, req: ReservationRequest, state: _KeyState) -> _Prompt:
-        self._length_limits(req)
-        if req.token_ids is not None:
-            blocks = hash_blocks(req.token_ids, state.block_size, req.lora_name, req.cache_namespace)
-            return _Prompt(blocks, None, len(req.token_ids))
+        prompt = self._token_prompt(req, state)
+        if prompt is not None:
+            return prompt
         if req.sequence_hashes is None:
             raise BadRequest("sequence_hashes is required without token_ids")
         if req.isl_tokens is None:
