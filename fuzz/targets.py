@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable
+from typing import Final
 
 import msgpack
 
 from selection_proto import SelectionService, Settings, WorkerRequest
 from selection_proto.adapters.http import HttpConnection
 from selection_proto.adapters.jsonl import JsonRpcSession
-from selection_proto.adapters.ws import PushSession
+from selection_proto.adapters.ws import PushSession, server_handshake
 from selection_proto.core.engine import InvalidBatch, decode_batch
 from selection_proto.core.errors import SelectionError, StreamError
 
@@ -88,13 +89,22 @@ def jsonl_stream(data: bytes) -> None:
         assert message["jsonrpc"] == "2.0" and ("result" in message) != ("error" in message)
 
 
+_UPGRADE_HEADERS: Final = [
+    (b"host", b"x"), (b"upgrade", b"websocket"), (b"connection", b"Upgrade"),
+    (b"sec-websocket-key", b"dGhlIHNhbXBsZSBub25jZQ=="), (b"sec-websocket-version", b"13")]
+
+
+def _push_session(service: SelectionService, target: str) -> PushSession:
+    ws = server_handshake(target, _UPGRADE_HEADERS)
+    assert not isinstance(ws, str), ws
+    return PushSession(service, _clock, ws, target, b"")
+
+
 def ws_stream(data: bytes) -> None:
     """Arbitrary frame bytes after a valid upgrade of a push stream."""
     service = fresh_service()
-    headers = [(b"host", b"x"), (b"upgrade", b"websocket"), (b"connection", b"Upgrade"),
-               (b"sec-websocket-key", b"dGhlIHNhbXBsZSBub25jZQ=="), (b"sec-websocket-version", b"13")]
     query = "worker_id=1&framing=seq&ack=true" if data[:1] == b"\x01" else "worker_id=1&ack=true"
-    session = PushSession(service, _clock, f"/kv_events?{query}", headers, b"")
+    session = _push_session(service, f"/kv_events?{query}")
     assert session.data_to_send().startswith(b"HTTP/1.1 101")
     session.receive_data(data)
     session.data_to_send()
@@ -188,9 +198,7 @@ def _jsonl_out(chunks: list[bytes]) -> bytes:
 
 def _ws_out(chunks: list[bytes]) -> bytes:
     service = fresh_service()
-    headers = [(b"host", b"x"), (b"upgrade", b"websocket"), (b"connection", b"Upgrade"),
-               (b"sec-websocket-key", b"dGhlIHNhbXBsZSBub25jZQ=="), (b"sec-websocket-version", b"13")]
-    session = PushSession(service, _clock, "/kv_events?worker_id=1&ack=true", headers, b"")
+    session = _push_session(service, "/kv_events?worker_id=1&ack=true")
     out = session.data_to_send()
     for chunk in chunks:
         session.receive_data(chunk)

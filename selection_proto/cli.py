@@ -224,13 +224,15 @@ def _service_and_backend(args: argparse.Namespace, env: Mapping[str, str]) -> tu
     service = SelectionService(settings, rng)
     restore = _transport_value(args, env, "restore", None, str)
     if restore is not None:
-        import json
-
+        from .core import jsonio
         from .core.errors import SelectionError
 
         try:
             with open(restore, "rb") as fh:
-                service.restore(json.load(fh), now=0.0)
+                # The same reader as every request: a dump holds what the API would accept.
+                service.restore(jsonio.loads(fh.read()), now=0.0)
+        except jsonio.JSONSyntaxError as exc:
+            raise UsageError(f"--restore {restore}: invalid JSON: {exc.detail}") from None
         except (OSError, ValueError) as exc:
             raise UsageError(f"--restore {restore}: {exc}") from None
         except SelectionError as exc:

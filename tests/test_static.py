@@ -1,4 +1,4 @@
-"""mypy --strict on the core and ruff on the package, as part of the test command."""
+"""mypy --strict on the whole package and ruff on the package, as part of the test command."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
-def test_mypy_strict_core() -> None:
+def test_mypy_strict_package() -> None:
     if shutil.which("mypy") is None and _run("mypy", "--version").returncode != 0:
         pytest.fail("mypy is not installed (pip install -e '.[test]')")
-    result = _run("mypy", "--strict", "selection_proto/core")
+    result = _run("mypy", "--strict", "selection_proto")
     assert result.returncode == 0, result.stdout + result.stderr
 
 

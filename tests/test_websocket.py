@@ -160,12 +160,30 @@ def test_keepalive_pings_are_answered(server: Server) -> None:
     assert http(server, "GET", "/health")[0] == 200
 
 
+def raw_upgrade(server: Server, query: str) -> tuple[socket.socket, bytes]:
+    """A WebSocket opened by hand (no client library reading behind the test's back): the socket
+    and the bytes that followed the 101 answer."""
+    sock = server.connect()
+    sock.sendall(f"GET /kv_events?{query} HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\n"
+                 "connection: Upgrade\r\nsec-websocket-version: 13\r\n"
+                 "sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n".encode())
+    sock.settimeout(5)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        assert chunk, data
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 101"), head
+    return sock, rest
+
+
 def test_protocol_violations_close_1002(server: Server) -> None:
-    with connect(url(server, "worker_id=1")) as ws:
-        raw = ws.socket
-        raw.sendall(bytes([0x82, 0x03]) + b"abc")  # a client frame without a mask
-        raw.settimeout(5)
-        data = raw.recv(4096)
+    sock, data = raw_upgrade(server, "worker_id=1")
+    with sock:
+        sock.sendall(bytes([0x82, 0x03]) + b"abc")  # a client frame without a mask
+        while len(data) < 4:
+            data += sock.recv(4096)
     assert data[0] == 0x88  # a close frame
     code = int.from_bytes(data[2:4], "big")
     assert code == 1002 and data[4:].decode().startswith("protocol error: ")

@@ -9,20 +9,29 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from http import HTTPStatus
-from typing import Final
+from typing import Final, NamedTuple
 
 import h11
+from wsproto import WSConnection
 
 from ..core.handler import MAX_BODY, match
 from ..core.service import SelectionService
 from ..core.types import Pending
 from ..core.wire import Response, error_response
-from .ws import check_handshake
+from .ws import check_handshake, server_handshake
 
-__all__ = ["MAX_HEADER_BYTES", "HttpConnection"]
+__all__ = ["MAX_HEADER_BYTES", "HttpConnection", "Upgrade"]
 
 MAX_HEADER_BYTES: Final = 16384
 _SERVER_HEADER: Final = (b"server", b"selection-proto")
+
+
+class Upgrade(NamedTuple):
+    """A request that became a WebSocket: its handshake taken, the bytes that followed it."""
+
+    ws: WSConnection
+    target: str
+    trailing: bytes
 
 
 def _reason(status: int) -> bytes:
@@ -46,8 +55,8 @@ class HttpConnection:
         self._body_len = 0
         self.pending_ticket: int | None = None
         self._paused = False  # an answer was produced; the next request waits until it is taken
-        # Set when the request was a valid WebSocket upgrade: (target, headers, trailing bytes).
-        self.upgrade: tuple[str, list[tuple[bytes, bytes]], bytes] | None = None
+        # Set when the request was a valid WebSocket upgrade.
+        self.upgrade: Upgrade | None = None
         self.closed = False
         self.close_after_response = False
 
@@ -56,6 +65,24 @@ class HttpConnection:
         """A request is partly received (bytes buffered count too) or being answered."""
         return (self._request is not None or self._h11.their_state not in (h11.IDLE, h11.DONE)
                 or bool(self._h11.trailing_data[0]))
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Received bytes not parsed yet (pipelined requests behind a queued one)."""
+        return len(self._h11.trailing_data[0])
+
+    @property
+    def linger(self) -> bool:
+        """Closed by us while the client may still be sending (a refused body, a malformed
+        request): the transport should read and drop for a moment before closing."""
+        return self.closed and self.upgrade is None and self._h11.their_state in (h11.SEND_BODY, h11.ERROR)
+
+    def internal_error(self) -> None:
+        """Something failed while serving this connection: 500 when an answer can still start,
+        and close either way."""
+        if not self.closed and self._h11.our_state is h11.SEND_RESPONSE:
+            self._respond(error_response(500, "internal error"), close=True)
+        self.closed = True
 
     def data_to_send(self) -> bytes:
         """What to send now. Pipelined requests are parsed only after the previous answer has been
@@ -123,8 +150,15 @@ class HttpConnection:
             self._respond(error_response(431, f"request header block exceeds {MAX_HEADER_BYTES} bytes"),
                           close=True)
             return
+        names = {name for name, _ in request.headers}
+        if b"content-length" in names and b"transfer-encoding" in names:
+            # RFC 9112 §6.3: a smuggling attempt until proven otherwise; answer and close.
+            self._respond(error_response(400, "malformed HTTP request: both Content-Length and "
+                                              "Transfer-Encoding"), close=True)
+            return
         for name, value in request.headers:
-            if name == b"content-length" and int(value) > MAX_BODY:
+            # h11 has checked the digits; a declared length of any size is compared as text first.
+            if name == b"content-length" and (len(value.lstrip(b"0")) > 19 or int(value) > MAX_BODY):
                 self._refuse_body()
                 return
             if name == b"connection" and b"close" in value.lower():
@@ -143,14 +177,14 @@ class HttpConnection:
         headers = [(n.decode("latin-1"), v.decode("latin-1")) for n, v in request.headers]
         method = request.method.decode("ascii", "replace")
         if path == "/kv_events" and any(n == "upgrade" for n, _ in headers):
-            detail = check_handshake(method, headers)
-            if detail is None:
+            checked = check_handshake(method, headers) or server_handshake(target, list(request.headers))
+            if isinstance(checked, WSConnection):
                 # Hand the connection over to a WebSocket session (transports.md §2, Upgrade).
-                self.upgrade = (target, list(request.headers), self._h11.trailing_data[0])
+                self.upgrade = Upgrade(checked, target, self._h11.trailing_data[0])
                 self._request = None
                 self.closed = True
                 return
-            self._respond(error_response(400, f"invalid WebSocket upgrade: {detail}"), close=True)
+            self._respond(error_response(400, f"invalid WebSocket upgrade: {checked}"), close=True)
             return
         started = self._clock()
         result = self._service.handle(method, path, query, headers, b"".join(self._body), now=started)

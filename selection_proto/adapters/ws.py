@@ -13,6 +13,7 @@ import json
 from collections.abc import Callable, Iterable
 from typing import Final
 
+import h11
 from wsproto import ConnectionType, WSConnection
 from wsproto.connection import ConnectionState
 from wsproto.events import (
@@ -32,7 +33,7 @@ from ..core.errors import SelectionError, StreamError
 from ..core.service import SelectionService
 from ..core.wire import parse_query, query_int
 
-__all__ = ["MAX_MESSAGE", "ForwardingClient", "PushSession", "SubscriptionSession", "check_handshake", "cut_reason"]
+__all__ = ["MAX_MESSAGE", "ForwardingClient", "PushSession", "SubscriptionSession", "check_handshake", "cut_reason", "server_handshake"]
 
 MAX_MESSAGE: Final = 8 * 1024 * 1024
 PUSH_QUERY: Final = ("worker_id", "dp_rank", "model_name", "tenant_id", "routing_group", "framing", "ack")
@@ -69,6 +70,23 @@ def check_handshake(method: str, headers: Iterable[tuple[str, str]]) -> str | No
     return None
 
 
+def server_handshake(target: str, headers: list[tuple[bytes, bytes]]) -> WSConnection | str:
+    """The server side of an upgrade that `check_handshake` passed, with its `Request` taken, or
+    why wsproto refuses it (it checks more than RFC 6455 asks: a `Host` that IDNA decodes, and
+    the header rules of h11)."""
+    ws = WSConnection(ConnectionType.SERVER)
+    try:
+        ws.initiate_upgrade_connection(headers, target)
+        events = list(ws.events())
+    except UnicodeError:
+        return "the Host header is not a valid host name"
+    except (LocalProtocolError, RemoteProtocolError, h11.ProtocolError) as exc:
+        return str(exc) or type(exc).__name__
+    if not any(isinstance(event, Request) for event in events):
+        return "the request was not taken as a WebSocket handshake"
+    return ws
+
+
 class _Session:
     """Message reassembly, control frames and closing shared by both roles."""
 
@@ -79,7 +97,7 @@ class _Session:
         self._clock = clock
         self._ws = ws
         self._out: list[bytes] = []
-        self._parts: list[bytes | str] = []
+        self._parts: list[bytes | bytearray | str] = []
         self._size = 0
         self.closed = False
         self.close_code: int | None = None
@@ -184,13 +202,11 @@ class _Session:
 class PushSession(_Session):
     """The server side of `GET /kv_events` (a push stream), from the upgrade request on."""
 
-    def __init__(self, service: SelectionService, clock: Callable[[], float], target: str,
-                 headers: list[tuple[bytes, bytes]], trailing: bytes) -> None:
-        super().__init__(service, clock, WSConnection(ConnectionType.SERVER))
-        self._ws.initiate_upgrade_connection(headers, target)
-        for event in self._ws.events():
-            if isinstance(event, Request):
-                self._send(AcceptConnection())
+    def __init__(self, service: SelectionService, clock: Callable[[], float], ws: WSConnection,
+                 target: str, trailing: bytes) -> None:
+        """`ws` comes from `server_handshake`, its request taken and not yet answered."""
+        super().__init__(service, clock, ws)
+        self._send(AcceptConnection())
         self.stream: int | None = None
         self._seq_framing = False
         self._ack = False

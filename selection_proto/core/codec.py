@@ -17,6 +17,8 @@ import attrs
 
 from .errors import Unprocessable
 from .hashing import pack_tokens
+from .jsonio import LONE_SURROGATE
+from .wire import parse_uint
 
 __all__ = [
     "ARRAY",
@@ -200,6 +202,10 @@ def check_value(kind: tuple[Any, ...], value: Any, path: str, ctx: ShapeContext 
     if tag == "str":
         if not isinstance(value, str):
             raise _invalid_type(path, value, "a string")
+        if not value.isascii() and not _encodable(value):
+            # Only the typed API can get here (JSON readers refuse these): such a value stored
+            # would make every later answer that echoes it fail to encode.
+            raise shape_error(path, f"invalid value: {LONE_SURROGATE}")
         return value
     if tag == "bool":
         if not isinstance(value, bool):
@@ -241,12 +247,22 @@ def check_value(kind: tuple[Any, ...], value: Any, path: str, ctx: ShapeContext 
     raise AssertionError(f"unknown kind {kind!r}")
 
 
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _dp_rank_key(k: Any, path: str) -> int:
     if isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= U32_MAX:
         return k
     text = str(k)
-    if text.isascii() and text.isdigit() and int(text) <= U32_MAX:
-        return int(text)
+    if not text.startswith("+"):
+        value = parse_uint(text, 32)
+        if isinstance(value, int):
+            return value
     raise shape_error(join(path, text), f"invalid value: {describe(text)}, expected a dp_rank (u32)")
 
 

@@ -171,7 +171,7 @@ def handle(service: SelectionService, method: str, path: str, query: str,
             extra = (("allow", _allow(exc.allow)),)
         result = error_response(exc.status, exc.message, extra)
     except Exception:  # noqa: BLE001 - the bytes API never raises (core.md §4.2)
-        service.metrics.inc("selection_proto_internal_errors_total")
+        service.internal_error("handle")
         result = error_response(500, "internal error")
     status = "pending" if isinstance(result, Pending) else str(result.status)
     service.metrics.inc("selection_proto_requests_total", (method, route, status))

@@ -1,15 +1,18 @@
 """JSON in and out: orjson when importable, the stdlib otherwise, with identical results.
 
 Parsing rules (api.md §2.2): strict UTF-8, no NaN/Infinity, at most 64 levels of nesting, the
-last of a repeated member wins. orjson refuses integers beyond 64 bits, which the spec wants
-reported as range errors (422), so a body orjson refuses is re-parsed by the stdlib before it is
-called invalid.
+last of a repeated member wins, and no lone surrogate (`"\ud800"`) in any string: orjson refuses
+those and the stdlib would accept them, and a stored one would make every later answer that
+echoes it fail to encode. orjson refuses integers beyond 64 bits, which the spec wants reported as
+range errors (422), so a body orjson refuses is re-parsed by the stdlib before it is called
+invalid; both readers therefore refuse exactly the same texts.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any, Final
 
 _orjson: Any
@@ -18,7 +21,7 @@ try:  # pragma: no cover - exercised by whichever is installed
 except ImportError:  # pragma: no cover
     _orjson = None
 
-__all__ = ["MAX_DEPTH", "JSONSyntaxError", "dumps", "loads", "loads_exact", "loads_with_hints", "FAST_PARSER"]
+__all__ = ["LONE_SURROGATE", "MAX_DEPTH", "MAX_INT_DIGITS", "JSONSyntaxError", "dumps", "loads", "loads_exact", "loads_with_hints", "FAST_PARSER"]
 
 FAST_PARSER = _orjson is not None
 
@@ -44,7 +47,41 @@ def _finite_float(text: str) -> float:
     return value
 
 
-_decoder = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
+# The interpreter refuses to convert integer texts longer than this (sys.int_info); the message
+# names the limit instead of leaking the interpreter's advice.
+MAX_INT_DIGITS: Final = 4300
+
+
+def _bounded_int(text: str) -> int:
+    if len(text) > MAX_INT_DIGITS:
+        raise ValueError(f"integer with {len(text)} digits (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
+_decoder = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float,
+                            parse_int=_bounded_int)
+LONE_SURROGATE: Final = "lone surrogate in string"
+# A `\uD800`-`\uDFFF` escape: the only way a parsed string can hold a surrogate (strict UTF-8
+# decoding refuses encoded ones), so strings are walked only when the text has one.
+_SURROGATE_ESCAPE: Final = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def _too_deep(value: Any) -> bool:
@@ -76,6 +113,8 @@ def _stdlib_loads(data: bytes | str) -> Any:
     end = _skip_ws(text, end)
     if end != len(text):
         raise JSONSyntaxError(f"trailing characters at position {end}")
+    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(value):
+        raise JSONSyntaxError(LONE_SURROGATE)
     return value
 
 
@@ -87,21 +126,30 @@ def _skip_ws(text: str, i: int) -> int:
 
 
 # One C-level pass keeps only the bytes that matter for the two pre-checks below.
-_STRUCTURE: Final = b'[{"\\tf'
+_STRUCTURE: Final = b'[]{}"\\tf'
 _DROP: Final = bytes(b for b in range(256) if b not in _STRUCTURE)
+_BRACKETS_ONLY: Final = bytes(b for b in range(256) if b not in b"[]{}")
 
 
 def structure_hints(raw: bytes) -> tuple[bool, bool]:
-    """(may be deeper than 64 levels, may hold a `true`/`false` literal) from one pass over `raw`.
+    """(may be deeper than 64 levels, may hold a `true`/`false` literal) from C-level passes over
+    `raw`, for a text that parses.
 
-    Brackets bound the depth. A literal bool is a `t` or `f` outside strings; quote parity finds
-    "outside" unless a backslash could escape a quote, in which case bools are assumed."""
+    Outside strings, a literal bool is a `t` or `f`, and the brackets nest as the values do.
+    Quote parity finds "outside" unless a backslash could escape a quote; then both answers are
+    "maybe" and the caller walks the parsed value. Otherwise the depth is exact: each round of
+    deleting adjacent `[]` and `{}` pairs peels one level off every branch."""
     kept = raw.translate(None, _DROP)
-    deep = kept.count(b"[") + kept.count(b"{") > MAX_DEPTH
     if b"\\" in kept:
-        return deep, True
-    outside = kept.split(b'"')[0::2]
-    return deep, any(b"t" in seg or b"f" in seg for seg in outside)
+        return kept.count(b"[") + kept.count(b"{") > MAX_DEPTH, True
+    outside = b"".join(kept.split(b'"')[0::2])
+    bools = b"t" in outside or b"f" in outside
+    nesting = outside.translate(None, _BRACKETS_ONLY)
+    for _ in range(MAX_DEPTH):
+        if not nesting:
+            return False, bools
+        nesting = nesting.replace(b"[]", b"").replace(b"{}", b"")
+    return bool(nesting), bools
 
 
 def loads(data: bytes | str) -> Any:
@@ -135,8 +183,11 @@ def _parse(data: bytes | str) -> Any:
         try:
             return _orjson.loads(data)
         except _orjson.JSONDecodeError as exc:
-            if "recursion" in str(exc).lower():
+            text = str(exc).lower()
+            if "recursion" in text:
                 raise JSONSyntaxError("nesting too deep") from None
+            if "surrogate" in text:
+                raise JSONSyntaxError(LONE_SURROGATE) from None
     return _stdlib_loads(data)
 
 

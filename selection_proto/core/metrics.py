@@ -50,7 +50,9 @@ FAMILIES: Final[Mapping[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]
     "selection_proto_index_blocks": ("gauge", "Indexed blocks per tier.",
                                      ("model_name", "tenant_id", "tier"), ()),
     "selection_proto_limit_rejections_total": ("counter", "Requests refused by a limit.", ("limit",), ()),
-    "selection_proto_internal_errors_total": ("counter", "500 internal error answers.", (), ()),
+    "selection_proto_internal_errors_total": (
+        "counter", "Unexpected exceptions confined to one request, connection, stream or task.",
+        ("where",), ()),
     "selection_proto_request_duration_seconds": ("histogram", "Request handling time.", ("route",),
                                                  _DURATION_BUCKETS),
     "selection_proto_connections": ("gauge", "Open connections.", ("kind",), ()),

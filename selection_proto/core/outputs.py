@@ -8,7 +8,7 @@ from .errors import SelectionError
 from .types import SelectResponse
 from .wire import Response
 
-__all__ = ["CloseEventStream", "OutputEvent", "SelectionReady", "SubscribeKvEvents", "UnsubscribeKvEvents"]
+__all__ = ["CloseEventStream", "InternalError", "OutputEvent", "SelectionReady", "SubscribeKvEvents", "UnsubscribeKvEvents"]
 
 
 @attrs.frozen
@@ -46,4 +46,13 @@ class CloseEventStream:
     reason: str
 
 
-OutputEvent = SelectionReady | SubscribeKvEvents | UnsubscribeKvEvents | CloseEventStream
+@attrs.frozen
+class InternalError:
+    """An unexpected exception was confined to one call (answered 500): log `detail`, its traceback.
+    The core cannot log; the transport that drains this does."""
+
+    where: str
+    detail: str
+
+
+OutputEvent = SelectionReady | SubscribeKvEvents | UnsubscribeKvEvents | CloseEventStream | InternalError

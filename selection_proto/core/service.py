@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import math
 import random
+import traceback
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -48,6 +49,7 @@ from .index import LOWER_TIERS, IndexError_, KeyIndex, Rank
 from .metrics import Metrics
 from .outputs import (
     CloseEventStream,
+    InternalError,
     OutputEvent,
     SelectionReady,
     SubscribeKvEvents,
@@ -746,8 +748,13 @@ class SelectionService:
     def _choose(self, state: _KeyState, scored: list[_Scored], temperature: float) -> _Scored:
         if len(scored) == 1:
             return scored[0]
-        if temperature == 0:
-            best = min(c.logit for c in scored)
+        lo = min(c.logit for c in scored)
+        hi = max(c.logit for c in scored)
+        spread = (hi - lo) * temperature
+        if temperature == 0 or (lo != hi and not spread > 0):
+            # A temperature so small that the spread underflows to zero degrades to the
+            # minimum-cost rule instead of dividing by zero (an infinite spread is uniform).
+            best = lo
             tied = [c for c in scored if c.logit == best]
             if len(tied) > 1:
                 tree = state.index.device
@@ -757,12 +764,9 @@ class SelectionService:
             if len(tied) == 1:
                 return tied[0]
             return tied[self.rng.randrange(len(tied))]
-        lo = min(c.logit for c in scored)
-        hi = max(c.logit for c in scored)
         if lo == hi:
             weights = [1.0] * len(scored)
         else:
-            spread = (hi - lo) * temperature
             weights = [math.exp(-(c.logit - lo) / spread) for c in scored]
         total = sum(weights)
         u = self.rng.random()
@@ -1391,6 +1395,17 @@ class SelectionService:
         elif not connected and source.connected:
             self._stream_lost(source)
 
+    def subscription_failed(self, stream: int, *, now: float) -> None:
+        """An outbound subscription could not connect or ended: its rank's index may be missing
+        events from now on (stale) until a `cleared` or a continuous stream proves otherwise."""
+        self.subscription_state(stream, False, now=now)
+        source = self._streams.get(stream)
+        state = self._keys.get(source.key) if source is not None else None
+        if source is not None and state is not None:
+            fresh = state.fresh.get((source.worker_id, source.dp_rank))
+            if fresh is not None:
+                fresh.stale = True
+
     # -- dump ----------------------------------------------------------------------------------
 
     def dump(self, model_name: str | None = None, tenant_id: str | None = None) -> dict[str, Any]:
@@ -1461,6 +1476,12 @@ class SelectionService:
         self._apply_bound(bound, now, touch_freshness=False)
 
     # -- metrics -------------------------------------------------------------------------------
+
+    def internal_error(self, where: str) -> None:
+        """Count the exception being handled and queue its traceback for the transport to log.
+        Call it from an `except` block: the caller answers (500, close 1011, -32603)."""
+        self.metrics.inc("selection_proto_internal_errors_total", (where,))
+        self._outputs.append(InternalError(where, traceback.format_exc()))
 
     def observe(self, family: str, labels: Sequence[str], value: float) -> None:
         """Transports report timings and connection counts here (api.md §5.3)."""

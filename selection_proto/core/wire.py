@@ -78,6 +78,9 @@ def parse_uint(text: str, bits: int) -> int | str:
         return "cannot parse integer from empty string"
     if not (digits.isascii() and digits.isdigit()):
         return "invalid digit found in string"
+    # Never hand the interpreter thousands of digits: it refuses them (and they are too large).
+    if len(digits.lstrip("0")) > 20:
+        return "number too large to fit in target type"
     value = int(digits)
     if value >= 1 << bits:
         return "number too large to fit in target type"

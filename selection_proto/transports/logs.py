@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["LEVELS", "log", "set_log_level"]
+__all__ = ["LEVELS", "log", "log_internal_error", "set_log_level"]
 
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 _threshold = {"level": LEVELS["info"]}  # set once by the CLI from --log-level
@@ -22,4 +22,10 @@ def log(level: str, event: str, **fields: Any) -> None:
     if LEVELS[level] < _threshold["level"]:
         return
     record = {"ts": round(time.time(), 3), "level": level, "event": event, **fields}
-    print(json.dumps(record, separators=(",", ":")), file=sys.stderr, flush=True)
+    # `default=str`: a log line never raises, whatever a caller passes.
+    print(json.dumps(record, separators=(",", ":"), default=str), file=sys.stderr, flush=True)
+
+
+def log_internal_error(where: str, detail: str) -> None:
+    """An exception confined to one request, connection, stream or task, with its traceback."""
+    log("error", "internal_error", where=where, traceback=detail)

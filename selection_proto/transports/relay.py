@@ -13,7 +13,7 @@ import anyio.abc
 
 from ..adapters.ws import ForwardingClient
 from .logs import log
-from .subscriber import backoff_delays
+from .subscriber import backoff_delays, connect
 from .zmq_sub import zmq_batches
 
 __all__ = ["Relay", "run_relay"]
@@ -96,7 +96,7 @@ async def _ws_loop(relay: Relay, to: str, worker_id: int, dp_rank: int) -> None:
         sent = 0
         client = ForwardingClient(f"{host}:{port}", target)
         try:
-            stream: anyio.abc.ByteStream = await anyio.connect_tcp(host, port, tls=parts.scheme == "wss")
+            stream = await connect(host, port, tls=parts.scheme == "wss")
             lock = anyio.Lock()
             async with stream, anyio.create_task_group() as tg:
                 await stream.send(client.data_to_send())

@@ -11,13 +11,23 @@ import anyio.abc
 
 from ..adapters.http import HttpConnection
 from ..adapters.ws import PushSession
-from ..core.outputs import CloseEventStream, SelectionReady
+from ..core.outputs import CloseEventStream, InternalError, OutputEvent, SelectionReady
 from ..core.service import SelectionService
 from ..core.wire import error_response
-from .logs import log
+from .logs import log, log_internal_error
 from .subscriber import Subscriptions
 
 __all__ = ["ServerConfig", "serve"]
+
+_GONE = (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
+# While a request waits in the queue its connection reads on only up to this many buffered bytes
+# (pipelined requests); then it stops reading until the answer is out.
+MAX_PENDING_BUFFER = 65536
+# After answering a request whose body was not read (413, a refused upgrade...), read and
+# discard for this long before closing, so that the client is not reset before it reads it.
+LINGER_SECS = 2.0
+ACCEPT_BACKOFF_START = 0.01
+ACCEPT_BACKOFF_MAX = 1.0
 
 
 class ServerConfig:
@@ -44,6 +54,7 @@ class _Server:
         self.idle = anyio.Event()
         self.waits: dict[HttpConnection, anyio.CancelScope] = {}  # idle receives, cut by shutdown
         self.waiting: dict[int, tuple[HttpConnection, anyio.abc.SocketStream, anyio.Lock]] = {}
+        self.woken: set[HttpConnection] = set()  # readers cancelled by `pump`, not by a deadline
         self.wake = anyio.Event()
         self.timer_target = float("inf")
         self.ws_sessions: dict[int, tuple[PushSession, anyio.abc.SocketStream, anyio.Lock]] = {}
@@ -55,14 +66,15 @@ class _Server:
 
     async def client(self, stream: anyio.abc.SocketStream) -> None:
         async with stream:
-            if len(self.connections) >= self.config.max_connections or self.draining:
+            open_now = len(self.connections) + self.ws_count
+            if open_now >= self.config.max_connections or self.draining:
                 self.service.metrics.inc("selection_proto_limit_rejections_total", ("connections",))
                 response = error_response(503, "too many connections", (("connection", "close"),))
                 head = b"HTTP/1.1 503 Service Unavailable\r\n" + b"".join(
                     f"{n}: {v}\r\n".encode("latin-1") for n, v in response.headers)
                 try:
                     await stream.send(head + b"\r\n" + response.body)
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                except _GONE:
                     pass
                 return
             conn = HttpConnection(self.service, self.clock)
@@ -71,17 +83,55 @@ class _Server:
             self._report_connections()
             try:
                 await self._serve(stream, conn, lock)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            except _GONE:
                 pass
+            except Exception:  # noqa: BLE001 - one connection's failure is confined to it
+                self.service.internal_error("http")
+                await self._last_words(stream, conn, lock)
             finally:
                 if conn.pending_ticket is not None:
                     # The client went away while its selection was queued.
                     self.waiting.pop(conn.pending_ticket, None)
                     self.service.cancel(conn.pending_ticket, now=self.clock())
+                self.waits.pop(conn, None)
+                self.woken.discard(conn)
                 self.connections.discard(conn)
                 self._report_connections()
                 if self.draining and not self.connections:
                     self.idle.set()
+                with anyio.CancelScope(shield=True):
+                    await self.pump()
+
+    async def _last_words(self, stream: anyio.abc.SocketStream, conn: HttpConnection,
+                          lock: anyio.Lock) -> None:
+        """A 500 when the connection can still answer, then the close."""
+        try:
+            conn.internal_error()
+            with anyio.move_on_after(1.0):
+                async with lock:
+                    while out := conn.data_to_send():
+                        await stream.send(out)
+        except Exception:  # noqa: BLE001, S110 - nothing more can be said on this connection
+            pass
+
+    async def accept_loop(self, listener: anyio.abc.SocketListener,
+                          tg: anyio.abc.TaskGroup) -> None:
+        """Accept until cancelled. Running out of descriptors or buffers (EMFILE, ENFILE,
+        ENOBUFS...) backs off and retries: it is the machine's state, not a reason to stop."""
+        delay = ACCEPT_BACKOFF_START
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:
+                self.service.internal_error("accept")
+                log("warning", "accept_failed", errno=exc.errno, detail=exc.strerror or str(exc),
+                    retry_in_secs=delay)
+                await self.pump(wake_timer=False)
+                await anyio.sleep(delay)
+                delay = min(ACCEPT_BACKOFF_MAX, delay * 2)
+                continue
+            delay = ACCEPT_BACKOFF_START
+            tg.start_soon(self.client, stream)
 
     async def send(self, stream: anyio.abc.SocketStream, data: bytes) -> None:
         """A send that does not complete within request_timeout_secs aborts the connection."""
@@ -93,41 +143,53 @@ class _Server:
 
     async def pump(self, wake_timer: bool = True) -> None:
         """Deliver the core's outputs: answers of queued selections to their connections,
-        subscription changes to the subscriber, closes to their WebSocket sessions."""
+        subscription changes to the subscriber, closes to their WebSocket sessions, internal
+        errors to the log. A failure delivering one output is confined to it."""
         while (out := self.service.next_output()) is not None:
-            if isinstance(out, SelectionReady):
-                waiter = self.waiting.pop(out.ticket, None)
-                if waiter is None:
-                    continue
-                conn, stream, lock = waiter
-                conn.resolve(out.response)
-                async with lock:
-                    try:
-                        while data := conn.data_to_send():
-                            await self.send(stream, data)
-                    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                        conn.closed = True
-                if conn.pending_ticket is not None:
-                    self.waiting[conn.pending_ticket] = (conn, stream, lock)
-                if conn.closed:
-                    self.waits.pop(conn, anyio.CancelScope()).cancel()
-            elif self.subscriptions is not None and self.subscriptions.route(out):
-                pass
-            elif isinstance(out, CloseEventStream):
-                entry = self.ws_sessions.pop(out.stream, None)
-                if entry is not None:
-                    session, stream, lock = entry
-                    session.stream = None  # the core already forgot it
-                    session.close(out.code, out.reason)
-                    try:
-                        await self._ws_flush(session, stream, lock)
-                        await stream.aclose()
-                    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                        pass
+            try:
+                await self._deliver(out)
+            except Exception:  # noqa: BLE001
+                self.service.internal_error("pump")
         if wake_timer:
             deadline = self.service.next_deadline()
             if deadline is not None and deadline < self.timer_target:
                 self.wake.set()  # something is due before the timer would look again
+
+    async def _deliver(self, out: OutputEvent) -> None:
+        if isinstance(out, InternalError):
+            log_internal_error(out.where, out.detail)
+        elif isinstance(out, SelectionReady):
+            waiter = self.waiting.pop(out.ticket, None)
+            if waiter is None:
+                return
+            conn, stream, lock = waiter
+            conn.resolve(out.response)
+            async with lock:
+                try:
+                    while data := conn.data_to_send():
+                        await self.send(stream, data)
+                except _GONE:
+                    conn.closed = True
+            if conn.pending_ticket is not None:
+                self.waiting[conn.pending_ticket] = (conn, stream, lock)
+            # Wake the connection's reader: it may have stopped reading while it waited.
+            scope = self.waits.pop(conn, None)
+            if scope is not None:
+                self.woken.add(conn)
+                scope.cancel()
+        elif self.subscriptions is not None and self.subscriptions.route(out):
+            pass
+        elif isinstance(out, CloseEventStream):
+            entry = self.ws_sessions.pop(out.stream, None)
+            if entry is not None:
+                session, stream, lock = entry
+                session.stream = None  # the core already forgot it
+                session.close(out.code, out.reason)
+                try:
+                    await self._ws_flush(session, stream, lock)
+                    await stream.aclose()
+                except _GONE:
+                    pass
 
     async def timer(self) -> None:
         """Tick the core at its next deadline (booking expiry, queue timeout)."""
@@ -138,7 +200,11 @@ class _Server:
             with anyio.move_on_after(delay):
                 await self.wake.wait()
             self.wake = anyio.Event()
-            self.service.tick(self.clock())
+            try:
+                self.service.tick(self.clock())
+            except Exception:  # noqa: BLE001 - the timer keeps running; a second look waits 1 s
+                self.service.internal_error("timer")
+                await anyio.sleep(1.0)
             await self.pump(wake_timer=False)
 
     async def _serve(self, stream: anyio.abc.SocketStream, conn: HttpConnection,
@@ -158,19 +224,26 @@ class _Server:
             data = None
             with anyio.move_on_after(timeout) as scope:
                 self.waits[conn] = scope
+                if conn.pending_ticket is not None and conn.buffered_bytes >= MAX_PENDING_BUFFER:
+                    await anyio.sleep_forever()  # until `pump` delivers the answer
                 try:
                     data = await stream.receive(65536)
                 except anyio.EndOfStream:
                     data = b""
             self.waits.pop(conn, None)
-            if data is None and conn.closed:
-                return
-            if data is None:
+            if data is not None:
+                self.woken.discard(conn)
+            else:
+                if conn.closed:
+                    break
+                if conn in self.woken:  # the queued answer went out: look again
+                    self.woken.discard(conn)
+                    continue
                 if conn.busy:
                     conn.timeout_response()
                     while out := conn.data_to_send():
                         await self.send(stream, out)
-                return
+                break
             if not data and conn.pending_ticket is not None:
                 return  # the client left while its selection waited: `client` cancels the ticket
             conn.receive_data(data)
@@ -185,20 +258,24 @@ class _Server:
             await self.pump()
             if self.draining and not conn.busy:
                 return
+        if conn.linger:
+            await self._linger(stream)
 
     async def _websocket(self, stream: anyio.abc.SocketStream, conn: HttpConnection,
                          lock: anyio.Lock) -> None:
-        """The rest of an upgraded connection: one inbound KV-event push stream."""
+        """The rest of an upgraded connection: one inbound KV-event push stream. It counts
+        against `max_connections` like the HTTP connection it was."""
         assert conn.upgrade is not None
-        target, headers, trailing = conn.upgrade
+        ws, target, trailing = conn.upgrade
+        self.ws_count += 1
         self.connections.discard(conn)
         self._report_connections()
-        session = PushSession(self.service, self.clock, target, headers, trailing)
-        self.ws_count += 1
         self.service.observe("selection_proto_connections", ("websocket_in",), float(self.ws_count))
-        if session.stream is not None:
-            self.ws_sessions[session.stream] = (session, stream, lock)
+        session: PushSession | None = None
         try:
+            session = PushSession(self.service, self.clock, ws, target, trailing)
+            if session.stream is not None:
+                self.ws_sessions[session.stream] = (session, stream, lock)
             await self._ws_flush(session, stream, lock)
             interval = self.config.ws_ping_interval_secs
             while not session.closed:
@@ -217,15 +294,41 @@ class _Server:
                     session.receive_data(data)
                 await self._ws_flush(session, stream, lock)
                 await self.pump()
+        except _GONE:
+            pass
+        except Exception:  # noqa: BLE001 - one stream's failure is confined to it
+            self.service.internal_error("websocket")
+            if session is not None:
+                try:
+                    session.close(1011, "internal error")
+                    with anyio.move_on_after(1.0):
+                        await self._ws_flush(session, stream, lock)
+                except Exception:  # noqa: BLE001, S110 - nothing more can be said on it
+                    pass
         finally:
-            session.connection_lost()
-            if session.stream is not None:
-                self.ws_sessions.pop(session.stream, None)
-            for sid, (other, _, _) in list(self.ws_sessions.items()):
-                if other is session:
-                    del self.ws_sessions[sid]
+            if session is not None:
+                try:
+                    session.connection_lost()
+                except Exception:  # noqa: BLE001
+                    self.service.internal_error("websocket")
+                if session.stream is not None:
+                    self.ws_sessions.pop(session.stream, None)
+                for sid, (other, _, _) in list(self.ws_sessions.items()):
+                    if other is session:
+                        del self.ws_sessions[sid]
             self.ws_count -= 1
             self.service.observe("selection_proto_connections", ("websocket_in",), float(self.ws_count))
+
+    async def _linger(self, stream: anyio.abc.SocketStream) -> None:
+        """Half-close, then read and drop what the client still sends (bounded in time), so
+        that closing with unread bytes does not reset the connection before the answer is read."""
+        try:
+            await stream.send_eof()
+            with anyio.move_on_after(LINGER_SECS):
+                while True:
+                    await stream.receive(65536)
+        except (anyio.EndOfStream, *_GONE):
+            pass
 
     async def _ws_flush(self, session: PushSession, stream: anyio.abc.SocketStream,
                         lock: anyio.Lock) -> None:
@@ -249,16 +352,15 @@ async def serve(service: SelectionService, config: ServerConfig,
     if ready is not None:
         ready(config.host, port)
     async with anyio.create_task_group() as tg:
-        async def accept() -> None:
-            async with listener:
-                # Clients run in the outer group so that stopping the accept loop spares them.
-                await listener.serve(server.client, task_group=tg)
-
         accept_scope = anyio.CancelScope()
 
         async def run_accept() -> None:
             with accept_scope:
-                await accept()
+                async with listener, anyio.create_task_group() as accepting:
+                    for one in listener.listeners:
+                        assert isinstance(one, anyio.abc.SocketListener)
+                        # Clients run in the outer group so that stopping the accept loop spares them.
+                        accepting.start_soon(server.accept_loop, one, tg)
 
         tg.start_soon(run_accept)
         tg.start_soon(server.timer)

@@ -17,12 +17,21 @@ from ..core.service import SelectionService
 from .logs import log
 from .zmq_sub import zmq_batches
 
-__all__ = ["BACKOFF_MAX", "BACKOFF_START", "Subscriptions", "backoff_delays"]
+__all__ = ["BACKOFF_MAX", "BACKOFF_START", "Subscriptions", "backoff_delays", "connect"]
 
 BACKOFF_START = 0.5
 BACKOFF_MAX = 30.0
 STABLE_AFTER = 30.0  # a connection that lasted this long resets the backoff
 CONNECT_TIMEOUT = 10.0
+HANDSHAKE_TIMEOUT = 10.0
+
+
+async def connect(host: str, port: int, *, tls: bool) -> anyio.abc.ByteStream:
+    """A TCP connection, TLS-wrapped for `wss://` (certificates checked with the system's roots)."""
+    if tls:
+        return await anyio.connect_tcp(host, port, ssl_context=ssl.create_default_context(),
+                                       tls_standard_compatible=False)
+    return await anyio.connect_tcp(host, port)
 
 
 def backoff_delays(start: float = BACKOFF_START, cap: float = BACKOFF_MAX) -> Callable[[], float]:
@@ -54,9 +63,9 @@ class Subscriptions:
             self.tg.start_soon(self._run, out, scope)
             return True
         if isinstance(out, UnsubscribeKvEvents):
-            scope = self.scopes.pop(out.stream, None)
-            if scope is not None:
-                scope.cancel()
+            cancelled = self.scopes.pop(out.stream, None)
+            if cancelled is not None:
+                cancelled.cancel()
             return True
         return False
 
@@ -71,12 +80,28 @@ class Subscriptions:
             endpoint=sub.endpoint, reason=reason, detail=detail)
 
     async def _run(self, sub: SubscribeKvEvents, scope: anyio.CancelScope) -> None:
+        """Until unsubscribed. Whatever ends a subscription (an address the socket layer refuses,
+        a failure of ours) is counted, marks the rank stale and is retried with backoff: it never
+        reaches the server's task group."""
+        scheme = sub.endpoint.partition("://")[0]
+        delays = backoff_delays()
         with scope:
-            scheme = sub.endpoint.partition("://")[0]
-            if scheme in ("ws", "wss"):
-                await self._websocket(sub, scheme)
-            else:
-                await self._zmq(sub, scheme)
+            while True:
+                started = time.monotonic()
+                try:
+                    if scheme in ("ws", "wss"):
+                        await self._websocket(sub, scheme)
+                    else:
+                        await self._zmq(sub, scheme)
+                    return
+                except Exception as exc:  # noqa: BLE001 - confined to this subscription
+                    self.service.internal_error("subscription")
+                    self._failed(scheme, "error", sub, f"{type(exc).__name__}: {exc}")
+                    self.service.subscription_failed(sub.stream, now=anyio.current_time())
+                    await self.changed()
+                if time.monotonic() - started >= STABLE_AFTER:
+                    delays = backoff_delays()
+                await anyio.sleep(delays())
 
     async def _websocket(self, sub: SubscribeKvEvents, scheme: str) -> None:
         parts = urlsplit(sub.endpoint)
@@ -88,6 +113,7 @@ class Subscriptions:
             started = time.monotonic()
             reason, detail = await self._ws_once(sub, scheme, host, port, target)
             self._failed(scheme, reason, sub, detail)
+            self.service.subscription_failed(sub.stream, now=anyio.current_time())
             if time.monotonic() - started >= STABLE_AFTER:
                 delays = backoff_delays()
             await anyio.sleep(delays())
@@ -97,23 +123,29 @@ class Subscriptions:
         """One connection's life; returns why it ended as (reason label, detail)."""
         try:
             with anyio.fail_after(CONNECT_TIMEOUT):
-                stream: anyio.abc.ByteStream = await anyio.connect_tcp(
-                    host, port, tls=scheme == "wss", ssl_context=ssl.create_default_context()
-                    if scheme == "wss" else None, tls_standard_compatible=False)
+                stream = await connect(host, port, tls=scheme == "wss")
         except ssl.SSLError as exc:
             return "tls", str(exc)
         except (OSError, TimeoutError) as exc:
             return "connect", str(exc) or type(exc).__name__
+        except UnicodeError as exc:  # a host name IDNA cannot encode
+            return "connect", f"invalid host name: {exc}"
         session = SubscriptionSession(self.service, anyio.current_time, sub.stream,
                                       f"{host}:{port}", target)
         try:
             async with stream:
                 await stream.send(session.data_to_send())
                 while not session.closed:
-                    try:
-                        data = await stream.receive(65536)
-                    except anyio.EndOfStream:
-                        data = b""
+                    # A peer that never completes the handshake is given up on like a refused one.
+                    timeout = float("inf") if session.accepted else HANDSHAKE_TIMEOUT
+                    data = None
+                    with anyio.move_on_after(timeout):
+                        try:
+                            data = await stream.receive(65536)
+                        except anyio.EndOfStream:
+                            data = b""
+                    if data is None:
+                        return "handshake", f"no handshake answer within {HANDSHAKE_TIMEOUT:g} s"
                     session.receive_data(data)
                     out = session.data_to_send()
                     if out:

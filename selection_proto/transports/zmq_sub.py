@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 
@@ -14,7 +15,7 @@ async def zmq_batches(endpoint: str, topic: bytes = b"") -> AsyncIterator[list[l
     Raises ImportError when pyzmq is not installed."""
     import zmq
 
-    socket = zmq.Context.instance().socket(zmq.SUB)
+    socket: Any = zmq.Context.instance().socket(zmq.SUB)
     socket.setsockopt(zmq.SUBSCRIBE, topic)
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(endpoint)
