@@ -20,9 +20,12 @@ import pytest
 class Server:
     """`selection-proto serve` on a free loopback port; its stderr log lines are kept in `logs`."""
 
-    def __init__(self, *args: str, mode: str = "push") -> None:
+    def __init__(self, *args: str, mode: str = "push", fault: str | None = None) -> None:
+        # `fault`: run through tests/fault_injection.py with that component made to raise.
+        program = ["-m", "selection_proto"] if fault is None else [
+            os.path.join(os.path.dirname(__file__), "fault_injection.py"), fault]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "selection_proto", "serve", "--port", "0", "--kv-events", mode, *args],
+            [sys.executable, *program, "serve", "--port", "0", "--kv-events", mode, *args],
             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
         assert self.proc.stderr is not None
         ready, _, _ = select.select([self.proc.stderr], [], [], 30)

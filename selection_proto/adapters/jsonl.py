@@ -189,7 +189,14 @@ class JsonRpcSession:
             self._invalid(rid, f"id {rid} is already in flight")
             return
         self._count("request" if has_id else "notification")
-        self._call(rid if has_id else None, has_id, method, params, line, may_contain_bools)
+        try:
+            self._call(rid if has_id else None, has_id, method, params, line, may_contain_bools)
+        except Exception:  # noqa: BLE001 - one call's failure is confined to it
+            self._service.internal_error("jsonrpc")
+            self._count("internal_error")
+            self._in_flight.pop(rid, None)
+            if has_id:
+                self._out.append(_envelope_error(rid, -32603, "Internal error"))
 
     def _invalid(self, rid: Id, detail: str) -> None:
         self._count("invalid_request")

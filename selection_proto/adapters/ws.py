@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 from collections.abc import Callable, Iterable
 from typing import Final
 
@@ -29,6 +28,7 @@ from wsproto.events import (
 )
 from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
+from ..core import jsonio
 from ..core.errors import SelectionError, StreamError
 from ..core.service import SelectionService
 from ..core.wire import parse_query, query_int
@@ -302,6 +302,19 @@ class SubscriptionSession(_Session):
             self._service.subscription_state(self.stream, False, now=self._clock())
 
 
+def parse_ack(text: str) -> int:
+    """The count of `{"ack": n}` from the service, or 0 for anything else: whatever the service
+    sends (deep nesting, a thousand-digit number), the relay keeps forwarding."""
+    try:
+        message = jsonio.loads(text)
+    except jsonio.JSONSyntaxError:
+        return 0
+    ack = message.get("ack") if isinstance(message, dict) else None
+    if type(ack) is not int or not 0 <= ack < 1 << 63:
+        return 0
+    return ack
+
+
 class ForwardingClient:
     """The client side of the relay's connection to `/kv_events`: sends binary messages, reads
     `{"ack": n}` texts, and reports how the connection ended. No core involved."""
@@ -342,10 +355,7 @@ class ForwardingClient:
                 self.rejected = f"handshake refused with status {event.status_code}"
                 self.closed = True
             elif isinstance(event, TextMessage):
-                try:
-                    self.acked = max(self.acked, int(json.loads(event.data)["ack"]))
-                except (ValueError, KeyError, TypeError):
-                    pass
+                self.acked = max(self.acked, parse_ack(event.data))
             elif isinstance(event, Ping):
                 self._out.append(self._ws.send(event.response()))
             elif isinstance(event, CloseConnection):

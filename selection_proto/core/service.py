@@ -33,6 +33,7 @@ from .engine import InvalidBatch, NamespaceMemory, convert, decode_batch
 from .errors import (
     BadRequest,
     Conflict,
+    Internal,
     NotFound,
     NotReady,
     SelectionError,
@@ -150,12 +151,13 @@ class _KeyState:
         self.fresh[rank] = _Fresh()
         self._ranks = None
 
-    def drop_rank(self, rank: Rank) -> list[str]:
-        self.index.drop_rank(rank)
-        self.fresh.pop(rank, None)
-        self.memory.pop(rank, None)
+    def drop_ranks(self, ranks: set[Rank]) -> list[str]:
+        for rank in ranks:
+            self.index.drop_rank(rank)
+            self.fresh.pop(rank, None)
+            self.memory.pop(rank, None)
         self._ranks = None
-        return self.tracker.drop_rank(rank)
+        return self.tracker.drop_ranks(ranks)
 
     def reset_rank_events(self, rank: Rank) -> None:
         self.index.drop_rank(rank)
@@ -470,11 +472,12 @@ class SelectionService:
             self._subscribe(state, rank, endpoints.get(rank[1]))
 
     def _drop_ranks(self, state: _KeyState, ranks: Iterable[Rank]) -> None:
-        for rank in ranks:
-            dropped = state.drop_rank(rank)
-            if dropped:
-                self.metrics.inc("selection_proto_reservation_events_total", (*state.key, "dropped"),
-                                 len(dropped))
+        gone = set(ranks)
+        dropped = state.drop_ranks(gone)
+        if dropped:
+            self.metrics.inc("selection_proto_reservation_events_total", (*state.key, "dropped"),
+                             len(dropped))
+        for rank in sorted(gone):
             self._unsubscribe(rank)
 
     def _leave(self, record: WorkerCatalogRecord) -> None:
@@ -905,6 +908,11 @@ class SelectionService:
                     if entry in state.queue:
                         state.queue.remove(entry)
                     result, event = exc, "failed"
+                except Exception:  # noqa: BLE001 - confined to this ticket; the caller's call stands
+                    if entry in state.queue:
+                        state.queue.remove(entry)
+                    self.internal_error("dispatch")
+                    result, event = Internal("internal error"), "failed"
                 self._resolve(state, entry, result, event, now)
         finally:
             self._dispatching = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import time
+import traceback
 from collections import deque
 from urllib.parse import urlencode, urlsplit
 
@@ -12,7 +13,7 @@ import anyio
 import anyio.abc
 
 from ..adapters.ws import ForwardingClient
-from .logs import log
+from .logs import log, log_internal_error
 from .subscriber import backoff_delays, connect
 from .zmq_sub import zmq_batches
 
@@ -30,7 +31,8 @@ class Relay:
         self.buffer_bytes = 0
         self.limit = buffer_messages
         self.counters = {"forwarded": 0, "acknowledged": 0, "dropped_overflow": 0,
-                         "unacknowledged_at_disconnect": 0, "invalid_frames": 0, "reconnects": 0}
+                         "unacknowledged_at_disconnect": 0, "invalid_frames": 0, "reconnects": 0,
+                         "internal_errors": 0}
         self.ready = anyio.Event()
 
     def offer(self, frames: list[bytes]) -> None:
@@ -119,8 +121,13 @@ async def _ws_loop(relay: Relay, to: str, worker_id: int, dp_rank: int) -> None:
                     relay.counters["forwarded"] += 1
         except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
             log("warning", "relay_disconnected", to=to, detail=str(exc) or type(exc).__name__)
-        relay.counters["acknowledged"] += client.acked
-        relay.counters["unacknowledged_at_disconnect"] += max(0, sent - client.acked)
+        except Exception as exc:  # noqa: BLE001 - confined to this connection; reconnect
+            relay.counters["internal_errors"] += 1
+            log_internal_error("relay", traceback.format_exc())
+            log("warning", "relay_disconnected", to=to, detail=f"{type(exc).__name__}: {exc}")
+        finally:  # a shutdown ends the connection too: its acks count in the final report
+            relay.counters["acknowledged"] += client.acked
+            relay.counters["unacknowledged_at_disconnect"] += max(0, sent - client.acked)
         if client.close_code is not None:
             log("warning", "relay_closed", code=client.close_code, reason=client.close_reason)
         if time.monotonic() - started >= 30.0:

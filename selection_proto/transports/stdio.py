@@ -5,16 +5,25 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from typing import BinaryIO
 
 import anyio
 
 from ..adapters.jsonl import JsonRpcSession
-from ..core.outputs import SelectionReady
+from ..core.outputs import InternalError, SelectionReady
 from ..core.service import SelectionService
-from .logs import log
+from .logs import log, log_internal_error
 from .subscriber import Subscriptions
 
 __all__ = ["serve_stdio"]
+
+
+def _write_all(out: BinaryIO, data: bytes) -> None:
+    """An unbuffered write to a pipe may take only part of a large answer."""
+    view = memoryview(data)
+    while view:
+        written = out.write(view)
+        view = view[written or 0:]
 
 
 async def serve_stdio(service: SelectionService) -> None:
@@ -32,13 +41,22 @@ async def serve_stdio(service: SelectionService) -> None:
 
     async def flush() -> None:
         while (event := service.next_output()) is not None:
-            if isinstance(event, SelectionReady):
-                session.deliver(event)
-            elif subscriptions:
-                subscriptions[0].route(event)
+            try:
+                if isinstance(event, InternalError):
+                    log_internal_error(event.where, event.detail)
+                elif isinstance(event, SelectionReady):
+                    session.deliver(event)
+                elif subscriptions:
+                    subscriptions[0].route(event)
+            except Exception:  # noqa: BLE001 - confined to this output
+                service.internal_error("pump")
         data = session.data_to_send()
         if data:
-            await anyio.to_thread.run_sync(out.write, data)
+            try:
+                await anyio.to_thread.run_sync(_write_all, out, data)
+            except OSError as exc:  # the reader closed our stdout: nobody is left to answer
+                log("warning", "stdout_closed", detail=exc.strerror or str(exc))
+                done.set()
 
     async def read() -> None:
         while not session.shutdown_requested:
@@ -56,7 +74,11 @@ async def serve_stdio(service: SelectionService) -> None:
             deadline = service.next_deadline()
             now = anyio.current_time()
             await anyio.sleep(1.0 if deadline is None else min(1.0, max(0.0, deadline - now)))
-            service.tick(anyio.current_time())
+            try:
+                service.tick(anyio.current_time())
+            except Exception:  # noqa: BLE001 - the timer keeps running; a second look waits 1 s
+                service.internal_error("timer")
+                await anyio.sleep(1.0)
             await flush()
 
     async def signals() -> None:
