@@ -189,6 +189,23 @@ class ServiceMachine(RuleBasedStateMachine):
         assert self.bookings == {b for b in self.bookings if self.live(b)}
 
     @invariant()
+    def state_budget_counts_what_is_stored(self) -> None:
+        """The O(1) budget counters equal a recount of the index, the bookings and the catalog."""
+        if not hasattr(self, "service"):
+            return
+        s = self.service
+        keys = s._keys.values()
+        assert s.budget.index_blocks == sum(state.index.rank_size(r) for state in keys
+                                            for r in {*state.index.device.lookup, *(
+                                                r for t in state.index.lower.values() for r in t.owned)})
+        assert s.budget.bookings == sum(len(state.tracker.bookings) for state in keys)
+        assert s.budget.booked_blocks == sum(len(b.blocks or ()) for state in keys
+                                             for b in state.tracker.bookings.values())
+        assert s.budget.record_bytes == sum(len(json.dumps(r.request.to_json(), separators=(",", ":"),
+                                                           ensure_ascii=False).encode())
+                                            for r in s._records.values())
+
+    @invariant()
     def scores_are_prefix_consistent(self) -> None:
         if not hasattr(self, "service"):
             return

@@ -366,3 +366,73 @@ def test_a_queued_connection_stops_reading_until_answered() -> None:
         assert_healthy(server)
     finally:
         assert server.stop() == 0
+
+
+def test_a_worker_record_has_a_byte_bound() -> None:
+    server = Server("--max-record-bytes", "4096")
+    try:
+        taints = [f"taint-{i}" for i in range(1000)]  # ~11 KB as JSON
+        status, payload = post(server, "/workers", json.dumps({
+            "worker_id": 1, "endpoint": "http://w1", "block_size": 4, "taints": taints}).encode())
+        assert status == 409 and payload["error"].startswith("worker record exceeds the limit of 4096 bytes (")
+        assert json.loads(get(server, "/workers")[1]) == []
+        status, _ = post(server, "/workers", json.dumps({
+            "worker_id": 1, "endpoint": "http://w1", "block_size": 4, "taints": taints[:10]}).encode())
+        assert status == 201
+        text = get(server, "/metrics")[1].decode()
+        assert 'selection_proto_limit_rejections_total{limit="record_bytes"} 1.0' in text
+        assert_healthy(server)
+    finally:
+        assert server.stop() == 0
+
+
+def test_outbound_subscriptions_are_capped() -> None:
+    server = Server("--max-subscriptions", "2", mode="subscribe")
+    try:
+        def worker(wid: int, ranks: int) -> bytes:
+            return json.dumps({"worker_id": wid, "endpoint": f"http://w{wid}", "block_size": 4,
+                               "data_parallel_size": ranks, "kv_events_endpoints": {
+                                   str(r): f"ws://127.0.0.1:9/w{wid}r{r}" for r in range(ranks)}}).encode()
+        assert post(server, "/workers", worker(1, 2))[0] == 201
+        status, payload = post(server, "/workers", worker(2, 1))
+        assert (status, payload) == (409, {"error": "subscription limit reached: at most 2 outbound "
+                                                    "KV-event subscriptions"})
+        assert post(server, "/workers", worker(1, 2))[0] == 201  # replacing its own stays within
+        status, _, _ = exchange(server, request("DELETE", "/workers/1"))
+        assert status == 200
+        assert post(server, "/workers", worker(2, 1))[0] == 201
+        assert_healthy(server)
+    finally:
+        assert server.stop() == 0
+
+
+def test_the_state_budget_refuses_writes_and_keeps_reads() -> None:
+    server = Server("--max-state-bytes", "60000")
+    try:
+        assert post(server, "/workers", WORKER + b"}")[0] == 201
+
+        def store(event_id: int, count: int) -> tuple[int, Any]:
+            blocks = [{"block_hash": event_id * 1000 + i, "tokens_hash": event_id * 1000 + i} for i in range(count)]
+            return post(server, "/kv_events", json.dumps([{"worker_id": 1, "event": {
+                "event_id": event_id, "data": {"stored": {"parent_hash": None, "blocks": blocks}}}}]).encode())
+
+        status, report = store(1, 300)  # 300 blocks * 200 bytes: the budget is now used up
+        assert status == 200 and report["applied"] == 1
+        status, payload = store(2, 1)
+        assert status == 507 and payload["error"].startswith("state budget exhausted: kv events refused")
+        status, payload = post(server, "/select_and_reserve", b'{"model_name": "m", "token_ids": [1, 2, 3, 4]}')
+        assert status == 507 and payload["error"].startswith("state budget exhausted: booking ")
+        assert post(server, "/select", b'{"model_name": "m", "token_ids": [1, 2, 3, 4]}')[0] == 200  # a read
+        text = get(server, "/metrics")[1].decode()
+        used = float(next(line for line in text.splitlines()
+                          if line.startswith("selection_proto_state_bytes ")).split()[1])
+        assert used >= 50000 and "selection_proto_state_budget_bytes 60000.0" in text
+        # A remove frees memory and is always applied; then writes are accepted again.
+        removed = [{"worker_id": 1, "event": {"event_id": 2, "data": {"removed": {
+            "block_hashes": [1000 + i for i in range(300)]}}}}]
+        status, report = post(server, "/kv_events", json.dumps(removed).encode())
+        assert status == 200 and report["applied"] == 1
+        assert store(3, 1)[0] == 200
+        assert_healthy(server)
+    finally:
+        assert server.stop() == 0

@@ -448,6 +448,10 @@ class KeyIndex:
         self.device = DeviceTree()
         self.lower: dict[str, LowerTier] = {t: LowerTier() for t in LOWER_TIERS}
 
+    def rank_size(self, r: Rank) -> int:
+        """Blocks the rank holds in every tier."""
+        return self.device.size(r) + sum(tier.size(r) for tier in self.lower.values())
+
     def drop_rank(self, r: Rank) -> None:
         self.device.clear(r)
         for tier in self.lower.values():

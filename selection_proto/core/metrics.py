@@ -49,6 +49,9 @@ FAMILIES: Final[Mapping[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]
                                        ("model_name", "tenant_id"), ()),
     "selection_proto_index_blocks": ("gauge", "Indexed blocks per tier.",
                                      ("model_name", "tenant_id", "tier"), ()),
+    "selection_proto_state_bytes": ("gauge", "Estimated memory of the index, bookings and catalog.",
+                                    (), ()),
+    "selection_proto_state_budget_bytes": ("gauge", "The state budget (max_state_bytes).", (), ()),
     "selection_proto_limit_rejections_total": ("counter", "Requests refused by a limit.", ("limit",), ()),
     "selection_proto_internal_errors_total": (
         "counter", "Unexpected exceptions confined to one request, connection, stream or task.",

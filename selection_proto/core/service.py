@@ -20,6 +20,7 @@ import attrs
 
 from .._version import __version__
 from . import jsonio
+from .budget import InsufficientStorage, StateBudget
 from .catalog import (
     TOPOLOGY_PREFIX,
     dp_range,
@@ -123,14 +124,16 @@ class _KeyState:
     """Everything a key (model, tenant) holds while it has a schedulable rank (core.md §6.4)."""
 
     __slots__ = ("key", "label", "block_size", "index", "tracker", "fresh", "memory", "epoch",
-                 "workers", "taints", "queue", "_ranks")
+                 "workers", "taints", "queue", "_ranks", "budget")
 
-    def __init__(self, key: Key, block_size: int, now: float, settings: Settings) -> None:
+    def __init__(self, key: Key, block_size: int, now: float, settings: Settings,
+                 budget: StateBudget) -> None:
         self.key = key
         self.label = key_label(key)
         self.block_size = block_size
         self.index = KeyIndex()
-        self.tracker = Tracker(settings.max_reservations_per_key, self.label)
+        self.budget = budget
+        self.tracker = Tracker(settings.max_reservations_per_key, self.label, budget)
         self.fresh: dict[Rank, _Fresh] = {}
         self.memory: dict[Rank, NamespaceMemory] = {}  # engine-event cache namespaces (events.md §4.5)
         self.epoch = now
@@ -153,6 +156,7 @@ class _KeyState:
 
     def drop_ranks(self, ranks: set[Rank]) -> list[str]:
         for rank in ranks:
+            self.budget.index_blocks -= self.index.rank_size(rank)
             self.index.drop_rank(rank)
             self.fresh.pop(rank, None)
             self.memory.pop(rank, None)
@@ -160,6 +164,7 @@ class _KeyState:
         return self.tracker.drop_ranks(ranks)
 
     def reset_rank_events(self, rank: Rank) -> None:
+        self.budget.index_blocks -= self.index.rank_size(rank)
         self.index.drop_rank(rank)
         self.index.device.ensure(rank)
         self.fresh[rank] = _Fresh()
@@ -245,6 +250,9 @@ class _Scored(NamedTuple):
     cached: int
 
 
+STATE_BUDGET_EXHAUSTED: Final = IndexError_("Failed to apply event: state budget exhausted", "state_budget")
+
+
 class SelectionService:
     """The Sans-IO selection service. See core.md §4.2 for the method table."""
 
@@ -253,6 +261,8 @@ class SelectionService:
         self.rng = rng if rng is not None else random.Random(0)
         self.metrics = Metrics()
         self._records: dict[int, WorkerCatalogRecord] = {}
+        self._record_sizes: dict[int, int] = {}  # JSON bytes of each stored request
+        self.budget = StateBudget(self.settings.max_state_bytes)
         self._tombstones: OrderedDict[int, None] = OrderedDict()
         self._key_records: dict[Key, set[int]] = {}  # non-deleted records per key
         self._keys: dict[Key, _KeyState] = {}
@@ -345,6 +355,13 @@ class SelectionService:
             raise NotReady(f"no schedulable workers for {key_label((model_name, tenant_id))}")
         return state
 
+    def _check_budget(self, write: str) -> None:
+        try:
+            self.budget.check(write)
+        except InsufficientStorage:
+            self.metrics.inc("selection_proto_limit_rejections_total", ("state_bytes",))
+            raise
+
     def _check_id_length(self, field: str, value: str | None) -> None:
         if value is not None and len(value) > self.settings.max_id_length:
             self.metrics.inc("selection_proto_limit_rejections_total", ("id_length",))
@@ -383,6 +400,19 @@ class SelectionService:
                              f"{s.max_dp_size}")
         self._check_id_length("model_name", req.model_name)
         self._check_id_length("tenant_id", req.tenant_id)
+        size = len(jsonio.dumps(req.to_json()))
+        if size > s.max_record_bytes:
+            self.metrics.inc("selection_proto_limit_rejections_total", ("record_bytes",))
+            raise Conflict(f"worker record exceeds the limit of {s.max_record_bytes} bytes "
+                           f"({size} bytes as JSON)")
+        if size > self._record_sizes.get(req.worker_id, 0):
+            self._check_budget(f"worker {req.worker_id}")
+        if s.kv_events == "subscribe":
+            theirs = sum(1 for rank in self._subscriptions if rank[0] != req.worker_id)
+            if theirs + len(event_endpoints(req)) > s.max_subscriptions:
+                self.metrics.inc("selection_proto_limit_rejections_total", ("subscriptions",))
+                raise Conflict(f"subscription limit reached: at most {s.max_subscriptions} "
+                               "outbound KV-event subscriptions")
         key = (req.model_name, req.tenant_id)
         others = self._key_records.get(key, set()) - {req.worker_id}
         if not others:
@@ -436,6 +466,9 @@ class SelectionService:
         self._key_records.setdefault(record.key, set()).add(req.worker_id)
         self._tombstones.pop(req.worker_id, None)
         self._records[req.worker_id] = record
+        size = len(jsonio.dumps(req.to_json()))
+        self.budget.record_bytes += size - self._record_sizes.get(req.worker_id, 0)
+        self._record_sizes[req.worker_id] = size
         self._dispatch(self._keys.get(record.key), now)
         if previous is not None and previous.key != record.key:
             self._dispatch(self._keys.get(previous.key), now)
@@ -462,7 +495,7 @@ class SelectionService:
         state = self._keys.get(key)
         if state is None:
             assert req.block_size is not None
-            state = self._keys[key] = _KeyState(key, req.block_size, now, self.settings)
+            state = self._keys[key] = _KeyState(key, req.block_size, now, self.settings, self.budget)
         ranks = tuple((req.worker_id, r) for r in dp_range(req))
         state.workers[req.worker_id] = ranks
         state.taints[req.worker_id] = effective_taints(req)
@@ -537,6 +570,7 @@ class SelectionService:
         while len(self._tombstones) > self.settings.max_tombstones:
             oldest, _ = self._tombstones.popitem(last=False)
             del self._records[oldest]
+            self.budget.record_bytes -= self._record_sizes.pop(oldest, 0)
         return record
 
     # -- prompts ---------------------------------------------------------------------------------
@@ -965,6 +999,7 @@ class SelectionService:
         except TooManyRequests:
             self.metrics.inc("selection_proto_limit_rejections_total", ("reservations_per_key",))
             raise
+        self._check_budget(f"booking {rid}")
         seqs = prompt.seqs
         blocks: list[int] | None = None
         if s.track_active_blocks:
@@ -1147,6 +1182,8 @@ class SelectionService:
             wid = require_worker(event, worker_id)
             rank_id = event.dp_rank if event.dp_rank is not None else dp_rank
             bound.append((event, *self._bind(wid, rank_id, model_name, tenant_id)))
+        if self.budget.exhausted and any(event.kind == "stored" for event in events):
+            self._check_budget("kv events")  # a request is refused whole; a stream drops stores
         return self._apply_bound(bound, now)
 
     def _apply_bound(self, bound: Sequence[tuple[Event, _KeyState, Rank]], now: float,
@@ -1194,9 +1231,15 @@ class SelectionService:
 
     def _apply_event(self, state: _KeyState, rank: Rank, event: Event) -> IndexError_ | None:
         index = state.index
+        if event.kind == "stored" and self.budget.exhausted:
+            # Removes and clears still apply (they free memory); the rank misses these stores.
+            state.fresh[rank].stale = True
+            self.metrics.inc("selection_proto_limit_rejections_total", ("state_bytes",))
+            return STATE_BUDGET_EXHAUSTED
         if event.tier == "device":
             tree = index.device
             tree.ensure(rank)
+            before = tree.size(rank)
             try:
                 if event.kind == "stored":
                     tree.store(rank, event.parent_hash, event.blocks)
@@ -1210,14 +1253,18 @@ class SelectionService:
                     fresh.loss_pending = False
             except IndexError_ as exc:
                 return exc
+            finally:
+                self.budget.index_blocks += tree.size(rank) - before
             return None
         tier = index.lower[event.tier]
+        before = tier.size(rank)
         if event.kind == "stored":
             tier.store(rank, event.parent_hash, event.blocks)
         elif event.kind == "removed":
             tier.remove(rank, event.block_hashes)
         else:
             tier.clear(rank)
+        self.budget.index_blocks += tier.size(rank) - before
         return None
 
     def apply_engine_batch(self, payload: bytes, *, worker_id: int | None, dp_rank: int | None = None,
@@ -1239,6 +1286,8 @@ class SelectionService:
             raise Unprocessable(f"invalid engine batch: {exc.detail}") from None
         state, rank = self._bind(worker_id, batch.dp_rank if batch.dp_rank is not None else dp_rank,
                                  model_name, tenant_id)
+        if source is None and self.budget.exhausted and any(e.tag == "BlockStored" for e in batch.events):
+            self._check_budget("kv events")  # a request is refused whole; a stream drops stores
         stream_rank = (worker_id, source.dp_rank) if source is not None else rank
         if stream_rank not in state.fresh:
             stream_rank = rank
@@ -1522,6 +1571,8 @@ class SelectionService:
             "selection_proto_queue_pending": pending,
             "selection_proto_kv_stale_ranks": stale,
             "selection_proto_index_blocks": blocks,
+            "selection_proto_state_bytes": {(): float(self.budget.used)},
+            "selection_proto_state_budget_bytes": {(): float(self.budget.limit)},
         })
 
     # -- bytes ---------------------------------------------------------------------------------

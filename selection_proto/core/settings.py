@@ -60,6 +60,9 @@ class Settings:
     max_reservations_per_key: int = 100000
     max_prompt_tokens: int = 1048576
     max_id_length: int = 256
+    max_subscriptions: int = 4096
+    max_record_bytes: int = 65536
+    max_state_bytes: int = 4 * 1024**3
 
     def __attrs_post_init__(self) -> None:
         _check("kv_events", self.kv_events in ("subscribe", "push", "off"),
@@ -91,7 +94,8 @@ class Settings:
                    _is_int(self.active_prefill_tokens_threshold)
                    and self.active_prefill_tokens_threshold >= 0, "must be an integer >= 0")
         for name in ("queue_max_pending", "max_keys", "max_workers_per_key", "max_dp_size",
-                     "max_reservations_per_key", "max_prompt_tokens", "max_id_length"):
+                     "max_reservations_per_key", "max_prompt_tokens", "max_id_length",
+                     "max_subscriptions", "max_record_bytes", "max_state_bytes"):
             value = getattr(self, name)
             _check(name, _is_int(value) and value >= 1, "must be an integer >= 1")
         _check("max_tombstones", _is_int(self.max_tombstones) and self.max_tombstones >= 0,

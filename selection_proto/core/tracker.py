@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .budget import StateBudget
 from .errors import Conflict, NotFound, TooManyRequests
 from .index import Rank
 
@@ -57,13 +58,14 @@ class Tracker:
     """One key's bookings. Ids are unique per key; insertion order is booking-time order because
     the service never lets `now` go backwards, so expiry pops from the front."""
 
-    __slots__ = ("bookings", "loads", "limit", "label")
+    __slots__ = ("bookings", "loads", "limit", "label", "budget")
 
-    def __init__(self, limit: int, label: str) -> None:
+    def __init__(self, limit: int, label: str, budget: StateBudget | None = None) -> None:
         self.bookings: dict[str, Booking] = {}
         self.loads: dict[Rank, RankLoad] = {}
         self.limit = limit
         self.label = label  # "model=<m> tenant=<t>"
+        self.budget = budget if budget is not None else StateBudget(1 << 62)
 
     def add_rank(self, rank: Rank) -> None:
         self.loads.setdefault(rank, RankLoad())
@@ -74,8 +76,11 @@ class Tracker:
         for rank in ranks:
             self.loads.pop(rank, None)
         dropped = [rid for rid, b in self.bookings.items() if b.rank in ranks]
+        budget = self.budget
         for rid in dropped:
-            del self.bookings[rid]
+            blocks = self.bookings.pop(rid).blocks
+            budget.bookings -= 1
+            budget.booked_blocks -= len(blocks) if blocks else 0
         return dropped
 
     def check_can_book(self, rid: str) -> None:
@@ -91,6 +96,8 @@ class Tracker:
         load = self.loads[rank]
         booking = Booking(rid, rank, blocks, prefill_tokens, expected_output_tokens, now)
         self.bookings[rid] = booking
+        self.budget.bookings += 1
+        self.budget.booked_blocks += len(blocks) if blocks else 0
         load.requests += 1
         load.prefill_tokens += prefill_tokens
         if blocks:
@@ -115,6 +122,8 @@ class Tracker:
         booking = self.bookings.pop(rid, None)
         if booking is None:
             raise NotFound(f"reservation {rid} not found")
+        self.budget.bookings -= 1
+        self.budget.booked_blocks -= len(booking.blocks) if booking.blocks else 0
         load = self.loads[booking.rank]
         load.requests -= 1
         if not booking.prefill_done:
