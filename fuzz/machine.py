@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from selection_proto import Pending, SelectionReady, SelectionService, Settings
+from selection_proto.core import jsonio
 
 WORKERS = st.integers(1, 4)
 TOKENS = st.lists(st.integers(0, 3), min_size=0, max_size=24)
@@ -201,9 +202,25 @@ class ServiceMachine(RuleBasedStateMachine):
         assert s.budget.bookings == sum(len(state.tracker.bookings) for state in keys)
         assert s.budget.booked_blocks == sum(len(b.blocks or ()) for state in keys
                                              for b in state.tracker.bookings.values())
-        assert s.budget.record_bytes == sum(len(json.dumps(r.request.to_json(), separators=(",", ":"),
-                                                           ensure_ascii=False).encode())
-                                            for r in s._records.values())
+        assert s.budget.record_bytes == sum(len(jsonio.dumps(r.to_json())) for r in s._records.values())
+
+    @invariant()
+    def catalog_reads_match_the_records(self) -> None:
+        """/ready and /workers, spliced from cached JSON, are the bytes the typed answers encode to."""
+        if not hasattr(self, "service"):
+            return
+        s = self.service
+        records = sorted(s._records.values(), key=lambda r: (*r.key, r.worker_id))  # recounted
+        count = sum(1 for r in records if r.lifecycle == "schedulable")
+        answer = s.handle("GET", "/ready", "", [], b"", now=self.now)
+        assert answer.body == jsonio.dumps({"ready": count > 0, "schedulable_workers": count,
+                                            "workers": [r.to_json() for r in records]})
+        assert answer.status == (200 if count else 503)
+        for query, model, tenant in (("", None, None), ("model_name=default", "default", None),
+                                     ("model_name=default&tenant_id=t1", "default", "t1")):
+            answer = s.handle("GET", "/workers", query, [], b"", now=self.now)
+            assert answer.body == jsonio.dumps([r.to_json() for r in records if model in (None, r.key[0])
+                                                and tenant in (None, r.key[1])])
 
     @invariant()
     def scores_are_prefix_consistent(self) -> None:

@@ -107,6 +107,7 @@ def ws_stream(data: bytes) -> None:
     session = _push_session(service, f"/kv_events?{query}")
     assert session.data_to_send().startswith(b"HTTP/1.1 101")
     session.receive_data(data)
+    session.apply_held()
     session.data_to_send()
     session.receive_data(b"")
     assert session.closed
@@ -202,6 +203,7 @@ def _ws_out(chunks: list[bytes]) -> bytes:
     out = session.data_to_send()
     for chunk in chunks:
         session.receive_data(chunk)
+        session.apply_held()
         out += session.data_to_send()
     return out + json.dumps(service.dump()).encode()
 

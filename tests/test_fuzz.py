@@ -43,3 +43,12 @@ def test_valid_streams_split_at_every_boundary(name: str) -> None:
         assert whole
         for cut in range(1, len(seed)):
             assert observe([seed[:cut], seed[cut:]]) == whole, cut
+
+
+@pytest.mark.parametrize("mode", ["push", "subscribe"])
+def test_the_running_server_survives_hostile_clients(mode: str) -> None:
+    """fuzz/server_fuzz.py for a few seconds per mode (10 minutes: docs/INVARIANTS.md)."""
+    from fuzz.server_fuzz import run
+
+    result = run(seconds=8, seed=11 if mode == "push" else 12, mode=mode)
+    assert result["cases"] > 200

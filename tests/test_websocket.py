@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -208,3 +209,53 @@ def test_silent_peer_is_closed_1011(server: Server) -> None:
         close = frames[frames.index(b"\x88"):]
         assert int.from_bytes(close[2:4], "big") == 1011 and close[4:].startswith(b"keepalive ping timeout")
         assert 1.5 < time.monotonic() - start < 5
+
+
+def _masked(opcode: int, payload: bytes) -> bytes:
+    """One client frame (FIN set), masked with a zero key so the payload reads as sent."""
+    n = len(payload)
+    if n < 126:
+        head = bytes([0x80 | opcode, 0x80 | n])
+    elif n < 65536:
+        head = bytes([0x80 | opcode, 0x80 | 126]) + n.to_bytes(2, "big")
+    else:
+        head = bytes([0x80 | opcode, 0x80 | 127]) + n.to_bytes(8, "big")
+    return head + b"\0\0\0\0" + payload
+
+
+def _stored(first: int, count: int) -> bytes:
+    return json.dumps([{"event_id": first + i, "data": {"stored": {"parent_hash": None, "blocks": [
+        {"block_hash": first + i, "tokens_hash": first + i}]}}} for i in range(count)]).encode()
+
+
+def test_large_messages_apply_in_order_between_small_ones(server: Server) -> None:
+    """A message over 256 KiB is decoded off the event loop and applied in slices; messages
+    before and after it are applied in arrival order, each acked once."""
+    assert http(server, "POST", "/workers", {"worker_id": 1, "endpoint": "http://w1", "block_size": 4})[0] == 201
+    sock, data = raw_upgrade(server, "worker_id=1&ack=true")
+    with sock:
+        large = _stored(2, 6000)
+        assert len(large) > 256 * 1024
+        sock.sendall(_masked(0x1, _stored(1, 1)) + _masked(0x1, large) + _masked(0x1, _stored(6002, 1)))
+        while data.count(b"ack") < 3:
+            chunk = sock.recv(65536)
+            assert chunk, data
+            data += chunk
+        assert [json.loads(m)["ack"] for m in re.findall(rb'\{"ack":\d+\}', data)] == [1, 2, 3]
+    status, dump = http(server, "GET", "/dump")
+    stored = [e for e in dump["events"] if e["worker_id"] == 1]
+    assert sum(len(e["event"]["data"]["stored"]["blocks"]) for e in stored) == 6002
+    assert http(server, "GET", "/health")[0] == 200
+
+
+def test_an_invalid_large_message_closes_1007(server: Server) -> None:
+    assert http(server, "POST", "/workers", {"worker_id": 1, "endpoint": "http://w1", "block_size": 4})[0] == 201
+    sock, data = raw_upgrade(server, "worker_id=1")
+    with sock:
+        sock.sendall(_masked(0x1, b"[" + b'{"event_id": 1},' * 20000 + b"1]"))
+        while len(data) < 4:
+            chunk = sock.recv(65536)
+            assert chunk
+            data += chunk
+        assert data[0] == 0x88 and int.from_bytes(data[2:4], "big") == 1007
+    assert http(server, "GET", "/dump")[1]["events"] == []

@@ -214,7 +214,8 @@ class HttpConnection:
             self._send(h11.Response(status_code=response.status, headers=headers,
                                     reason=_reason(response.status)))
             if response.body and not head:
-                self._send(h11.Data(data=response.body))
+                # Passed through, not copied: a /ready of 100k workers is tens of megabytes.
+                self._out.extend(self._h11.send_with_data_passthrough(h11.Data(data=response.body)) or ())
             self._send(h11.EndOfMessage())
         except h11.LocalProtocolError:
             self.closed = True

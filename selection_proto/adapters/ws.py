@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Final
+from typing import Final, NamedTuple
 
 import h11
 from wsproto import ConnectionType, WSConnection
@@ -29,13 +30,18 @@ from wsproto.events import (
 from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
 from ..core import jsonio
+from ..core.engine import EngineBatch
 from ..core.errors import SelectionError, StreamError
-from ..core.service import SelectionService
+from ..core.service import DecodedMessage, SelectionService, decode_or_error
 from ..core.wire import parse_query, query_int
 
-__all__ = ["MAX_MESSAGE", "ForwardingClient", "PushSession", "SubscriptionSession", "check_handshake", "cut_reason", "server_handshake"]
+__all__ = ["LARGE_MESSAGE", "MAX_MESSAGE", "SLICE_EVENTS", "ForwardingClient", "LargeMessage", "PushSession", "SubscriptionSession", "check_handshake", "cut_reason", "server_handshake"]
 
 MAX_MESSAGE: Final = 8 * 1024 * 1024
+# A push message larger than this is held for the transport, which decodes it away from the event
+# loop and applies it SLICE_EVENTS events at a time, letting other connections run in between.
+LARGE_MESSAGE: Final = 256 * 1024
+SLICE_EVENTS: Final = 1024
 PUSH_QUERY: Final = ("worker_id", "dp_rank", "model_name", "tenant_id", "routing_group", "framing", "ack")
 
 
@@ -199,8 +205,17 @@ class _Session:
         """Hook for handshake events (client role)."""
 
 
+class LargeMessage(NamedTuple):
+    data: bytes | str
+    seq: int | None
+
+
 class PushSession(_Session):
-    """The server side of `GET /kv_events` (a push stream), from the upgrade request on."""
+    """The server side of `GET /kv_events` (a push stream), from the upgrade request on.
+
+    Messages are applied as they complete, in order, except that from the first large one on
+    they are held: `next_large` applies the held small ones and hands over the large one, which
+    the caller decodes (`decode_or_error`, pure, in any thread) and feeds to `apply_slice`."""
 
     def __init__(self, service: SelectionService, clock: Callable[[], float], ws: WSConnection,
                  target: str, trailing: bytes) -> None:
@@ -211,6 +226,7 @@ class PushSession(_Session):
         self._seq_framing = False
         self._ack = False
         self._processed = 0
+        self._held: deque[LargeMessage] = deque()
         self._bind(target.partition("?")[2])
         if trailing and not self.closed:
             self.receive_data(trailing)
@@ -250,15 +266,63 @@ class PushSession(_Session):
                 self.close(1007, "invalid engine batch: missing 8-byte seq prefix")
                 return
             seq, data = int.from_bytes(data[:8], "big"), data[8:]
+        if self._held or len(data) > LARGE_MESSAGE:
+            self._held.append(LargeMessage(data, seq))
+            return
+        self._apply(data, seq, 0, None)
+
+    def next_large(self) -> LargeMessage | None:
+        """Apply held messages up to the first large one and return it (still held), or None."""
+        while self._held and not self.closed:
+            message = self._held[0]
+            if len(message.data) > LARGE_MESSAGE:
+                return message
+            self._held.popleft()
+            self._apply(message.data, message.seq, 0, None)
+        return None
+
+    def apply_slice(self, message: LargeMessage, decoded: DecodedMessage | SelectionError,
+                    start: int) -> int | None:
+        """Apply the events of `message` from `start` on, at most SLICE_EVENTS of them; the next
+        start, or None when the message is done (acked, or the stream closed)."""
+        if self.closed:
+            return None
+        if isinstance(decoded, SelectionError):
+            count = 0  # refused whole: `_apply` closes the stream with its code
+        else:
+            count = len(decoded.events) if isinstance(decoded, EngineBatch) else len(decoded)
+        stop = start + SLICE_EVENTS
+        if not self._apply(decoded, message.seq, start, stop, last=stop >= count):
+            return None
+        if stop < count:
+            return stop
+        self._held.popleft()
+        return None
+
+    def apply_held(self) -> None:
+        """Apply every held message now, large ones decoded here: for a caller that has no
+        worker thread to decode in (the transport slices instead)."""
+        while (message := self.next_large()) is not None:
+            decoded = decode_or_error(message.data)
+            start: int | None = 0
+            while start is not None:
+                start = self.apply_slice(message, decoded, start)
+
+    def _apply(self, data: bytes | str | DecodedMessage | SelectionError, seq: int | None, start: int,
+               stop: int | None, last: bool = True) -> bool:
+        assert self.stream is not None
         try:
-            self._service.stream_message(self.stream, data, seq=seq, now=self._clock())
+            self._service.stream_message(self.stream, data, seq=seq, now=self._clock(), start=start,
+                                         stop=stop)
         except StreamError as exc:
             self.close(exc.code, exc.reason)
-            return
-        self._processed += 1
-        if self._ack:
-            self._send(TextMessage(data=f'{{"ack":{self._processed}}}'))
-            self._count("selection_proto_ws_messages_total", ("out", "text"))
+            return False
+        if last:
+            self._processed += 1
+            if self._ack:
+                self._send(TextMessage(data=f'{{"ack":{self._processed}}}'))
+                self._count("selection_proto_ws_messages_total", ("out", "text"))
+        return True
 
     def _closed(self) -> None:
         if self.stream is not None:

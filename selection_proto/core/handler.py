@@ -30,7 +30,16 @@ from .types import (
     WorkerPatchRequest,
     WorkerRequest,
 )
-from .wire import Response, error_response, json_response, parse_query, parse_uint, percent_decode, query_int
+from .wire import (
+    Response,
+    error_response,
+    json_response,
+    parse_query,
+    parse_uint,
+    percent_decode,
+    query_int,
+    raw_json_response,
+)
 
 if TYPE_CHECKING:
     from .service import SelectionService
@@ -213,14 +222,26 @@ def _h_health(s: SelectionService, p: str | None, q: str, b: Body, now: float) -
 
 
 def _h_ready(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
-    ready = s.ready(now=now)
-    return _ok(ready, 200 if ready.ready else 503)
+    ready, count = s.readiness(now=now)
+    # The bytes of `ReadyResponse.to_json()`, spliced from each record's cached JSON in one copy.
+    head = b'{"ready":%s,"schedulable_workers":%d,"workers":[' % (b"true" if ready else b"false", count)
+    body = b",".join(_framed(head, s.records_json(), b"]}"))
+    return raw_json_response(200 if ready else 503, body)
+
+
+def _framed(head: bytes, items: list[bytes], tail: bytes) -> list[bytes]:
+    """`items` with `head` glued to the first and `tail` to the last, for one `b",".join`."""
+    if not items:
+        return [head + tail]
+    items[0] = head + items[0]
+    items[-1] = items[-1] + tail
+    return items
 
 
 def _h_workers_get(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
     params = parse_query(q, KEY_QUERY)
-    records = s.list_workers(params.get("model_name"), params.get("tenant_id"))
-    return json_response(200, [r.to_json() for r in records])
+    records = s.records_json(params.get("model_name"), params.get("tenant_id"))
+    return raw_json_response(200, b",".join(_framed(b"[", records, b"]")))
 
 
 def _h_workers_post(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:

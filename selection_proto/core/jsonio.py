@@ -14,6 +14,8 @@ import gc
 import json
 import math
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Final
 
 _orjson: Any
@@ -22,7 +24,7 @@ try:  # pragma: no cover - exercised by whichever is installed
 except ImportError:  # pragma: no cover
     _orjson = None
 
-__all__ = ["LONE_SURROGATE", "MAX_DEPTH", "MAX_INT_DIGITS", "JSONSyntaxError", "dumps", "loads", "loads_exact", "loads_with_hints", "FAST_PARSER"]
+__all__ = ["gc_paused", "LONE_SURROGATE", "MAX_DEPTH", "MAX_INT_DIGITS", "JSONSyntaxError", "dumps", "loads", "loads_exact", "loads_with_hints", "FAST_PARSER"]
 
 FAST_PARSER = _orjson is not None
 
@@ -179,20 +181,31 @@ def loads_exact(data: bytes | str) -> Any:
     return value
 
 
-# Building a large document allocates enough containers to start the cyclic collector over and
-# over (2/3 of the time of an 8 MB body of events); none of them can be garbage yet.
 _NO_GC_ABOVE: Final = 65536
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Building a large value allocates enough containers to start the cyclic collector over and
+    over (2/3 of the time of an 8 MB body of events), each time walking the whole heap, index
+    included; none of the new objects can be garbage yet. Another thread may pause it too: only
+    the one that paused it resumes it."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def _parse(data: bytes | str) -> Any:
     if _orjson is not None:
         try:
-            if len(data) > _NO_GC_ABOVE and gc.isenabled():
-                gc.disable()
-                try:
+            if len(data) > _NO_GC_ABOVE:
+                with gc_paused():
                     return _orjson.loads(data)
-                finally:
-                    gc.enable()
             return _orjson.loads(data)
         except _orjson.JSONDecodeError as exc:
             text = str(exc).lower()

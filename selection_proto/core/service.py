@@ -30,7 +30,7 @@ from .catalog import (
     missing_metadata,
 )
 from .codec import ShapeContext, from_json
-from .engine import InvalidBatch, NamespaceMemory, convert, decode_batch
+from .engine import EngineBatch, InvalidBatch, NamespaceMemory, convert, decode_batch
 from .errors import (
     BadRequest,
     Conflict,
@@ -250,6 +250,37 @@ class _Scored(NamedTuple):
     cached: int
 
 
+DecodedMessage = tuple[Event, ...] | EngineBatch
+
+
+def decode_engine_batch(payload: bytes) -> EngineBatch:
+    try:
+        return decode_batch(payload)
+    except InvalidBatch as exc:
+        raise Unprocessable(f"invalid engine batch: {exc.detail}") from None
+
+
+def decode_stream_message(data: bytes | str) -> DecodedMessage:
+    """The events of one stream message, checked whole; raises SelectionError. Pure (no service
+    state), so a large message may be decoded in a worker thread while the loop serves others."""
+    if isinstance(data, bytes):
+        return decode_engine_batch(data)
+    try:
+        value, bools = jsonio.loads_with_hints(data)
+    except jsonio.JSONSyntaxError as exc:
+        raise BadRequest(f"Failed to parse the request body as JSON: {exc.detail}") from None
+    return tuple(decode_json_events(value, ShapeContext(may_contain_bools=bools)))
+
+
+def decode_or_error(data: bytes | str) -> DecodedMessage | SelectionError:
+    """`decode_stream_message` with its refusal returned, for a caller in another thread."""
+    try:
+        with jsonio.gc_paused():
+            return decode_stream_message(data)
+    except SelectionError as exc:
+        return exc
+
+
 STATE_BUDGET_EXHAUSTED: Final = IndexError_("Failed to apply event: state budget exhausted", "state_budget")
 
 
@@ -261,7 +292,12 @@ class SelectionService:
         self.rng = rng if rng is not None else random.Random(0)
         self.metrics = Metrics()
         self._records: dict[int, WorkerCatalogRecord] = {}
-        self._record_sizes: dict[int, int] = {}  # JSON bytes of each stored request
+        # Kept with the records so that /ready and /workers cost a join, not an encode and a sort
+        # of every record (the readiness probe of a 100k-worker catalog): each record's JSON, the
+        # (model, tenant, worker) order, and the schedulable count.
+        self._record_json: dict[int, bytes] = {}
+        self._order: list[tuple[str, str, int]] = []
+        self._schedulable = 0
         self.budget = StateBudget(self.settings.max_state_bytes)
         self._tombstones: OrderedDict[int, None] = OrderedDict()
         self._key_records: dict[Key, set[int]] = {}  # non-deleted records per key
@@ -335,20 +371,61 @@ class SelectionService:
     def health(self) -> StatusOk:
         return StatusOk()
 
-    def _schedulable_count(self) -> int:
-        return sum(1 for r in self._records.values() if r.lifecycle == "schedulable")
-
     def ready(self, *, now: float) -> ReadyResponse:
         self._advance(now)
-        count = self._schedulable_count()
+        count = self._schedulable
         return ReadyResponse(ready=count > 0 and not self._shutting_down, schedulable_workers=count,
                              workers=tuple(self._sorted_records()))
 
+    def readiness(self, *, now: float) -> tuple[bool, int]:
+        """(ready, schedulable workers): `ready()` without building the worker list."""
+        self._advance(now)
+        return self._schedulable > 0 and not self._shutting_down, self._schedulable
+
     def _sorted_records(self) -> list[WorkerCatalogRecord]:
-        return sorted(self._records.values(), key=lambda r: (*r.key, r.worker_id))
+        records = self._records
+        return [records[wid] for _, _, wid in self._order]
+
+    def records_json(self, model_name: str | None = None, tenant_id: str | None = None) -> list[bytes]:
+        """The JSON of each record in (model, tenant, worker) order, as `to_json` encodes it."""
+        order, cached = self._order, self._record_json
+        if model_name is None:
+            return [cached[wid] for m, t, wid in order if tenant_id is None or t == tenant_id]
+        start = bisect.bisect_left(order, (model_name,))
+        out = []
+        for m, t, wid in order[start:]:
+            if m != model_name:
+                break
+            if tenant_id is None or t == tenant_id:
+                out.append(cached[wid])
+        return out
+
+    def _store_record(self, record: WorkerCatalogRecord, data: bytes) -> None:
+        """The one place a record is stored, with `data`, its JSON: the cache, the order, the
+        schedulable count and the budget follow."""
+        wid = record.worker_id
+        old = self._records.get(wid)
+        if old is not None and old.lifecycle == "schedulable":
+            self._schedulable -= 1
+        if old is not None and old.key != record.key:
+            del self._order[bisect.bisect_left(self._order, (*old.key, wid))]
+        if old is None or old.key != record.key:
+            bisect.insort(self._order, (*record.key, wid))
+        if record.lifecycle == "schedulable":
+            self._schedulable += 1
+        self.budget.record_bytes += len(data) - len(self._record_json.get(wid, b""))
+        self._record_json[wid] = data
+        self._records[wid] = record
+
+    def _forget_record(self, wid: int) -> None:
+        old = self._records.pop(wid)
+        if old.lifecycle == "schedulable":
+            self._schedulable -= 1
+        del self._order[bisect.bisect_left(self._order, (*old.key, wid))]
+        self.budget.record_bytes -= len(self._record_json.pop(wid))
 
     def _gate(self, model_name: str, tenant_id: str) -> _KeyState:
-        if not any(r.lifecycle == "schedulable" for r in self._records.values()):
+        if not self._schedulable:
             raise NotReady("no schedulable workers are available")
         state = self._keys.get((model_name, tenant_id))
         if state is None or not state.workers:
@@ -400,13 +477,6 @@ class SelectionService:
                              f"{s.max_dp_size}")
         self._check_id_length("model_name", req.model_name)
         self._check_id_length("tenant_id", req.tenant_id)
-        size = len(jsonio.dumps(req.to_json()))
-        if size > s.max_record_bytes:
-            self.metrics.inc("selection_proto_limit_rejections_total", ("record_bytes",))
-            raise Conflict(f"worker record exceeds the limit of {s.max_record_bytes} bytes "
-                           f"({size} bytes as JSON)")
-        if size > self._record_sizes.get(req.worker_id, 0):
-            self._check_budget(f"worker {req.worker_id}")
         if s.kv_events == "subscribe":
             theirs = sum(1 for rank in self._subscriptions if rank[0] != req.worker_id)
             if theirs + len(event_endpoints(req)) > s.max_subscriptions:
@@ -449,6 +519,13 @@ class SelectionService:
         lifecycle, reasons = self._decide(req)
         record = WorkerCatalogRecord(request=req, lifecycle=lifecycle,  # type: ignore[arg-type]
                                      not_schedulable_reasons=reasons)
+        encoded = jsonio.dumps(record.to_json())
+        limit = self.settings.max_record_bytes
+        if len(encoded) > limit:
+            self.metrics.inc("selection_proto_limit_rejections_total", ("record_bytes",))
+            raise Conflict(f"worker record exceeds the limit of {limit} bytes ({len(encoded)} bytes as JSON)")
+        if len(encoded) > len(self._record_json.get(req.worker_id, b"")):
+            self._check_budget(f"worker {req.worker_id}")
         was = previous is not None and previous.lifecycle == "schedulable"
         now_sched = lifecycle == "schedulable"
         if (was and now_sched and previous is not None and previous.key == record.key
@@ -465,10 +542,7 @@ class SelectionService:
                 self._key_records.pop(previous.key, None)
         self._key_records.setdefault(record.key, set()).add(req.worker_id)
         self._tombstones.pop(req.worker_id, None)
-        self._records[req.worker_id] = record
-        size = len(jsonio.dumps(req.to_json()))
-        self.budget.record_bytes += size - self._record_sizes.get(req.worker_id, 0)
-        self._record_sizes[req.worker_id] = size
+        self._store_record(record, encoded)
         self._dispatch(self._keys.get(record.key), now)
         if previous is not None and previous.key != record.key:
             self._dispatch(self._keys.get(previous.key), now)
@@ -560,7 +634,7 @@ class SelectionService:
             self._leave(previous)
             self._dispatch(self._keys.get(previous.key), self._now)
         record = WorkerCatalogRecord(request=previous.request, lifecycle="unschedulable")
-        self._records[worker_id] = record
+        self._store_record(record, jsonio.dumps(record.to_json()))
         ids = self._key_records.get(record.key)
         if ids is not None:
             ids.discard(worker_id)
@@ -569,8 +643,7 @@ class SelectionService:
         self._tombstones[worker_id] = None
         while len(self._tombstones) > self.settings.max_tombstones:
             oldest, _ = self._tombstones.popitem(last=False)
-            del self._records[oldest]
-            self.budget.record_bytes -= self._record_sizes.pop(oldest, 0)
+            self._forget_record(oldest)
         return record
 
     # -- prompts ---------------------------------------------------------------------------------
@@ -1277,13 +1350,11 @@ class SelectionService:
             raise BadRequest("worker_id is required for events without worker_id")
         return self._engine_batch(payload, worker_id, dp_rank, seq, None, model_name, tenant_id, now)
 
-    def _engine_batch(self, payload: bytes, worker_id: int, dp_rank: int | None, seq: int | None,
-                      source: _Stream | None, model_name: str | None, tenant_id: str | None,
-                      now: float) -> ApplyReport:
-        try:
-            batch = decode_batch(payload)
-        except InvalidBatch as exc:
-            raise Unprocessable(f"invalid engine batch: {exc.detail}") from None
+    def _engine_batch(self, payload: bytes | EngineBatch, worker_id: int, dp_rank: int | None,
+                      seq: int | None, source: _Stream | None, model_name: str | None,
+                      tenant_id: str | None, now: float, start: int = 0,
+                      stop: int | None = None) -> ApplyReport:
+        batch = payload if isinstance(payload, EngineBatch) else decode_engine_batch(payload)
         state, rank = self._bind(worker_id, batch.dp_rank if batch.dp_rank is not None else dp_rank,
                                  model_name, tenant_id)
         if source is None and self.budget.exhausted and any(e.tag == "BlockStored" for e in batch.events):
@@ -1291,14 +1362,16 @@ class SelectionService:
         stream_rank = (worker_id, source.dp_rank) if source is not None else rank
         if stream_rank not in state.fresh:
             stream_rank = rank
-        if seq is not None:
+        if start > 0:
+            pass  # a later slice: the batch's seq was noted with its first
+        elif seq is not None:
             self._note_seq(state, stream_rank, rank, seq)
         elif source is not None and source.first and state.fresh[rank].loss_pending:
             state.fresh[rank].stale = True  # a reconnect without proof of continuity
         memory = state.memory.setdefault(rank, NamespaceMemory())
         applied = failed = dropped = 0
         failures: list[tuple[int, str]] = []
-        for i, raw in enumerate(batch.events):
+        for i, raw in enumerate(batch.events[start:stop], start):
             event = convert(raw, state.block_size, memory)
             if isinstance(event, str):
                 dropped += 1
@@ -1325,8 +1398,9 @@ class SelectionService:
                     failures.append((i, error.text))
         if source is not None:
             source.delivered.add(rank)
-            source.first = False
-        return ApplyReport(received=len(batch.events), applied=applied, failed=failed, dropped=dropped,
+            if stop is None or stop >= len(batch.events):
+                source.first = False
+        return ApplyReport(received=len(batch.events[start:stop]), applied=applied, failed=failed, dropped=dropped,
                            failures=tuple(failures))
 
     def _note_seq(self, state: _KeyState, stream_rank: Rank, batch_rank: Rank, seq: int) -> None:
@@ -1366,19 +1440,26 @@ class SelectionService:
         state.fresh[rank].open_streams += 1
         return sid
 
-    def stream_message(self, stream: int, data: bytes | str, *, seq: int | None = None,
-                       now: float) -> ApplyReport:
-        """One message of a stream: text is JSON events, bytes one engine batch. A push stream
-        that must be closed raises StreamError; a subscription drops and counts bad messages."""
+    def stream_message(self, stream: int, data: bytes | str | DecodedMessage | SelectionError, *,
+                       seq: int | None = None, now: float, start: int = 0,
+                       stop: int | None = None) -> ApplyReport:
+        """One message of a stream: text is JSON events, bytes one engine batch, or what
+        `decode_stream_message` made of either (possibly in another thread). `start`/`stop` apply
+        only those events, so that a large message can be applied in slices, in order, with the
+        event loop running in between. A push stream that must be closed raises StreamError; a
+        subscription drops and counts bad messages."""
         now = self._advance(now)
         source = self._streams.get(stream)
         if source is None:
             raise StreamError(1008, "stream is not open")
         try:
-            if isinstance(data, str):
-                return self._stream_json(source, data, now)
-            return self._engine_batch(data, source.worker_id, source.dp_rank, seq, source, None, None,
-                                      now)
+            message = decode_stream_message(data) if isinstance(data, (bytes, str)) else data
+            if isinstance(message, SelectionError):
+                raise message
+            if isinstance(message, EngineBatch):
+                return self._engine_batch(message, source.worker_id, source.dp_rank, seq, source, None,
+                                          None, now, start, stop)
+            return self._stream_json(source, message, now, start, stop)
         except SelectionError as exc:
             decoding = isinstance(exc, Unprocessable) or (isinstance(exc, BadRequest)
                                                           and exc.message.startswith("Failed to parse"))
@@ -1395,23 +1476,22 @@ class SelectionService:
                 raise StreamError(1007, detail) from None
             raise StreamError(1008, exc.message) from None
 
-    def _stream_json(self, source: _Stream, text: str, now: float) -> ApplyReport:
-        try:
-            value, bools = jsonio.loads_with_hints(text)
-        except jsonio.JSONSyntaxError as exc:
-            raise BadRequest(f"Failed to parse the request body as JSON: {exc.detail}") from None
-        events = decode_json_events(value, ShapeContext(may_contain_bools=bools))
+    def _stream_json(self, source: _Stream, events: tuple[Event, ...], now: float, start: int,
+                     stop: int | None) -> ApplyReport:
+        if start == 0:  # every event of the message is checked before its first slice applies
+            for event in events:
+                if event.worker_id is not None and event.worker_id != source.worker_id:
+                    raise Conflict(f"event worker_id {event.worker_id} does not match stream worker_id "
+                                   f"{source.worker_id}")
         bound = []
-        for event in events:
-            if event.worker_id is not None and event.worker_id != source.worker_id:
-                raise Conflict(f"event worker_id {event.worker_id} does not match stream worker_id "
-                               f"{source.worker_id}")
+        for event in events[start:stop]:
             rank_id = event.dp_rank if event.dp_rank is not None else source.dp_rank
             bound.append((event, *self._bind(source.worker_id, rank_id, None, None)))
         report = self._apply_bound(bound, now)
         for _, _, rank in bound:
             source.delivered.add(rank)
-        source.first = False
+        if stop is None or stop >= len(events):
+            source.first = False
         return report
 
     def _stream_lost(self, source: _Stream) -> None:

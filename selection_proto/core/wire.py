@@ -9,7 +9,7 @@ from urllib.parse import unquote_to_bytes
 from . import jsonio
 from .errors import BadRequest
 
-__all__ = ["Response", "error_response", "json_response", "parse_query", "percent_decode", "query_int"]
+__all__ = ["Response", "error_response", "json_response", "raw_json_response", "parse_query", "percent_decode", "query_int"]
 
 _BAD_PERCENT = re.compile(r"%(?![0-9A-Fa-f]{2})")
 
@@ -21,7 +21,11 @@ class Response(NamedTuple):
 
 
 def json_response(status: int, value: object, extra: tuple[tuple[str, str], ...] = ()) -> Response:
-    body = jsonio.dumps(value)
+    return raw_json_response(status, jsonio.dumps(value), extra)
+
+
+def raw_json_response(status: int, body: bytes, extra: tuple[tuple[str, str], ...] = ()) -> Response:
+    """A response around JSON that is already encoded."""
     return Response(
         status,
         (("content-type", "application/json"), ("content-length", str(len(body))), *extra),

@@ -12,7 +12,7 @@ import anyio.abc
 from ..adapters.http import HttpConnection
 from ..adapters.ws import PushSession
 from ..core.outputs import CloseEventStream, InternalError, OutputEvent, SelectionReady
-from ..core.service import SelectionService
+from ..core.service import SelectionService, decode_or_error
 from ..core.wire import error_response
 from .logs import log, log_internal_error
 from .subscriber import Subscriptions
@@ -292,6 +292,7 @@ class _Server:
                         session.ping()
                 else:
                     session.receive_data(data)
+                    await self._large_messages(session, stream, lock)
                 await self._ws_flush(session, stream, lock)
                 await self.pump()
         except _GONE:
@@ -318,6 +319,20 @@ class _Server:
                         del self.ws_sessions[sid]
             self.ws_count -= 1
             self.service.observe("selection_proto_connections", ("websocket_in",), float(self.ws_count))
+
+    async def _large_messages(self, session: PushSession, stream: anyio.abc.SocketStream,
+                              lock: anyio.Lock) -> None:
+        """Large messages are decoded in a worker thread (a pure function of their bytes) and
+        applied in slices, so that an 8 MB message of 70k events does not stall other clients.
+        The stream is not read meanwhile."""
+        while (message := session.next_large()) is not None:
+            decoded = await anyio.to_thread.run_sync(decode_or_error, message.data)
+            start: int | None = 0
+            while start is not None:
+                start = session.apply_slice(message, decoded, start)
+                await self._ws_flush(session, stream, lock)
+                await self.pump()
+                await anyio.sleep(0)
 
     async def _linger(self, stream: anyio.abc.SocketStream) -> None:
         """Half-close, then read and drop what the client still sends (bounded in time), so

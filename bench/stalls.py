@@ -1,0 +1,267 @@
+"""Does one heavy request stall everyone? `/health` latency on its own keep-alive connection while
+another connection sends, over and over, one of the heaviest requests a client may send
+(docs/INVARIANTS.md, "No single request stalls everyone"; goal: p99 under 50 ms).
+
+    python bench/stalls.py [--scenarios ws_events,delete_bookings,ready,select_1m,post_events]
+        [--seconds 5] [--bookings 100000] [--workers 100000]
+
+Each scenario starts its own `selection-proto serve --kv-events push` and prepares its state
+first (bookings through pipelined `POST /reservations`, workers through `--restore`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class Conn:
+    """One keep-alive HTTP/1.1 connection with a minimal response reader."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=120)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = b""
+
+    def send(self, method: str, path: str, body: bytes = b"", extra: str = "") -> None:
+        self.sock.sendall(f"{method} {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                          f"content-length: {len(body)}\r\n{extra}\r\n".encode() + body)
+
+    def read(self) -> tuple[int, bytes]:
+        while b"\r\n\r\n" not in self.buf:
+            self.buf += self._recv()
+        head, _, rest = self.buf.partition(b"\r\n\r\n")
+        length = 0
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        while len(rest) < length:
+            rest += self._recv()
+        self.buf = rest[length:]
+        return int(head.split()[1]), rest[:length]
+
+    def _recv(self) -> bytes:
+        chunk = self.sock.recv(1 << 20)
+        if not chunk:
+            raise ConnectionError("closed")
+        return chunk
+
+    def call(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
+        self.send(method, path, body)
+        return self.read()
+
+
+def start(args: list[str]) -> tuple[subprocess.Popen[str], int]:
+    proc = subprocess.Popen([sys.executable, "-m", "selection_proto", "serve", "--port", "0", "--kv-events", "push",
+                             "--max-state-bytes", str(64 * 1024**3), *args],
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    record = json.loads(proc.stderr.readline())
+    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # type: ignore[union-attr]
+    return proc, int(record["url"].rsplit(":", 1)[1])
+
+
+def worker(wid: int, model: str = "m", **extra: Any) -> dict[str, Any]:
+    return {"worker_id": wid, "model_name": model, "endpoint": f"http://w{wid}:8000", "block_size": 16, **extra}
+
+
+def measure(port: int, heavy: Callable[[Conn], None], seconds: float) -> dict[str, float]:
+    """Run `heavy` in a loop on one connection while another times `/health`."""
+    stop = threading.Event()
+    heavy_times: list[float] = []
+
+    def run_heavy() -> None:
+        conn = Conn(port)
+        while not stop.is_set():
+            t = time.perf_counter()
+            heavy(conn)
+            heavy_times.append(time.perf_counter() - t)
+
+    probes: list[float] = []
+    thread = threading.Thread(target=run_heavy)
+    thread.start()
+    probe = Conn(port)
+    time.sleep(0.2)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        t = time.perf_counter()
+        status, _ = probe.call("GET", "/health")
+        assert status == 200
+        probes.append(time.perf_counter() - t)
+        time.sleep(0.002)
+    stop.set()
+    thread.join()
+    probes.sort()
+    return {"heavy_requests": len(heavy_times), "heavy_median_ms": 1000 * statistics.median(heavy_times),
+            "health_probes": len(probes), "health_p50_ms": 1000 * probes[len(probes) // 2],
+            "health_p99_ms": 1000 * probes[int(len(probes) * 0.99)], "health_max_ms": 1000 * probes[-1]}
+
+
+def ws_frame(payload: bytes) -> bytes:
+    n = len(payload)
+    head = bytes([0x81, 0x80 | 127]) + n.to_bytes(8, "big") if n >= 65536 else bytes([0x81, 0x80 | 126]) + n.to_bytes(2, "big")
+    return head + b"\0\0\0\0" + payload
+
+
+def scenario_ws_events(opts: argparse.Namespace) -> dict[str, float]:
+    """One 8 MB WebSocket text message of 60,000 stored events, then its ack."""
+    proc, port = start([])
+    try:
+        Conn(port).call("POST", "/workers", json.dumps(worker(1)).encode())
+        counter = iter(range(1, 1 << 40))
+
+        def heavy(conn: Conn) -> None:
+            if not hasattr(conn, "ws"):
+                conn.send("GET", "/kv_events?worker_id=1&ack=true", extra="upgrade: websocket\r\nconnection: Upgrade\r\n"
+                          "sec-websocket-version: 13\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n")
+                while b"\r\n\r\n" not in conn.buf:
+                    conn.buf += conn._recv()
+                conn.buf = conn.buf.partition(b"\r\n\r\n")[2]
+                conn.ws = True  # type: ignore[attr-defined]
+            base = next(counter) * 100_000
+            events = [{"event_id": base + i, "data": {"stored": {"parent_hash": None, "blocks": [
+                {"block_hash": base + i, "tokens_hash": base + i}]}}} for i in range(60_000)]
+            conn.sock.sendall(ws_frame(json.dumps(events, separators=(",", ":")).encode()))
+            while b"ack" not in conn.buf:
+                conn.buf += conn._recv()
+            conn.buf = b""
+            removed = [{"event_id": base + 60_000 + k, "data": {"removed": {"block_hashes": [
+                base + i for i in range(k * 100, k * 100 + 100)]}}} for k in range(600)]
+            conn.sock.sendall(ws_frame(json.dumps(removed).encode()))
+            while b"ack" not in conn.buf:
+                conn.buf += conn._recv()
+            conn.buf = b""
+
+        return measure(port, heavy, opts.seconds)
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def scenario_post_events(opts: argparse.Namespace) -> dict[str, float]:
+    """The same 8 MB of events as one `POST /kv_events` (not sliced: see docs/INVARIANTS.md)."""
+    proc, port = start([])
+    try:
+        Conn(port).call("POST", "/workers", json.dumps(worker(1)).encode())
+        counter = iter(range(1, 1 << 40))
+
+        def heavy(conn: Conn) -> None:
+            base = next(counter) * 100_000
+            events = [{"worker_id": 1, "event": {"event_id": base + i, "data": {"stored": {"parent_hash": None, "blocks": [
+                {"block_hash": base + i, "tokens_hash": base + i}]}}}} for i in range(55_000)]
+            assert conn.call("POST", "/kv_events", json.dumps(events, separators=(",", ":")).encode())[0] == 200
+
+        return measure(port, heavy, opts.seconds)
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def scenario_delete_bookings(opts: argparse.Namespace) -> dict[str, float]:
+    """`DELETE /workers/1` of a 1,024-rank worker holding --bookings bookings (re-registered and
+    re-booked between rounds; only the DELETE is in the heavy loop's timing)."""
+    proc, port = start(["--max-reservations-per-key", str(opts.bookings + 10)])
+    try:
+        setup = Conn(port)
+        state = {"round": 0}
+
+        def book() -> None:
+            setup.call("POST", "/workers", json.dumps(worker(1, data_parallel_size=1024)).encode())
+            r = state["round"]
+            state["round"] += 1
+            batch = 2000
+            for first in range(0, opts.bookings, batch):
+                for i in range(first, min(first + batch, opts.bookings)):
+                    setup.send("POST", "/reservations", json.dumps({
+                        "model_name": "m", "reservation_id": f"r{r}-{i}", "worker_id": 1, "dp_rank": i % 1024,
+                        "block_hashes": [i, i + 1], "sequence_hashes": [i, i + 1], "isl_tokens": 32}).encode())
+                for _ in range(first, min(first + batch, opts.bookings)):
+                    assert setup.read()[0] == 201
+
+        book()
+        times: list[float] = []
+
+        def heavy(conn: Conn) -> None:
+            t = time.perf_counter()
+            assert conn.call("DELETE", "/workers/1")[0] == 200
+            times.append(time.perf_counter() - t)
+            book()
+
+        out = measure(port, heavy, opts.seconds)
+        out["delete_median_ms"] = 1000 * statistics.median(times)
+        return out
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def scenario_ready(opts: argparse.Namespace) -> dict[str, float]:
+    """`GET /ready` with --workers records (restored from a dump at start)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
+        json.dump({"format": "selection-proto-dump/1", "keys": [], "events": [],
+                   "workers": [worker(i, f"m{i // 1000}") for i in range(opts.workers)]}, fh)
+    proc, port = start(["--restore", fh.name, "--max-keys", str(opts.workers // 1000 + 10)])
+    try:
+        def heavy(conn: Conn) -> None:
+            assert conn.call("GET", "/ready")[0] == 200
+
+        return measure(port, heavy, opts.seconds)
+    finally:
+        proc.terminate()
+        proc.wait()
+        os.unlink(fh.name)
+
+
+def scenario_select_1m(opts: argparse.Namespace) -> dict[str, float]:
+    """`POST /select` with 1,048,576 token ids (the default max_prompt_tokens), 8 workers."""
+    proc, port = start([])
+    try:
+        setup = Conn(port)
+        for wid in range(8):
+            setup.call("POST", "/workers", json.dumps(worker(wid)).encode())
+        body = json.dumps({"model_name": "m", "token_ids": list(range(1_048_576))}, separators=(",", ":")).encode()
+
+        def heavy(conn: Conn) -> None:
+            assert conn.call("POST", "/select", body)[0] == 200
+
+        return measure(port, heavy, opts.seconds)
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+SCENARIOS = {"ws_events": scenario_ws_events, "delete_bookings": scenario_delete_bookings,
+             "ready": scenario_ready, "select_1m": scenario_select_1m, "post_events": scenario_post_events}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--bookings", type=int, default=100_000)
+    parser.add_argument("--workers", type=int, default=100_000)
+    opts = parser.parse_args()
+    print(f"{'scenario':<16} {'heavy n':>7} {'heavy ms':>9} {'probes':>7} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7}")
+    for name in opts.scenarios.split(","):
+        r = SCENARIOS[name](opts)
+        print(f"{name:<16} {r['heavy_requests']:>7.0f} {r['heavy_median_ms']:>9.1f} {r['health_probes']:>7.0f} "
+              f"{r['health_p50_ms']:>7.1f} {r['health_p99_ms']:>7.1f} {r['health_max_ms']:>7.1f}"
+              + (f"   (DELETE alone: {r['delete_median_ms']:.1f} ms)" if "delete_median_ms" in r else ""),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
