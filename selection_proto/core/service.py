@@ -1263,10 +1263,11 @@ class SelectionService:
                      touch_freshness: bool = True) -> ApplyReport:
         applied = failed = 0
         failures: list[tuple[int, str]] = []
+        over_budget = self.budget.exhausted
         for i, (event, state, rank) in enumerate(bound):
             if touch_freshness:
                 self._note_event_id(state, rank, event.event_id, now)
-            error = self._apply_event(state, rank, event)
+            error = self._apply_event(state, rank, event, over_budget)
             result = "ok" if error is None else error.label
             self.metrics.inc("selection_proto_kv_events_total",
                              (*state.key, event.tier, event.kind, result))
@@ -1302,9 +1303,13 @@ class SelectionService:
         fresh.last_event_id = event_id
         fresh.last_event_at = now
 
-    def _apply_event(self, state: _KeyState, rank: Rank, event: Event) -> IndexError_ | None:
+    def _apply_event(self, state: _KeyState, rank: Rank, event: Event, over_budget: bool
+                     ) -> IndexError_ | None:
+        """Apply one event to the index. `over_budget` is read once per message by the caller
+        (a message overshoots the budget by at most itself)."""
         index = state.index
-        if event.kind == "stored" and self.budget.exhausted:
+        budget = self.budget
+        if over_budget and event.kind == "stored":
             # Removes and clears still apply (they free memory); the rank misses these stores.
             state.fresh[rank].stale = True
             self.metrics.inc("selection_proto_limit_rejections_total", ("state_bytes",))
@@ -1312,7 +1317,8 @@ class SelectionService:
         if event.tier == "device":
             tree = index.device
             tree.ensure(rank)
-            before = tree.size(rank)
+            lookup = tree.lookup
+            before = len(lookup[rank])
             try:
                 if event.kind == "stored":
                     tree.store(rank, event.parent_hash, event.blocks)
@@ -1326,8 +1332,8 @@ class SelectionService:
                     fresh.loss_pending = False
             except IndexError_ as exc:
                 return exc
-            finally:
-                self.budget.index_blocks += tree.size(rank) - before
+            finally:  # a clear replaces the rank's table
+                budget.index_blocks += len(lookup[rank]) - before
             return None
         tier = index.lower[event.tier]
         before = tier.size(rank)
@@ -1337,7 +1343,7 @@ class SelectionService:
             tier.remove(rank, event.block_hashes)
         else:
             tier.clear(rank)
-        self.budget.index_blocks += tier.size(rank) - before
+        budget.index_blocks += tier.size(rank) - before
         return None
 
     def apply_engine_batch(self, payload: bytes, *, worker_id: int | None, dp_rank: int | None = None,
@@ -1354,10 +1360,11 @@ class SelectionService:
                       seq: int | None, source: _Stream | None, model_name: str | None,
                       tenant_id: str | None, now: float, start: int = 0,
                       stop: int | None = None) -> ApplyReport:
-        batch = payload if isinstance(payload, EngineBatch) else decode_engine_batch(payload)
+        batch = decode_engine_batch(payload) if isinstance(payload, bytes) else payload
         state, rank = self._bind(worker_id, batch.dp_rank if batch.dp_rank is not None else dp_rank,
                                  model_name, tenant_id)
-        if source is None and self.budget.exhausted and any(e.tag == "BlockStored" for e in batch.events):
+        over_budget = self.budget.exhausted
+        if over_budget and source is None and any(e.tag == "BlockStored" for e in batch.events):
             self._check_budget("kv events")  # a request is refused whole; a stream drops stores
         stream_rank = (worker_id, source.dp_rank) if source is not None else rank
         if stream_rank not in state.fresh:
@@ -1371,7 +1378,8 @@ class SelectionService:
         memory = state.memory.setdefault(rank, NamespaceMemory())
         applied = failed = dropped = 0
         failures: list[tuple[int, str]] = []
-        for i, raw in enumerate(batch.events[start:stop], start):
+        events = batch.events if start == 0 and stop is None else batch.events[start:stop]
+        for i, raw in enumerate(events, start):
             event = convert(raw, state.block_size, memory)
             if isinstance(event, str):
                 dropped += 1
@@ -1387,7 +1395,7 @@ class SelectionService:
                 memory.forget(event.block_hashes)
             elif event.tier == "device":
                 memory.clear()
-            error = self._apply_event(state, rank, event)
+            error = self._apply_event(state, rank, event, over_budget)
             self.metrics.inc("selection_proto_kv_events_total", (*state.key, event.tier, event.kind,
                                                                  "ok" if error is None else error.label))
             if error is None:
@@ -1400,7 +1408,7 @@ class SelectionService:
             source.delivered.add(rank)
             if stop is None or stop >= len(batch.events):
                 source.first = False
-        return ApplyReport(received=len(batch.events[start:stop]), applied=applied, failed=failed, dropped=dropped,
+        return ApplyReport(received=len(events), applied=applied, failed=failed, dropped=dropped,
                            failures=tuple(failures))
 
     def _note_seq(self, state: _KeyState, stream_rank: Rank, batch_rank: Rank, seq: int) -> None:
