@@ -43,6 +43,7 @@ from .errors import (
     Unprocessable,
 )
 from .events import Event, decode_json_events, require_worker
+from .freshness import GAP, Break, RankFreshness
 from .handler import ParsedBody
 from .handler import handle as handle_request
 from .hashing import block_hashes as hash_blocks
@@ -95,31 +96,6 @@ def key_label(key: Key) -> str:
     return f"model={key[0]} tenant={key[1]}"
 
 
-def round_half_away(x: float) -> int:
-    return math.floor(x + 0.5) if x >= 0 else -math.floor(-x + 0.5)
-
-
-class _Fresh:
-    """Per-rank freshness of the index (events.md §6.1)."""
-
-    __slots__ = ("last_event_id", "last_event_at", "last_seq", "event_gaps", "missing_events",
-                 "rewinds", "stale", "open_streams", "loss_pending")
-
-    def __init__(self) -> None:
-        self.last_event_id: int | None = None
-        self.last_event_at: float | None = None
-        self.last_seq: int | None = None
-        self.event_gaps = 0
-        self.missing_events = 0
-        self.rewinds = 0
-        self.stale = False
-        self.open_streams = 0
-        self.loss_pending = False
-
-    def age(self, now: float) -> float | None:
-        return None if self.last_event_at is None else now - self.last_event_at
-
-
 class _KeyState:
     """Everything a key (model, tenant) holds while it has a schedulable rank (core.md §6.4)."""
 
@@ -134,7 +110,7 @@ class _KeyState:
         self.index = KeyIndex()
         self.budget = budget
         self.tracker = Tracker(settings.max_reservations_per_key, self.label, budget)
-        self.fresh: dict[Rank, _Fresh] = {}
+        self.fresh: dict[Rank, RankFreshness] = {}
         self.memory: dict[Rank, NamespaceMemory] = {}  # engine-event cache namespaces (events.md §4.5)
         self.epoch = now
         self.workers: dict[int, tuple[Rank, ...]] = {}  # schedulable worker -> its ranks
@@ -151,7 +127,7 @@ class _KeyState:
     def add_rank(self, rank: Rank) -> None:
         self.tracker.add_rank(rank)
         self.index.device.ensure(rank)
-        self.fresh[rank] = _Fresh()
+        self.fresh[rank] = RankFreshness()
         self._ranks = None
 
     def drop_ranks(self, ranks: set[Rank]) -> list[str]:
@@ -167,7 +143,7 @@ class _KeyState:
         self.budget.index_blocks -= self.index.rank_size(rank)
         self.index.drop_rank(rank)
         self.index.device.ensure(rank)
-        self.fresh[rank] = _Fresh()
+        self.fresh[rank] = RankFreshness()
         self.memory.pop(rank, None)
 
 
@@ -354,10 +330,6 @@ class SelectionService:
         self._close_push_streams(None, "server shutting down")
         for state in self._keys.values():
             self._fail_queue(state, NotReady(SHUTTING_DOWN), "shutdown", now)
-
-    @property
-    def shutting_down(self) -> bool:
-        return self._shutting_down
 
     def _expire(self, state: _KeyState, now: float) -> bool:
         expired = state.tracker.expire(now, self.settings.active_request_expiry_secs)
@@ -1195,7 +1167,7 @@ class SelectionService:
             d, h, k = device.get(r, 0), host.get(r, 0), disk.get(r, 0)
             if d + h + k == 0:
                 continue
-            fresh = state.fresh.get(r) or _Fresh()
+            fresh = state.fresh.get(r) or RankFreshness()
             rows.append({"worker_id": r[0], "dp_rank": r[1], "device_blocks": d,
                          "host_pinned_extension_blocks": h, "disk_extension_blocks": k,
                          "router_credit_blocks": float(self._effective(d, h, k)),
@@ -1280,28 +1252,18 @@ class SelectionService:
         return ApplyReport(received=len(bound), applied=applied, failed=failed, dropped=0,
                            failures=tuple(failures))
 
+    def _count_break(self, key: Key, rank: Rank, broken: Break) -> None:
+        labels = (*key, str(rank[0]), str(rank[1]))
+        if broken.kind == GAP:
+            self.metrics.inc("selection_proto_kv_event_gaps_total", labels)
+            self.metrics.inc("selection_proto_kv_missing_events_total", labels, broken.missing)
+        else:
+            self.metrics.inc("selection_proto_kv_event_rewinds_total", labels)
+
     def _note_event_id(self, state: _KeyState, rank: Rank, event_id: int | None, now: float) -> None:
-        fresh = state.fresh[rank]
-        if event_id is None:
-            event_id = (fresh.last_event_id or 0) + 1
-        last = fresh.last_event_id
-        if last is not None:
-            labels = (*state.key, str(rank[0]), str(rank[1]))
-            if event_id == last + 1:
-                fresh.loss_pending = False
-            elif event_id > last + 1:
-                fresh.event_gaps += 1
-                fresh.missing_events += event_id - last - 1
-                fresh.stale = True
-                self.metrics.inc("selection_proto_kv_event_gaps_total", labels)
-                self.metrics.inc("selection_proto_kv_missing_events_total", labels,
-                                 event_id - last - 1)
-            else:
-                fresh.rewinds += 1
-                fresh.stale = True
-                self.metrics.inc("selection_proto_kv_event_rewinds_total", labels)
-        fresh.last_event_id = event_id
-        fresh.last_event_at = now
+        broken = state.fresh[rank].note_event_id(event_id, now)
+        if broken is not None:
+            self._count_break(state.key, rank, broken)
 
     def _apply_event(self, state: _KeyState, rank: Rank, event: Event, over_budget: bool
                      ) -> IndexError_ | None:
@@ -1327,9 +1289,7 @@ class SelectionService:
                 else:
                     tree.clear(rank)
                     tree.ensure(rank)
-                    fresh = state.fresh[rank]
-                    fresh.stale = False
-                    fresh.loss_pending = False
+                    state.fresh[rank].mark_cleared()
             except IndexError_ as exc:
                 return exc
             finally:  # a clear replaces the rank's table
@@ -1385,9 +1345,7 @@ class SelectionService:
                 dropped += 1
                 self.metrics.inc("selection_proto_kv_events_dropped_total", (*state.key, event))
                 continue
-            fresh = state.fresh[rank]
-            fresh.last_event_id = (fresh.last_event_id or 0) + 1
-            fresh.last_event_at = now
+            state.fresh[rank].count_event(now)
             if event.kind == "stored":
                 for engine_hash, _ in event.blocks:
                     memory.remember(engine_hash, event.namespace)
@@ -1412,27 +1370,10 @@ class SelectionService:
                            failures=tuple(failures))
 
     def _note_seq(self, state: _KeyState, stream_rank: Rank, batch_rank: Rank, seq: int) -> None:
-        fresh = state.fresh[stream_rank]
-        last = fresh.last_seq
-        broken = False
-        if last is not None:
-            labels = (*state.key, str(stream_rank[0]), str(stream_rank[1]))
-            if seq == last + 1:
-                fresh.loss_pending = False
-            elif seq > last + 1:
-                broken = True
-                fresh.event_gaps += 1
-                fresh.missing_events += seq - last - 1
-                self.metrics.inc("selection_proto_kv_event_gaps_total", labels)
-                self.metrics.inc("selection_proto_kv_missing_events_total", labels, seq - last - 1)
-            else:
-                broken = True
-                fresh.rewinds += 1
-                self.metrics.inc("selection_proto_kv_event_rewinds_total", labels)
-        if broken:
-            fresh.stale = True
+        broken = state.fresh[stream_rank].note_seq(seq)
+        if broken is not None:
+            self._count_break(state.key, stream_rank, broken)
             state.fresh[batch_rank].stale = True
-        fresh.last_seq = seq
 
     # -- event streams (WebSocket push, outbound subscriptions) ---------------------------------
 

@@ -29,8 +29,8 @@ def _is_int(v: Any) -> bool:
 @attrs.frozen(kw_only=True)
 class Settings:
     """Router and limit settings. `prefill_load_scale` and `overlap_score_credit` are `None` when
-    not given, so that the deprecated `overlap_score_weight` alias can apply (core.md §3); read the
-    `effective_*` properties for the values in force."""
+    not given, so that the deprecated `overlap_score_weight` alias can apply (core.md §3);
+    `resolve_weights` gives the values in force."""
 
     kv_events: KvEventsMode = "subscribe"
     overlap_score_credit: float | None = None
@@ -103,16 +103,6 @@ class Settings:
         for name in ("track_active_blocks", "assume_kv_reuse", "track_prefill_tokens",
                      "zmq_endpoints"):
             _check(name, isinstance(getattr(self, name), bool), "must be a boolean")
-
-    @property
-    def effective_prefill_load_scale(self) -> float:
-        return resolve_weights(self.overlap_score_weight, self.prefill_load_scale,
-                               self.overlap_score_credit, 1.0, 1.0)[0]
-
-    @property
-    def effective_overlap_score_credit(self) -> float:
-        return resolve_weights(self.overlap_score_weight, self.prefill_load_scale,
-                               self.overlap_score_credit, 1.0, 1.0)[1]
 
     @property
     def queueing(self) -> bool:
