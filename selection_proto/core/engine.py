@@ -183,16 +183,13 @@ def decode_batch(payload: bytes) -> EngineBatch:
     if isinstance(batch, dict):
         events = batch.get("events")
         rank = batch.get("data_parallel_rank", batch.get("dp_rank"))
-        items = 3
     elif isinstance(batch, list):
         if len(batch) not in (2, 3):
             raise InvalidBatch(f"a batch has 2 or 3 members, not {len(batch)}")
         events = batch[1]
         rank = batch[2] if len(batch) == 3 else None
-        items = len(batch)
     else:
         raise InvalidBatch("a batch is an array or a map")
-    del items
     if not isinstance(events, list):
         raise InvalidBatch("events: expected an array")
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank <= 0xFFFFFFFF):

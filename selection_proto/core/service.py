@@ -46,8 +46,6 @@ from .events import Event, decode_json_events, require_worker
 from .freshness import GAP, Break, RankFreshness
 from .handler import ParsedBody
 from .handler import handle as handle_request
-from .hashing import block_hashes as hash_blocks
-from .hashing import sequence_hashes
 from .index import LOWER_TIERS, IndexError_, KeyIndex, Rank
 from .metrics import Metrics
 from .outputs import (
@@ -58,8 +56,9 @@ from .outputs import (
     SubscribeKvEvents,
     UnsubscribeKvEvents,
 )
+from .prompt import PromptHashes, PromptTooLong, booking_prompt, selection_prompt
 from .settings import Settings, resolve_weights
-from .tracker import DuplicateReservation, RankLoad, Tracker, rank_text
+from .tracker import DuplicateReservation, Tracker, rank_text
 from .types import (
     ApplyReport,
     Candidate,
@@ -167,7 +166,7 @@ class _Queued:
     __slots__ = ("ticket", "order", "req", "rid", "prompt", "enqueued_at")
 
     def __init__(self, ticket: int, order: float, req: SelectRequest, rid: str | None,
-                 prompt: _Prompt, enqueued_at: float) -> None:
+                 prompt: PromptHashes, enqueued_at: float) -> None:
         self.ticket = ticket
         self.order = order
         self.req = req
@@ -179,37 +178,6 @@ class _Queued:
 def _queue_order(entry: _Queued) -> tuple[float, int]:
     """Higher order keys run first; tickets grow with arrival, so ties run in arrival order."""
     return (-entry.order, entry.ticket)
-
-
-class _Prompt:
-    """A prompt's block hashes and, computed only when needed, its sequence hashes.
-
-    Sequence hashes cost one Python-level hash per block; a selection needs them only when a
-    candidate has active blocks or when it books. Hashes chained here from token ids identify
-    distinct prefixes, so their count is the block count (a 64-bit collision would already
-    confuse the index); hashes a client sent are counted as given, duplicates merged."""
-
-    __slots__ = ("blocks", "isl", "_seqs", "_distinct")
-
-    def __init__(self, blocks: list[int], seqs: list[int] | None, isl: int) -> None:
-        self.blocks = blocks
-        self.isl = isl
-        self._seqs = seqs
-        self._distinct: set[int] | None = None
-
-    @property
-    def seqs(self) -> list[int]:
-        if self._seqs is None:
-            self._seqs = sequence_hashes(self.blocks)
-        return self._seqs
-
-    def new_blocks(self, load: RankLoad) -> int:
-        """How many of this prompt's blocks `load` does not hold yet."""
-        if self._distinct is None:
-            if not load.unique and self._seqs is None:
-                return len(self.blocks)
-            self._distinct = set(self.seqs)
-        return load.new_blocks(self._distinct)
 
 
 class _Scored(NamedTuple):
@@ -620,46 +588,14 @@ class SelectionService:
 
     # -- prompts ---------------------------------------------------------------------------------
 
-    def _token_prompt(self, req: Any, state: _KeyState) -> _Prompt | None:
-        """Enforce the length limits; the prompt of `token_ids` when the request has them."""
-        limit = self.settings.max_prompt_tokens
-        for field in ("token_ids", "block_hashes", "sequence_hashes"):
-            value = getattr(req, field)
-            if value is not None and len(value) > limit:
-                self.metrics.inc("selection_proto_limit_rejections_total", ("prompt_tokens",))
-                raise BadRequest(f"{field} has {len(value)} entries; the limit is {limit}")
-        if req.token_ids is None:
-            return None
-        blocks = hash_blocks(req.token_ids, state.block_size, req.lora_name, req.cache_namespace)
-        return _Prompt(blocks, None, len(req.token_ids))
-
-    def _prompt(self, req: Any, state: _KeyState) -> _Prompt:
-        """Selection rules of core.md §9.1."""
-        prompt = self._token_prompt(req, state)
-        if prompt is not None:
-            return prompt
-        if req.block_hashes is None:
-            raise BadRequest("block_hashes is required without token_ids")
-        if req.sequence_hashes is None:
-            raise BadRequest("sequence_hashes is required without token_ids")
-        if req.isl_tokens is None:
-            raise BadRequest("isl_tokens is required without token_ids")
-        if req.isl_tokens <= 0:
-            raise BadRequest("isl_tokens must be greater than 0")
-        if len(req.block_hashes) != len(req.sequence_hashes):
-            raise BadRequest(f"block_hashes length {len(req.block_hashes)} must match "
-                             f"sequence_hashes length {len(req.sequence_hashes)}")
-        return _Prompt(list(req.block_hashes), list(req.sequence_hashes), req.isl_tokens)
-
-    def _reservation_prompt(self, req: ReservationRequest, state: _KeyState) -> _Prompt:
-        prompt = self._token_prompt(req, state)
-        if prompt is not None:
-            return prompt
-        if req.sequence_hashes is None:
-            raise BadRequest("sequence_hashes is required without token_ids")
-        if req.isl_tokens is None:
-            raise BadRequest("isl_tokens is required without token_ids")
-        return _Prompt([], list(req.sequence_hashes), req.isl_tokens)
+    def _prompt(self, req: Any, state: _KeyState, booking: bool = False) -> PromptHashes:
+        """The request's prompt in the key's block size, its length limits checked and counted."""
+        make = booking_prompt if booking else selection_prompt
+        try:
+            return make(req, state.block_size, self.settings.max_prompt_tokens)
+        except PromptTooLong:
+            self.metrics.inc("selection_proto_limit_rejections_total", ("prompt_tokens",))
+            raise
 
     # -- estimates -----------------------------------------------------------------------------
 
@@ -774,7 +710,7 @@ class SelectionService:
             raise TooManyRequests("all eligible workers are overloaded")
         return kept
 
-    def _score(self, req: SelectRequest, state: _KeyState, prompt: _Prompt, candidates: list[Rank],
+    def _score(self, req: SelectRequest, state: _KeyState, prompt: PromptHashes, candidates: list[Rank],
                estimates: tuple[dict[Rank, int], dict[Rank, int], dict[Rank, int]]) -> list[_Scored]:
         s = self.settings
         o = req.router_config_override or _NO_OVERRIDE
@@ -881,7 +817,7 @@ class SelectionService:
             return self._enqueue(state, req, rid, prompt, candidates, estimates, now)
         return self._finish_selection(state, req, rid, prompt, candidates, excluded, estimates, now)
 
-    def _finish_selection(self, state: _KeyState, req: SelectRequest, rid: str | None, prompt: _Prompt,
+    def _finish_selection(self, state: _KeyState, req: SelectRequest, rid: str | None, prompt: PromptHashes,
                           candidates: list[Rank], excluded: dict[Rank, str],
                           estimates: tuple[dict[Rank, int], dict[Rank, int], dict[Rank, int]],
                           now: float) -> SelectResponse:
@@ -917,7 +853,7 @@ class SelectionService:
         limit = self._records[rank[0]].request.max_num_batched_tokens or 0
         return state.tracker.loads[rank].prefill_tokens > threshold * limit
 
-    def _enqueue(self, state: _KeyState, req: SelectRequest, rid: str | None, prompt: _Prompt,
+    def _enqueue(self, state: _KeyState, req: SelectRequest, rid: str | None, prompt: PromptHashes,
                  candidates: list[Rank],
                  estimates: tuple[dict[Rank, int], dict[Rank, int], dict[Rank, int]],
                  now: float) -> Pending:
@@ -1019,7 +955,7 @@ class SelectionService:
                 return True
         return False
 
-    def _observe_selection(self, state: _KeyState, prompt: _Prompt, chosen: _Scored,
+    def _observe_selection(self, state: _KeyState, prompt: PromptHashes, chosen: _Scored,
                            scored: list[_Scored]) -> None:
         if prompt.isl > 0:
             self.metrics.observe("selection_proto_predicted_hit_ratio", state.key,
@@ -1027,7 +963,7 @@ class SelectionService:
         if chosen.device < max(c.device for c in scored):
             self.metrics.inc("selection_proto_non_max_overlap_selections_total", state.key)
 
-    def _book(self, state: _KeyState, rid: str, rank: Rank, prompt: _Prompt, cached: int,
+    def _book(self, state: _KeyState, rid: str, rank: Rank, prompt: PromptHashes, cached: int,
               override: RouterConfigOverride | None, expected_output_tokens: int | None,
               now: float, *, wrap: bool) -> None:
         s = self.settings
@@ -1061,7 +997,7 @@ class SelectionService:
             raise NotReady(SHUTTING_DOWN)
         state = self._gate(req.model_name, req.tenant_id)
         self._check_id_length("reservation_id", req.reservation_id)
-        prompt = self._reservation_prompt(req, state)
+        prompt = self._prompt(req, state, booking=True)
         if req.worker_id not in state.workers:
             raise NotFound(f"schedulable worker {req.worker_id} not found for {state.label}")
         rank = (req.worker_id, 0 if req.dp_rank is None else req.dp_rank)

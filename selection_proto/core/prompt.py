@@ -1,0 +1,92 @@
+"""A request's prompt as the index sees it: block hashes, the input length, and sequence hashes
+computed only when needed (core.md §9.1), with the length limits every prompt field obeys."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import BadRequest
+from .hashing import block_hashes, sequence_hashes
+from .tracker import RankLoad
+
+__all__ = ["PromptHashes", "PromptTooLong", "booking_prompt", "selection_prompt"]
+
+PROMPT_FIELDS = ("token_ids", "block_hashes", "sequence_hashes")
+
+
+class PromptTooLong(BadRequest):
+    """A prompt field over `max_prompt_tokens` (counted as the `prompt_tokens` limit)."""
+
+
+class PromptHashes:
+    """A prompt's block hashes and, computed only when needed, its sequence hashes.
+
+    Sequence hashes cost one Python-level hash per block; a selection needs them only when a
+    candidate has active blocks or when it books. Hashes chained here from token ids identify
+    distinct prefixes, so their count is the block count (a 64-bit collision would already
+    confuse the index); hashes a client sent are counted as given, duplicates merged."""
+
+    __slots__ = ("blocks", "isl", "_seqs", "_distinct")
+
+    def __init__(self, blocks: list[int], seqs: list[int] | None, isl: int) -> None:
+        self.blocks = blocks
+        self.isl = isl
+        self._seqs = seqs
+        self._distinct: set[int] | None = None
+
+    @property
+    def seqs(self) -> list[int]:
+        if self._seqs is None:
+            self._seqs = sequence_hashes(self.blocks)
+        return self._seqs
+
+    def new_blocks(self, load: RankLoad) -> int:
+        """How many of this prompt's blocks `load` does not hold yet."""
+        if self._distinct is None:
+            if not load.unique and self._seqs is None:
+                return len(self.blocks)
+            self._distinct = set(self.seqs)
+        return load.new_blocks(self._distinct)
+
+
+def _from_tokens(req: Any, block_size: int, limit: int) -> PromptHashes | None:
+    """Enforce the length limits; the prompt of `token_ids` when the request has them."""
+    for field in PROMPT_FIELDS:
+        value = getattr(req, field)
+        if value is not None and len(value) > limit:
+            raise PromptTooLong(f"{field} has {len(value)} entries; the limit is {limit}")
+    if req.token_ids is None:
+        return None
+    blocks = block_hashes(req.token_ids, block_size, req.lora_name, req.cache_namespace)
+    return PromptHashes(blocks, None, len(req.token_ids))
+
+
+def selection_prompt(req: Any, block_size: int, limit: int) -> PromptHashes:
+    """The prompt of a selection (`select`, `select_and_reserve`, scores, potential loads)."""
+    prompt = _from_tokens(req, block_size, limit)
+    if prompt is not None:
+        return prompt
+    if req.block_hashes is None:
+        raise BadRequest("block_hashes is required without token_ids")
+    if req.sequence_hashes is None:
+        raise BadRequest("sequence_hashes is required without token_ids")
+    if req.isl_tokens is None:
+        raise BadRequest("isl_tokens is required without token_ids")
+    if req.isl_tokens <= 0:
+        raise BadRequest("isl_tokens must be greater than 0")
+    if len(req.block_hashes) != len(req.sequence_hashes):
+        raise BadRequest(f"block_hashes length {len(req.block_hashes)} must match "
+                         f"sequence_hashes length {len(req.sequence_hashes)}")
+    return PromptHashes(list(req.block_hashes), list(req.sequence_hashes), req.isl_tokens)
+
+
+def booking_prompt(req: Any, block_size: int, limit: int) -> PromptHashes:
+    """The prompt of a direct booking (`POST /reservations`): no block hashes needed."""
+    prompt = _from_tokens(req, block_size, limit)
+    if prompt is not None:
+        return prompt
+    if req.sequence_hashes is None:
+        raise BadRequest("sequence_hashes is required without token_ids")
+    if req.isl_tokens is None:
+        raise BadRequest("isl_tokens is required without token_ids")
+    return PromptHashes([], list(req.sequence_hashes), req.isl_tokens)
