@@ -20,6 +20,7 @@ import attrs
 
 from .._version import __version__
 from . import jsonio
+from .admission import AdmissionQueue, QueuedSelection, order_key
 from .budget import InsufficientStorage, StateBudget
 from .catalog import (
     TOPOLOGY_PREFIX,
@@ -114,7 +115,7 @@ class _KeyState:
         self.epoch = now
         self.workers: dict[int, tuple[Rank, ...]] = {}  # schedulable worker -> its ranks
         self.taints: dict[int, frozenset[str]] = {}
-        self.queue: list[_Queued] = []  # in run order (core.md §10.3)
+        self.queue = AdmissionQueue()
         self._ranks: list[Rank] | None = None
 
     def ranks(self) -> list[Rank]:
@@ -160,24 +161,6 @@ class _Stream:
         self.delivered: set[Rank] = set()  # ranks this stream fed since it (re)connected
         self.connected = kind == "push"
         self.first = True  # no message seen since it (re)connected
-
-
-class _Queued:
-    __slots__ = ("ticket", "order", "req", "rid", "prompt", "enqueued_at")
-
-    def __init__(self, ticket: int, order: float, req: SelectRequest, rid: str | None,
-                 prompt: PromptHashes, enqueued_at: float) -> None:
-        self.ticket = ticket
-        self.order = order
-        self.req = req
-        self.rid = rid
-        self.prompt = prompt
-        self.enqueued_at = enqueued_at
-
-
-def _queue_order(entry: _Queued) -> tuple[float, int]:
-    """Higher order keys run first; tickets grow with arrival, so ties run in arrival order."""
-    return (-entry.order, entry.ticket)
 
 
 class _Scored(NamedTuple):
@@ -281,9 +264,9 @@ class SelectionService:
             d = state.tracker.next_expiry(self.settings.active_request_expiry_secs)
             if d is not None:
                 deadlines.append(d)
-            if state.queue:
-                deadlines.append(min(e.enqueued_at for e in state.queue)
-                                 + self.settings.queue_timeout_secs)
+            oldest = state.queue.oldest()
+            if oldest is not None:
+                deadlines.append(oldest + self.settings.queue_timeout_secs)
         return min(deadlines) if deadlines else None
 
     def _close_push_streams(self, worker_id: int | None, reason: str) -> None:
@@ -862,27 +845,23 @@ class SelectionService:
             self.metrics.inc("selection_proto_queue_events_total", (*state.key, "rejected_full"))
             self.metrics.inc("selection_proto_limit_rejections_total", ("queue_full",))
             raise TooManyRequests(f"queue is full for {state.label}: {s.queue_max_pending} requests pending")
-        jump = max(0.0, req.priority_jump or 0.0)
-        age = now - state.epoch
-        if s.queue_policy == "fcfs":
-            order = jump - age
-        elif s.queue_policy == "lcfs":
-            order = jump + age
-        else:
+        cached = 0
+        if s.queue_policy == "wspt":
             device, host, disk = estimates
             cached = max(max(0, math.floor(self._effective(device.get(r, 0), host.get(r, 0),
                                                            disk.get(r, 0)) * state.block_size + 0.5))
                          for r in candidates)
-            order = (1 + jump) / max(1, max(0, prompt.isl - cached))
+        order = order_key(s.queue_policy, max(0.0, req.priority_jump or 0.0), now - state.epoch,
+                          prompt.isl, cached)
         ticket = self._next_ticket
         self._next_ticket += 1
-        entry = _Queued(ticket, order, req, rid, prompt, now)
-        bisect.insort(state.queue, entry, key=_queue_order)
+        entry = QueuedSelection(ticket, order, req, rid, prompt, now)
+        state.queue.push(entry)
         self._tickets[ticket] = state.key
         self.metrics.inc("selection_proto_queue_events_total", (*state.key, "queued"))
         return Pending(ticket)
 
-    def _resolve(self, state: _KeyState, entry: _Queued, result: SelectResponse | SelectionError,
+    def _resolve(self, state: _KeyState, entry: QueuedSelection, result: SelectResponse | SelectionError,
                  event: str, now: float) -> None:
         """Emit the one SelectionReady of a ticket."""
         self._tickets.pop(entry.ticket, None)
@@ -898,8 +877,7 @@ class SelectionService:
         self._outputs.append(SelectionReady(entry.ticket, result, response))
 
     def _fail_queue(self, state: _KeyState, error: SelectionError, event: str, now: float) -> None:
-        entries, state.queue = state.queue, []
-        for entry in entries:
+        for entry in state.queue.take_all():
             self._resolve(state, entry, error, event, now)
 
     def _dispatch(self, state: _KeyState | None, now: float) -> None:
@@ -908,7 +886,7 @@ class SelectionService:
             return
         self._dispatching = True
         try:
-            for entry in list(state.queue):
+            for entry in state.queue:
                 req = entry.req
                 try:
                     candidates, excluded = self._candidates(req, state)
@@ -920,12 +898,10 @@ class SelectionService:
                         state, req, entry.rid, entry.prompt, candidates, excluded, estimates, now)
                     event = "dispatched"
                 except SelectionError as exc:
-                    if entry in state.queue:
-                        state.queue.remove(entry)
+                    state.queue.remove(entry)
                     result, event = exc, "failed"
                 except Exception:  # noqa: BLE001 - confined to this ticket; the caller's call stands
-                    if entry in state.queue:
-                        state.queue.remove(entry)
+                    state.queue.remove(entry)
                     self.internal_error("dispatch")
                     result, event = Internal("internal error"), "failed"
                 self._resolve(state, entry, result, event, now)
@@ -934,8 +910,7 @@ class SelectionService:
 
     def _expire_queue(self, state: _KeyState, now: float) -> None:
         timeout = self.settings.queue_timeout_secs
-        late = [e for e in state.queue if now - e.enqueued_at >= timeout]
-        for entry in late:
+        for entry in state.queue.late(now, timeout):
             state.queue.remove(entry)
             self._resolve(state, entry, NotReady(
                 f"timed out after {format(timeout, 'g')} s waiting in the queue for {state.label}"),
@@ -948,12 +923,12 @@ class SelectionService:
         state = self._keys.get(key) if key is not None else None
         if state is None:
             return False
-        for entry in state.queue:
-            if entry.ticket == ticket:
-                state.queue.remove(entry)
-                self.metrics.inc("selection_proto_queue_events_total", (*state.key, "cancelled"))
-                return True
-        return False
+        entry = state.queue.find(ticket)
+        if entry is None:
+            return False
+        state.queue.remove(entry)
+        self.metrics.inc("selection_proto_queue_events_total", (*state.key, "cancelled"))
+        return True
 
     def _observe_selection(self, state: _KeyState, prompt: PromptHashes, chosen: _Scored,
                            scored: list[_Scored]) -> None:
