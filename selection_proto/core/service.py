@@ -20,7 +20,7 @@ import attrs
 
 from .._version import __version__
 from . import jsonio
-from .admission import AdmissionQueue, QueuedSelection, order_key
+from .admission import QueuedSelection, order_key
 from .budget import InsufficientStorage, StateBudget
 from .catalog import (
     TOPOLOGY_PREFIX,
@@ -47,7 +47,7 @@ from .events import Event, decode_json_events, require_worker
 from .freshness import GAP, Break, RankFreshness
 from .handler import ParsedBody
 from .handler import handle as handle_request
-from .index import LOWER_TIERS, IndexError_, KeyIndex, Rank
+from .index import LOWER_TIERS, IndexError_, Rank
 from .metrics import Metrics
 from .outputs import (
     CloseEventStream,
@@ -57,9 +57,11 @@ from .outputs import (
     SubscribeKvEvents,
     UnsubscribeKvEvents,
 )
+from .pool import Key, Pool, key_label
 from .prompt import PromptHashes, PromptTooLong, booking_prompt, selection_prompt
 from .settings import Settings, resolve_weights
-from .tracker import DuplicateReservation, Tracker, rank_text
+from .streams import EventSource
+from .tracker import DuplicateReservation, rank_text
 from .types import (
     ApplyReport,
     Candidate,
@@ -86,81 +88,9 @@ from .wire import Response, error_response, json_response
 
 __all__ = ["SelectionService"]
 
-Key = tuple[str, str]
 SHUTTING_DOWN: Final = "selection service is shutting down"
 MAX_FAILURES: Final = 100
 _PATCH_FIELDS: Final = tuple(f.name for f in attrs.fields(WorkerPatchRequest))
-
-
-def key_label(key: Key) -> str:
-    return f"model={key[0]} tenant={key[1]}"
-
-
-class _KeyState:
-    """Everything a key (model, tenant) holds while it has a schedulable rank (core.md §6.4)."""
-
-    __slots__ = ("key", "label", "block_size", "index", "tracker", "fresh", "memory", "epoch",
-                 "workers", "taints", "queue", "_ranks", "budget")
-
-    def __init__(self, key: Key, block_size: int, now: float, settings: Settings,
-                 budget: StateBudget) -> None:
-        self.key = key
-        self.label = key_label(key)
-        self.block_size = block_size
-        self.index = KeyIndex()
-        self.budget = budget
-        self.tracker = Tracker(settings.max_reservations_per_key, self.label, budget)
-        self.fresh: dict[Rank, RankFreshness] = {}
-        self.memory: dict[Rank, NamespaceMemory] = {}  # engine-event cache namespaces (events.md §4.5)
-        self.epoch = now
-        self.workers: dict[int, tuple[Rank, ...]] = {}  # schedulable worker -> its ranks
-        self.taints: dict[int, frozenset[str]] = {}
-        self.queue = AdmissionQueue()
-        self._ranks: list[Rank] | None = None
-
-    def ranks(self) -> list[Rank]:
-        """Schedulable ranks sorted by (worker_id, dp_rank)."""
-        if self._ranks is None:
-            self._ranks = sorted(r for ranks in self.workers.values() for r in ranks)
-        return self._ranks
-
-    def add_rank(self, rank: Rank) -> None:
-        self.tracker.add_rank(rank)
-        self.index.device.ensure(rank)
-        self.fresh[rank] = RankFreshness()
-        self._ranks = None
-
-    def drop_ranks(self, ranks: set[Rank]) -> list[str]:
-        for rank in ranks:
-            self.budget.index_blocks -= self.index.rank_size(rank)
-            self.index.drop_rank(rank)
-            self.fresh.pop(rank, None)
-            self.memory.pop(rank, None)
-        self._ranks = None
-        return self.tracker.drop_ranks(ranks)
-
-    def reset_rank_events(self, rank: Rank) -> None:
-        self.budget.index_blocks -= self.index.rank_size(rank)
-        self.index.drop_rank(rank)
-        self.index.device.ensure(rank)
-        self.fresh[rank] = RankFreshness()
-        self.memory.pop(rank, None)
-
-
-class _Stream:
-    """One source of KV events: an inbound push stream or an outbound subscription."""
-
-    __slots__ = ("sid", "kind", "worker_id", "dp_rank", "key", "delivered", "connected", "first")
-
-    def __init__(self, sid: int, kind: str, worker_id: int, dp_rank: int, key: Key) -> None:
-        self.sid = sid
-        self.kind = kind  # "push" or "subscription"
-        self.worker_id = worker_id
-        self.dp_rank = dp_rank
-        self.key = key
-        self.delivered: set[Rank] = set()  # ranks this stream fed since it (re)connected
-        self.connected = kind == "push"
-        self.first = True  # no message seen since it (re)connected
 
 
 class _Scored(NamedTuple):
@@ -228,9 +158,9 @@ class SelectionService:
         self.budget = StateBudget(self.settings.max_state_bytes)
         self._tombstones: OrderedDict[int, None] = OrderedDict()
         self._key_records: dict[Key, set[int]] = {}  # non-deleted records per key
-        self._keys: dict[Key, _KeyState] = {}
+        self._keys: dict[Key, Pool] = {}
         self._subscriptions: dict[Rank, tuple[int, str]] = {}  # rank -> (stream, endpoint)
-        self._streams: dict[int, _Stream] = {}
+        self._streams: dict[int, EventSource] = {}
         self._next_stream = 1
         self._outputs: deque[OutputEvent] = deque()
         self._now = -math.inf
@@ -282,7 +212,7 @@ class SelectionService:
         for state in self._keys.values():
             self._fail_queue(state, NotReady(SHUTTING_DOWN), "shutdown", now)
 
-    def _expire(self, state: _KeyState, now: float) -> bool:
+    def _expire(self, state: Pool, now: float) -> bool:
         expired = state.tracker.expire(now, self.settings.active_request_expiry_secs)
         if expired:
             self.metrics.inc("selection_proto_reservation_events_total", (*state.key, "expired"),
@@ -347,7 +277,7 @@ class SelectionService:
         del self._order[bisect.bisect_left(self._order, (*old.key, wid))]
         self.budget.record_bytes -= len(self._record_json.pop(wid))
 
-    def _gate(self, model_name: str, tenant_id: str) -> _KeyState:
+    def _gate(self, model_name: str, tenant_id: str) -> Pool:
         if not self._schedulable:
             raise NotReady("no schedulable workers are available")
         state = self._keys.get((model_name, tenant_id))
@@ -471,13 +401,13 @@ class SelectionService:
             self._dispatch(self._keys.get(previous.key), now)
         return record
 
-    def _subscribe(self, state: _KeyState, rank: Rank, endpoint: str | None) -> None:
+    def _subscribe(self, state: Pool, rank: Rank, endpoint: str | None) -> None:
         if self.settings.kv_events != "subscribe" or not endpoint:
             return
         stream = self._next_stream
         self._next_stream += 1
         self._subscriptions[rank] = (stream, endpoint)
-        self._streams[stream] = _Stream(stream, "subscription", rank[0], rank[1], state.key)
+        self._streams[stream] = EventSource(stream, "subscription", rank[0], rank[1], state.key)
         self._outputs.append(SubscribeKvEvents(stream, rank[0], rank[1], endpoint, *state.key))
 
     def _unsubscribe(self, rank: Rank) -> None:
@@ -492,16 +422,15 @@ class SelectionService:
         state = self._keys.get(key)
         if state is None:
             assert req.block_size is not None
-            state = self._keys[key] = _KeyState(key, req.block_size, now, self.settings, self.budget)
+            state = self._keys[key] = Pool(key, req.block_size, now, self.settings, self.budget)
         ranks = tuple((req.worker_id, r) for r in dp_range(req))
-        state.workers[req.worker_id] = ranks
-        state.taints[req.worker_id] = effective_taints(req)
+        state.set_worker(req.worker_id, ranks, effective_taints(req))
         endpoints = event_endpoints(req)
         for rank in ranks:
             state.add_rank(rank)
             self._subscribe(state, rank, endpoints.get(rank[1]))
 
-    def _drop_ranks(self, state: _KeyState, ranks: Iterable[Rank]) -> None:
+    def _drop_ranks(self, state: Pool, ranks: Iterable[Rank]) -> None:
         gone = set(ranks)
         dropped = state.drop_ranks(gone)
         if dropped:
@@ -514,8 +443,7 @@ class SelectionService:
         state = self._keys.get(record.key)
         if state is None:
             return
-        ranks = state.workers.pop(record.worker_id, ())
-        state.taints.pop(record.worker_id, None)
+        ranks = state.remove_worker(record.worker_id)
         self._drop_ranks(state, ranks)
         self._close_push_streams(record.worker_id, f"worker {record.worker_id} is no longer schedulable")
         if not state.workers:
@@ -531,9 +459,7 @@ class SelectionService:
         new_ranks = tuple((wid, r) for r in dp_range(req))
         old_set, new_set = set(old_ranks), set(new_ranks)
         self._drop_ranks(state, [r for r in old_ranks if r not in new_set])
-        state.workers[wid] = new_ranks
-        state.taints[wid] = effective_taints(req)
-        state._ranks = None
+        state.set_worker(wid, new_ranks, effective_taints(req))
         old_endpoints = event_endpoints(previous.request)
         new_endpoints = event_endpoints(req)
         subscribe = self.settings.kv_events == "subscribe"
@@ -571,7 +497,7 @@ class SelectionService:
 
     # -- prompts ---------------------------------------------------------------------------------
 
-    def _prompt(self, req: Any, state: _KeyState, booking: bool = False) -> PromptHashes:
+    def _prompt(self, req: Any, state: Pool, booking: bool = False) -> PromptHashes:
         """The request's prompt in the key's block size, its length limits checked and counted."""
         make = booking_prompt if booking else selection_prompt
         try:
@@ -582,7 +508,7 @@ class SelectionService:
 
     # -- estimates -----------------------------------------------------------------------------
 
-    def _estimates(self, state: _KeyState, blocks: Sequence[int]
+    def _estimates(self, state: Pool, blocks: Sequence[int]
                    ) -> tuple[dict[Rank, int], dict[Rank, int], dict[Rank, int]]:
         """Device prefix, host extension and disk+external extension blocks per rank (§7.4)."""
         device, hits = state.index.tiered(blocks)
@@ -616,7 +542,7 @@ class SelectionService:
             self.metrics.inc("selection_proto_selections_total", (*labels, "200"))
         return result
 
-    def _candidates(self, req: SelectRequest, state: _KeyState
+    def _candidates(self, req: SelectRequest, state: Pool
                     ) -> tuple[list[Rank], dict[Rank, str]]:
         excluded: dict[Rank, str] = {}
         ranks = state.ranks()
@@ -654,7 +580,7 @@ class SelectionService:
             raise NotReady("no endpoints available to route work")
         return candidates, excluded
 
-    def _overloaded(self, state: _KeyState, rank: Rank) -> bool:
+    def _overloaded(self, state: Pool, rank: Rank) -> bool:
         s = self.settings
         load = state.tracker.loads[rank]
         if s.active_prefill_tokens_threshold is not None and (
@@ -671,7 +597,7 @@ class SelectionService:
         return (s.active_decode_blocks_threshold is not None and bool(total)
                 and len(load.unique) > s.active_decode_blocks_threshold * (total or 0))
 
-    def _filter_overloaded(self, req: SelectRequest, state: _KeyState, candidates: list[Rank],
+    def _filter_overloaded(self, req: SelectRequest, state: Pool, candidates: list[Rank],
                            excluded: dict[Rank, str]) -> list[Rank]:
         s = self.settings
         if (s.active_prefill_tokens_threshold is None and s.active_decode_blocks_threshold is None
@@ -693,7 +619,7 @@ class SelectionService:
             raise TooManyRequests("all eligible workers are overloaded")
         return kept
 
-    def _score(self, req: SelectRequest, state: _KeyState, prompt: PromptHashes, candidates: list[Rank],
+    def _score(self, req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: list[Rank],
                estimates: tuple[dict[Rank, int], dict[Rank, int], dict[Rank, int]]) -> list[_Scored]:
         s = self.settings
         o = req.router_config_override or _NO_OVERRIDE
@@ -746,7 +672,7 @@ class SelectionService:
                            decode_blocks, d, h, k, effective, cached))
         return scored
 
-    def _choose(self, state: _KeyState, scored: list[_Scored], temperature: float) -> _Scored:
+    def _choose(self, state: Pool, scored: list[_Scored], temperature: float) -> _Scored:
         if len(scored) == 1:
             return scored[0]
         lo = min(c.logit for c in scored)
@@ -800,7 +726,7 @@ class SelectionService:
             return self._enqueue(state, req, rid, prompt, candidates, estimates, now)
         return self._finish_selection(state, req, rid, prompt, candidates, excluded, estimates, now)
 
-    def _finish_selection(self, state: _KeyState, req: SelectRequest, rid: str | None, prompt: PromptHashes,
+    def _finish_selection(self, state: Pool, req: SelectRequest, rid: str | None, prompt: PromptHashes,
                           candidates: list[Rank], excluded: dict[Rank, str],
                           estimates: tuple[dict[Rank, int], dict[Rank, int], dict[Rank, int]],
                           now: float) -> SelectResponse:
@@ -830,13 +756,13 @@ class SelectionService:
 
     # -- queue (core.md §10) -------------------------------------------------------------------
 
-    def _busy(self, state: _KeyState, rank: Rank) -> bool:
+    def _busy(self, state: Pool, rank: Rank) -> bool:
         threshold = self.settings.queue_threshold
         assert threshold is not None
         limit = self._records[rank[0]].request.max_num_batched_tokens or 0
         return state.tracker.loads[rank].prefill_tokens > threshold * limit
 
-    def _enqueue(self, state: _KeyState, req: SelectRequest, rid: str | None, prompt: PromptHashes,
+    def _enqueue(self, state: Pool, req: SelectRequest, rid: str | None, prompt: PromptHashes,
                  candidates: list[Rank],
                  estimates: tuple[dict[Rank, int], dict[Rank, int], dict[Rank, int]],
                  now: float) -> Pending:
@@ -861,7 +787,7 @@ class SelectionService:
         self.metrics.inc("selection_proto_queue_events_total", (*state.key, "queued"))
         return Pending(ticket)
 
-    def _resolve(self, state: _KeyState, entry: QueuedSelection, result: SelectResponse | SelectionError,
+    def _resolve(self, state: Pool, entry: QueuedSelection, result: SelectResponse | SelectionError,
                  event: str, now: float) -> None:
         """Emit the one SelectionReady of a ticket."""
         self._tickets.pop(entry.ticket, None)
@@ -876,11 +802,11 @@ class SelectionService:
         self.metrics.observe("selection_proto_queue_wait_seconds", state.key, now - entry.enqueued_at)
         self._outputs.append(SelectionReady(entry.ticket, result, response))
 
-    def _fail_queue(self, state: _KeyState, error: SelectionError, event: str, now: float) -> None:
+    def _fail_queue(self, state: Pool, error: SelectionError, event: str, now: float) -> None:
         for entry in state.queue.take_all():
             self._resolve(state, entry, error, event, now)
 
-    def _dispatch(self, state: _KeyState | None, now: float) -> None:
+    def _dispatch(self, state: Pool | None, now: float) -> None:
         """Run queued requests whose candidates now include a rank that is not busy (§10.4)."""
         if state is None or not state.queue or self._dispatching:
             return
@@ -908,7 +834,7 @@ class SelectionService:
         finally:
             self._dispatching = False
 
-    def _expire_queue(self, state: _KeyState, now: float) -> None:
+    def _expire_queue(self, state: Pool, now: float) -> None:
         timeout = self.settings.queue_timeout_secs
         for entry in state.queue.late(now, timeout):
             state.queue.remove(entry)
@@ -930,7 +856,7 @@ class SelectionService:
         self.metrics.inc("selection_proto_queue_events_total", (*state.key, "cancelled"))
         return True
 
-    def _observe_selection(self, state: _KeyState, prompt: PromptHashes, chosen: _Scored,
+    def _observe_selection(self, state: Pool, prompt: PromptHashes, chosen: _Scored,
                            scored: list[_Scored]) -> None:
         if prompt.isl > 0:
             self.metrics.observe("selection_proto_predicted_hit_ratio", state.key,
@@ -938,7 +864,7 @@ class SelectionService:
         if chosen.device < max(c.device for c in scored):
             self.metrics.inc("selection_proto_non_max_overlap_selections_total", state.key)
 
-    def _book(self, state: _KeyState, rid: str, rank: Rank, prompt: PromptHashes, cached: int,
+    def _book(self, state: Pool, rid: str, rank: Rank, prompt: PromptHashes, cached: int,
               override: RouterConfigOverride | None, expected_output_tokens: int | None,
               now: float, *, wrap: bool) -> None:
         s = self.settings
@@ -990,7 +916,7 @@ class SelectionService:
                                    tenant_id=req.tenant_id, worker_id=rank[0], dp_rank=rank[1],
                                    endpoint=record.endpoint or "")
 
-    def _find_booking(self, rid: str, model_name: str | None, tenant_id: str | None) -> _KeyState:
+    def _find_booking(self, rid: str, model_name: str | None, tenant_id: str | None) -> Pool:
         for key in sorted(self._keys):
             if model_name is not None and key[0] != model_name:
                 continue
@@ -1106,7 +1032,7 @@ class SelectionService:
             raise Conflict("kv events are disabled (kv_events=off)")
 
     def _bind(self, worker_id: int, dp_rank: int | None, model_name: str | None,
-              tenant_id: str | None) -> tuple[_KeyState, Rank]:
+              tenant_id: str | None) -> tuple[Pool, Rank]:
         """The §7.2 checks of events.md for one worker and rank."""
         record = self._records.get(worker_id)
         if record is None:
@@ -1142,7 +1068,7 @@ class SelectionService:
             self._check_budget("kv events")  # a request is refused whole; a stream drops stores
         return self._apply_bound(bound, now)
 
-    def _apply_bound(self, bound: Sequence[tuple[Event, _KeyState, Rank]], now: float,
+    def _apply_bound(self, bound: Sequence[tuple[Event, Pool, Rank]], now: float,
                      touch_freshness: bool = True) -> ApplyReport:
         applied = failed = 0
         failures: list[tuple[int, str]] = []
@@ -1171,12 +1097,12 @@ class SelectionService:
         else:
             self.metrics.inc("selection_proto_kv_event_rewinds_total", labels)
 
-    def _note_event_id(self, state: _KeyState, rank: Rank, event_id: int | None, now: float) -> None:
+    def _note_event_id(self, state: Pool, rank: Rank, event_id: int | None, now: float) -> None:
         broken = state.fresh[rank].note_event_id(event_id, now)
         if broken is not None:
             self._count_break(state.key, rank, broken)
 
-    def _apply_event(self, state: _KeyState, rank: Rank, event: Event, over_budget: bool
+    def _apply_event(self, state: Pool, rank: Rank, event: Event, over_budget: bool
                      ) -> IndexError_ | None:
         """Apply one event to the index. `over_budget` is read once per message by the caller
         (a message overshoots the budget by at most itself)."""
@@ -1228,7 +1154,7 @@ class SelectionService:
         return self._engine_batch(payload, worker_id, dp_rank, seq, None, model_name, tenant_id, now)
 
     def _engine_batch(self, payload: bytes | EngineBatch, worker_id: int, dp_rank: int | None,
-                      seq: int | None, source: _Stream | None, model_name: str | None,
+                      seq: int | None, source: EventSource | None, model_name: str | None,
                       tenant_id: str | None, now: float, start: int = 0,
                       stop: int | None = None) -> ApplyReport:
         batch = decode_engine_batch(payload) if isinstance(payload, bytes) else payload
@@ -1280,7 +1206,7 @@ class SelectionService:
         return ApplyReport(received=len(events), applied=applied, failed=failed, dropped=dropped,
                            failures=tuple(failures))
 
-    def _note_seq(self, state: _KeyState, stream_rank: Rank, batch_rank: Rank, seq: int) -> None:
+    def _note_seq(self, state: Pool, stream_rank: Rank, batch_rank: Rank, seq: int) -> None:
         broken = state.fresh[stream_rank].note_seq(seq)
         if broken is not None:
             self._count_break(state.key, stream_rank, broken)
@@ -1296,7 +1222,7 @@ class SelectionService:
         state, rank = self._bind(worker_id, dp_rank, model_name, tenant_id)
         sid = self._next_stream
         self._next_stream += 1
-        self._streams[sid] = _Stream(sid, "push", worker_id, dp_rank, state.key)
+        self._streams[sid] = EventSource(sid, "push", worker_id, dp_rank, state.key)
         state.fresh[rank].open_streams += 1
         return sid
 
@@ -1336,7 +1262,7 @@ class SelectionService:
                 raise StreamError(1007, detail) from None
             raise StreamError(1008, exc.message) from None
 
-    def _stream_json(self, source: _Stream, events: tuple[Event, ...], now: float, start: int,
+    def _stream_json(self, source: EventSource, events: tuple[Event, ...], now: float, start: int,
                      stop: int | None) -> ApplyReport:
         if start == 0:  # every event of the message is checked before its first slice applies
             for event in events:
@@ -1354,7 +1280,7 @@ class SelectionService:
             source.first = False
         return report
 
-    def _stream_lost(self, source: _Stream) -> None:
+    def _stream_lost(self, source: EventSource) -> None:
         state = self._keys.get(source.key)
         if state is None:
             return

@@ -1,0 +1,88 @@
+"""One key's pool (core.md §6.4): everything a (model, tenant) key holds while it has a
+schedulable rank: its workers and their ranks, the prefix index, the bookings, each rank's
+freshness and engine cache namespaces, and the admission queue.
+
+A pool is created with the key's first schedulable worker and deleted with its last. Per-rank
+state lives in parallel dicts keyed by rank; only `add_rank` and `drop_ranks` create or drop
+their entries, so they cannot drift apart."""
+
+from __future__ import annotations
+
+from .admission import AdmissionQueue
+from .budget import StateBudget
+from .engine import NamespaceMemory
+from .freshness import RankFreshness
+from .index import KeyIndex, Rank
+from .settings import Settings
+from .tracker import Tracker
+
+__all__ = ["Key", "Pool", "key_label"]
+
+Key = tuple[str, str]
+
+
+def key_label(key: Key) -> str:
+    return f"model={key[0]} tenant={key[1]}"
+
+
+class Pool:
+    """Everything a key (model, tenant) holds while it has a schedulable rank (core.md §6.4)."""
+
+    __slots__ = ("key", "label", "block_size", "index", "tracker", "fresh", "memory", "epoch",
+                 "workers", "taints", "queue", "_ranks", "budget")
+
+    def __init__(self, key: Key, block_size: int, now: float, settings: Settings,
+                 budget: StateBudget) -> None:
+        self.key = key
+        self.label = key_label(key)
+        self.block_size = block_size
+        self.index = KeyIndex()
+        self.budget = budget
+        self.tracker = Tracker(settings.max_reservations_per_key, self.label, budget)
+        self.fresh: dict[Rank, RankFreshness] = {}
+        self.memory: dict[Rank, NamespaceMemory] = {}  # engine-event cache namespaces (events.md §4.5)
+        self.epoch = now
+        self.workers: dict[int, tuple[Rank, ...]] = {}  # schedulable worker -> its ranks
+        self.taints: dict[int, frozenset[str]] = {}
+        self.queue = AdmissionQueue()
+        self._ranks: list[Rank] | None = None
+
+    def ranks(self) -> list[Rank]:
+        """Schedulable ranks sorted by (worker_id, dp_rank)."""
+        if self._ranks is None:
+            self._ranks = sorted(r for ranks in self.workers.values() for r in ranks)
+        return self._ranks
+
+    def set_worker(self, worker_id: int, ranks: tuple[Rank, ...], taints: frozenset[str]) -> None:
+        """A schedulable worker joined or changed: its ranks (added with `add_rank`) and taints."""
+        self.workers[worker_id] = ranks
+        self.taints[worker_id] = taints
+        self._ranks = None
+
+    def remove_worker(self, worker_id: int) -> tuple[Rank, ...]:
+        """The worker left; its ranks, for the caller to drop with `drop_ranks`."""
+        self.taints.pop(worker_id, None)
+        self._ranks = None
+        return self.workers.pop(worker_id, ())
+
+    def add_rank(self, rank: Rank) -> None:
+        self.tracker.add_rank(rank)
+        self.index.device.ensure(rank)
+        self.fresh[rank] = RankFreshness()
+        self._ranks = None
+
+    def drop_ranks(self, ranks: set[Rank]) -> list[str]:
+        for rank in ranks:
+            self.budget.index_blocks -= self.index.rank_size(rank)
+            self.index.drop_rank(rank)
+            self.fresh.pop(rank, None)
+            self.memory.pop(rank, None)
+        self._ranks = None
+        return self.tracker.drop_ranks(ranks)
+
+    def reset_rank_events(self, rank: Rank) -> None:
+        self.budget.index_blocks -= self.index.rank_size(rank)
+        self.index.drop_rank(rank)
+        self.index.device.ensure(rank)
+        self.fresh[rank] = RankFreshness()
+        self.memory.pop(rank, None)
