@@ -469,14 +469,14 @@ def test_restore_replays_a_dump_and_validates_first(client: Client) -> None:
 
 
 def test_openapi_documents_every_route_method_status_and_member(client: Client) -> None:
-    from selection_proto.core.handler import ROUTES
+    from selection_proto.core.routes import ROUTES
 
     doc = client.ok("GET", "/openapi.json")
     assert doc["openapi"] == "3.1.0" and doc["info"]["version"] == "0.1.0"
-    for route, methods in ROUTES.items():
-        for method in methods:
-            op = doc["paths"][route][method.lower()]
-            assert op["operationId"] and op["responses"]
+    for route in ROUTES:
+        op = doc["paths"][route.template][route.method.lower()]
+        assert op["operationId"] == route.operation and op["responses"]
+        assert [p["name"] for p in op["parameters"] if p["in"] == "query"] == list(route.query)
     assert set(doc["paths"]["/select"]["post"]["responses"]) == {"200", "400", "413", "415", "422", "429", "503"}
     schemas = doc["components"]["schemas"]
     import attrs

@@ -14,7 +14,7 @@ from typing import Final, NamedTuple
 import h11
 from wsproto import WSConnection
 
-from ..core.handler import MAX_BODY, match
+from ..core.routes import MAX_BODY, match
 from ..core.service import SelectionService
 from ..core.types import Pending
 from ..core.wire import Response, error_response

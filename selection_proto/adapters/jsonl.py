@@ -15,8 +15,8 @@ from typing import Any, Final
 from urllib.parse import quote, urlencode
 
 from ..core import jsonio
-from ..core.handler import ParsedBody
 from ..core.outputs import SelectionReady
+from ..core.routes import EVENT_QUERY, ROUTES, ParsedBody, path_parameter
 from ..core.service import SelectionService
 from ..core.types import Pending
 from ..core.wire import Response
@@ -27,28 +27,11 @@ MAX_LINE: Final = 8 * 1024 * 1024
 _JSON: Final = ("content-type", "application/json")
 _MSGPACK: Final = ("content-type", "application/msgpack")
 
-# method -> (HTTP method, route template, path parameter, has body)
+# method -> (HTTP method, route template, path parameter, has body), from the route table
 METHODS: Final[dict[str, tuple[str, str, str | None, bool]]] = {
-    "health": ("GET", "/health", None, False),
-    "ready": ("GET", "/ready", None, False),
-    "workers.create": ("POST", "/workers", None, True),
-    "workers.list": ("GET", "/workers", None, False),
-    "workers.update": ("PATCH", "/workers/{}", "worker_id", True),
-    "workers.delete": ("DELETE", "/workers/{}", "worker_id", False),
-    "select": ("POST", "/select", None, True),
-    "select_and_reserve": ("POST", "/select_and_reserve", None, True),
-    "reservations.create": ("POST", "/reservations", None, True),
-    "reservations.prefill_complete": ("POST", "/reservations/{}/prefill_complete", "reservation_id", False),
-    "reservations.free": ("DELETE", "/reservations/{}", "reservation_id", False),
-    "loads": ("GET", "/loads", None, False),
-    "potential_loads": ("POST", "/potential_loads", None, True),
-    "overlap_scores": ("POST", "/overlap_scores", None, True),
-    "kv_events": ("POST", "/kv_events", None, True),
-    "metrics": ("GET", "/metrics", None, False),
-    "openapi": ("GET", "/openapi.json", None, False),
-    "dump": ("GET", "/dump", None, False),
-}
-_EVENT_QUERY: Final = ("worker_id", "dp_rank", "model_name", "tenant_id", "routing_group")
+    r.rpc: (r.method, r.template.replace("{" + (path_parameter(r.template) or "") + "}", "{}"),
+            path_parameter(r.template), r.body)
+    for r in ROUTES if r.rpc is not None}
 
 Id = str | int | None
 
@@ -278,7 +261,7 @@ def _request(method: str, route: tuple[str, str, str | None, bool], params: dict
         path = template.format(quote(segment, safe=""))
     headers = [_JSON]
     if method == "kv_events":
-        query = _query({k: rest.pop(k) for k in _EVENT_QUERY if k in rest})
+        query = _query({k: rest.pop(k) for k in EVENT_QUERY if k in rest})
         if "batch_b64" in rest:
             encoded = rest.pop("batch_b64")
             try:

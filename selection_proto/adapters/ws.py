@@ -32,6 +32,7 @@ from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 from ..core import jsonio
 from ..core.engine import EngineBatch
 from ..core.errors import SelectionError, StreamError
+from ..core.routes import PUSH_QUERY
 from ..core.service import DecodedMessage, SelectionService, decode_or_error
 from ..core.wire import parse_query, query_int
 
@@ -42,7 +43,6 @@ MAX_MESSAGE: Final = 8 * 1024 * 1024
 # loop and applies it SLICE_EVENTS events at a time, letting other connections run in between.
 LARGE_MESSAGE: Final = 256 * 1024
 SLICE_EVENTS: Final = 1024
-PUSH_QUERY: Final = ("worker_id", "dp_rank", "model_name", "tenant_id", "routing_group", "framing", "ack")
 
 
 def cut_reason(reason: str) -> str:

@@ -20,6 +20,7 @@ from .errors import (
     UnsupportedMediaType,
 )
 from .events import decode_json_events
+from .routes import EVENT_QUERY, KEY_QUERY, MAX_BODY, ParsedBody, allowed_methods, match, route_of
 from .types import (
     OverlapScoresRequest,
     Pending,
@@ -44,55 +45,12 @@ from .wire import (
 if TYPE_CHECKING:
     from .service import SelectionService
 
-__all__ = ["MAX_BODY", "ROUTES", "ParsedBody", "handle"]
+__all__ = ["handle"]
 
-MAX_BODY: Final = 8 * 1024 * 1024
-KEY_QUERY: Final = ("model_name", "tenant_id", "routing_group")
-EVENT_QUERY: Final = ("worker_id", "dp_rank", *KEY_QUERY)
-
-# route template -> allowed methods (HEAD is implied by GET)
-ROUTES: Final = {
-    "/health": ("GET",),
-    "/ready": ("GET",),
-    "/workers": ("GET", "POST"),
-    "/workers/{worker_id}": ("PATCH", "DELETE"),
-    "/select": ("POST",),
-    "/select_and_reserve": ("POST",),
-    "/reservations": ("POST",),
-    "/reservations/{reservation_id}/prefill_complete": ("POST",),
-    "/reservations/{reservation_id}": ("DELETE",),
-    "/loads": ("GET",),
-    "/potential_loads": ("POST",),
-    "/overlap_scores": ("POST",),
-    "/kv_events": ("GET", "POST"),
-    "/metrics": ("GET",),
-    "/openapi.json": ("GET",),
-    "/dump": ("GET",),
-}
-_BODY_ROUTES: Final = {
-    ("POST", "/workers"), ("PATCH", "/workers/{worker_id}"), ("POST", "/select"),
-    ("POST", "/select_and_reserve"), ("POST", "/reservations"), ("POST", "/potential_loads"),
-    ("POST", "/overlap_scores"), ("POST", "/kv_events"),
-}
 _JSON_TYPE: Final = "application/json"
 _MSGPACK_TYPES: Final = ("application/msgpack", "application/x-msgpack")
 
 T = TypeVar("T")
-
-
-def match(path: str) -> tuple[str, str | None] | None:
-    """(route template, raw path parameter) or None."""
-    if path in ROUTES and "{" not in path:
-        return path, None
-    parts = path.split("/")
-    if len(parts) == 3 and parts[0] == "" and parts[2]:
-        if parts[1] == "workers":
-            return "/workers/{worker_id}", parts[2]
-        if parts[1] == "reservations":
-            return "/reservations/{reservation_id}", parts[2]
-    if len(parts) == 4 and parts[:2] == ["", "reservations"] and parts[2] and parts[3] == "prefill_complete":
-        return "/reservations/{reservation_id}/prefill_complete", parts[2]
-    return None
 
 
 def _allow(methods: tuple[str, ...]) -> str:
@@ -116,20 +74,6 @@ def _parse_json(body: bytes) -> tuple[Any, bool]:
         return jsonio.loads_with_hints(body)
     except jsonio.JSONSyntaxError as exc:
         raise BadRequest(f"Failed to parse the request body as JSON: {exc.detail}") from None
-
-
-class ParsedBody:
-    """A JSON body that its caller has already parsed, so that it is not encoded and parsed again
-    (JSON lines parse each whole line once). `exact` re-reads the same value with exact integers
-    (see `jsonio.loads_exact`); `size` is the length of the text it came from."""
-
-    __slots__ = ("value", "may_contain_bools", "size", "exact")
-
-    def __init__(self, value: Any, may_contain_bools: bool, size: int, exact: Callable[[], Any]) -> None:
-        self.value = value
-        self.may_contain_bools = may_contain_bools
-        self.size = size
-        self.exact = exact
 
 
 Body = bytes | ParsedBody
@@ -192,8 +136,8 @@ def _dispatch(service: SelectionService, method: str, matched: tuple[str, str | 
               now: float) -> Response | Pending:
     if matched is None:
         raise NotFound("route not found")
-    route, param = matched
-    methods = ROUTES[route]
+    template, param = matched
+    methods = allowed_methods(template)
     head = method == "HEAD" and "GET" in methods
     verb = "GET" if head else method
     if verb not in methods:
@@ -201,13 +145,15 @@ def _dispatch(service: SelectionService, method: str, matched: tuple[str, str | 
     if (body.size if isinstance(body, ParsedBody) else len(body)) > MAX_BODY:
         service.metrics.inc("selection_proto_limit_rejections_total", ("body_size",))
         raise PayloadTooLarge("Failed to buffer the request body: length limit exceeded")
-    if (verb, route) in _BODY_ROUTES:
+    route = route_of(verb, template)
+    assert route is not None
+    if route.body:
         media = _media_type(headers)
-        if (verb, route) == ("POST", "/kv_events") and media in _MSGPACK_TYPES and isinstance(body, bytes):
+        if route.operation == "kv_events" and media in _MSGPACK_TYPES and isinstance(body, bytes):
             return _h_engine_batch(service, query, body, now)
         if not _is_json(media):
             raise UnsupportedMediaType("Expected request with `Content-Type: application/json`")
-    response = _ROUTE_HANDLERS[(verb, route)](service, param, query, body, now)
+    response = _HANDLERS[route.operation](service, param, query, body, now)
     if head and isinstance(response, Response):
         return Response(response.status, response.headers, b"")
     return response
@@ -351,24 +297,25 @@ def _h_dump(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> 
     return json_response(200, s.dump(params.get("model_name"), params.get("tenant_id")))
 
 
-_ROUTE_HANDLERS: Final[dict[tuple[str, str], Callable[..., Response | Pending]]] = {
-    ("GET", "/health"): _h_health,
-    ("GET", "/ready"): _h_ready,
-    ("GET", "/workers"): _h_workers_get,
-    ("POST", "/workers"): _h_workers_post,
-    ("PATCH", "/workers/{worker_id}"): _h_worker_patch,
-    ("DELETE", "/workers/{worker_id}"): _h_worker_delete,
-    ("POST", "/select"): _h_select,
-    ("POST", "/select_and_reserve"): _h_select_and_reserve,
-    ("POST", "/reservations"): _h_reserve,
-    ("POST", "/reservations/{reservation_id}/prefill_complete"): _h_prefill,
-    ("DELETE", "/reservations/{reservation_id}"): _h_free,
-    ("GET", "/loads"): _h_loads,
-    ("POST", "/potential_loads"): _h_potential,
-    ("POST", "/overlap_scores"): _h_overlap,
-    ("POST", "/kv_events"): _h_events_post,
-    ("GET", "/kv_events"): _h_events_get,
-    ("GET", "/metrics"): _h_metrics,
-    ("GET", "/openapi.json"): _h_openapi,
-    ("GET", "/dump"): _h_dump,
+# route operation (routes.ROUTES) -> its handler
+_HANDLERS: Final[dict[str, Callable[..., Response | Pending]]] = {
+    "health": _h_health,
+    "ready": _h_ready,
+    "list_workers": _h_workers_get,
+    "upsert_worker": _h_workers_post,
+    "patch_worker": _h_worker_patch,
+    "delete_worker": _h_worker_delete,
+    "select": _h_select,
+    "select_and_reserve": _h_select_and_reserve,
+    "reserve": _h_reserve,
+    "prefill_complete": _h_prefill,
+    "free": _h_free,
+    "loads": _h_loads,
+    "potential_loads": _h_potential,
+    "overlap_scores": _h_overlap,
+    "kv_events": _h_events_post,
+    "kv_events_stream": _h_events_get,
+    "metrics": _h_metrics,
+    "openapi": _h_openapi,
+    "dump": _h_dump,
 }

@@ -2,57 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any
 
 import attrs
 
 from .._version import __version__
 from .codec import FACTORY_TYPE
-from .handler import ROUTES
-from .types import (
-    OverlapScoresRequest,
-    PotentialLoadsRequest,
-    ReservationRequest,
-    SelectAndReserveRequest,
-    SelectRequest,
-    WorkerPatchRequest,
-    WorkerRequest,
-)
+from .routes import ROUTES
 
 __all__ = ["document"]
-
-_OPERATIONS: Final = {
-    ("GET", "/health"): ("health", None, (200,)),
-    ("GET", "/ready"): ("ready", None, (200, 503)),
-    ("POST", "/workers"): ("upsert_worker", WorkerRequest, (201, 400, 409, 413, 415, 422)),
-    ("GET", "/workers"): ("list_workers", None, (200, 400)),
-    ("PATCH", "/workers/{worker_id}"): ("patch_worker", WorkerPatchRequest,
-                                        (200, 400, 404, 409, 413, 415, 422)),
-    ("DELETE", "/workers/{worker_id}"): ("delete_worker", None, (200, 400, 404)),
-    ("POST", "/select"): ("select", SelectRequest, (200, 400, 413, 415, 422, 429, 503)),
-    ("POST", "/select_and_reserve"): ("select_and_reserve", SelectAndReserveRequest,
-                                      (200, 400, 409, 413, 415, 422, 429, 500, 503)),
-    ("POST", "/reservations"): ("reserve", ReservationRequest, (201, 400, 404, 409, 413, 415, 422, 429, 503)),
-    ("POST", "/reservations/{reservation_id}/prefill_complete"): ("prefill_complete", None, (200, 400, 404)),
-    ("DELETE", "/reservations/{reservation_id}"): ("free", None, (200, 400, 404)),
-    ("GET", "/loads"): ("loads", None, (200, 400)),
-    ("POST", "/potential_loads"): ("potential_loads", PotentialLoadsRequest, (200, 400, 413, 415, 422, 503)),
-    ("POST", "/overlap_scores"): ("overlap_scores", OverlapScoresRequest, (200, 400, 413, 415, 422, 503)),
-    ("POST", "/kv_events"): ("kv_events", None, (200, 400, 404, 409, 413, 415, 422)),
-    ("GET", "/kv_events"): ("kv_events_stream", None, (101, 400, 426)),
-    ("GET", "/metrics"): ("metrics", None, (200,)),
-    ("GET", "/openapi.json"): ("openapi", None, (200,)),
-    ("GET", "/dump"): ("dump", None, (200, 400)),
-}
-_QUERY: Final = {
-    "/workers": ("model_name", "tenant_id", "routing_group"),
-    "/loads": ("model_name", "tenant_id", "routing_group"),
-    "/dump": ("model_name", "tenant_id", "routing_group"),
-    "/reservations/{reservation_id}/prefill_complete": ("model_name", "tenant_id", "routing_group"),
-    "/reservations/{reservation_id}": ("model_name", "tenant_id", "routing_group"),
-    "/kv_events": ("worker_id", "dp_rank", "model_name", "tenant_id", "routing_group", "framing", "ack"),
-}
-
 
 def _schema(kind: tuple[Any, ...], schemas: dict[str, Any]) -> dict[str, Any]:
     tag = kind[0]
@@ -107,30 +65,25 @@ def document() -> dict[str, Any]:
         "ErrorResponse": {"type": "object", "properties": {"error": {"type": "string"}},
                           "required": ["error"]}}
     paths: dict[str, Any] = {}
-    for route, methods in ROUTES.items():
-        item: dict[str, Any] = {}
-        for method in methods:
-            op_id, body, statuses = _OPERATIONS[(method, route)]
-            params = [{"name": name[1:-1], "in": "path", "required": True, "schema": {"type": "string"}}
-                      for name in route.split("/") if name.startswith("{")]
-            params += [{"name": q, "in": "query", "required": False, "schema": {"type": "string"}}
-                       for q in _QUERY.get(route, ()) if method != "POST" or route == "/kv_events"
-                       or route.endswith("prefill_complete")]
-            op: dict[str, Any] = {"operationId": op_id, "parameters": params, "responses": {}}
-            if body is not None:
-                _component(body, schemas)
-                op["requestBody"] = {"required": True, "content": {"application/json": {
-                    "schema": {"$ref": f"#/components/schemas/{body.__name__}"}}}}
-            elif (method, route) == ("POST", "/kv_events"):
-                op["requestBody"] = {"required": True, "content": {
-                    "application/json": {"schema": {}}, "application/msgpack": {"schema": {}}}}
-            for status in statuses:
-                response: dict[str, Any] = {"description": str(status)}
-                if status >= 400:
-                    response["content"] = {"application/json": {
-                        "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
-                op["responses"][str(status)] = response
-            item[method.lower()] = op
-        paths[route] = item
+    for route in ROUTES:
+        params = [{"name": name[1:-1], "in": "path", "required": True, "schema": {"type": "string"}}
+                  for name in route.template.split("/") if name.startswith("{")]
+        params += [{"name": q, "in": "query", "required": False, "schema": {"type": "string"}}
+                   for q in route.query]
+        op: dict[str, Any] = {"operationId": route.operation, "parameters": params, "responses": {}}
+        if route.body_type is not None:
+            _component(route.body_type, schemas)
+            op["requestBody"] = {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{route.body_type.__name__}"}}}}
+        elif route.body:  # POST /kv_events: JSON events or an engine msgpack batch
+            op["requestBody"] = {"required": True, "content": {
+                "application/json": {"schema": {}}, "application/msgpack": {"schema": {}}}}
+        for status in route.statuses:
+            response: dict[str, Any] = {"description": str(status)}
+            if status >= 400:
+                response["content"] = {"application/json": {
+                    "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+            op["responses"][str(status)] = response
+        paths.setdefault(route.template, {})[route.method.lower()] = op
     return {"openapi": "3.1.0", "info": {"title": "selection-proto", "version": __version__},
             "paths": paths, "components": {"schemas": schemas}}

@@ -45,7 +45,6 @@ from .errors import (
 )
 from .events import Event, decode_json_events, require_worker
 from .freshness import GAP, Break, RankFreshness
-from .handler import ParsedBody
 from .handler import handle as handle_request
 from .index import LOWER_TIERS, IndexError_, Rank
 from .metrics import Metrics
@@ -59,6 +58,7 @@ from .outputs import (
 )
 from .pool import Key, Pool, key_label
 from .prompt import PromptHashes, PromptTooLong, booking_prompt, selection_prompt
+from .routes import ParsedBody
 from .settings import Settings, resolve_weights
 from .streams import EventSource
 from .tracker import DuplicateReservation, rank_text

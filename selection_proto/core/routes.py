@@ -1,0 +1,121 @@
+"""Every route of api.md §1 in one table, read by `handle` (matching, 405s, which routes take a
+body, which handler), by `openapi.document` (operations, parameters, statuses) and by the JSON-RPC
+adapter (method names). A route's facts are written here and nowhere else."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Final, NamedTuple
+
+from .types import (
+    OverlapScoresRequest,
+    PotentialLoadsRequest,
+    ReservationRequest,
+    SelectAndReserveRequest,
+    SelectRequest,
+    WorkerPatchRequest,
+    WorkerRequest,
+)
+
+__all__ = ["EVENT_QUERY", "KEY_QUERY", "MAX_BODY", "PUSH_QUERY", "ROUTES", "Route", "ParsedBody",
+           "allowed_methods", "match", "path_parameter", "route_of"]
+
+MAX_BODY: Final = 8 * 1024 * 1024
+KEY_QUERY: Final = ("model_name", "tenant_id", "routing_group")
+EVENT_QUERY: Final = ("worker_id", "dp_rank", *KEY_QUERY)
+PUSH_QUERY: Final = (*EVENT_QUERY, "framing", "ack")
+
+
+class Route(NamedTuple):
+    method: str
+    template: str
+    operation: str  # the OpenAPI operationId, and the name of the service operation behind it
+    body: bool  # takes a JSON body (`POST /kv_events` also takes msgpack)
+    body_type: type | None  # the request type of that body, when it has one
+    query: tuple[str, ...]  # the query names it reads
+    statuses: tuple[int, ...]  # what it may answer
+    rpc: str | None  # the JSON-RPC method name (transports.md §6.3)
+
+
+_WRITE: Final = (400, 413, 415, 422)
+ROUTES: Final[tuple[Route, ...]] = (
+    Route("GET", "/health", "health", False, None, (), (200,), "health"),
+    Route("GET", "/ready", "ready", False, None, (), (200, 503), "ready"),
+    Route("GET", "/workers", "list_workers", False, None, KEY_QUERY, (200, 400), "workers.list"),
+    Route("POST", "/workers", "upsert_worker", True, WorkerRequest, (), (201, 400, 409, 413, 415, 422),
+          "workers.create"),
+    Route("PATCH", "/workers/{worker_id}", "patch_worker", True, WorkerPatchRequest, (),
+          (200, 400, 404, 409, 413, 415, 422), "workers.update"),
+    Route("DELETE", "/workers/{worker_id}", "delete_worker", False, None, (), (200, 400, 404), "workers.delete"),
+    Route("POST", "/select", "select", True, SelectRequest, (), (200, 400, 413, 415, 422, 429, 503), "select"),
+    Route("POST", "/select_and_reserve", "select_and_reserve", True, SelectAndReserveRequest, (),
+          (200, 400, 409, 413, 415, 422, 429, 500, 503), "select_and_reserve"),
+    Route("POST", "/reservations", "reserve", True, ReservationRequest, (),
+          (201, 400, 404, 409, 413, 415, 422, 429, 503), "reservations.create"),
+    Route("POST", "/reservations/{reservation_id}/prefill_complete", "prefill_complete", False, None, KEY_QUERY,
+          (200, 400, 404), "reservations.prefill_complete"),
+    Route("DELETE", "/reservations/{reservation_id}", "free", False, None, KEY_QUERY, (200, 400, 404),
+          "reservations.free"),
+    Route("GET", "/loads", "loads", False, None, KEY_QUERY, (200, 400), "loads"),
+    Route("POST", "/potential_loads", "potential_loads", True, PotentialLoadsRequest, (),
+          (200, 400, 413, 415, 422, 503), "potential_loads"),
+    Route("POST", "/overlap_scores", "overlap_scores", True, OverlapScoresRequest, (),
+          (200, 400, 413, 415, 422, 503), "overlap_scores"),
+    Route("POST", "/kv_events", "kv_events", True, None, EVENT_QUERY, (200, 400, 404, 409, 413, 415, 422),
+          "kv_events"),
+    Route("GET", "/kv_events", "kv_events_stream", False, None, PUSH_QUERY, (101, 400, 426), None),
+    Route("GET", "/metrics", "metrics", False, None, (), (200,), "metrics"),
+    Route("GET", "/openapi.json", "openapi", False, None, (), (200,), "openapi"),
+    Route("GET", "/dump", "dump", False, None, KEY_QUERY, (200, 400), "dump"),
+)
+
+_BY_KEY: Final = {(r.method, r.template): r for r in ROUTES}
+_METHODS: Final[dict[str, tuple[str, ...]]] = {}
+for _route in ROUTES:
+    _METHODS[_route.template] = (*_METHODS.get(_route.template, ()), _route.method)
+
+
+def route_of(method: str, template: str) -> Route | None:
+    return _BY_KEY.get((method, template))
+
+
+def allowed_methods(template: str) -> tuple[str, ...]:
+    """The methods of a template, in table order (HEAD is implied by GET)."""
+    return _METHODS[template]
+
+
+def path_parameter(template: str) -> str | None:
+    """The name of the template's `{parameter}`, if it has one."""
+    for part in template.split("/"):
+        if part.startswith("{"):
+            return part[1:-1]
+    return None
+
+
+def match(path: str) -> tuple[str, str | None] | None:
+    """(route template, raw path parameter) or None."""
+    if path in _METHODS and "{" not in path:
+        return path, None
+    parts = path.split("/")
+    if len(parts) == 3 and parts[0] == "" and parts[2]:
+        if parts[1] == "workers":
+            return "/workers/{worker_id}", parts[2]
+        if parts[1] == "reservations":
+            return "/reservations/{reservation_id}", parts[2]
+    if len(parts) == 4 and parts[:2] == ["", "reservations"] and parts[2] and parts[3] == "prefill_complete":
+        return "/reservations/{reservation_id}/prefill_complete", parts[2]
+    return None
+
+
+class ParsedBody:
+    """A JSON body that its caller has already parsed, so that it is not encoded and parsed again
+    (JSON lines parse each whole line once). `exact` re-reads the same value with exact integers
+    (see `jsonio.loads_exact`); `size` is the length of the text it came from."""
+
+    __slots__ = ("value", "may_contain_bools", "size", "exact")
+
+    def __init__(self, value: Any, may_contain_bools: bool, size: int, exact: Callable[[], Any]) -> None:
+        self.value = value
+        self.may_contain_bools = may_contain_bools
+        self.size = size
+        self.exact = exact

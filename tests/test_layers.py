@@ -1,0 +1,117 @@
+"""The package's layers: core ← adapters ← transports ← cli, and no import cycle anywhere.
+
+Every import counts, also one inside a function (a lazy import hides a cycle, it does not remove
+it); only `if TYPE_CHECKING:` blocks are left out, since they never run."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import selection_proto
+
+PACKAGE = Path(selection_proto.__file__).parent
+LAYERS = {"core": 0, "adapters": 1, "transports": 2}  # anything else (cli, __main__) is on top
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_blocks(tree: ast.AST) -> set[int]:
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            skipped.update(id(child) for stmt in node.body for child in ast.walk(stmt))
+    return skipped
+
+
+def package_imports(path: Path) -> set[str]:
+    """The `selection_proto` modules `path` imports (a `from X import name` of a submodule counts
+    as that submodule)."""
+    tree = ast.parse(path.read_text())
+    skipped = _type_checking_blocks(tree)
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    modules = {module_name(p) for p in PACKAGE.rglob("*.py")}
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module or ""
+            submodules = {f"{module}.{alias.name}" for alias in node.names} & modules
+            # `from pkg import mod` imports mod; `from mod import name` imports mod.
+            found.update(submodules if submodules else {module})
+    return {m for m in found if m in modules and m != name}
+
+
+def graph() -> dict[str, set[str]]:
+    return {module_name(p): package_imports(p) for p in PACKAGE.rglob("*.py")}
+
+
+def layer(module: str) -> int:
+    parts = module.split(".")
+    return LAYERS.get(parts[1], 3) if len(parts) > 2 else 3
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle() -> None:
+    edges = graph()
+    assert "selection_proto.core.service" in edges
+    assert cycles(edges) == []
+
+
+def test_layers_only_import_downwards() -> None:
+    upward = [f"{module} imports {target}" for module, targets in sorted(graph().items())
+              for target in sorted(targets)
+              if layer(target) > layer(module) and not target.endswith("__init__")
+              and target not in ("selection_proto", "selection_proto._version")]
+    assert upward == []
+
+
+def test_the_checks_can_fail() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert layer("selection_proto.core.service") < layer("selection_proto.adapters.http") \
+        < layer("selection_proto.transports.server") < layer("selection_proto.cli")
