@@ -15,7 +15,7 @@ from typing import Any, Final, NamedTuple, TypeVar
 
 import attrs
 
-from .errors import Unprocessable
+from .errors import ShapeError
 from .hashing import pack_tokens
 from .jsonio import LONE_SURROGATE
 from .wire import parse_uint
@@ -41,7 +41,6 @@ __all__ = [
     "validate_instance",
 ]
 
-SHAPE_PREFIX: Final = "Failed to deserialize the JSON body into the target type: "
 
 U64_MAX: Final = (1 << 64) - 1
 U32_MAX: Final = (1 << 32) - 1
@@ -85,7 +84,7 @@ _EXPECTED: Final = {
 }
 
 
-class FloatForInteger(Unprocessable):
+class FloatForInteger(ShapeError):
     """A float stood where an integer belongs. With orjson that may be an integer beyond 64 bits
     that it parsed as a float, so the bytes layer re-reads the body exactly and checks again."""
 
@@ -125,12 +124,12 @@ def join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
-def shape_error(path: str, reason: str, cls: type[Unprocessable] = Unprocessable) -> Unprocessable:
-    return cls(SHAPE_PREFIX + (f"{path}: {reason}" if path else reason))
+def shape_error(path: str, reason: str, cls: type[ShapeError] = ShapeError) -> ShapeError:
+    return cls(f"{path}: {reason}" if path else reason)
 
 
-def _invalid_type(path: str, value: Any, expected: str) -> Unprocessable:
-    cls = FloatForInteger if isinstance(value, float) and not expected.startswith(("f", "a ")) else Unprocessable
+def _invalid_type(path: str, value: Any, expected: str) -> ShapeError:
+    cls = FloatForInteger if isinstance(value, float) and not expected.startswith(("f", "a ")) else ShapeError
     return shape_error(path, f"invalid type: {describe(value)}, expected {expected}", cls)
 
 

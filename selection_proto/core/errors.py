@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Final
+
 __all__ = [
     "BadRequest",
     "Conflict",
@@ -63,6 +65,26 @@ class UnsupportedMediaType(SelectionError):
 
 class Unprocessable(SelectionError):
     status = 422
+
+
+SHAPE_PREFIX: Final = "Failed to deserialize the JSON body into the target type: "
+
+
+class InvalidJson(BadRequest):
+    """The body is not JSON (api.md §2.2); `detail` says why, without the prefix."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"Failed to parse the request body as JSON: {detail}")
+        self.detail = detail
+
+
+class ShapeError(Unprocessable):
+    """JSON of the wrong shape for its type (api.md §2.3); `detail` is `<path>: <reason>`, or the
+    reason alone at the root."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(SHAPE_PREFIX + detail)
+        self.detail = detail
 
 
 class TooManyRequests(SelectionError):

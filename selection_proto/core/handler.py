@@ -13,6 +13,7 @@ from . import jsonio
 from .codec import FloatForInteger, ShapeContext, from_json
 from .errors import (
     BadRequest,
+    InvalidJson,
     MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
@@ -73,7 +74,7 @@ def _parse_json(body: bytes) -> tuple[Any, bool]:
     try:
         return jsonio.loads_with_hints(body)
     except jsonio.JSONSyntaxError as exc:
-        raise BadRequest(f"Failed to parse the request body as JSON: {exc.detail}") from None
+        raise InvalidJson(exc.detail) from None
 
 
 Body = bytes | ParsedBody

@@ -36,9 +36,11 @@ from .errors import (
     BadRequest,
     Conflict,
     Internal,
+    InvalidJson,
     NotFound,
     NotReady,
     SelectionError,
+    ShapeError,
     StreamError,
     TooManyRequests,
     Unprocessable,
@@ -125,7 +127,7 @@ def decode_stream_message(data: bytes | str) -> DecodedMessage:
     try:
         value, bools = jsonio.loads_with_hints(data)
     except jsonio.JSONSyntaxError as exc:
-        raise BadRequest(f"Failed to parse the request body as JSON: {exc.detail}") from None
+        raise InvalidJson(exc.detail) from None
     return tuple(decode_json_events(value, ShapeContext(may_contain_bools=bools)))
 
 
@@ -1247,18 +1249,14 @@ class SelectionService:
                                           None, now, start, stop)
             return self._stream_json(source, message, now, start, stop)
         except SelectionError as exc:
-            decoding = isinstance(exc, Unprocessable) or (isinstance(exc, BadRequest)
-                                                          and exc.message.startswith("Failed to parse"))
+            decoding = isinstance(exc, (Unprocessable, InvalidJson))
             if source.kind == "subscription":
                 reason = "invalid_message" if decoding else "binding"
                 self.metrics.inc("selection_proto_kv_events_dropped_total", (*source.key, reason))
                 return ApplyReport(received=0, applied=0, failed=0, dropped=1)
             if decoding:
-                detail = exc.message
-                for prefix in ("Failed to deserialize the JSON body into the target type: ",
-                               "Failed to parse the request body as JSON: "):
-                    if detail.startswith(prefix):
-                        detail = "invalid kv event: " + detail[len(prefix):]
+                detail = (f"invalid kv event: {exc.detail}" if isinstance(exc, (ShapeError, InvalidJson))
+                          else exc.message)
                 raise StreamError(1007, detail) from None
             raise StreamError(1008, exc.message) from None
 
@@ -1377,11 +1375,11 @@ class SelectionService:
             try:
                 workers.append(from_json(WorkerRequest, raw))
             except Unprocessable as exc:
-                raise invalid(f"workers[{i}]", exc.message.split(": ", 1)[1]) from None
+                raise invalid(f"workers[{i}]", exc.detail if isinstance(exc, ShapeError) else exc.message) from None
         try:
             events = decode_json_events(dump["events"])
         except Unprocessable as exc:
-            raise invalid("events", exc.message.split(": ", 1)[1]) from None
+            raise invalid("events", exc.detail if isinstance(exc, ShapeError) else exc.message) from None
         ranks = {req.worker_id: dp_range(req) for req in workers}
         for i, event in enumerate(events):
             if event.worker_id not in ranks:
