@@ -1,13 +1,23 @@
-"""Worker metadata rules: derived values, missing metadata, event endpoint validation (core.md §6)."""
+"""The worker catalog (core.md §6): the records and their lifecycle as tables, and the metadata
+rules: derived values, missing metadata, event endpoint validation."""
 
 from __future__ import annotations
 
+import bisect
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Final
+
+from .budget import StateBudget
 from .settings import Settings
-from .types import WorkerRequest
+from .types import WorkerCatalogRecord, WorkerRequest
 from .wire import parse_uint
 
 __all__ = [
+    "LIFECYCLE",
+    "RECONCILE",
     "TOPOLOGY_PREFIX",
+    "Catalog",
     "dp_range",
     "effective_taints",
     "endpoint_failure",
@@ -124,3 +134,146 @@ def endpoint_failure(req: WorkerRequest, settings: Settings) -> str | None:
             if error is not None:
                 return f"invalid replay endpoint for worker {req.worker_id} dp_rank {r}: {error}"
     return None
+
+
+# core.md §6.7, the worker lifecycle: (from, input) -> to. "decided" is `incomplete` or
+# `schedulable`, as the metadata and reconciliation rules find (§6.5); None is "absent".
+LIFECYCLE: Final[dict[tuple[str | None, str], str | None]] = {
+    (None, "POST"): "decided",
+    ("incomplete", "POST"): "decided",
+    ("incomplete", "PATCH"): "decided",
+    ("unschedulable", "POST"): "decided",
+    ("unschedulable", "PATCH"): "decided",
+    ("schedulable", "POST"): "decided",
+    ("schedulable", "PATCH"): "decided",
+    ("incomplete", "DELETE"): "unschedulable",
+    ("schedulable", "DELETE"): "unschedulable",
+    ("unschedulable", "DELETE"): "unschedulable",
+    (None, "PATCH"): None,  # 404
+    (None, "DELETE"): None,  # 404
+    ("unschedulable", "evict"): None,  # the oldest tombstone beyond max_tombstones
+}
+
+# What a reconciliation means for the pools (core.md §6.5): (was schedulable, is schedulable,
+# same key and block size) -> the steps, in order. `update` keeps the worker's bookings and index
+# on the ranks it keeps; `leave` drops them; `join` adds the worker's ranks afresh.
+RECONCILE: Final[dict[tuple[bool, bool, bool], tuple[str, ...]]] = {
+    (True, True, True): ("update",),
+    (True, True, False): ("leave", "join"),
+    (True, False, True): ("leave",),
+    (True, False, False): ("leave",),
+    (False, True, True): ("join",),
+    (False, True, False): ("join",),
+    (False, False, True): (),
+    (False, False, False): (),
+}
+
+
+class Catalog:
+    """Every worker record, deleted ones kept as tombstones (the newest `max_tombstones`).
+
+    Kept with the records, so that reads cost a join and the limits a lookup: each record's
+    JSON (what `/ready` and `/workers` splice, and the budget counts), the (model, tenant, worker)
+    order, the ids of the non-deleted records of each key, and the schedulable count."""
+
+    def __init__(self, budget: StateBudget, max_tombstones: int) -> None:
+        self._budget = budget
+        self._max_tombstones = max_tombstones
+        self._records: dict[int, WorkerCatalogRecord] = {}
+        self._json: dict[int, bytes] = {}
+        self._order: list[tuple[str, str, int]] = []
+        self._ids_by_key: dict[tuple[str, str], set[int]] = {}
+        self._tombstones: OrderedDict[int, None] = OrderedDict()
+        self.schedulable = 0
+
+    def __bool__(self) -> bool:
+        return bool(self._records)
+
+    def get(self, worker_id: int) -> WorkerCatalogRecord | None:
+        return self._records.get(worker_id)
+
+    def __getitem__(self, worker_id: int) -> WorkerCatalogRecord:
+        return self._records[worker_id]
+
+    def values(self) -> Iterable[WorkerCatalogRecord]:
+        return self._records.values()
+
+    def json_size(self, worker_id: int) -> int:
+        return len(self._json.get(worker_id, b""))
+
+    def sorted(self) -> list[WorkerCatalogRecord]:
+        """Every record in (model, tenant, worker) order."""
+        records = self._records
+        return [records[wid] for _, _, wid in self._order]
+
+    def records_json(self, model_name: str | None = None, tenant_id: str | None = None) -> list[bytes]:
+        """The JSON of each record in (model, tenant, worker) order, filtered by key."""
+        order, cached = self._order, self._json
+        if model_name is None:
+            return [cached[wid] for m, t, wid in order if tenant_id is None or t == tenant_id]
+        start = bisect.bisect_left(order, (model_name,))
+        out = []
+        for m, t, wid in order[start:]:
+            if m != model_name:
+                break
+            if tenant_id is None or t == tenant_id:
+                out.append(cached[wid])
+        return out
+
+    def others_in_key(self, key: tuple[str, str], worker_id: int) -> set[int]:
+        """The other non-deleted records of `key`."""
+        return self._ids_by_key.get(key, set()) - {worker_id}
+
+    def live_keys(self, worker_id: int) -> set[tuple[str, str]]:
+        """The keys that would still have a non-deleted record without `worker_id`."""
+        return {k for k, ids in self._ids_by_key.items() if ids - {worker_id}}
+
+    def store(self, record: WorkerCatalogRecord, data: bytes) -> None:
+        """A record written by POST or PATCH, with `data`, its JSON."""
+        wid = record.worker_id
+        previous = self._records.get(wid)
+        if previous is not None:
+            ids = self._ids_by_key.get(previous.key, set())
+            ids.discard(wid)
+            if not ids:
+                self._ids_by_key.pop(previous.key, None)
+        self._ids_by_key.setdefault(record.key, set()).add(wid)
+        self._tombstones.pop(wid, None)
+        self._put(record, data)
+
+    def delete(self, record: WorkerCatalogRecord, data: bytes) -> None:
+        """The `unschedulable` record of a DELETE becomes a tombstone; the oldest beyond
+        `max_tombstones` are forgotten."""
+        wid = record.worker_id
+        self._put(record, data)
+        ids = self._ids_by_key.get(record.key)
+        if ids is not None:
+            ids.discard(wid)
+            if not ids:
+                del self._ids_by_key[record.key]
+        self._tombstones[wid] = None
+        while len(self._tombstones) > self._max_tombstones:
+            oldest, _ = self._tombstones.popitem(last=False)
+            self._forget(oldest)
+
+    def _put(self, record: WorkerCatalogRecord, data: bytes) -> None:
+        wid = record.worker_id
+        old = self._records.get(wid)
+        if old is not None and old.lifecycle == "schedulable":
+            self.schedulable -= 1
+        if old is not None and old.key != record.key:
+            del self._order[bisect.bisect_left(self._order, (*old.key, wid))]
+        if old is None or old.key != record.key:
+            bisect.insort(self._order, (*record.key, wid))
+        if record.lifecycle == "schedulable":
+            self.schedulable += 1
+        self._budget.record_bytes += len(data) - len(self._json.get(wid, b""))
+        self._json[wid] = data
+        self._records[wid] = record
+
+    def _forget(self, worker_id: int) -> None:
+        old = self._records.pop(worker_id)
+        if old.lifecycle == "schedulable":
+            self.schedulable -= 1
+        del self._order[bisect.bisect_left(self._order, (*old.key, worker_id))]
+        self._budget.record_bytes -= len(self._json.pop(worker_id))

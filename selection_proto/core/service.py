@@ -7,12 +7,11 @@ from the injected `random.Random`.
 
 from __future__ import annotations
 
-import bisect
 import math
 import random
 import traceback
 import uuid
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final, NamedTuple
 
@@ -23,7 +22,9 @@ from . import jsonio
 from .admission import QueuedSelection, order_key
 from .budget import InsufficientStorage, StateBudget
 from .catalog import (
+    RECONCILE,
     TOPOLOGY_PREFIX,
+    Catalog,
     dp_range,
     effective_taints,
     endpoint_failure,
@@ -150,16 +151,8 @@ class SelectionService:
         self.settings = settings if settings is not None else Settings()
         self.rng = rng if rng is not None else random.Random(0)
         self.metrics = Metrics()
-        self._records: dict[int, WorkerCatalogRecord] = {}
-        # Kept with the records so that /ready and /workers cost a join, not an encode and a sort
-        # of every record (the readiness probe of a 100k-worker catalog): each record's JSON, the
-        # (model, tenant, worker) order, and the schedulable count.
-        self._record_json: dict[int, bytes] = {}
-        self._order: list[tuple[str, str, int]] = []
-        self._schedulable = 0
         self.budget = StateBudget(self.settings.max_state_bytes)
-        self._tombstones: OrderedDict[int, None] = OrderedDict()
-        self._key_records: dict[Key, set[int]] = {}  # non-deleted records per key
+        self._records = Catalog(self.budget, self.settings.max_tombstones)
         self._keys: dict[Key, Pool] = {}
         self._subscriptions: dict[Rank, tuple[int, str]] = {}  # rank -> (stream, endpoint)
         self._streams: dict[int, EventSource] = {}
@@ -228,59 +221,22 @@ class SelectionService:
 
     def ready(self, *, now: float) -> ReadyResponse:
         self._advance(now)
-        count = self._schedulable
+        count = self._records.schedulable
         return ReadyResponse(ready=count > 0 and not self._shutting_down, schedulable_workers=count,
-                             workers=tuple(self._sorted_records()))
+                             workers=tuple(self._records.sorted()))
 
     def readiness(self, *, now: float) -> tuple[bool, int]:
         """(ready, schedulable workers): `ready()` without building the worker list."""
         self._advance(now)
-        return self._schedulable > 0 and not self._shutting_down, self._schedulable
-
-    def _sorted_records(self) -> list[WorkerCatalogRecord]:
-        records = self._records
-        return [records[wid] for _, _, wid in self._order]
+        count = self._records.schedulable
+        return count > 0 and not self._shutting_down, count
 
     def records_json(self, model_name: str | None = None, tenant_id: str | None = None) -> list[bytes]:
         """The JSON of each record in (model, tenant, worker) order, as `to_json` encodes it."""
-        order, cached = self._order, self._record_json
-        if model_name is None:
-            return [cached[wid] for m, t, wid in order if tenant_id is None or t == tenant_id]
-        start = bisect.bisect_left(order, (model_name,))
-        out = []
-        for m, t, wid in order[start:]:
-            if m != model_name:
-                break
-            if tenant_id is None or t == tenant_id:
-                out.append(cached[wid])
-        return out
-
-    def _store_record(self, record: WorkerCatalogRecord, data: bytes) -> None:
-        """The one place a record is stored, with `data`, its JSON: the cache, the order, the
-        schedulable count and the budget follow."""
-        wid = record.worker_id
-        old = self._records.get(wid)
-        if old is not None and old.lifecycle == "schedulable":
-            self._schedulable -= 1
-        if old is not None and old.key != record.key:
-            del self._order[bisect.bisect_left(self._order, (*old.key, wid))]
-        if old is None or old.key != record.key:
-            bisect.insort(self._order, (*record.key, wid))
-        if record.lifecycle == "schedulable":
-            self._schedulable += 1
-        self.budget.record_bytes += len(data) - len(self._record_json.get(wid, b""))
-        self._record_json[wid] = data
-        self._records[wid] = record
-
-    def _forget_record(self, wid: int) -> None:
-        old = self._records.pop(wid)
-        if old.lifecycle == "schedulable":
-            self._schedulable -= 1
-        del self._order[bisect.bisect_left(self._order, (*old.key, wid))]
-        self.budget.record_bytes -= len(self._record_json.pop(wid))
+        return self._records.records_json(model_name, tenant_id)
 
     def _gate(self, model_name: str, tenant_id: str) -> Pool:
-        if not self._schedulable:
+        if not self._records.schedulable:
             raise NotReady("no schedulable workers are available")
         state = self._keys.get((model_name, tenant_id))
         if state is None or not state.workers:
@@ -303,7 +259,7 @@ class SelectionService:
 
     def list_workers(self, model_name: str | None = None, tenant_id: str | None = None
                      ) -> list[WorkerCatalogRecord]:
-        return [r for r in self._sorted_records()
+        return [r for r in self._records.sorted()
                 if (model_name is None or r.key[0] == model_name)
                 and (tenant_id is None or r.key[1] == tenant_id)]
 
@@ -339,9 +295,9 @@ class SelectionService:
                 raise Conflict(f"subscription limit reached: at most {s.max_subscriptions} "
                                "outbound KV-event subscriptions")
         key = (req.model_name, req.tenant_id)
-        others = self._key_records.get(key, set()) - {req.worker_id}
+        others = self._records.others_in_key(key, req.worker_id)
         if not others:
-            live_keys = {k for k, ids in self._key_records.items() if ids - {req.worker_id}}
+            live_keys = self._records.live_keys(req.worker_id)
             if key not in live_keys and len(live_keys) >= s.max_keys:
                 self.metrics.inc("selection_proto_limit_rejections_total", ("keys",))
                 raise Conflict(f"key limit reached: at most {s.max_keys} model/tenant keys")
@@ -379,25 +335,21 @@ class SelectionService:
         if len(encoded) > limit:
             self.metrics.inc("selection_proto_limit_rejections_total", ("record_bytes",))
             raise Conflict(f"worker record exceeds the limit of {limit} bytes ({len(encoded)} bytes as JSON)")
-        if len(encoded) > len(self._record_json.get(req.worker_id, b"")):
+        if len(encoded) > self._records.json_size(req.worker_id):
             self._check_budget(f"worker {req.worker_id}")
         was = previous is not None and previous.lifecycle == "schedulable"
-        now_sched = lifecycle == "schedulable"
-        if (was and now_sched and previous is not None and previous.key == record.key
-                and previous.request.block_size == req.block_size):
-            self._update_in_place(previous, record)
-        else:
-            if was and previous is not None:
+        same_pool = (previous is not None and previous.key == record.key
+                     and previous.request.block_size == req.block_size)
+        for step in RECONCILE[(was, lifecycle == "schedulable", same_pool)]:
+            if step == "update":
+                assert previous is not None
+                self._update_in_place(previous, record)
+            elif step == "leave":
+                assert previous is not None
                 self._leave(previous)
-            if now_sched:
+            else:
                 self._join(record, now)
-        if previous is not None:
-            self._key_records.get(previous.key, set()).discard(req.worker_id)
-            if not self._key_records.get(previous.key):
-                self._key_records.pop(previous.key, None)
-        self._key_records.setdefault(record.key, set()).add(req.worker_id)
-        self._tombstones.pop(req.worker_id, None)
-        self._store_record(record, encoded)
+        self._records.store(record, encoded)
         self._dispatch(self._keys.get(record.key), now)
         if previous is not None and previous.key != record.key:
             self._dispatch(self._keys.get(previous.key), now)
@@ -485,16 +437,7 @@ class SelectionService:
             self._leave(previous)
             self._dispatch(self._keys.get(previous.key), self._now)
         record = WorkerCatalogRecord(request=previous.request, lifecycle="unschedulable")
-        self._store_record(record, jsonio.dumps(record.to_json()))
-        ids = self._key_records.get(record.key)
-        if ids is not None:
-            ids.discard(worker_id)
-            if not ids:
-                del self._key_records[record.key]
-        self._tombstones[worker_id] = None
-        while len(self._tombstones) > self.settings.max_tombstones:
-            oldest, _ = self._tombstones.popitem(last=False)
-            self._forget_record(oldest)
+        self._records.delete(record, jsonio.dumps(record.to_json()))
         return record
 
     # -- prompts ---------------------------------------------------------------------------------
@@ -1349,7 +1292,7 @@ class SelectionService:
             "version": __version__,
             "keys": [{"model_name": k[0], "tenant_id": k[1], "block_size": self._keys[k].block_size}
                      for k in keys],
-            "workers": [r.request.to_json() for r in self._sorted_records()
+            "workers": [r.request.to_json() for r in self._records.sorted()
                         if r.lifecycle != "unschedulable" and wanted(r.key)],
             "events": events,
         }

@@ -1,0 +1,113 @@
+"""The core's components one at a time, beside the surface tests: catalog, admission queue,
+freshness, state budget, tracker, route table."""
+
+from __future__ import annotations
+
+import pytest
+
+from selection_proto import WorkerRequest
+from selection_proto.core import jsonio
+from selection_proto.core.admission import AdmissionQueue, QueuedSelection, order_key
+from selection_proto.core.budget import BLOCK_BYTES, InsufficientStorage, StateBudget
+from selection_proto.core.catalog import LIFECYCLE, RECONCILE, Catalog
+from selection_proto.core.freshness import GAP, REWIND, RankFreshness
+from selection_proto.core.prompt import PromptHashes
+from selection_proto.core.routes import ROUTES, allowed_methods, match, route_of
+from selection_proto.core.tracker import Tracker
+from selection_proto.core.types import SelectRequest, WorkerCatalogRecord
+
+
+def record(wid: int, model: str = "m", lifecycle: str = "schedulable") -> WorkerCatalogRecord:
+    req = WorkerRequest(worker_id=wid, model_name=model, endpoint="http://w", block_size=4)
+    return WorkerCatalogRecord(request=req, lifecycle=lifecycle)  # type: ignore[arg-type]
+
+
+def test_catalog_keeps_order_json_counts_and_tombstones() -> None:
+    budget = StateBudget(1 << 40)
+    catalog = Catalog(budget, max_tombstones=1)
+    for wid, model in ((3, "b"), (1, "a"), (2, "b")):
+        r = record(wid, model)
+        catalog.store(r, jsonio.dumps(r.to_json()))
+    assert [r.worker_id for r in catalog.sorted()] == [1, 2, 3]
+    assert catalog.records_json("b") == [jsonio.dumps(catalog[2].to_json()), jsonio.dumps(catalog[3].to_json())]
+    assert catalog.schedulable == 3 and catalog.others_in_key(("b", "default"), 2) == {3}
+    moved = record(2, "a")
+    catalog.store(moved, jsonio.dumps(moved.to_json()))
+    assert catalog.others_in_key(("b", "default"), 3) == set() and [r.worker_id for r in catalog.sorted()] == [1, 2, 3]
+    for wid in (1, 2):  # two deletes, one tombstone kept: the older is forgotten
+        gone = WorkerCatalogRecord(request=catalog[wid].request, lifecycle="unschedulable")
+        catalog.delete(gone, jsonio.dumps(gone.to_json()))
+    assert catalog.get(1) is None and catalog[2].lifecycle == "unschedulable"
+    assert catalog.schedulable == 1 and catalog.live_keys(0) == {("b", "default")}
+    assert budget.record_bytes == sum(len(jsonio.dumps(r.to_json())) for r in catalog.values())
+
+
+def test_lifecycle_and_reconcile_tables_cover_every_case() -> None:
+    assert set(RECONCILE) == {(a, b, c) for a in (True, False) for b in (True, False) for c in (True, False)}
+    assert RECONCILE[(True, True, True)] == ("update",) and RECONCILE[(True, True, False)] == ("leave", "join")
+    assert all(LIFECYCLE[(state, "DELETE")] == "unschedulable" for state in ("incomplete", "schedulable",
+                                                                           "unschedulable"))
+    assert LIFECYCLE[(None, "PATCH")] is None
+
+
+def test_admission_queue_runs_in_policy_order() -> None:
+    assert order_key("fcfs", 0, age=5, isl=10, cached=0) > order_key("fcfs", 0, age=9, isl=10, cached=0)
+    assert order_key("lcfs", 0, age=9, isl=10, cached=0) > order_key("lcfs", 0, age=5, isl=10, cached=0)
+    assert order_key("wspt", 0, age=0, isl=10, cached=8) > order_key("wspt", 0, age=0, isl=10, cached=0)
+    assert order_key("wspt", 0, age=0, isl=4, cached=9) == 1.0  # never divides by zero
+    queue = AdmissionQueue()
+    req = SelectRequest(token_ids=[1])
+    entries = [QueuedSelection(t, order, req, None, PromptHashes([], None, 1), at)
+               for t, order, at in ((1, 0.0, 0.0), (2, 5.0, 1.0), (3, 0.0, 2.0))]
+    for entry in entries:
+        queue.push(entry)
+    assert [e.ticket for e in queue] == [2, 1, 3]  # higher order first, then arrival
+    assert [e.ticket for e in queue.late(now=10.5, timeout=9.0)] == [2, 1]
+    assert queue.oldest() == 0.0 and queue.find(3) is entries[2]
+    assert queue.remove(entries[2]) and not queue.remove(entries[2])
+    assert [e.ticket for e in queue.take_all()] == [2, 1] and len(queue) == 0 and queue.oldest() is None
+
+
+def test_freshness_continuity_step() -> None:
+    fresh = RankFreshness()
+    assert fresh.note_event_id(5, now=1.0) is None  # the first sets the baseline
+    assert fresh.note_event_id(None, now=2.0) is None and fresh.last_event_id == 6
+    assert fresh.note_event_id(9, now=3.0) == (GAP, 2) and fresh.stale and fresh.missing_events == 2
+    fresh.mark_cleared()
+    assert not fresh.stale
+    assert fresh.note_seq(4) is None and fresh.note_seq(3) == (REWIND, 0) and fresh.rewinds == 1
+    fresh.loss_pending = True
+    assert fresh.note_seq(4) is None and not fresh.loss_pending and fresh.age(5.0) == 2.0
+
+
+def test_state_budget_refuses_once_used_up() -> None:
+    budget = StateBudget(limit=10 * BLOCK_BYTES)
+    budget.check("x")
+    budget.index_blocks = 10
+    assert budget.exhausted and budget.used == 10 * BLOCK_BYTES
+    with pytest.raises(InsufficientStorage) as info:
+        budget.check("booking r1")
+    assert info.value.status == 507 and info.value.message.startswith("state budget exhausted: booking r1 refused")
+
+
+def test_tracker_drops_ranks_and_their_bookings_in_one_pass() -> None:
+    budget = StateBudget(1 << 40)
+    tracker = Tracker(100, "model=m tenant=default", budget)
+    for dp in range(4):
+        tracker.add_rank((1, dp))
+    for i in range(8):
+        tracker.book(f"r{i}", (1, i % 4), [i, i + 100], 5, None, now=0.0)
+    assert (budget.bookings, budget.booked_blocks) == (8, 16)
+    assert sorted(tracker.drop_ranks({(1, 0), (1, 1)})) == ["r0", "r1", "r4", "r5"]
+    assert (budget.bookings, budget.booked_blocks) == (4, 8) and set(tracker.loads) == {(1, 2), (1, 3)}
+
+
+def test_the_route_table_is_consistent() -> None:
+    assert len({(r.method, r.template) for r in ROUTES}) == len(ROUTES)
+    assert len({r.operation for r in ROUTES}) == len(ROUTES)
+    rpc = [r.rpc for r in ROUTES if r.rpc is not None]
+    assert len(set(rpc)) == len(rpc)
+    assert allowed_methods("/kv_events") == ("POST", "GET") and route_of("GET", "/select") is None
+    assert match("/reservations/a%2Fb/prefill_complete") == ("/reservations/{reservation_id}/prefill_complete", "a%2Fb")
+    assert match("/workers/7") == ("/workers/{worker_id}", "7") and match("/nope") is None
+    assert all(r.body_type is None or r.body for r in ROUTES)
