@@ -13,7 +13,7 @@ import traceback
 import uuid
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Final, NamedTuple
+from typing import Any, Final
 
 import attrs
 
@@ -32,6 +32,7 @@ from .catalog import (
     missing_metadata,
 )
 from .codec import ShapeContext, from_json
+from .cost import NO_OVERRIDE, Scored, choose, effective_blocks, explain, score
 from .engine import EngineBatch, InvalidBatch, NamespaceMemory, convert, decode_batch
 from .errors import (
     BadRequest,
@@ -62,12 +63,11 @@ from .outputs import (
 from .pool import Key, Pool, key_label
 from .prompt import PromptHashes, PromptTooLong, booking_prompt, selection_prompt
 from .routes import ParsedBody
-from .settings import Settings, resolve_weights
+from .settings import Settings
 from .streams import EventSource
 from .tracker import DuplicateReservation, rank_text
 from .types import (
     ApplyReport,
-    Candidate,
     Excluded,
     ModelLoadResponse,
     OverlapScoresRequest,
@@ -94,20 +94,6 @@ __all__ = ["SelectionService"]
 SHUTTING_DOWN: Final = "selection service is shutting down"
 MAX_FAILURES: Final = 100
 _PATCH_FIELDS: Final = tuple(f.name for f in attrs.fields(WorkerPatchRequest))
-
-
-class _Scored(NamedTuple):
-    """One candidate's cost and its parts (a tuple: built for every candidate of every select)."""
-
-    rank: Rank
-    logit: float
-    prefill_tokens: int
-    decode_blocks: int
-    device: int
-    host_ext: int
-    disk_ext: int
-    effective: float
-    cached: int
 
 
 DecodedMessage = tuple[Event, ...] | EngineBatch
@@ -463,10 +449,6 @@ class SelectionService:
             disk[r] = disk.get(r, 0) + n
         return device, host, disk
 
-    def _effective(self, device: int, host: int, disk: int) -> float:
-        return (device + self.settings.host_cache_hit_weight * host
-                + self.settings.disk_cache_hit_weight * disk)
-
     # -- selection -----------------------------------------------------------------------------
 
     def select(self, req: SelectRequest, *, now: float) -> SelectResponse | Pending:
@@ -564,91 +546,6 @@ class SelectionService:
             raise TooManyRequests("all eligible workers are overloaded")
         return kept
 
-    def _score(self, req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: list[Rank],
-               estimates: tuple[dict[Rank, int], dict[Rank, int], dict[Rank, int]]) -> list[_Scored]:
-        s = self.settings
-        o = req.router_config_override or _NO_OVERRIDE
-        base_scale, base_credit = resolve_weights(s.overlap_score_weight, s.prefill_load_scale,
-                                                  s.overlap_score_credit, 1.0, 1.0)
-        scale, credit = resolve_weights(o.overlap_score_weight, o.prefill_load_scale,
-                                        o.overlap_score_credit, base_scale, base_credit)
-        track = s.track_prefill_tokens if o.track_prefill_tokens is None else o.track_prefill_tokens
-        bs = state.block_size
-        isl = prompt.isl
-        w_host, w_disk = s.host_cache_hit_weight, s.disk_cache_hit_weight
-        w_req = s.decode_active_request_weight
-        device, host, disk = estimates
-        loads = state.tracker.loads
-        track_blocks = s.track_active_blocks
-        decay_setting = s.overlap_score_credit_decay
-        use_decay = decay_setting != 0 and track
-        if use_decay:
-            min_prefill = min(loads[r].prefill_tokens for r in candidates)
-            query_blocks = max(1, math.ceil(isl / bs))
-        preferred = req.routing_constraints.preferred_taints
-        floor = math.floor
-        scored: list[_Scored] = []
-        append = scored.append
-        for r in candidates:
-            load = loads[r]
-            d = device.get(r, 0)
-            h = host.get(r, 0) if host else 0
-            k = disk.get(r, 0) if disk else 0
-            effective = d + w_host * h + w_disk * k
-            cached = floor(effective * bs + 0.5)  # effective >= 0: floor(x + 0.5) rounds half up
-            new_prefill = isl - cached if isl > cached else 0
-            active_prefill = load.prefill_tokens
-            raw_prefill_blocks = (active_prefill + new_prefill + cached) / bs if track else 0.0
-            decay = 1.0
-            if use_decay:
-                decay = 1.0 / (1.0 + decay_setting * ((active_prefill - min_prefill) / bs)
-                               / query_blocks)
-            credit_blocks = credit * decay * d + w_host * h + w_disk * k
-            decode_blocks = len(load.unique)
-            if track_blocks:
-                decode_blocks += prompt.new_blocks(load)
-            excess = raw_prefill_blocks - credit_blocks
-            logit = scale * (excess if excess > 0.0 else 0.0) + decode_blocks + w_req * load.requests
-            if preferred:
-                taints = state.taints[r[0]]
-                weight = sum(w for t, w in preferred.items() if t in taints)
-                logit *= math.exp(-math.tanh(weight))
-            append(_Scored(r, logit, active_prefill + (new_prefill if track else 0),
-                           decode_blocks, d, h, k, effective, cached))
-        return scored
-
-    def _choose(self, state: Pool, scored: list[_Scored], temperature: float) -> _Scored:
-        if len(scored) == 1:
-            return scored[0]
-        lo = min(c.logit for c in scored)
-        hi = max(c.logit for c in scored)
-        spread = (hi - lo) * temperature
-        if temperature == 0 or (lo != hi and not spread > 0):
-            # A temperature so small that the spread underflows to zero degrades to the
-            # minimum-cost rule instead of dividing by zero (an infinite spread is uniform).
-            best = lo
-            tied = [c for c in scored if c.logit == best]
-            if len(tied) > 1:
-                tree = state.index.device
-                sizes = [tree.size(c.rank) for c in tied]
-                smallest = min(sizes)
-                tied = [c for c, size in zip(tied, sizes, strict=True) if size == smallest]
-            if len(tied) == 1:
-                return tied[0]
-            return tied[self.rng.randrange(len(tied))]
-        if lo == hi:
-            weights = [1.0] * len(scored)
-        else:
-            weights = [math.exp(-(c.logit - lo) / spread) for c in scored]
-        total = sum(weights)
-        u = self.rng.random()
-        cumulative = 0.0
-        for c, w in zip(scored, weights, strict=False):
-            cumulative += w / total
-            if cumulative >= u:
-                return c
-        return scored[-1]
-
     def _select(self, req: SelectRequest, now: float, reserve: bool) -> SelectResponse | Pending:
         """Steps 2-11 of core.md §9.7."""
         if self._shutting_down:
@@ -677,11 +574,11 @@ class SelectionService:
                           now: float) -> SelectResponse:
         """Steps 9-11: overload filter, cost, choice, booking, answer."""
         candidates = self._filter_overloaded(req, state, candidates, excluded)
-        scored = self._score(req, state, prompt, candidates, estimates)
+        scored = score(req, state, prompt, candidates, estimates, self.settings)
         o = req.router_config_override
         temperature = (o.router_temperature if o is not None and o.router_temperature is not None
                        else self.settings.temperature)
-        chosen = self._choose(state, scored, temperature)
+        chosen = choose(state, scored, temperature, self.rng)
         if rid is not None:
             self._book(state, rid, chosen.rank, prompt, chosen.cached, o, req.expected_output_tokens,
                        now, wrap=True)
@@ -694,7 +591,7 @@ class SelectionService:
             cached_tokens=chosen.cached, block_size=state.block_size,
         )
         if req.explain:
-            response = attrs.evolve(response, candidates=_explain(scored),
+            response = attrs.evolve(response, candidates=explain(scored),
                                     excluded=tuple(Excluded(worker_id=r[0], dp_rank=r[1], reason=why)
                                                    for r, why in sorted(excluded.items())))
         return response
@@ -719,8 +616,8 @@ class SelectionService:
         cached = 0
         if s.queue_policy == "wspt":
             device, host, disk = estimates
-            cached = max(max(0, math.floor(self._effective(device.get(r, 0), host.get(r, 0),
-                                                           disk.get(r, 0)) * state.block_size + 0.5))
+            cached = max(max(0, math.floor(effective_blocks(
+                device.get(r, 0), host.get(r, 0), disk.get(r, 0), s) * state.block_size + 0.5))
                          for r in candidates)
         order = order_key(s.queue_policy, max(0.0, req.priority_jump or 0.0), now - state.epoch,
                           prompt.isl, cached)
@@ -801,8 +698,8 @@ class SelectionService:
         self.metrics.inc("selection_proto_queue_events_total", (*state.key, "cancelled"))
         return True
 
-    def _observe_selection(self, state: Pool, prompt: PromptHashes, chosen: _Scored,
-                           scored: list[_Scored]) -> None:
+    def _observe_selection(self, state: Pool, prompt: PromptHashes, chosen: Scored,
+                           scored: list[Scored]) -> None:
         if prompt.isl > 0:
             self.metrics.observe("selection_proto_predicted_hit_ratio", state.key,
                                  chosen.cached / prompt.isl)
@@ -813,7 +710,7 @@ class SelectionService:
               override: RouterConfigOverride | None, expected_output_tokens: int | None,
               now: float, *, wrap: bool) -> None:
         s = self.settings
-        o = override or _NO_OVERRIDE
+        o = override or NO_OVERRIDE
         track = s.track_prefill_tokens if o.track_prefill_tokens is None else o.track_prefill_tokens
         reuse = s.assume_kv_reuse if o.assume_kv_reuse is None else o.assume_kv_reuse
         self._expire(state, now)
@@ -852,7 +749,8 @@ class SelectionService:
         cached = 0
         if prompt.blocks:
             device, host, disk = self._estimates(state, prompt.blocks)
-            effective = self._effective(device.get(rank, 0), host.get(rank, 0), disk.get(rank, 0))
+            effective = effective_blocks(device.get(rank, 0), host.get(rank, 0), disk.get(rank, 0),
+                                         self.settings)
             cached = max(0, math.floor(effective * state.block_size + 0.5))
         self._book(state, req.reservation_id, rank, prompt, cached, req.router_config_override,
                    req.expected_output_tokens, now, wrap=False)
@@ -922,14 +820,14 @@ class SelectionService:
         self._advance(now)
         state = self._gate(req.model_name, req.tenant_id)
         prompt = self._prompt(req, state)
-        o = req.router_config_override or _NO_OVERRIDE
+        o = req.router_config_override or NO_OVERRIDE
         s = self.settings
         track = s.track_prefill_tokens if o.track_prefill_tokens is None else o.track_prefill_tokens
         device, host, disk = self._estimates(state, prompt.blocks)
         out = []
         for r in state.ranks():
             load = state.tracker.loads[r]
-            effective = self._effective(device.get(r, 0), host.get(r, 0), disk.get(r, 0))
+            effective = effective_blocks(device.get(r, 0), host.get(r, 0), disk.get(r, 0), self.settings)
             cached = max(0, math.floor(effective * state.block_size + 0.5))
             decode = len(load.unique) + (prompt.new_blocks(load) if s.track_active_blocks else 0)
             out.append(PotentialLoad(
@@ -952,7 +850,7 @@ class SelectionService:
             fresh = state.fresh.get(r) or RankFreshness()
             rows.append({"worker_id": r[0], "dp_rank": r[1], "device_blocks": d,
                          "host_pinned_extension_blocks": h, "disk_extension_blocks": k,
-                         "router_credit_blocks": float(self._effective(d, h, k)),
+                         "router_credit_blocks": float(effective_blocks(d, h, k, self.settings)),
                          "last_event_id": fresh.last_event_id,
                          "last_event_age_secs": fresh.age(now), "stale": fresh.stale})
         freshness = []
@@ -1391,16 +1289,5 @@ class SelectionService:
         return handle_request(self, method, path, query, headers, body, now)
 
 
-_NO_OVERRIDE: Final = RouterConfigOverride()
-
-
-def _explain(scored: list[_Scored]) -> tuple[Candidate, ...]:
-    ordered = sorted(scored, key=lambda c: (c.logit, c.rank))
-    return tuple(
-        Candidate(worker_id=c.rank[0], dp_rank=c.rank[1], logit=float(c.logit),
-                  potential_prefill_tokens=c.prefill_tokens, potential_decode_blocks=c.decode_blocks,
-                  device_blocks=c.device, host_pinned_blocks=c.device + c.host_ext,
-                  disk_blocks=c.device + c.host_ext + c.disk_ext, cached_tokens=c.cached)
-        for c in ordered)
 
 

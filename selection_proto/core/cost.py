@@ -1,0 +1,140 @@
+"""The cost of a candidate rank and the choice among them (core.md §9.5-§9.6): cached and new
+prefill work against the overlap credit, decode blocks and active requests, preferred taints;
+then the minimum or a softmax draw. Pure functions over one pool's state."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Final, NamedTuple
+
+from .index import Rank
+from .pool import Pool
+from .prompt import PromptHashes
+from .settings import Settings, resolve_weights
+from .types import Candidate, RouterConfigOverride, SelectRequest
+
+__all__ = ["NO_OVERRIDE", "Estimates", "Scored", "choose", "effective_blocks", "explain", "score"]
+
+NO_OVERRIDE: Final = RouterConfigOverride()
+# Device prefix, host extension and disk+external extension blocks per rank (core.md §7.4).
+Estimates = tuple[dict[Rank, int], dict[Rank, int], dict[Rank, int]]
+
+
+class Scored(NamedTuple):
+    """One candidate's cost and its parts (a tuple: built for every candidate of every select)."""
+
+    rank: Rank
+    logit: float
+    prefill_tokens: int
+    decode_blocks: int
+    device: int
+    host_ext: int
+    disk_ext: int
+    effective: float
+    cached: int
+
+
+def effective_blocks(device: int, host: int, disk: int, s: Settings) -> float:
+    """Overlap blocks with lower tiers discounted by their weights (core.md §7.4)."""
+    return device + s.host_cache_hit_weight * host + s.disk_cache_hit_weight * disk
+
+
+def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: list[Rank],
+          estimates: Estimates, s: Settings) -> list[Scored]:
+    """Every candidate's cost (core.md §9.5). The hot loop of a selection: one pass, locals
+    bound once, the rounding of `cached_tokens` inlined."""
+    o = req.router_config_override or NO_OVERRIDE
+    base_scale, base_credit = resolve_weights(s.overlap_score_weight, s.prefill_load_scale,
+                                              s.overlap_score_credit, 1.0, 1.0)
+    scale, credit = resolve_weights(o.overlap_score_weight, o.prefill_load_scale,
+                                    o.overlap_score_credit, base_scale, base_credit)
+    track = s.track_prefill_tokens if o.track_prefill_tokens is None else o.track_prefill_tokens
+    bs = state.block_size
+    isl = prompt.isl
+    w_host, w_disk = s.host_cache_hit_weight, s.disk_cache_hit_weight
+    w_req = s.decode_active_request_weight
+    device, host, disk = estimates
+    loads = state.tracker.loads
+    track_blocks = s.track_active_blocks
+    decay_setting = s.overlap_score_credit_decay
+    use_decay = decay_setting != 0 and track
+    if use_decay:
+        min_prefill = min(loads[r].prefill_tokens for r in candidates)
+        query_blocks = max(1, math.ceil(isl / bs))
+    preferred = req.routing_constraints.preferred_taints
+    floor = math.floor
+    scored: list[Scored] = []
+    append = scored.append
+    for r in candidates:
+        load = loads[r]
+        d = device.get(r, 0)
+        h = host.get(r, 0) if host else 0
+        k = disk.get(r, 0) if disk else 0
+        effective = d + w_host * h + w_disk * k
+        cached = floor(effective * bs + 0.5)  # effective >= 0: floor(x + 0.5) rounds half up
+        new_prefill = isl - cached if isl > cached else 0
+        active_prefill = load.prefill_tokens
+        raw_prefill_blocks = (active_prefill + new_prefill + cached) / bs if track else 0.0
+        decay = 1.0
+        if use_decay:
+            decay = 1.0 / (1.0 + decay_setting * ((active_prefill - min_prefill) / bs)
+                           / query_blocks)
+        credit_blocks = credit * decay * d + w_host * h + w_disk * k
+        decode_blocks = len(load.unique)
+        if track_blocks:
+            decode_blocks += prompt.new_blocks(load)
+        excess = raw_prefill_blocks - credit_blocks
+        logit = scale * (excess if excess > 0.0 else 0.0) + decode_blocks + w_req * load.requests
+        if preferred:
+            taints = state.taints[r[0]]
+            weight = sum(w for t, w in preferred.items() if t in taints)
+            logit *= math.exp(-math.tanh(weight))
+        append(Scored(r, logit, active_prefill + (new_prefill if track else 0),
+                       decode_blocks, d, h, k, effective, cached))
+    return scored
+
+
+def choose(state: Pool, scored: list[Scored], temperature: float, rng: random.Random) -> Scored:
+    """The minimum cost at temperature 0 (ties: the rank with the fewest cached blocks, then
+    at random), else a softmax draw over the costs (core.md §9.6)."""
+    if len(scored) == 1:
+        return scored[0]
+    lo = min(c.logit for c in scored)
+    hi = max(c.logit for c in scored)
+    spread = (hi - lo) * temperature
+    if temperature == 0 or (lo != hi and not spread > 0):
+        # A temperature so small that the spread underflows to zero degrades to the
+        # minimum-cost rule instead of dividing by zero (an infinite spread is uniform).
+        best = lo
+        tied = [c for c in scored if c.logit == best]
+        if len(tied) > 1:
+            tree = state.index.device
+            sizes = [tree.size(c.rank) for c in tied]
+            smallest = min(sizes)
+            tied = [c for c, size in zip(tied, sizes, strict=True) if size == smallest]
+        if len(tied) == 1:
+            return tied[0]
+        return tied[rng.randrange(len(tied))]
+    if lo == hi:
+        weights = [1.0] * len(scored)
+    else:
+        weights = [math.exp(-(c.logit - lo) / spread) for c in scored]
+    total = sum(weights)
+    u = rng.random()
+    cumulative = 0.0
+    for c, w in zip(scored, weights, strict=False):
+        cumulative += w / total
+        if cumulative >= u:
+            return c
+    return scored[-1]
+
+
+def explain(scored: list[Scored]) -> tuple[Candidate, ...]:
+    ordered = sorted(scored, key=lambda c: (c.logit, c.rank))
+    return tuple(
+        Candidate(worker_id=c.rank[0], dp_rank=c.rank[1], logit=float(c.logit),
+                  potential_prefill_tokens=c.prefill_tokens, potential_decode_blocks=c.decode_blocks,
+                  device_blocks=c.device, host_pinned_blocks=c.device + c.host_ext,
+                  disk_blocks=c.device + c.host_ext + c.disk_ext, cached_tokens=c.cached)
+        for c in ordered)
