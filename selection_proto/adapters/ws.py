@@ -33,7 +33,8 @@ from ..core import jsonio
 from ..core.engine import EngineBatch
 from ..core.errors import SelectionError, StreamError
 from ..core.routes import PUSH_QUERY
-from ..core.service import DecodedMessage, SelectionService, decode_or_error
+from ..core.service import SelectionService
+from ..core.streams import DecodedMessage, decode_or_error
 from ..core.wire import parse_query, query_int
 
 __all__ = ["LARGE_MESSAGE", "MAX_MESSAGE", "SLICE_EVENTS", "ForwardingClient", "LargeMessage", "PushSession", "SubscriptionSession", "check_handshake", "cut_reason", "server_handshake"]

@@ -12,7 +12,7 @@ import random
 import traceback
 import uuid
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
 import attrs
@@ -31,9 +31,8 @@ from .catalog import (
     event_endpoints,
     missing_metadata,
 )
-from .codec import ShapeContext, from_json
 from .cost import NO_OVERRIDE, Scored, choose, effective_blocks, explain, score
-from .engine import EngineBatch, InvalidBatch, NamespaceMemory, convert, decode_batch
+from .engine import EngineBatch, NamespaceMemory, convert
 from .errors import (
     BadRequest,
     Conflict,
@@ -47,7 +46,7 @@ from .errors import (
     TooManyRequests,
     Unprocessable,
 )
-from .events import Event, decode_json_events, require_worker
+from .events import Event, require_worker
 from .freshness import GAP, Break, RankFreshness
 from .handler import handle as handle_request
 from .index import LOWER_TIERS, IndexError_, Rank
@@ -64,7 +63,8 @@ from .pool import Key, Pool, key_label
 from .prompt import PromptHashes, PromptTooLong, booking_prompt, selection_prompt
 from .routes import ParsedBody
 from .settings import Settings
-from .streams import EventSource
+from .snapshot import dump_of, parse_dump
+from .streams import DecodedMessage, EventSource, decode_engine_batch, decode_stream_message
 from .tracker import DuplicateReservation, rank_text
 from .types import (
     ApplyReport,
@@ -94,37 +94,6 @@ __all__ = ["SelectionService"]
 SHUTTING_DOWN: Final = "selection service is shutting down"
 MAX_FAILURES: Final = 100
 _PATCH_FIELDS: Final = tuple(f.name for f in attrs.fields(WorkerPatchRequest))
-
-
-DecodedMessage = tuple[Event, ...] | EngineBatch
-
-
-def decode_engine_batch(payload: bytes) -> EngineBatch:
-    try:
-        return decode_batch(payload)
-    except InvalidBatch as exc:
-        raise Unprocessable(f"invalid engine batch: {exc.detail}") from None
-
-
-def decode_stream_message(data: bytes | str) -> DecodedMessage:
-    """The events of one stream message, checked whole; raises SelectionError. Pure (no service
-    state), so a large message may be decoded in a worker thread while the loop serves others."""
-    if isinstance(data, bytes):
-        return decode_engine_batch(data)
-    try:
-        value, bools = jsonio.loads_with_hints(data)
-    except jsonio.JSONSyntaxError as exc:
-        raise InvalidJson(exc.detail) from None
-    return tuple(decode_json_events(value, ShapeContext(may_contain_bools=bools)))
-
-
-def decode_or_error(data: bytes | str) -> DecodedMessage | SelectionError:
-    """`decode_stream_message` with its refusal returned, for a caller in another thread."""
-    try:
-        with jsonio.gc_paused():
-            return decode_stream_message(data)
-    except SelectionError as exc:
-        return exc
 
 
 STATE_BUDGET_EXHAUSTED: Final = IndexError_("Failed to apply event: state budget exhausted", "state_budget")
@@ -1171,66 +1140,20 @@ class SelectionService:
     # -- dump ----------------------------------------------------------------------------------
 
     def dump(self, model_name: str | None = None, tenant_id: str | None = None) -> dict[str, Any]:
-        """A replayable snapshot of catalog and index (api.md §7)."""
-        def wanted(key: Key) -> bool:
-            return (model_name is None or key[0] == model_name) and (
-                tenant_id is None or key[1] == tenant_id)
-
-        keys = [k for k in sorted(self._keys) if wanted(k)]
-        events: list[dict[str, Any]] = []
-        for key in keys:
-            for tier, rank, parent, blocks in self._keys[key].index.dump():
-                events.append({
-                    "worker_id": rank[0], "storage_tier": tier,
-                    "event": {"event_id": len(events), "dp_rank": rank[1], "data": {"stored": {
-                        "parent_hash": parent,
-                        "blocks": [{"block_hash": e, "tokens_hash": t} for e, t in blocks]}}}})
-        return {
-            "format": "selection-proto-dump/1",
-            "version": __version__,
-            "keys": [{"model_name": k[0], "tenant_id": k[1], "block_size": self._keys[k].block_size}
-                     for k in keys],
-            "workers": [r.request.to_json() for r in self._records.sorted()
-                        if r.lifecycle != "unschedulable" and wanted(r.key)],
-            "events": events,
-        }
+        """A replayable snapshot of catalog and index (api.md §7), filtered by key."""
+        return dump_of(self._records.sorted(), {k: (p.block_size, p.index) for k, p in self._keys.items()},
+                       model_name, tenant_id)
 
     def restore(self, dump: Any, *, now: float) -> None:
         """Replay a `/dump` into this empty service (api.md §7): validated whole first."""
         now = self._advance(now)
         if self._records:
             raise Conflict("restore needs an empty catalog")
-
-        def invalid(path: str, reason: str) -> Unprocessable:
-            return Unprocessable(f"invalid dump: {path}: {reason}")
-
-        if not isinstance(dump, Mapping):
-            raise invalid("(root)", "expected a map")
-        if dump.get("format") != "selection-proto-dump/1":
-            raise invalid("format", "expected \"selection-proto-dump/1\"")
-        for name in ("keys", "workers", "events"):
-            if not isinstance(dump.get(name), list):
-                raise invalid(name, "expected a sequence")
-        workers = []
-        for i, raw in enumerate(dump["workers"]):
-            try:
-                workers.append(from_json(WorkerRequest, raw))
-            except Unprocessable as exc:
-                raise invalid(f"workers[{i}]", exc.detail if isinstance(exc, ShapeError) else exc.message) from None
-        try:
-            events = decode_json_events(dump["events"])
-        except Unprocessable as exc:
-            raise invalid("events", exc.detail if isinstance(exc, ShapeError) else exc.message) from None
-        ranks = {req.worker_id: dp_range(req) for req in workers}
-        for i, event in enumerate(events):
-            if event.worker_id not in ranks:
-                raise invalid(f"events[{i}].worker_id", f"worker {event.worker_id} is not in the dump")
-            if (event.dp_rank or 0) not in ranks[event.worker_id]:
-                raise invalid(f"events[{i}].event.dp_rank", f"not a rank of worker {event.worker_id}")
-        for req in workers:
+        plan = parse_dump(dump)
+        for req in plan.workers:
             self.upsert_worker(req, now=now)
         bound = []
-        for event in events:
+        for event in plan.events:
             try:
                 bound.append((event, *self._bind(event.worker_id or 0, event.dp_rank, None, None)))
             except SelectionError:

@@ -13,10 +13,15 @@ prove continuity (a seq) or the rank is stale."""
 
 from __future__ import annotations
 
+from . import jsonio
+from .codec import ShapeContext
+from .engine import EngineBatch, InvalidBatch, decode_batch
+from .errors import InvalidJson, SelectionError, Unprocessable
+from .events import Event, decode_json_events
 from .index import Rank
 from .pool import Key
 
-__all__ = ["EventSource"]
+__all__ = ["DecodedMessage", "EventSource", "decode_engine_batch", "decode_or_error", "decode_stream_message"]
 
 
 class EventSource:
@@ -33,3 +38,34 @@ class EventSource:
         self.delivered: set[Rank] = set()  # ranks this stream fed since it (re)connected
         self.connected = kind == "push"
         self.first = True  # no message seen since it (re)connected
+
+
+DecodedMessage = tuple[Event, ...] | EngineBatch
+
+
+def decode_engine_batch(payload: bytes) -> EngineBatch:
+    try:
+        return decode_batch(payload)
+    except InvalidBatch as exc:
+        raise Unprocessable(f"invalid engine batch: {exc.detail}") from None
+
+
+def decode_stream_message(data: bytes | str) -> DecodedMessage:
+    """The events of one stream message, checked whole; raises SelectionError. Pure (no service
+    state), so a large message may be decoded in a worker thread while the loop serves others."""
+    if isinstance(data, bytes):
+        return decode_engine_batch(data)
+    try:
+        value, bools = jsonio.loads_with_hints(data)
+    except jsonio.JSONSyntaxError as exc:
+        raise InvalidJson(exc.detail) from None
+    return tuple(decode_json_events(value, ShapeContext(may_contain_bools=bools)))
+
+
+def decode_or_error(data: bytes | str) -> DecodedMessage | SelectionError:
+    """`decode_stream_message` with its refusal returned, for a caller in another thread."""
+    try:
+        with jsonio.gc_paused():
+            return decode_stream_message(data)
+    except SelectionError as exc:
+        return exc

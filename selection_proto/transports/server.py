@@ -12,7 +12,8 @@ import anyio.abc
 from ..adapters.http import HttpConnection
 from ..adapters.ws import PushSession
 from ..core.outputs import CloseEventStream, InternalError, OutputEvent, SelectionReady
-from ..core.service import SelectionService, decode_or_error
+from ..core.service import SelectionService
+from ..core.streams import decode_or_error
 from ..core.wire import error_response
 from .logs import log, log_internal_error
 from .subscriber import Subscriptions
