@@ -115,3 +115,12 @@ def test_the_checks_can_fail() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert layer("selection_proto.core.service") < layer("selection_proto.adapters.http") \
         < layer("selection_proto.transports.server") < layer("selection_proto.cli")
+
+
+def test_adapters_and_transports_record_through_observe() -> None:
+    """Telemetry from outside the core goes through `SelectionService.observe` (and the core's
+    named methods), never around it into `service.metrics`."""
+    around = [f"{path.relative_to(PACKAGE)}:{n}" for folder in ("adapters", "transports")
+              for path in sorted((PACKAGE / folder).glob("*.py"))
+              for n, line in enumerate(path.read_text().splitlines(), 1) if ".metrics." in line]
+    assert around == []

@@ -146,7 +146,7 @@ class HttpConnection:
         size = len(request.method) + len(request.target) + 12 + sum(
             len(n) + len(v) + 4 for n, v in request.headers)
         if size > MAX_HEADER_BYTES:
-            self._service.metrics.inc("selection_proto_limit_rejections_total", ("header_size",))
+            self._service.observe("selection_proto_limit_rejections_total", ("header_size",), 1.0)
             self._respond(error_response(431, f"request header block exceeds {MAX_HEADER_BYTES} bytes"),
                           close=True)
             return
@@ -165,7 +165,7 @@ class HttpConnection:
                 self.close_after_response = True
 
     def _refuse_body(self) -> None:
-        self._service.metrics.inc("selection_proto_limit_rejections_total", ("body_size",))
+        self._service.observe("selection_proto_limit_rejections_total", ("body_size",), 1.0)
         self._respond(error_response(413, "Failed to buffer the request body: length limit exceeded"),
                       close=True)
 
@@ -231,7 +231,7 @@ class HttpConnection:
             self.closed = True
             return
         if exc.error_status_hint == 431:
-            self._service.metrics.inc("selection_proto_limit_rejections_total", ("header_size",))
+            self._service.observe("selection_proto_limit_rejections_total", ("header_size",), 1.0)
             response = error_response(431, f"request header block exceeds {MAX_HEADER_BYTES} bytes")
         else:
             response = error_response(400, f"malformed HTTP request: {exc}")

@@ -128,7 +128,7 @@ class JsonRpcSession:
 
     def _too_long(self) -> None:
         self._count("line_too_long")
-        self._service.metrics.inc("selection_proto_limit_rejections_total", ("line_size",))
+        self._service.observe("selection_proto_limit_rejections_total", ("line_size",), 1.0)
         self._out.append(_envelope_error(None, -32600, "Invalid Request",
                                          {"detail": f"line exceeds {MAX_LINE} bytes"}))
 

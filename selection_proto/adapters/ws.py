@@ -170,7 +170,7 @@ class _Session:
             self._parts.append(event.data)
             self._size += len(event.data)
             if self._size > MAX_MESSAGE:
-                self._service.metrics.inc("selection_proto_limit_rejections_total", ("ws_message_size",))
+                self._service.observe("selection_proto_limit_rejections_total", ("ws_message_size",), 1.0)
                 self.close(1009, f"message exceeds {MAX_MESSAGE} bytes")
                 return
             if event.message_finished:
@@ -357,7 +357,7 @@ class SubscriptionSession(_Session):
         seq = None
         if isinstance(data, bytes) and self._seq_framing:
             if len(data) < 8:
-                self._service.metrics.inc("selection_proto_kv_events_dropped_total", ("", "", "invalid_message"))
+                self._service.stream_dropped(self.stream, "invalid_message")
                 return
             seq, data = int.from_bytes(data[:8], "big"), data[8:]
         self._service.stream_message(self.stream, data, seq=seq, now=self._clock())

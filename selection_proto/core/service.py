@@ -1126,6 +1126,13 @@ class SelectionService:
         elif not connected and source.connected:
             self._stream_lost(source)
 
+    def stream_dropped(self, stream: int, reason: str) -> None:
+        """A transport or adapter dropped a message of `stream` before it reached the core (a
+        framing it could not read): counted under the stream's key."""
+        source = self._streams.get(stream)
+        key = source.key if source is not None else ("", "")
+        self.metrics.inc("selection_proto_kv_events_dropped_total", (*key, reason))
+
     def subscription_failed(self, stream: int, *, now: float) -> None:
         """An outbound subscription could not connect or ended: its rank's index may be missing
         events from now on (stale) until a `cleared` or a continuous stream proves otherwise."""

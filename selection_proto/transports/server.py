@@ -69,7 +69,7 @@ class _Server:
         async with stream:
             open_now = len(self.connections) + self.ws_count
             if open_now >= self.config.max_connections or self.draining:
-                self.service.metrics.inc("selection_proto_limit_rejections_total", ("connections",))
+                self.service.observe("selection_proto_limit_rejections_total", ("connections",), 1.0)
                 response = error_response(503, "too many connections", (("connection", "close"),))
                 head = b"HTTP/1.1 503 Service Unavailable\r\n" + b"".join(
                     f"{n}: {v}\r\n".encode("latin-1") for n, v in response.headers)

@@ -170,17 +170,16 @@ class Subscriptions:
         try:
             async for messages in zmq_batches(sub.endpoint):
                 for frames in messages:
-                    deliver_zmq(self.service, sub.stream, frames, sub.model_name, sub.tenant_id)
+                    deliver_zmq(self.service, sub.stream, frames)
                 if messages:
                     await self.changed()
         finally:
             self.service.subscription_state(sub.stream, False, now=anyio.current_time())
 
 
-def deliver_zmq(service: SelectionService, stream: int, frames: list[bytes], model_name: str,
-                tenant_id: str) -> None:
+def deliver_zmq(service: SelectionService, stream: int, frames: list[bytes]) -> None:
     """One ZMQ message: exactly [topic, 8-byte big-endian seq, payload] (events.md §3.1)."""
     if len(frames) != 3 or len(frames[1]) != 8:
-        service.metrics.inc("selection_proto_kv_events_dropped_total", (model_name, tenant_id, "bad_zmq_frames"))
+        service.stream_dropped(stream, "bad_zmq_frames")
         return
     service.stream_message(stream, frames[2], seq=int.from_bytes(frames[1], "big"), now=anyio.current_time())
