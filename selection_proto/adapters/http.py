@@ -24,6 +24,7 @@ __all__ = ["MAX_HEADER_BYTES", "HttpConnection", "Upgrade"]
 
 MAX_HEADER_BYTES: Final = 16384
 _SERVER_HEADER: Final = (b"server", b"selection-proto")
+_LARGE_PIECE: Final = 1 << 20
 
 
 class Upgrade(NamedTuple):
@@ -90,8 +91,11 @@ class HttpConnection:
         if not self._out and self._paused and not self.closed:
             self._paused = False
             self._drain()
-        data = b"".join(self._out)
-        self._out.clear()
+        out = self._out
+        if len(out) > 1 and any(len(piece) > _LARGE_PIECE for piece in out):
+            return out.pop(0)  # a large body goes out as its own piece, not copied into a join
+        data = b"".join(out)
+        out.clear()
         return data
 
     def receive_data(self, data: bytes) -> None:
@@ -215,7 +219,8 @@ class HttpConnection:
                                     reason=_reason(response.status)))
             if response.body and not head:
                 # Passed through, not copied: a /ready of 100k workers is tens of megabytes.
-                self._out.extend(self._h11.send_with_data_passthrough(h11.Data(data=response.body)) or ())
+                pieces = self._h11.send_with_data_passthrough(h11.Data(data=response.body)) or ()
+                self._out.extend(piece for piece in pieces if piece)
             self._send(h11.EndOfMessage())
         except h11.LocalProtocolError:
             self.closed = True
