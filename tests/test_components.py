@@ -111,3 +111,32 @@ def test_the_route_table_is_consistent() -> None:
     assert match("/reservations/a%2Fb/prefill_complete") == ("/reservations/{reservation_id}/prefill_complete", "a%2Fb")
     assert match("/workers/7") == ("/workers/{worker_id}", "7") and match("/nope") is None
     assert all(r.body_type is None or r.body for r in ROUTES)
+
+
+@pytest.mark.parametrize("text", [
+    '"\\ud800"', '{"a": ["\\udc00"]}', '{"\\ud800": 1}', '"\\ud83d\\u0041"', '"\\ud83d\\ude00"', '"\\\\ud800"',
+    "[" * 65 + "]" * 65, "[" * 64 + "]" * 64, "1" * 5000, "NaN", "[1e400]", "[18446744073709551616]",
+    '{"a": 1, "a": 2}', "[1,]", '"\\u00e9"'])
+def test_both_json_readers_agree(text: str) -> None:
+    """orjson (`loads`) and the stdlib (`loads_exact`, the fallback) accept and refuse the same
+    texts with the same detail; they differ only in that orjson reads integers beyond 64 bits
+    as floats (the exact re-read exists for those)."""
+    outcomes = []
+    for reader in (jsonio.loads, jsonio.loads_exact):
+        try:
+            value = reader(text)
+            outcomes.append(("ok", json_repr(value)))
+        except jsonio.JSONSyntaxError as exc:
+            outcomes.append(("error", exc.detail if "surrogate" in exc.detail or "deep" in exc.detail
+                             or "digits" in exc.detail else "invalid"))
+    assert outcomes[0] == outcomes[1], outcomes
+
+
+def json_repr(value: object) -> object:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)  # orjson's float for an integer beyond 64 bits
+    if isinstance(value, list):
+        return [json_repr(v) for v in value]
+    if isinstance(value, dict):
+        return {k: json_repr(v) for k, v in value.items()}
+    return value

@@ -436,3 +436,30 @@ def test_the_state_budget_refuses_writes_and_keeps_reads() -> None:
         assert_healthy(server)
     finally:
         assert server.stop() == 0
+
+
+def test_stdio_survives_a_reader_that_closes_stdout_and_stops_on_sigterm() -> None:
+    import signal as signals
+
+    proc = subprocess.Popen([sys.executable, "-m", "selection_proto", "stdio", "--kv-events", "push"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    proc.stdin.write(b'{"jsonrpc": "2.0", "id": 1, "method": "health"}\n')
+    proc.stdin.flush()
+    assert json.loads(proc.stdout.readline())["result"] == {"status": "ok"}
+    proc.stdout.close()  # the reader goes away
+    proc.stdin.write(b'{"jsonrpc": "2.0", "id": 2, "method": "health"}\n')
+    proc.stdin.flush()
+    assert proc.wait(timeout=20) == 0  # it stops: nobody is left to answer
+    logs = [json.loads(line) for line in proc.stderr.read().decode().splitlines()]
+    assert [r["event"] for r in logs if r["event"] in ("stdout_closed", "stopped")] == ["stdout_closed", "stopped"]
+
+    proc = subprocess.Popen([sys.executable, "-m", "selection_proto", "stdio", "--kv-events", "push"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    proc.stdin.write(b'{"jsonrpc": "2.0", "id": 1, "method": "health"}\n')
+    proc.stdin.flush()
+    assert json.loads(proc.stdout.readline())["id"] == 1
+    proc.send_signal(signals.SIGTERM)
+    assert proc.wait(timeout=20) == 0
+    assert '"event":"shutdown"' in proc.stderr.read().decode()

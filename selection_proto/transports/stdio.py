@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from typing import BinaryIO
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 
 from ..adapters.jsonl import JsonRpcSession
 from ..core.outputs import InternalError, SelectionReady
@@ -59,14 +62,31 @@ async def serve_stdio(service: SelectionService) -> None:
                 done.set()
 
     async def read() -> None:
-        while not session.shutdown_requested:
-            # Abandoned on cancel: a blocked read must not hold up a signal-driven shutdown.
-            chunk = await anyio.to_thread.run_sync(os.read, in_fd, 65536, abandon_on_cancel=True)
-            if not chunk:
-                session.end_of_input()
-                break
-            session.receive_data(chunk)
-            await flush()
+        token = anyio.lowlevel.current_token()
+        send, receive = anyio.create_memory_object_stream[bytes](1)
+
+        def read_stdin() -> None:
+            # A daemon thread: a read blocked on a stdin that never closes must not hold the
+            # process open once it has stopped (a worker-pool thread would be joined at exit).
+            try:
+                while True:
+                    chunk = os.read(in_fd, 65536)
+                    anyio.from_thread.run(send.send, chunk, token=token)
+                    if not chunk:
+                        return
+            except (OSError, RuntimeError, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                return  # the loop or the stream is gone: the session has ended
+
+        threading.Thread(target=read_stdin, name="stdin", daemon=True).start()
+        async with receive:
+            async for chunk in receive:
+                if not chunk:
+                    session.end_of_input()
+                    break
+                session.receive_data(chunk)
+                await flush()
+                if session.shutdown_requested:
+                    break
         done.set()
 
     async def timer() -> None:
