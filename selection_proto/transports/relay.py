@@ -14,6 +14,7 @@ import anyio.abc
 
 from ..adapters.ws import ForwardingClient
 from .logs import log, log_internal_error
+from .receive import receive
 from .subscriber import backoff_delays, connect
 from .zmq_sub import zmq_batches
 
@@ -69,10 +70,8 @@ async def _read(stream: anyio.abc.ByteStream, client: ForwardingClient, lock: an
                 scope: anyio.CancelScope) -> None:
     """Acks, pings and the close, from the service; ends the connection's task group."""
     while not client.closed:
-        try:
-            data = await stream.receive(65536)
-        except anyio.EndOfStream:
-            data = b""
+        data = await receive(stream)
+        assert data is not None  # no timeout
         client.receive_data(data)
         out = client.data_to_send()
         if out:

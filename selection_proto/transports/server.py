@@ -16,6 +16,7 @@ from ..core.service import SelectionService
 from ..core.streams import decode_or_error
 from ..core.wire import error_response
 from .logs import log, log_internal_error
+from .receive import receive
 from .subscriber import Subscriptions
 
 __all__ = ["ServerConfig", "serve"]
@@ -285,12 +286,7 @@ class _Server:
             await self._ws_flush(session, stream, lock)
             interval = self.config.ws_ping_interval_secs
             while not session.closed:
-                data = None
-                with anyio.move_on_after(interval):
-                    try:
-                        data = await stream.receive(65536)
-                    except anyio.EndOfStream:
-                        data = b""
+                data = await receive(stream, interval)
                 if data is None:
                     if session.ping_outstanding:
                         session.close(1011, "keepalive ping timeout")

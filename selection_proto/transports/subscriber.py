@@ -15,6 +15,7 @@ from ..adapters.ws import SubscriptionSession
 from ..core.outputs import OutputEvent, SubscribeKvEvents, UnsubscribeKvEvents
 from ..core.service import SelectionService
 from .logs import log
+from .receive import receive
 from .zmq_sub import zmq_batches
 
 __all__ = ["BACKOFF_MAX", "BACKOFF_START", "Subscriptions", "backoff_delays", "connect"]
@@ -138,12 +139,7 @@ class Subscriptions:
                 while not session.closed:
                     # A peer that never completes the handshake is given up on like a refused one.
                     timeout = float("inf") if session.accepted else HANDSHAKE_TIMEOUT
-                    data = None
-                    with anyio.move_on_after(timeout):
-                        try:
-                            data = await stream.receive(65536)
-                        except anyio.EndOfStream:
-                            data = b""
+                    data = await receive(stream, timeout)
                     if data is None:
                         return "handshake", f"no handshake answer within {HANDSHAKE_TIMEOUT:g} s"
                     session.receive_data(data)
