@@ -284,3 +284,32 @@ def test_second_signal_during_drain_exits_1() -> None:
         assert s.proc.poll() is None  # draining
         s.proc.send_signal(signal.SIGINT)
         assert s.proc.wait(timeout=10) == 1
+
+
+def test_large_json_bodies_parsed_off_the_loop_answer_as_small_ones(server: Server) -> None:
+    """Bodies over 256 KiB are parsed in a worker thread; the answers are the bytes `handle` gives
+    for the same request in process, errors included, and pipelined requests keep their order."""
+    import random
+
+    from selection_proto import SelectionService, Settings
+
+    worker = {"worker_id": 1, "model_name": "m", "endpoint": "http://w1", "block_size": 4}
+    select = json.dumps({"model_name": "m", "token_ids": list(range(100_000))}).encode()
+    not_json = b'{"model_name": "m", "token_ids": [' + b"1," * 150_000 + b"]}"
+    big_int = b'{"model_name": "m", "token_ids": [' + b"1," * 150_000 + b'18446744073709551616]}'
+    assert min(len(select), len(not_json), len(big_int)) > 256 * 1024
+    local = SelectionService(Settings(kv_events="push"), random.Random(0))
+    local.handle("POST", "/workers", "", [("content-type", "application/json")], json.dumps(worker).encode(), now=1.0)
+    expected = [local.handle("POST", "/select", "", [("content-type", "application/json")], body, now=2.0)
+                for body in (select, not_json, big_int)]
+    with server.connect() as sock:
+        sock.sendall(request("POST", "/workers", worker))
+        buf = bytearray()
+        assert read_response(sock, buf)[0] == 201
+        for body in (select, not_json, big_int):
+            sock.sendall(b"POST /select HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        sock.sendall(request("GET", "/health"))
+        answers = [read_response(sock, buf) for _ in range(4)]
+    assert [(a[0], a[2]) for a in answers[:3]] == [(e.status, e.body) for e in expected]
+    assert [a[0] for a in answers] == [200, 400, 422, 200]

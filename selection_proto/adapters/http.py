@@ -9,22 +9,43 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from http import HTTPStatus
-from typing import Final, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import h11
 from wsproto import WSConnection
 
-from ..core.routes import MAX_BODY, match
+from ..core import jsonio
+from ..core.routes import MAX_BODY, ParsedBody, match, route_of
 from ..core.service import SelectionService
 from ..core.types import Pending
 from ..core.wire import Response, error_response
 from .ws import check_handshake, server_handshake
 
-__all__ = ["MAX_HEADER_BYTES", "HttpConnection", "Upgrade"]
+__all__ = ["LARGE_BODY", "MAX_HEADER_BYTES", "HttpConnection", "LargeRequest", "Upgrade"]
 
 MAX_HEADER_BYTES: Final = 16384
 _SERVER_HEADER: Final = (b"server", b"selection-proto")
 _LARGE_PIECE: Final = 1 << 20
+
+
+LARGE_BODY: Final = 256 * 1024
+
+
+class LargeRequest(NamedTuple):
+    """A request whose JSON body is large enough to be parsed away from the event loop."""
+
+    method: str
+    path: str
+    query: str
+    headers: list[tuple[str, str]]
+    body: bytes
+
+
+def _takes_json(method: str, path: str, headers: list[tuple[str, str]]) -> bool:
+    matched = match(path)
+    route = route_of(method, matched[0]) if matched is not None else None
+    media = next((v.split(";", 1)[0].strip().lower() for n, v in headers if n.lower() == "content-type"), "")
+    return route is not None and route.body and media == "application/json"
 
 
 class Upgrade(NamedTuple):
@@ -46,9 +67,16 @@ class HttpConnection:
     """Feed received bytes with `receive_data`, send what `data_to_send` returns, close when
     `closed` is true. `busy` tells whether a request is partly received or being answered."""
 
-    def __init__(self, service: SelectionService, clock: Callable[[], float]) -> None:
+    def __init__(self, service: SelectionService, clock: Callable[[], float], *,
+                 defer_large: bool = False) -> None:
+        """With `defer_large`, a JSON body over 256 KiB is not parsed here: it waits in
+        `large_request` until the caller parses it (`jsonio.parse_large`, pure, in any thread)
+        and hands the result to `complete_large`, so that parsing megabytes does not hold up
+        the caller's other connections."""
         self._service = service
         self._clock = clock
+        self._defer_large = defer_large
+        self.large_request: LargeRequest | None = None
         self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
         self._out: list[bytes] = []
         self._request: h11.Request | None = None
@@ -112,7 +140,8 @@ class HttpConnection:
             self.closed = True
 
     def _drain(self) -> None:
-        while not self.closed and self.pending_ticket is None and not self._paused:
+        while (not self.closed and self.pending_ticket is None and not self._paused
+               and self.large_request is None):
             try:
                 event = self._h11.next_event()
             except h11.RemoteProtocolError as exc:
@@ -190,8 +219,29 @@ class HttpConnection:
                 return
             self._respond(error_response(400, f"invalid WebSocket upgrade: {checked}"), close=True)
             return
+        body = b"".join(self._body)
+        if self._defer_large and len(body) > LARGE_BODY and _takes_json(method, path, headers):
+            self.large_request = LargeRequest(method, path, query, headers, body)
+            return
+        self._answer(method, path, query, headers, body)
+
+    def complete_large(self, parsed: tuple[Any, bool] | None) -> None:
+        """The `large_request`'s body as `jsonio.parse_large` read it (None: not JSON, which
+        `handle` then reports itself, with the usual text); answers it and goes on."""
+        request = self.large_request
+        if request is None or self.closed:
+            return
+        self.large_request = None
+        method, path, query, headers, raw = request
+        body: bytes | ParsedBody = raw if parsed is None else ParsedBody(
+            parsed[0], parsed[1], len(raw), lambda: jsonio.loads_exact(raw))
+        self._answer(method, path, query, headers, body)
+        self._drain()
+
+    def _answer(self, method: str, path: str, query: str, headers: list[tuple[str, str]],
+                body: bytes | ParsedBody) -> None:
         started = self._clock()
-        result = self._service.handle(method, path, query, headers, b"".join(self._body), now=started)
+        result = self._service.handle(method, path, query, headers, body, now=started)
         matched = match(path)
         self._service.observe("selection_proto_request_duration_seconds",
                               (matched[0] if matched else "unmatched",), self._clock() - started)

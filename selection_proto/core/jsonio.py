@@ -24,7 +24,7 @@ try:  # pragma: no cover - exercised by whichever is installed
 except ImportError:  # pragma: no cover
     _orjson = None
 
-__all__ = ["gc_paused", "LONE_SURROGATE", "MAX_DEPTH", "MAX_INT_DIGITS", "JSONSyntaxError", "dumps", "loads", "loads_exact", "loads_with_hints", "FAST_PARSER"]
+__all__ = ["gc_paused", "parse_large", "LONE_SURROGATE", "MAX_DEPTH", "MAX_INT_DIGITS", "JSONSyntaxError", "dumps", "loads", "loads_exact", "loads_with_hints", "FAST_PARSER"]
 
 FAST_PARSER = _orjson is not None
 
@@ -170,6 +170,16 @@ def loads_with_hints(data: bytes | str) -> tuple[Any, bool]:
     if deep and _too_deep(value):
         raise JSONSyntaxError("nesting too deep")
     return value, bools
+
+
+def parse_large(data: bytes) -> tuple[Any, bool] | None:
+    """`loads_with_hints` for a large body, with the cyclic GC paused, or None when it is not
+    JSON (the caller lets `handle` parse it again for the error text). Pure: any thread."""
+    try:
+        with gc_paused():
+            return loads_with_hints(data)
+    except JSONSyntaxError:
+        return None
 
 
 def loads_exact(data: bytes | str) -> Any:

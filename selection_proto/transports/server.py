@@ -11,6 +11,7 @@ import anyio.abc
 
 from ..adapters.http import HttpConnection
 from ..adapters.ws import PushSession
+from ..core import jsonio
 from ..core.outputs import CloseEventStream, InternalError, OutputEvent, SelectionReady
 from ..core.service import SelectionService
 from ..core.streams import decode_or_error
@@ -80,7 +81,7 @@ class _Server:
                 except _GONE:
                     pass
                 return
-            conn = HttpConnection(self.service, self.clock)
+            conn = HttpConnection(self.service, self.clock, defer_large=True)
             lock = anyio.Lock(fast_acquire=True)
             self.connections.add(conn)
             self._report_connections()
@@ -254,9 +255,15 @@ class _Server:
             if not data and conn.pending_ticket is not None:
                 return  # the client left while its selection waited: `client` cancels the ticket
             conn.receive_data(data)
-            while out := conn.data_to_send():  # one answer at a time: pipelining stays bounded
-                async with lock:
-                    await self.send(stream, out)
+            while True:
+                while out := conn.data_to_send():  # one answer at a time: pipelining stays bounded
+                    async with lock:
+                        await self.send(stream, out)
+                if conn.large_request is None:
+                    break
+                # Megabytes of JSON are parsed in a worker thread while others are served.
+                conn.complete_large(await anyio.to_thread.run_sync(jsonio.parse_large,
+                                                                   conn.large_request.body))
             if conn.pending_ticket is not None:
                 self.waiting[conn.pending_ticket] = (conn, stream, lock)
             if conn.upgrade is not None:
