@@ -140,3 +140,16 @@ def json_repr(value: object) -> object:
     if isinstance(value, dict):
         return {k: json_repr(v) for k, v in value.items()}
     return value
+
+
+@pytest.mark.parametrize("text", [
+    "[]", " [ 1 , {\"a\": [true, null]} , \"x\" ] ", '[{"a": 1, "a": 2}]', "[1e400]", "[18446744073709551616]",
+    '["\\ud800"]', '["\\ud83d\\ude00"]', "[" * 66 + "]" * 66, "[1,]", "[1 2]", "{}", '"x"', "[1]]", "[NaN]",
+    '[{"event_id": 1, "data": "cleared"}]', '[0.1, -0.0, 1E5, "\\u00e9\\n"]'])
+def test_the_stepwise_array_reader_answers_as_loads(text: str) -> None:
+    def outcome(reader: object) -> object:
+        try:
+            return reader(text)  # type: ignore[operator]
+        except jsonio.JSONSyntaxError as exc:
+            return ("error", exc.detail)
+    assert outcome(jsonio.loads_array_stepwise) == outcome(jsonio.loads_with_hints)

@@ -24,7 +24,7 @@ try:  # pragma: no cover - exercised by whichever is installed
 except ImportError:  # pragma: no cover
     _orjson = None
 
-__all__ = ["gc_paused", "parse_large", "LONE_SURROGATE", "MAX_DEPTH", "MAX_INT_DIGITS", "JSONSyntaxError", "dumps", "loads", "loads_exact", "loads_with_hints", "FAST_PARSER"]
+__all__ = ["gc_paused", "loads_array_stepwise", "parse_large", "LONE_SURROGATE", "MAX_DEPTH", "MAX_INT_DIGITS", "JSONSyntaxError", "dumps", "loads", "loads_exact", "loads_with_hints", "FAST_PARSER"]
 
 FAST_PARSER = _orjson is not None
 
@@ -67,6 +67,9 @@ LONE_SURROGATE: Final = "lone surrogate in string"
 # A `\uD800`-`\uDFFF` escape: the only way a parsed string can hold a surrogate (strict UTF-8
 # decoding refuses encoded ones), so strings are walked only when the text has one.
 _SURROGATE_ESCAPE: Final = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+_LONG_DIGITS: Final = re.compile(r"[0-9]{20}")
 
 
 def _has_lone_surrogate(value: Any) -> bool:
@@ -170,6 +173,47 @@ def loads_with_hints(data: bytes | str) -> tuple[Any, bool]:
     if deep and _too_deep(value):
         raise JSONSyntaxError("nesting too deep")
     return value, bools
+
+
+def loads_array_stepwise(text: str) -> tuple[Any, bool]:
+    """`loads_with_hints` of a text whose top level is an array, read one element at a time.
+
+    For a worker thread: orjson holds the GIL for a whole document (~55 ms for 8 MB), the
+    stdlib's scanner for one element, so the event loop's thread gets its turns in between. A
+    text this reader does not take whole (not an array, not JSON, too deep) is read again by
+    `loads_with_hints`, so that every answer, error texts included, is that reader's."""
+    try:
+        deep, bools = structure_hints(text.encode("utf-8"))
+        scan = _decoder.raw_decode
+        i = _skip_ws(text, 0)
+        if text[i:i + 1] != "[":
+            raise ValueError
+        items: list[Any] = []
+        i = _skip_ws(text, i + 1)
+        if text[i:i + 1] == "]":
+            i += 1
+        else:
+            while True:
+                item, i = scan(text, i)
+                items.append(item)
+                i = _skip_ws(text, i)
+                sep = text[i:i + 1]
+                i = _skip_ws(text, i + 1)
+                if sep == "]":
+                    break
+                if sep != ",":
+                    raise ValueError
+        if _skip_ws(text, i) != len(text):
+            raise ValueError
+        if _LONG_DIGITS.search(text):
+            raise ValueError  # orjson reads integers beyond 64 bits as floats: let it, to agree
+        if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(items):
+            raise ValueError
+        if deep and _too_deep(items):
+            raise ValueError
+        return items, bools
+    except (ValueError, StopIteration, RecursionError, UnicodeError):
+        return loads_with_hints(text)
 
 
 def parse_large(data: bytes) -> tuple[Any, bool] | None:

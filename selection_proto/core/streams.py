@@ -50,13 +50,14 @@ def decode_engine_batch(payload: bytes) -> EngineBatch:
         raise Unprocessable(f"invalid engine batch: {exc.detail}") from None
 
 
-def decode_stream_message(data: bytes | str) -> DecodedMessage:
+def decode_stream_message(data: bytes | str, stepwise: bool = False) -> DecodedMessage:
     """The events of one stream message, checked whole; raises SelectionError. Pure (no service
-    state), so a large message may be decoded in a worker thread while the loop serves others."""
+    state), so a large message may be decoded in a worker thread while the loop serves others;
+    `stepwise` reads its JSON one event at a time there (`jsonio.loads_array_stepwise`)."""
     if isinstance(data, bytes):
         return decode_engine_batch(data)
     try:
-        value, bools = jsonio.loads_with_hints(data)
+        value, bools = jsonio.loads_array_stepwise(data) if stepwise else jsonio.loads_with_hints(data)
     except jsonio.JSONSyntaxError as exc:
         raise InvalidJson(exc.detail) from None
     return tuple(decode_json_events(value, ShapeContext(may_contain_bools=bools)))
@@ -66,6 +67,6 @@ def decode_or_error(data: bytes | str) -> DecodedMessage | SelectionError:
     """`decode_stream_message` with its refusal returned, for a caller in another thread."""
     try:
         with jsonio.gc_paused():
-            return decode_stream_message(data)
+            return decode_stream_message(data, stepwise=True)
     except SelectionError as exc:
         return exc
