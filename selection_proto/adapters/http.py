@@ -15,7 +15,7 @@ import h11
 from wsproto import WSConnection
 
 from ..core import jsonio
-from ..core.routes import MAX_BODY, ParsedBody, match, route_of
+from ..core.routes import MAX_BODY, ParsedBody, is_json, match, media_type, route_of
 from ..core.service import SelectionService
 from ..core.types import Pending
 from ..core.wire import Response, error_response
@@ -44,8 +44,7 @@ class LargeRequest(NamedTuple):
 def _takes_json(method: str, path: str, headers: list[tuple[str, str]]) -> bool:
     matched = match(path)
     route = route_of(method, matched[0]) if matched is not None else None
-    media = next((v.split(";", 1)[0].strip().lower() for n, v in headers if n.lower() == "content-type"), "")
-    return route is not None and route.body and media == "application/json"
+    return route is not None and route.body and is_json(media_type(headers))
 
 
 class Upgrade(NamedTuple):

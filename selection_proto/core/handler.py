@@ -21,7 +21,18 @@ from .errors import (
     UnsupportedMediaType,
 )
 from .events import decode_json_events
-from .routes import EVENT_QUERY, KEY_QUERY, MAX_BODY, ParsedBody, allowed_methods, match, route_of
+from .routes import (
+    EVENT_QUERY,
+    KEY_QUERY,
+    MAX_BODY,
+    MSGPACK_TYPES,
+    ParsedBody,
+    allowed_methods,
+    is_json,
+    match,
+    media_type,
+    route_of,
+)
 from .types import (
     OverlapScoresRequest,
     Pending,
@@ -48,26 +59,12 @@ if TYPE_CHECKING:
 
 __all__ = ["handle"]
 
-_JSON_TYPE: Final = "application/json"
-_MSGPACK_TYPES: Final = ("application/msgpack", "application/x-msgpack")
 
 T = TypeVar("T")
 
 
 def _allow(methods: tuple[str, ...]) -> str:
     return ", ".join((*methods, "HEAD") if "GET" in methods else methods)
-
-
-def _media_type(headers: Iterable[tuple[str, str]]) -> str | None:
-    for name, value in headers:
-        if name.lower() == "content-type":
-            return value.split(";", 1)[0].strip().lower()
-    return None
-
-
-def _is_json(media: str | None) -> bool:
-    return media is not None and (media == _JSON_TYPE or (media.startswith("application/")
-                                                          and media.endswith("+json")))
 
 
 def _parse_json(body: bytes) -> tuple[Any, bool]:
@@ -149,10 +146,10 @@ def _dispatch(service: SelectionService, method: str, matched: tuple[str, str | 
     route = route_of(verb, template)
     assert route is not None
     if route.body:
-        media = _media_type(headers)
-        if route.operation == "kv_events" and media in _MSGPACK_TYPES and isinstance(body, bytes):
+        media = media_type(headers)
+        if route.operation == "kv_events" and media in MSGPACK_TYPES and isinstance(body, bytes):
             return _h_engine_batch(service, query, body, now)
-        if not _is_json(media):
+        if not is_json(media):
             raise UnsupportedMediaType("Expected request with `Content-Type: application/json`")
     response = _HANDLERS[route.operation](service, param, query, body, now)
     if head and isinstance(response, Response):

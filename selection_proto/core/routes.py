@@ -4,7 +4,7 @@ adapter (method names). A route's facts are written here and nowhere else."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Final, NamedTuple
 
 from .types import (
@@ -18,7 +18,7 @@ from .types import (
 )
 
 __all__ = ["EVENT_QUERY", "KEY_QUERY", "MAX_BODY", "PUSH_QUERY", "ROUTES", "Route", "ParsedBody",
-           "allowed_methods", "match", "path_parameter", "route_of"]
+           "MSGPACK_TYPES", "allowed_methods", "is_json", "match", "media_type", "path_parameter", "route_of"]
 
 MAX_BODY: Final = 8 * 1024 * 1024
 KEY_QUERY: Final = ("model_name", "tenant_id", "routing_group")
@@ -73,6 +73,22 @@ _BY_KEY: Final = {(r.method, r.template): r for r in ROUTES}
 _METHODS: Final[dict[str, tuple[str, ...]]] = {}
 for _route in ROUTES:
     _METHODS[_route.template] = (*_METHODS.get(_route.template, ()), _route.method)
+
+
+MSGPACK_TYPES: Final = ("application/msgpack", "application/x-msgpack")
+
+
+def media_type(headers: Iterable[tuple[str, str]]) -> str | None:
+    """The request's media type, lower case, without parameters."""
+    for name, value in headers:
+        if name.lower() == "content-type":
+            return value.split(";", 1)[0].strip().lower()
+    return None
+
+
+def is_json(media: str | None) -> bool:
+    return media is not None and (media == "application/json" or (media.startswith("application/")
+                                                                   and media.endswith("+json")))
 
 
 def route_of(method: str, template: str) -> Route | None:

@@ -103,7 +103,7 @@ class _Server:
                 self._report_connections()
                 if self.draining and not self.connections:
                     self.idle.set()
-                with anyio.CancelScope(shield=True):
+                with anyio.move_on_after(1.0, shield=True):  # log what this connection queued
                     await self.pump()
 
     async def _last_words(self, stream: anyio.abc.SocketStream, conn: HttpConnection,
@@ -127,10 +127,10 @@ class _Server:
             try:
                 stream = await listener.accept()
             except OSError as exc:
-                self.service.internal_error("accept")
+                # Counted with the internal errors, logged once here (no traceback to add).
+                self.service.observe("selection_proto_internal_errors_total", ("accept",), 1.0)
                 log("warning", "accept_failed", errno=exc.errno, detail=exc.strerror or str(exc),
                     retry_in_secs=delay)
-                await self.pump(wake_timer=False)
                 await anyio.sleep(delay)
                 delay = min(ACCEPT_BACKOFF_MAX, delay * 2)
                 continue
