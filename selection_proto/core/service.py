@@ -127,9 +127,13 @@ class SelectionService:
         return self._now
 
     def next_output(self) -> OutputEvent | None:
+        """The next output event for the caller to act on (answers of queued selections, subscription
+        changes, stream closes, internal errors), or None."""
         return self._outputs.popleft() if self._outputs else None
 
     def tick(self, now: float) -> None:
+        """Let time pass to `now`: expire bookings older than `active_request_expiry_secs`, time out
+        queued selections, and dispatch those that can run. Call it at `next_deadline()`."""
         now = self._advance(now)
         for state in list(self._keys.values()):
             if self._expire(state, now):
@@ -156,6 +160,8 @@ class SelectionService:
                 self._outputs.append(CloseEventStream(sid, 1001, reason))
 
     def begin_shutdown(self, *, now: float) -> None:
+        """Stop taking work: push streams get close 1001, queued selections 503, and later selections
+        and bookings 503."""
         now = self._advance(now)
         self._shutting_down = True
         self._close_push_streams(None, "server shutting down")
@@ -172,9 +178,11 @@ class SelectionService:
     # -- health and readiness ------------------------------------------------------------------
 
     def health(self) -> StatusOk:
+        """Liveness: always `{"status": "ok"}`."""
         return StatusOk()
 
     def ready(self, *, now: float) -> ReadyResponse:
+        """Readiness (core.md §6.8) with every record in (model, tenant, worker) order."""
         self._advance(now)
         count = self._records.schedulable
         return ReadyResponse(ready=count > 0 and not self._shutting_down, schedulable_workers=count,
@@ -214,15 +222,19 @@ class SelectionService:
 
     def list_workers(self, model_name: str | None = None, tenant_id: str | None = None
                      ) -> list[WorkerCatalogRecord]:
+        """The catalog's records in (model, tenant, worker) order, filtered by key."""
         return [r for r in self._records.sorted()
                 if (model_name is None or r.key[0] == model_name)
                 and (tenant_id is None or r.key[1] == tenant_id)]
 
     def upsert_worker(self, req: WorkerRequest, *, now: float) -> WorkerCatalogRecord:
+        """Register or replace a worker (core.md §6.5); raises SelectionError (400, 409, 507)."""
         return self._reconcile(req, self._records.get(req.worker_id), self._advance(now))
 
     def patch_worker(self, worker_id: int, patch: WorkerPatchRequest, *, now: float
                      ) -> WorkerCatalogRecord:
+        """Change the given members of a worker's record and reconcile it; raises NotFound, or as
+        `upsert_worker`."""
         now = self._advance(now)
         previous = self._records.get(worker_id)
         if previous is None:
@@ -382,6 +394,8 @@ class SelectionService:
                 self._subscribe(state, rank, new_endpoints.get(rank[1]))
 
     def delete_worker(self, worker_id: int, *, now: float) -> WorkerCatalogRecord:
+        """Make a worker `unschedulable`: its ranks, bookings and push streams go, its record stays as
+        a tombstone. Raises NotFound."""
         self._advance(now)
         previous = self._records.get(worker_id)
         if previous is None:
@@ -421,10 +435,13 @@ class SelectionService:
     # -- selection -----------------------------------------------------------------------------
 
     def select(self, req: SelectRequest, *, now: float) -> SelectResponse | Pending:
+        """Pick a rank for a prompt (core.md §9.7) without booking it; a `Pending` when it was queued."""
         return self._select_counted(req, now, "select")
 
     def select_and_reserve(self, req: SelectAndReserveRequest, *, now: float
                            ) -> SelectResponse | Pending:
+        """Pick a rank and book the prompt on it under `reservation_id` (drawn from the seeded
+        generator when absent); a `Pending` when it was queued."""
         return self._select_counted(req, now, "select_and_reserve")
 
     def _select_counted(self, req: SelectRequest, now: float, route: str) -> SelectResponse | Pending:
@@ -704,6 +721,8 @@ class SelectionService:
     # -- reservations --------------------------------------------------------------------------
 
     def reserve(self, req: ReservationRequest, *, now: float) -> ReservationResponse:
+        """Book a prompt on a given rank (`POST /reservations`); raises SelectionError (400, 404, 409,
+        429, 503, 507)."""
         now = self._advance(now)
         if self._shutting_down:
             raise NotReady(SHUTTING_DOWN)
@@ -741,10 +760,12 @@ class SelectionService:
 
     def prefill_complete(self, reservation_id: str, *, model_name: str | None = None,
                          tenant_id: str | None = None, now: float) -> None:
+        """The booking's prefill is done: its prefill tokens stop counting. Raises NotFound."""
         self._finish_booking(reservation_id, model_name, tenant_id, now, free=False)
 
     def free(self, reservation_id: str, *, model_name: str | None = None,
              tenant_id: str | None = None, now: float) -> None:
+        """End a booking: its load goes, and queued selections may run. Raises NotFound."""
         self._finish_booking(reservation_id, model_name, tenant_id, now, free=True)
 
     def _finish_booking(self, rid: str, model_name: str | None, tenant_id: str | None, now: float,
@@ -764,6 +785,7 @@ class SelectionService:
 
     def loads(self, model_name: str | None = None, tenant_id: str | None = None
               ) -> list[ModelLoadResponse]:
+        """Each key's per-rank load and its queue, filtered by key."""
         out = []
         for key in sorted(self._keys):
             if (model_name is not None and key[0] != model_name) or (
@@ -786,6 +808,7 @@ class SelectionService:
         return out
 
     def potential_loads(self, req: PotentialLoadsRequest, *, now: float) -> list[PotentialLoad]:
+        """What each candidate's load would be if the prompt ran there (no booking)."""
         self._advance(now)
         state = self._gate(req.model_name, req.tenant_id)
         prompt = self._prompt(req, state)
@@ -807,6 +830,7 @@ class SelectionService:
         return out
 
     def overlap_scores(self, req: OverlapScoresRequest, *, now: float) -> OverlapScoresResponse:
+        """Cached blocks per rank and tier for a prompt, with each rank's freshness (events.md §6)."""
         now = self._advance(now)
         state = self._gate(req.model_name, req.tenant_id)
         prompt = self._prompt(req, state)
@@ -1180,6 +1204,7 @@ class SelectionService:
         self.metrics.record(family, tuple(labels), value)
 
     def metrics_text(self, *, now: float) -> str:
+        """The Prometheus text exposition (api.md §5)."""
         self._advance(now)
         lifecycles: dict[tuple[str, ...], float] = {
             ("incomplete",): 0.0, ("schedulable",): 0.0, ("unschedulable",): 0.0}
