@@ -313,3 +313,46 @@ def test_large_json_bodies_parsed_off_the_loop_answer_as_small_ones(server: Serv
         answers = [read_response(sock, buf) for _ in range(4)]
     assert [(a[0], a[2]) for a in answers[:3]] == [(e.status, e.body) for e in expected]
     assert [a[0] for a in answers] == [200, 400, 422, 200]
+
+
+def test_a_large_kv_events_request_is_applied_in_steps_with_the_same_report() -> None:
+    """More than `max_events_per_step` events are bound, then applied, a step at a time between
+    other requests; the report is the one the whole batch gets at once, and a refusal found late
+    still changes nothing."""
+    import random
+
+    from selection_proto import SelectionService, Settings
+
+    workers = [{"worker_id": w, "endpoint": f"http://w{w}", "block_size": 4} for w in (1, 2)]
+    events = []
+    for i in range(1000):
+        data: Any = {"stored": {"parent_hash": None, "blocks": [{"block_hash": i, "tokens_hash": i}]}}
+        if i % 97 == 0:
+            data = {"stored": {"parent_hash": 10**6 + i, "blocks": [{"block_hash": i, "tokens_hash": i}]}}
+        events.append({"worker_id": 1 + i % 2, "event": {"event_id": i // 2 + 1, "data": data}})
+    local = SelectionService(Settings(kv_events="push", max_events_per_step=None), random.Random(0))
+    for w in workers:
+        local.handle("POST", "/workers", "", [("content-type", "application/json")], json.dumps(w).encode(), now=1.0)
+    whole = local.handle("POST", "/kv_events", "", [("content-type", "application/json")],
+                         json.dumps(events).encode(), now=2.0)
+    s = Server("--max-events-per-step", "100")
+    try:
+        with s.connect() as sock:
+            buf = bytearray()
+            for w in workers:
+                sock.sendall(request("POST", "/workers", w))
+                assert read_response(sock, buf)[0] == 201
+            sock.sendall(request("POST", "/kv_events", events) + request("GET", "/health"))
+            status, _, body = read_response(sock, buf)
+            assert (status, body) == (whole.status, whole.body)
+            assert json.loads(body)["failed"] == 11 and read_response(sock, buf)[0] == 200
+            late = events + [{"worker_id": 9, "event": {"event_id": 1, "data": "cleared"}}]
+            sock.sendall(request("GET", "/dump"))
+            before = read_response(sock, buf)[2]
+            sock.sendall(request("POST", "/kv_events", late))
+            status, _, body = read_response(sock, buf)
+            assert status == 404 and json.loads(body)["error"].startswith("worker 9")
+            sock.sendall(request("GET", "/dump"))
+            assert read_response(sock, buf)[2] == before  # nothing of it was applied
+    finally:
+        assert s.stop() == 0

@@ -228,3 +228,15 @@ def test_shape_errors_match_http_for_values_the_fast_parser_cannot_hold() -> Non
     session.receive_data(rpc(99, "kv_events", events=events))
     answer = json.loads(session.data_to_send())
     assert (answer["error"]["code"], answer["error"]["message"]) == (http.status, json.loads(http.body)["error"])
+
+
+def test_kv_events_applied_in_steps_are_answered_over_json_rpc() -> None:
+    events = [{"worker_id": 1, "event": {"event_id": i + 1, "data": {"stored": {"parent_hash": None, "blocks": [
+        {"block_hash": i, "tokens_hash": i}]}}}} for i in range(50)]
+    answers, stderr, code = run_session(
+        rpc(1, "workers.create", **worker(1)) + rpc(2, "kv_events", events=events) + rpc(3, "health"),
+        "--max-events-per-step", "10")
+    assert code == 0, stderr
+    by_id = {a["id"]: a for a in answers}
+    assert by_id[2]["result"] == {"received": 50, "applied": 50, "failed": 0, "dropped": 0, "failures": []}
+    assert by_id[3]["result"] == {"status": "ok"}

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from http import HTTPStatus
-from typing import Any, Final, NamedTuple
+from typing import Final, NamedTuple
 
 import h11
 from wsproto import WSConnection
 
-from ..core import jsonio
 from ..core.routes import MAX_BODY, ParsedBody, is_json, match, media_type, route_of
 from ..core.service import SelectionService
 from ..core.types import Pending
@@ -69,7 +68,7 @@ class HttpConnection:
     def __init__(self, service: SelectionService, clock: Callable[[], float], *,
                  defer_large: bool = False) -> None:
         """With `defer_large`, a JSON body over 256 KiB is not parsed here: it waits in
-        `large_request` until the caller parses it (`jsonio.parse_large`, pure, in any thread)
+        `large_request` until the caller parses it (`handler.prepare_large_body`, pure, in any thread)
         and hands the result to `complete_large`, so that parsing megabytes does not hold up
         the caller's other connections."""
         self._service = service
@@ -224,17 +223,15 @@ class HttpConnection:
             return
         self._answer(method, path, query, headers, body)
 
-    def complete_large(self, parsed: tuple[Any, bool] | None) -> None:
-        """The `large_request`'s body as `jsonio.parse_large` read it (None: not JSON, which
-        `handle` then reports itself, with the usual text); answers it and goes on."""
+    def complete_large(self, parsed: ParsedBody | None) -> None:
+        """The `large_request`'s body as `handler.prepare_large_body` read it (None: not JSON,
+        which `handle` then reports itself, with the usual text); answers it and goes on."""
         request = self.large_request
         if request is None or self.closed:
             return
         self.large_request = None
         method, path, query, headers, raw = request
-        body: bytes | ParsedBody = raw if parsed is None else ParsedBody(
-            parsed[0], parsed[1], len(raw), lambda: jsonio.loads_exact(raw))
-        self._answer(method, path, query, headers, body)
+        self._answer(method, path, query, headers, raw if parsed is None else parsed)
         self._drain()
 
     def _answer(self, method: str, path: str, query: str, headers: list[tuple[str, str]],

@@ -57,7 +57,7 @@ from .wire import (
 if TYPE_CHECKING:
     from .service import SelectionService
 
-__all__ = ["handle"]
+__all__ = ["handle", "prepare_large_body"]
 
 
 T = TypeVar("T")
@@ -254,15 +254,42 @@ def _h_overlap(s: SelectionService, p: str | None, q: str, b: Body, now: float) 
     return _ok(s.overlap_scores(req, now=now))
 
 
-def _h_events_post(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
+def _h_events_post(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response | Pending:
     params = parse_query(q, EVENT_QUERY)
     worker_id = query_int(params, "worker_id", 64)
     dp_rank = query_int(params, "dp_rank", 32)
-    events = _decode(b, decode_json_events)
-    report = s.apply_kv_events(events, now=now, worker_id=worker_id, dp_rank=dp_rank,
-                               model_name=params.get("model_name"),
-                               tenant_id=params.get("tenant_id"))
-    return _ok(report)
+    decoded = b.events if isinstance(b, ParsedBody) else None
+    if isinstance(decoded, SelectionError):
+        raise decoded
+    events = decoded if decoded is not None else _decode(b, decode_json_events)
+    report = s.begin_kv_events(events, now=now, worker_id=worker_id, dp_rank=dp_rank,
+                               model_name=params.get("model_name"), tenant_id=params.get("tenant_id"))
+    return report if isinstance(report, Pending) else _ok(report)
+
+
+def _parse_events_large(raw: bytes) -> tuple[Any, bool] | None:
+    # An array of events, read one at a time so that the event loop's thread gets the GIL.
+    try:
+        with jsonio.gc_paused():
+            return jsonio.loads_array_stepwise(raw.decode("utf-8"))
+    except (UnicodeDecodeError, jsonio.JSONSyntaxError):
+        return None
+
+
+def prepare_large_body(path: str, raw: bytes) -> ParsedBody | None:
+    """A large JSON body parsed, and for `POST /kv_events` its events decoded, as `handle` would;
+    None when it is not JSON (then `handle` reports it). Pure: for a worker thread."""
+    parsed = _parse_events_large(raw) if path == "/kv_events" else jsonio.parse_large(raw)
+    if parsed is None:
+        return None
+    body = ParsedBody(parsed[0], parsed[1], len(raw), lambda: jsonio.loads_exact(raw))
+    if path == "/kv_events":
+        try:
+            with jsonio.gc_paused():
+                body.events = _decode(body, decode_json_events)
+        except SelectionError as exc:
+            body.events = exc
+    return body
 
 
 def _h_engine_batch(s: SelectionService, q: str, b: bytes, now: float) -> Response:

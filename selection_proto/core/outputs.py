@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 
 from .errors import SelectionError
-from .types import SelectResponse
+from .types import ApplyReport, SelectResponse
 from .wire import Response
 
 __all__ = ["CloseEventStream", "InternalError", "OutputEvent", "SelectionReady", "SubscribeKvEvents", "UnsubscribeKvEvents"]
@@ -13,10 +13,11 @@ __all__ = ["CloseEventStream", "InternalError", "OutputEvent", "SelectionReady",
 
 @attrs.frozen
 class SelectionReady:
-    """A pending selection has its final answer."""
+    """A pending request has its final answer: a queued selection, or a `POST /kv_events`
+    applied in steps."""
 
     ticket: int
-    result: SelectResponse | SelectionError
+    result: SelectResponse | ApplyReport | SelectionError
     response: Response
 
 

@@ -128,10 +128,13 @@ class ParsedBody:
     (JSON lines parse each whole line once). `exact` re-reads the same value with exact integers
     (see `jsonio.loads_exact`); `size` is the length of the text it came from."""
 
-    __slots__ = ("value", "may_contain_bools", "size", "exact")
+    __slots__ = ("value", "may_contain_bools", "size", "exact", "events")
 
     def __init__(self, value: Any, may_contain_bools: bool, size: int, exact: Callable[[], Any]) -> None:
         self.value = value
         self.may_contain_bools = may_contain_bools
         self.size = size
         self.exact = exact
+        # For `POST /kv_events`: the events already decoded from `value` (or why they are not),
+        # when the caller decoded them in another thread (`handler.prepare_large_body`).
+        self.events: Any = None

@@ -96,6 +96,39 @@ MAX_FAILURES: Final = 100
 _PATCH_FIELDS: Final = tuple(f.name for f in attrs.fields(WorkerPatchRequest))
 
 
+WORKER_LEFT: Final = "Failed to apply event: its worker left while the request was applied"
+
+
+class _EventJob:
+    """A `POST /kv_events` applied in steps: its bound events, how many are done, the tally."""
+
+    __slots__ = ("ticket", "events", "target", "bound", "done", "applied", "failed", "failures")
+
+    def __init__(self, ticket: int, events: list[Event],
+                 target: tuple[int | None, int | None, str | None, str | None]) -> None:
+        self.ticket = ticket
+        self.events = events
+        self.target = target  # the request's worker_id, dp_rank, model_name, tenant_id
+        self.bound: list[tuple[Event, Pool, Rank]] = []
+        self.done = 0
+        self.applied = 0
+        self.failed = 0
+        self.failures: list[tuple[int, str]] = []
+
+    def add(self, report: ApplyReport, applied_at: list[int], gone_at: list[int]) -> None:
+        """One step's report over the events at `applied_at`; those at `gone_at` were skipped
+        because their worker left."""
+        self.applied += report.applied
+        self.failed += report.failed + len(gone_at)
+        found = [(applied_at[i], text) for i, text in report.failures] + [(i, WORKER_LEFT) for i in gone_at]
+        self.failures.extend(sorted(found)[:MAX_FAILURES - len(self.failures)])
+        self.done += len(applied_at) + len(gone_at)
+
+    def report(self) -> ApplyReport:
+        return ApplyReport(received=len(self.events), applied=self.applied, failed=self.failed, dropped=0,
+                           failures=tuple(self.failures))
+
+
 STATE_BUDGET_EXHAUSTED: Final = IndexError_("Failed to apply event: state budget exhausted", "state_budget")
 
 
@@ -118,6 +151,7 @@ class SelectionService:
         self._next_ticket = 1
         self._tickets: dict[int, Key] = {}  # pending ticket -> its key
         self._dispatching = False
+        self._event_jobs: deque[_EventJob] = deque()
 
     # -- time and outputs ------------------------------------------------------------------------
 
@@ -132,6 +166,11 @@ class SelectionService:
         return self._outputs.popleft() if self._outputs else None
 
     def tick(self, now: float) -> None:
+        if self._event_jobs:
+            self._step_event_jobs(self._advance(now))
+        self._tick(now)
+
+    def _tick(self, now: float) -> None:
         """Let time pass to `now`: expire bookings older than `active_request_expiry_secs`, time out
         queued selections, and dispatch those that can run. Call it at `next_deadline()`."""
         now = self._advance(now)
@@ -151,6 +190,8 @@ class SelectionService:
             oldest = state.queue.oldest()
             if oldest is not None:
                 deadlines.append(oldest + self.settings.queue_timeout_secs)
+        if self._event_jobs:
+            deadlines.append(self._now)  # a request applied in steps: due at once
         return min(deadlines) if deadlines else None
 
     def _close_push_streams(self, worker_id: int | None, reason: str) -> None:
@@ -164,6 +205,7 @@ class SelectionService:
         and bookings 503."""
         now = self._advance(now)
         self._shutting_down = True
+        self._step_event_jobs(now, until_done=True)  # accepted events are applied, and answered
         self._close_push_streams(None, "server shutting down")
         for state in self._keys.values():
             self._fail_queue(state, NotReady(SHUTTING_DOWN), "shutdown", now)
@@ -892,6 +934,29 @@ class SelectionService:
                         tenant_id: str | None = None) -> ApplyReport:
         """Apply decoded JSON events (`POST /kv_events`); every check runs before the first event."""
         now = self._advance(now)
+        return self._apply_bound(self._bind_events(events, worker_id, dp_rank, model_name, tenant_id), now)
+
+    def begin_kv_events(self, events: Sequence[Event], *, now: float, worker_id: int | None = None,
+                        dp_rank: int | None = None, model_name: str | None = None,
+                        tenant_id: str | None = None) -> ApplyReport | Pending:
+        """`apply_kv_events`, except that more than `max_events_per_step` events are applied that
+        many at a time by `tick` (due at once), so that one request does not hold everyone up; a
+        `Pending` then, answered by a `SelectionReady` with the whole report. Every check still runs
+        before the first event; a worker that leaves meanwhile fails the rest of its events."""
+        now = self._advance(now)
+        step = self.settings.max_events_per_step
+        if step is None or len(events) <= step:
+            return self._apply_bound(self._bind_events(events, worker_id, dp_rank, model_name, tenant_id), now)
+        self.check_push_mode()
+        if worker_id is not None:
+            self._bind(worker_id, dp_rank, model_name, tenant_id)
+        ticket = self._next_ticket
+        self._next_ticket += 1
+        self._event_jobs.append(_EventJob(ticket, list(events), (worker_id, dp_rank, model_name, tenant_id)))
+        return Pending(ticket)
+
+    def _bind_events(self, events: Sequence[Event], worker_id: int | None, dp_rank: int | None,
+                     model_name: str | None, tenant_id: str | None) -> list[tuple[Event, Pool, Rank]]:
         self.check_push_mode()
         if worker_id is not None:
             self._bind(worker_id, dp_rank, model_name, tenant_id)
@@ -902,7 +967,42 @@ class SelectionService:
             bound.append((event, *self._bind(wid, rank_id, model_name, tenant_id)))
         if self.budget.exhausted and any(event.kind == "stored" for event in events):
             self._check_budget("kv events")  # a request is refused whole; a stream drops stores
-        return self._apply_bound(bound, now)
+        return bound
+
+    def _step_event_jobs(self, now: float, until_done: bool = False) -> None:
+        """Apply the next `max_events_per_step` events of the oldest job (all of every job when
+        `until_done`), answering each job that ends."""
+        step = self.settings.max_events_per_step or 1
+        while self._event_jobs:
+            job = self._event_jobs[0]
+            if len(job.bound) < len(job.events):  # first every event is bound, a step at a time
+                worker_id, dp_rank, model_name, tenant_id = job.target
+                try:
+                    for event in job.events[len(job.bound):len(job.bound) + step]:
+                        wid = require_worker(event, worker_id)
+                        rank_id = event.dp_rank if event.dp_rank is not None else dp_rank
+                        job.bound.append((event, *self._bind(wid, rank_id, model_name, tenant_id)))
+                    if len(job.bound) == len(job.events) and self.budget.exhausted and any(
+                            event.kind == "stored" for event in job.events):
+                        self._check_budget("kv events")
+                except SelectionError as exc:  # refused whole, as a request applied at once
+                    self._event_jobs.popleft()
+                    self._outputs.append(SelectionReady(job.ticket, exc, error_response(exc.status, exc.message)))
+                if not until_done:
+                    return
+                continue
+            start = job.done
+            chunk = job.bound[start:start + step]
+            alive = [self._keys.get(pool.key) is pool and rank in pool.fresh for _, pool, rank in chunk]
+            report = self._apply_bound([b for b, ok in zip(chunk, alive, strict=True) if ok], now)
+            job.add(report, [start + k for k, ok in enumerate(alive) if ok],
+                    [start + k for k, ok in enumerate(alive) if not ok])
+            if job.done >= len(job.events):
+                self._event_jobs.popleft()
+                total = job.report()
+                self._outputs.append(SelectionReady(job.ticket, total, json_response(200, total.to_json())))
+            if not until_done:
+                return
 
     def _apply_bound(self, bound: Sequence[tuple[Event, Pool, Rank]], now: float,
                      touch_freshness: bool = True) -> ApplyReport:

@@ -63,6 +63,7 @@ class Settings:
     max_subscriptions: int = 4096
     max_record_bytes: int = 65536
     max_state_bytes: int = 4 * 1024**3
+    max_events_per_step: int | None = 1024
 
     def __attrs_post_init__(self) -> None:
         _check("kv_events", self.kv_events in ("subscribe", "push", "off"),
@@ -89,6 +90,9 @@ class Settings:
         for name in ("queue_timeout_secs", "active_request_expiry_secs"):
             value = getattr(self, name)
             _check(name, _is_number(value) and value > 0, "must be greater than 0")
+        if self.max_events_per_step is not None:
+            _check("max_events_per_step", _is_int(self.max_events_per_step) and self.max_events_per_step >= 1,
+                   "must be an integer >= 1")
         if self.active_prefill_tokens_threshold is not None:
             _check("active_prefill_tokens_threshold",
                    _is_int(self.active_prefill_tokens_threshold)

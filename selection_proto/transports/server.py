@@ -11,7 +11,7 @@ import anyio.abc
 
 from ..adapters.http import HttpConnection
 from ..adapters.ws import PushSession
-from ..core import jsonio
+from ..core.handler import prepare_large_body
 from ..core.outputs import CloseEventStream, InternalError, OutputEvent, SelectionReady
 from ..core.service import SelectionService
 from ..core.streams import decode_or_error
@@ -262,8 +262,8 @@ class _Server:
                 if conn.large_request is None:
                     break
                 # Megabytes of JSON are parsed in a worker thread while others are served.
-                conn.complete_large(await anyio.to_thread.run_sync(jsonio.parse_large,
-                                                                   conn.large_request.body))
+                large = conn.large_request
+                conn.complete_large(await anyio.to_thread.run_sync(prepare_large_body, large.path, large.body))
             if conn.pending_ticket is not None:
                 self.waiting[conn.pending_ticket] = (conn, stream, lock)
             if conn.upgrade is not None:
