@@ -14,7 +14,7 @@ concept has one module:
   `admission` (the queue and how a ticket ends), `tracker` (bookings and loads), `index` (the
   radix trees), `hashing`;
 * the KV-event side: `events` (Dynamo JSON), `engine` (engine msgpack), `streams` (event sources
-  and message decoding), `freshness` (continuity of ids and seqs);
+  and message decoding), `freshness` (continuity of ids and seqs), `tally` (what a batch did);
 * `snapshot` (dump and restore), `budget` (the state budget), `metrics` (the exposition).
 """
 

@@ -65,6 +65,7 @@ from .routes import ParsedBody
 from .settings import Settings
 from .snapshot import dump_of, parse_dump
 from .streams import DecodedMessage, EventSource, decode_engine_batch, decode_stream_message
+from .tally import Tally
 from .tracker import DuplicateReservation, rank_text
 from .types import (
     ApplyReport,
@@ -92,7 +93,6 @@ from .wire import Response, error_response, json_response
 __all__ = ["SelectionService"]
 
 SHUTTING_DOWN: Final = "selection service is shutting down"
-MAX_FAILURES: Final = 100
 _PATCH_FIELDS: Final = tuple(f.name for f in attrs.fields(WorkerPatchRequest))
 
 
@@ -100,9 +100,9 @@ WORKER_LEFT: Final = "Failed to apply event: its worker left while the request w
 
 
 class _EventJob:
-    """A `POST /kv_events` applied in steps: its bound events, how many are done, the tally."""
+    """A `POST /kv_events` applied in steps: its events, bound a step at a time, then applied."""
 
-    __slots__ = ("ticket", "events", "target", "bound", "done", "applied", "failed", "failures")
+    __slots__ = ("ticket", "events", "target", "bound", "done", "tally")
 
     def __init__(self, ticket: int, events: list[Event],
                  target: tuple[int | None, int | None, str | None, str | None]) -> None:
@@ -110,23 +110,8 @@ class _EventJob:
         self.events = events
         self.target = target  # the request's worker_id, dp_rank, model_name, tenant_id
         self.bound: list[tuple[Event, Pool, Rank]] = []
-        self.done = 0
-        self.applied = 0
-        self.failed = 0
-        self.failures: list[tuple[int, str]] = []
-
-    def add(self, report: ApplyReport, applied_at: list[int], gone_at: list[int]) -> None:
-        """One step's report over the events at `applied_at`; those at `gone_at` were skipped
-        because their worker left."""
-        self.applied += report.applied
-        self.failed += report.failed + len(gone_at)
-        found = [(applied_at[i], text) for i, text in report.failures] + [(i, WORKER_LEFT) for i in gone_at]
-        self.failures.extend(sorted(found)[:MAX_FAILURES - len(self.failures)])
-        self.done += len(applied_at) + len(gone_at)
-
-    def report(self) -> ApplyReport:
-        return ApplyReport(received=len(self.events), applied=self.applied, failed=self.failed, dropped=0,
-                           failures=tuple(self.failures))
+        self.done = 0  # events applied (or failed) so far
+        self.tally = Tally(len(events))
 
 
 STATE_BUDGET_EXHAUSTED: Final = IndexError_("Failed to apply event: state budget exhausted", "state_budget")
@@ -993,21 +978,27 @@ class SelectionService:
                 continue
             start = job.done
             chunk = job.bound[start:start + step]
-            alive = [self._keys.get(pool.key) is pool and rank in pool.fresh for _, pool, rank in chunk]
-            report = self._apply_bound([b for b, ok in zip(chunk, alive, strict=True) if ok], now)
-            job.add(report, [start + k for k, ok in enumerate(alive) if ok],
-                    [start + k for k, ok in enumerate(alive) if not ok])
+            for k, (event, pool, rank) in enumerate(chunk, start):
+                if self._keys.get(pool.key) is pool and rank in pool.fresh:
+                    self._tally_bound([(event, pool, rank)], now, True, job.tally, (k,))
+                else:
+                    job.tally.fail(k, WORKER_LEFT)
+            job.done += len(chunk)
             if job.done >= len(job.events):
                 self._event_jobs.popleft()
-                total = job.report()
+                total = job.tally.report()
                 self._outputs.append(SelectionReady(job.ticket, total, json_response(200, total.to_json())))
             if not until_done:
                 return
 
     def _apply_bound(self, bound: Sequence[tuple[Event, Pool, Rank]], now: float,
                      touch_freshness: bool = True) -> ApplyReport:
-        applied = failed = 0
-        failures: list[tuple[int, str]] = []
+        return self._tally_bound(bound, now, touch_freshness, Tally(len(bound))).report()
+
+    def _tally_bound(self, bound: Sequence[tuple[Event, Pool, Rank]], now: float, touch_freshness: bool,
+                     tally: Tally, indices: Sequence[int] | None = None) -> Tally:
+        """Apply `bound` in order, counting into `tally`; `indices` are the events' positions in
+        the request (their order in `bound` when not given)."""
         over_budget = self.budget.exhausted
         for i, (event, state, rank) in enumerate(bound):
             if touch_freshness:
@@ -1017,13 +1008,10 @@ class SelectionService:
             self.metrics.inc("selection_proto_kv_events_total",
                              (*state.key, event.tier, event.kind, result))
             if error is None:
-                applied += 1
+                tally.applied += 1
             else:
-                failed += 1
-                if len(failures) < MAX_FAILURES:
-                    failures.append((i, error.text))
-        return ApplyReport(received=len(bound), applied=applied, failed=failed, dropped=0,
-                           failures=tuple(failures))
+                tally.fail(i if indices is None else indices[i], error.text)
+        return tally
 
     def _count_break(self, key: Key, rank: Rank, broken: Break) -> None:
         labels = (*key, str(rank[0]), str(rank[1]))
@@ -1109,13 +1097,12 @@ class SelectionService:
         elif source is not None and source.first and state.fresh[rank].loss_pending:
             state.fresh[rank].stale = True  # a reconnect without proof of continuity
         memory = state.memory.setdefault(rank, NamespaceMemory())
-        applied = failed = dropped = 0
-        failures: list[tuple[int, str]] = []
         events = batch.events if start == 0 and stop is None else batch.events[start:stop]
+        tally = Tally(len(events))
         for i, raw in enumerate(events, start):
             event = convert(raw, state.block_size, memory)
             if isinstance(event, str):
-                dropped += 1
+                tally.dropped += 1
                 self.metrics.inc("selection_proto_kv_events_dropped_total", (*state.key, event))
                 continue
             state.fresh[rank].count_event(now)
@@ -1130,17 +1117,14 @@ class SelectionService:
             self.metrics.inc("selection_proto_kv_events_total", (*state.key, event.tier, event.kind,
                                                                  "ok" if error is None else error.label))
             if error is None:
-                applied += 1
+                tally.applied += 1
             else:
-                failed += 1
-                if len(failures) < MAX_FAILURES:
-                    failures.append((i, error.text))
+                tally.fail(i, error.text)
         if source is not None:
             source.delivered.add(rank)
             if stop is None or stop >= len(batch.events):
                 source.first = False
-        return ApplyReport(received=len(events), applied=applied, failed=failed, dropped=dropped,
-                           failures=tuple(failures))
+        return tally.report()
 
     def _note_seq(self, state: Pool, stream_rank: Rank, batch_rank: Rank, seq: int) -> None:
         broken = state.fresh[stream_rank].note_seq(seq)
