@@ -43,8 +43,7 @@ class StateBudget:
 
     @property
     def exhausted(self) -> bool:
-        return (self.index_blocks * BLOCK_BYTES + self.bookings * BOOKING_BYTES
-                + self.booked_blocks * BOOKED_BLOCK_BYTES + self.record_bytes * RECORD_FACTOR) >= self.limit
+        return self.used >= self.limit
 
     def check(self, write: str) -> None:
         """Refuse a write that would grow the state once the budget is used up."""
