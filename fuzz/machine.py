@@ -89,7 +89,7 @@ class ServiceMachine(RuleBasedStateMachine):
         self.bookings = {b for b in self.bookings if self.live(b)}
 
     def live(self, rid: str) -> bool:
-        return any(rid in s.tracker.bookings for s in self.service._keys.values())
+        return any(rid in s.tracker.bookings for s in self.service.pools.values())
 
     @rule(wid=WORKERS, tokens=TOKENS, dp=st.integers(0, 1), parent=st.booleans())
     def store(self, wid: int, tokens: list[int], dp: int, parent: bool) -> None:
@@ -180,7 +180,7 @@ class ServiceMachine(RuleBasedStateMachine):
             return
         self.drain()
         assert sum(m.pending_count for m in self.service.loads()) == len(self.tickets)
-        for state in self.service._keys.values():
+        for state in self.service.pools.values():
             total = 0
             for load in state.tracker.loads.values():
                 assert load.requests >= 0 and load.prefill_tokens >= 0
@@ -195,14 +195,14 @@ class ServiceMachine(RuleBasedStateMachine):
         if not hasattr(self, "service"):
             return
         s = self.service
-        keys = s._keys.values()
+        keys = s.pools.values()
         assert s.budget.index_blocks == sum(state.index.rank_size(r) for state in keys
                                             for r in {*state.index.device.lookup, *(
                                                 r for t in state.index.lower.values() for r in t.owned)})
         assert s.budget.bookings == sum(len(state.tracker.bookings) for state in keys)
         assert s.budget.booked_blocks == sum(len(b.blocks or ()) for state in keys
                                              for b in state.tracker.bookings.values())
-        assert s.budget.record_bytes == sum(len(jsonio.dumps(r.to_json())) for r in s._records.values())
+        assert s.budget.record_bytes == sum(len(jsonio.dumps(r.to_json())) for r in s.catalog.values())
 
     @invariant()
     def catalog_reads_match_the_records(self) -> None:
@@ -210,7 +210,7 @@ class ServiceMachine(RuleBasedStateMachine):
         if not hasattr(self, "service"):
             return
         s = self.service
-        records = sorted(s._records.values(), key=lambda r: (*r.key, r.worker_id))  # recounted
+        records = sorted(s.catalog.values(), key=lambda r: (*r.key, r.worker_id))  # recounted
         count = sum(1 for r in records if r.lifecycle == "schedulable")
         answer = s.handle("GET", "/ready", "", [], b"", now=self.now)
         assert answer.body == jsonio.dumps({"ready": count > 0, "schedulable_workers": count,
@@ -229,7 +229,7 @@ class ServiceMachine(RuleBasedStateMachine):
         from selection_proto import block_hashes
 
         q = block_hashes([0, 1, 2, 3, 0, 1, 2, 3], 2)
-        for state in self.service._keys.values():
+        for state in self.service.pools.values():
             full, _ = state.index.device.find(q)
             for k in range(len(q) + 1):
                 part, _ = state.index.device.find(q[:k])
@@ -245,7 +245,7 @@ class ServiceMachine(RuleBasedStateMachine):
         assert not self.tickets, "every ticket gets exactly one answer"
         for rid in sorted(self.bookings):
             assert self.call("DELETE", f"/reservations/{rid}")[0] == 200
-        for state in self.service._keys.values():
+        for state in self.service.pools.values():
             for load in state.tracker.loads.values():
                 assert (load.requests, load.prefill_tokens, len(load.unique)) == (0, 0, 0)
 

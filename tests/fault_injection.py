@@ -15,6 +15,7 @@ from selection_proto import cli
 from selection_proto.adapters.http import HttpConnection
 from selection_proto.adapters.jsonl import JsonRpcSession
 from selection_proto.adapters.ws import PushSession
+from selection_proto.core.selection import Selector
 from selection_proto.core.service import SelectionService
 from selection_proto.transports.subscriber import Subscriptions
 
@@ -57,7 +58,7 @@ FAULTS: dict[str, Callable[[], None]] = {
         JsonRpcSession, "_call"),
     # queue dispatch: a queued selection fails when it is finally run (not when run at once)
     "dispatch": lambda: _raising("dispatch", lambda self, *a: self._dispatching)(
-        SelectionService, "_finish_selection"),
+        Selector, "_finish"),
 }
 
 if __name__ == "__main__":

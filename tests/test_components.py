@@ -153,3 +153,58 @@ def test_the_stepwise_array_reader_answers_as_loads(text: str) -> None:
         except jsonio.JSONSyntaxError as exc:
             return ("error", exc.detail)
     assert outcome(jsonio.loads_array_stepwise) == outcome(jsonio.loads_with_hints)
+
+
+def test_stream_table_moves_sources_and_their_ranks() -> None:
+    """`STREAM`: a push stream counts as open from the start; a subscription when it connects; a
+    loss marks what it fed `loss_pending`; `ended` forgets without a loss and tells the transport."""
+    from collections import deque
+
+    from selection_proto.core.outputs import CloseEventStream, SubscribeKvEvents, UnsubscribeKvEvents
+    from selection_proto.core.pool import Pool
+    from selection_proto.core.settings import Settings
+    from selection_proto.core.streams import STREAM, Streams
+
+    key = ("m", "t")
+    pool = Pool(key, 4, 0.0, Settings(), StateBudget(1 << 40))
+    pool.set_worker(1, ((1, 0), (1, 1)), frozenset())
+    pool.add_rank((1, 0))
+    pool.add_rank((1, 1))
+    outbox: deque[object] = deque()
+    streams = Streams({key: pool}, outbox)  # type: ignore[arg-type]
+    push = streams.open_push((1, 0), key)
+    assert pool.fresh[(1, 0)].open_streams == 1
+    source = streams.get(push)
+    assert source is not None and source.state == "connected"
+    source.delivered.add((1, 0))
+    streams.move(source, "closed")
+    assert streams.get(push) is None
+    assert pool.fresh[(1, 0)].loss_pending and pool.fresh[(1, 0)].open_streams == 0
+
+    streams.subscribe((1, 1), key, "tcp://127.0.0.1:5557")
+    assert isinstance(outbox[-1], SubscribeKvEvents) and streams.subscriptions_except(2) == 1
+    sub = streams.get(outbox[-1].stream)
+    assert sub is not None and sub.state == "waiting" and pool.fresh[(1, 1)].open_streams == 0
+    streams.move(sub, "lost")  # lost before it connected: nothing to lose
+    assert not pool.fresh[(1, 1)].loss_pending
+    streams.move(sub, "connected")
+    assert pool.fresh[(1, 1)].open_streams == 1 and sub.first
+    sub.delivered.add((1, 1))
+    streams.move(sub, "ended")
+    assert isinstance(outbox[-1], UnsubscribeKvEvents) and streams.get(sub.sid) is None
+    assert not pool.fresh[(1, 1)].loss_pending  # ended: the rank is being reset or dropped
+
+    again = streams.open_push((1, 1), key)
+    streams.end_pushes(1, "worker left")
+    assert outbox[-1] == CloseEventStream(again, 1001, "worker left")
+    assert set(STREAM.values()) == {"connected", "waiting", "gone"}
+
+
+def test_tickets_are_global_and_end_once() -> None:
+    from selection_proto.core.admission import Tickets
+
+    tickets = Tickets()
+    first, second = tickets.issue(("m", "t")), tickets.issue(None)
+    assert (first, second) == (1, 2)
+    assert tickets.end(first) == ("m", "t") and tickets.end(first) is None
+    assert tickets.end(second) is None  # a request applied in steps is not cancellable

@@ -74,7 +74,7 @@ def test_map_form_lora_and_tiers(c: Client) -> None:
 def test_bigram_eagle_tokens_and_byte_hashes(c: Client) -> None:
     pairs = [[i, i + 1] for i in range(1, 9)]  # tokens 1..9, eagle windows of bs + 1
     assert post(c, batch(stored([b"\x01" * 32, b"\x02" * 32], pairs)))[1]["applied"] == 1
-    tree = c.service._keys[("m", "default")].index.device
+    tree = c.service.pools[("m", "default")].index.device
     expected = block_hashes(list(range(1, 10)), 4, is_eagle=True)
     nodes = {id(n): n for n in tree.lookup[(1, 0)].values()}.values()
     assert sorted(h for n in nodes for h in n.locs) == sorted(expected)

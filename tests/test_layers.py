@@ -124,3 +124,25 @@ def test_adapters_and_transports_record_through_observe() -> None:
               for path in sorted((PACKAGE / folder).glob("*.py"))
               for n, line in enumerate(path.read_text().splitlines(), 1) if ".metrics." in line]
     assert around == []
+
+
+def test_the_facade_is_thin_and_no_core_module_is_large() -> None:
+    """The layout of issue 12: the facade at most ~450 lines, no core module over ~550."""
+    sizes = {path.name: len(path.read_text().splitlines())
+             for path in sorted((PACKAGE / "core").glob("*.py"))}
+    assert sizes["service.py"] <= 450
+    assert {name: n for name, n in sizes.items() if n > 550} == {}
+
+
+def test_each_counted_family_is_named_once_outside_the_table() -> None:
+    """A metric family's name is spelled in `metrics.FAMILIES` and at most once more (its named
+    recorder, or a state gauge of `metrics_text`); adapters and transports use the constants."""
+    from selection_proto.core.metrics import FAMILIES
+
+    texts = {path: path.read_text() for path in sorted(PACKAGE.rglob("*.py"))}
+    spelled = {name: sum(text.count(f'"{name}"') for text in texts.values()) for name in FAMILIES}
+    assert {name: n for name, n in spelled.items() if n > 2} == {}
+    outside = [f"{path.relative_to(PACKAGE)}: {name}" for path, text in texts.items()
+               if path.parent.name in ("adapters", "transports")
+               for name in FAMILIES if f'"{name}"' in text]
+    assert outside == []

@@ -14,6 +14,7 @@ from typing import Final, NamedTuple
 import h11
 from wsproto import WSConnection
 
+from ..core.metrics import LIMIT_REJECTIONS, REQUEST_DURATION
 from ..core.routes import MAX_BODY, ParsedBody, is_json, match, media_type, route_of
 from ..core.service import SelectionService
 from ..core.types import Pending
@@ -177,7 +178,7 @@ class HttpConnection:
         size = len(request.method) + len(request.target) + 12 + sum(
             len(n) + len(v) + 4 for n, v in request.headers)
         if size > MAX_HEADER_BYTES:
-            self._service.observe("selection_proto_limit_rejections_total", ("header_size",), 1.0)
+            self._service.observe(LIMIT_REJECTIONS, ("header_size",), 1.0)
             self._respond(error_response(431, f"request header block exceeds {MAX_HEADER_BYTES} bytes"),
                           close=True)
             return
@@ -196,7 +197,7 @@ class HttpConnection:
                 self.close_after_response = True
 
     def _refuse_body(self) -> None:
-        self._service.observe("selection_proto_limit_rejections_total", ("body_size",), 1.0)
+        self._service.observe(LIMIT_REJECTIONS, ("body_size",), 1.0)
         self._respond(error_response(413, "Failed to buffer the request body: length limit exceeded"),
                       close=True)
 
@@ -239,7 +240,7 @@ class HttpConnection:
         started = self._clock()
         result = self._service.handle(method, path, query, headers, body, now=started)
         matched = match(path)
-        self._service.observe("selection_proto_request_duration_seconds",
+        self._service.observe(REQUEST_DURATION,
                               (matched[0] if matched else "unmatched",), self._clock() - started)
         if isinstance(result, Pending):
             # The answer arrives later as a SelectionReady; later pipelined requests wait behind it.
@@ -282,7 +283,7 @@ class HttpConnection:
             self.closed = True
             return
         if exc.error_status_hint == 431:
-            self._service.observe("selection_proto_limit_rejections_total", ("header_size",), 1.0)
+            self._service.observe(LIMIT_REJECTIONS, ("header_size",), 1.0)
             response = error_response(431, f"request header block exceeds {MAX_HEADER_BYTES} bytes")
         else:
             response = error_response(400, f"malformed HTTP request: {exc}")

@@ -15,6 +15,7 @@ from typing import Any, Final
 from urllib.parse import quote, urlencode
 
 from ..core import jsonio
+from ..core.metrics import JSONRPC_MESSAGES, LIMIT_REJECTIONS
 from ..core.outputs import SelectionReady
 from ..core.routes import EVENT_QUERY, ROUTES, ParsedBody, path_parameter
 from ..core.service import SelectionService
@@ -87,7 +88,7 @@ class JsonRpcSession:
         return data
 
     def _count(self, outcome: str) -> None:
-        self._service.observe("selection_proto_jsonrpc_messages_total", (outcome,), 1.0)
+        self._service.observe(JSONRPC_MESSAGES, (outcome,), 1.0)
 
     # -- framing -------------------------------------------------------------------------------
 
@@ -128,7 +129,7 @@ class JsonRpcSession:
 
     def _too_long(self) -> None:
         self._count("line_too_long")
-        self._service.observe("selection_proto_limit_rejections_total", ("line_size",), 1.0)
+        self._service.observe(LIMIT_REJECTIONS, ("line_size",), 1.0)
         self._out.append(_envelope_error(None, -32600, "Invalid Request",
                                          {"detail": f"line exceeds {MAX_LINE} bytes"}))
 

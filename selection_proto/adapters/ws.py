@@ -32,6 +32,7 @@ from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 from ..core import jsonio
 from ..core.engine import EngineBatch
 from ..core.errors import SelectionError, StreamError
+from ..core.metrics import LIMIT_REJECTIONS, WS_CLOSES, WS_MESSAGES
 from ..core.routes import PUSH_QUERY
 from ..core.service import SelectionService
 from ..core.streams import DecodedMessage, decode_or_error
@@ -129,7 +130,7 @@ class _Session:
             return
         if self._ws.state is ConnectionState.OPEN:
             self._send(CloseConnection(code=code, reason=cut_reason(reason)))
-            self._count("selection_proto_ws_closes_total", ("out", str(code)))
+            self._count(WS_CLOSES, ("out", str(code)))
         self.closed = True
         self.close_code = code
         self._closed()
@@ -170,16 +171,16 @@ class _Session:
             self._parts.append(event.data)
             self._size += len(event.data)
             if self._size > MAX_MESSAGE:
-                self._service.observe("selection_proto_limit_rejections_total", ("ws_message_size",), 1.0)
+                self._service.observe(LIMIT_REJECTIONS, ("ws_message_size",), 1.0)
                 self.close(1009, f"message exceeds {MAX_MESSAGE} bytes")
                 return
             if event.message_finished:
                 parts, self._parts, self._size = self._parts, [], 0
                 if isinstance(event, TextMessage):
-                    self._count("selection_proto_ws_messages_total", ("in", "text"))
+                    self._count(WS_MESSAGES, ("in", "text"))
                     self._message("".join(parts))  # type: ignore[arg-type]
                 else:
-                    self._count("selection_proto_ws_messages_total", ("in", "binary"))
+                    self._count(WS_MESSAGES, ("in", "binary"))
                     self._message(b"".join(parts))  # type: ignore[arg-type]
         elif isinstance(event, Ping):
             self._send(event.response())
@@ -187,7 +188,7 @@ class _Session:
             self.ping_outstanding = False
         elif isinstance(event, CloseConnection):
             if self._ws.state is ConnectionState.REMOTE_CLOSING:
-                self._count("selection_proto_ws_closes_total", ("in", str(event.code)))
+                self._count(WS_CLOSES, ("in", str(event.code)))
                 self._send(event.response())
                 self.closed = True
                 self.close_code = event.code
@@ -322,7 +323,7 @@ class PushSession(_Session):
             self._processed += 1
             if self._ack:
                 self._send(TextMessage(data=f'{{"ack":{self._processed}}}'))
-                self._count("selection_proto_ws_messages_total", ("out", "text"))
+                self._count(WS_MESSAGES, ("out", "text"))
         return True
 
     def _closed(self) -> None:

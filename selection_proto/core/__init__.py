@@ -1,23 +1,26 @@
 """The pure selection state machine: no I/O, no clock reads, no threads, no module-level state.
 
 General layout. `service.SelectionService` is the facade: it keeps the clock (`now` never goes
-back), composes the parts below, orders their side effects and queues the output events. Each
-concept has one module:
+back), composes the components below, orders their calls and holds the output events they queue.
+Each concept has one module:
 
 * the bytes face: `routes` (every route in one table), `handler` (`handle`: decode, run, encode),
   `openapi`, `jsonio` (the JSON readers), `codec` (request shapes), `wire` (responses, queries);
 * the vocabulary: `types` (requests and answers), `errors` (each carries its status),
   `outputs` (what the transport drains), `settings`;
 * the catalog side: `catalog` (records, tombstones, the lifecycle and reconcile tables, the
-  metadata rules), `pool` (one key's workers, index, bookings, freshness and queue);
-* the selection side: `prompt` (a request's hashes), `cost` (a candidate's cost, the choice),
-  `admission` (the queue and how a ticket ends), `tracker` (bookings and loads), `index` (the
-  radix trees), `hashing`;
-* the KV-event side: `events` (Dynamo JSON), `engine` (engine msgpack), `streams` (event sources
-  and message decoding), `freshness` (continuity of ids and seqs), `tally` (what a batch did);
-* `snapshot` (dump and restore), `budget` (the state budget), `metrics` (the exposition).
+  metadata rules), `workers` (an upsert or delete moving the pools), `pool` (one key's workers,
+  index, bookings, freshness and queue);
+* the selection side: `selection` (candidates, overload, choice, bookings, dispatch), `prompt`
+  (a request's hashes), `cost` (a candidate's cost, the choice), `admission` (the queue, tickets,
+  how a ticket ends), `tracker` (bookings and loads), `readouts` (loads and overlap answers),
+  `index` (the radix trees), `hashing`;
+* the KV-event side: `ingest` (bind and apply, requests applied in steps), `events` (Dynamo
+  JSON), `engine` (engine msgpack), `streams` (event sources, their lifecycle table, message
+  decoding), `freshness` (continuity of ids and seqs), `tally` (what a batch did);
+* `limits` (every limit checked and counted), `budget` (the state budget), `snapshot` (dump and
+  restore), `metrics` (families, recorders, the exposition).
 """
-
 from .errors import (
     BadRequest,
     Conflict,

@@ -22,7 +22,7 @@ from typing import Final
 from .prompt import PromptHashes
 from .types import SelectRequest
 
-__all__ = ["OUTCOMES", "AdmissionQueue", "QueuedSelection", "order_key"]
+__all__ = ["OUTCOMES", "AdmissionQueue", "QueuedSelection", "Tickets", "order_key"]
 
 OUTCOMES: Final = ("dispatched", "failed", "timed_out", "shutdown", "cancelled")
 
@@ -96,3 +96,25 @@ class AdmissionQueue:
     def oldest(self) -> float | None:
         """When the longest-waiting entry arrived."""
         return min((e.enqueued_at for e in self._entries), default=None)
+
+
+class Tickets:
+    """Every pending ticket: numbers are global (a `Pending` names one), so they are issued here,
+    with the key whose queue holds the selection (None for a request applied in steps)."""
+
+    __slots__ = ("_next", "_keys")
+
+    def __init__(self) -> None:
+        self._next = 1
+        self._keys: dict[int, tuple[str, str]] = {}
+
+    def issue(self, key: tuple[str, str] | None) -> int:
+        ticket = self._next
+        self._next += 1
+        if key is not None:
+            self._keys[ticket] = key
+        return ticket
+
+    def end(self, ticket: int) -> tuple[str, str] | None:
+        """The ticket ended (or was cancelled): the key that held it, if it was pending."""
+        return self._keys.pop(ticket, None)

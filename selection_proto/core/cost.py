@@ -14,7 +14,18 @@ from .prompt import PromptHashes
 from .settings import Settings, resolve_weights
 from .types import Candidate, RouterConfigOverride, SelectRequest
 
-__all__ = ["NO_OVERRIDE", "Estimates", "Scored", "choose", "effective_blocks", "explain", "score"]
+__all__ = [
+    "NO_OVERRIDE",
+    "Estimates",
+    "Scored",
+    "cached_tokens",
+    "choose",
+    "effective_blocks",
+    "estimates",
+    "explain",
+    "score",
+    "tracks_prefill",
+]
 
 NO_OVERRIDE: Final = RouterConfigOverride()
 # Device prefix, host extension and disk+external extension blocks per rank (core.md §7.4).
@@ -40,6 +51,28 @@ def effective_blocks(device: int, host: int, disk: int, s: Settings) -> float:
     return device + s.host_cache_hit_weight * host + s.disk_cache_hit_weight * disk
 
 
+def cached_tokens(rank: Rank, found: Estimates, block_size: int, s: Settings) -> int:
+    """The tokens a rank holds of the prompt, its lower tiers discounted, rounded half up."""
+    device, host, disk = found
+    effective = effective_blocks(device.get(rank, 0), host.get(rank, 0), disk.get(rank, 0), s)
+    return max(0, math.floor(effective * block_size + 0.5))
+
+
+def estimates(pool: Pool, blocks: list[int]) -> Estimates:
+    """Device prefix, host extension and disk+external extension blocks per rank (§7.4)."""
+    device, hits = pool.index.tiered(blocks)
+    disk = dict(hits["disk"])
+    for r, n in hits["external"].items():
+        disk[r] = disk.get(r, 0) + n
+    return device, hits["host_pinned"], disk
+
+
+def tracks_prefill(s: Settings, o: RouterConfigOverride | None) -> bool:
+    """Whether prefill tokens count as load, the request's override first."""
+    o = o or NO_OVERRIDE
+    return s.track_prefill_tokens if o.track_prefill_tokens is None else o.track_prefill_tokens
+
+
 def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: list[Rank],
           estimates: Estimates, s: Settings) -> list[Scored]:
     """Every candidate's cost (core.md §9.5). The hot loop of a selection: one pass, locals
@@ -49,7 +82,7 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
                                               s.overlap_score_credit, 1.0, 1.0)
     scale, credit = resolve_weights(o.overlap_score_weight, o.prefill_load_scale,
                                     o.overlap_score_credit, base_scale, base_credit)
-    track = s.track_prefill_tokens if o.track_prefill_tokens is None else o.track_prefill_tokens
+    track = tracks_prefill(s, o)
     bs = state.block_size
     isl = prompt.isl
     w_host, w_disk = s.host_cache_hit_weight, s.disk_cache_hit_weight

@@ -208,23 +208,27 @@ class NamespaceMemory:
     def get(self, h: int) -> object | None:
         return self.entries.get(h)
 
-    def remember(self, h: int, namespace: str | None) -> None:
-        known = self.entries.get(h)
-        if known is None:
-            if namespace is None:
-                return
-            self.entries[h] = namespace
-            if len(self.entries) > NAMESPACE_MEMORY_LIMIT:
-                self.entries.popitem(last=False)
-        elif known != namespace:
-            self.entries[h] = AMBIGUOUS
-
-    def forget(self, hashes: Sequence[int]) -> None:
-        for h in hashes:
-            self.entries.pop(h, None)
-
-    def clear(self) -> None:
-        self.entries.clear()
+    def observe(self, event: Event) -> None:
+        """Follow a converted event: a store remembers its blocks' namespace, a remove forgets its
+        blocks, a device clear forgets everything."""
+        entries = self.entries
+        if event.kind == "stored":
+            namespace = event.namespace
+            for h, _ in event.blocks:
+                known = entries.get(h)
+                if known is None:
+                    if namespace is None:
+                        continue
+                    entries[h] = namespace
+                    if len(entries) > NAMESPACE_MEMORY_LIMIT:
+                        entries.popitem(last=False)
+                elif known != namespace:
+                    entries[h] = AMBIGUOUS
+        elif event.kind == "removed":
+            for h in event.block_hashes:
+                entries.pop(h, None)
+        elif event.tier == "device":
+            entries.clear()
 
 
 def _mm_hash(item: Any, lora_name: str | None) -> int | None:

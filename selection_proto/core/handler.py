@@ -16,7 +16,6 @@ from .errors import (
     InvalidJson,
     MethodNotAllowed,
     NotFound,
-    PayloadTooLarge,
     SelectionError,
     UnsupportedMediaType,
 )
@@ -125,7 +124,7 @@ def handle(service: SelectionService, method: str, path: str, query: str,
         service.internal_error("handle")
         result = error_response(500, "internal error")
     status = "pending" if isinstance(result, Pending) else str(result.status)
-    service.metrics.inc("selection_proto_requests_total", (method, route, status))
+    service.metrics.request(method, route, status)
     return result
 
 
@@ -140,9 +139,7 @@ def _dispatch(service: SelectionService, method: str, matched: tuple[str, str | 
     verb = "GET" if head else method
     if verb not in methods:
         raise MethodNotAllowed(methods)
-    if (body.size if isinstance(body, ParsedBody) else len(body)) > MAX_BODY:
-        service.metrics.inc("selection_proto_limit_rejections_total", ("body_size",))
-        raise PayloadTooLarge("Failed to buffer the request body: length limit exceeded")
+    service.limits.body_size(body.size if isinstance(body, ParsedBody) else len(body), MAX_BODY)
     route = route_of(verb, template)
     assert route is not None
     if route.body:

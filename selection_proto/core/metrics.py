@@ -1,17 +1,41 @@
-"""Prometheus text exposition of the service's counters, gauges and histograms (api.md §5)."""
+"""The service's counters, gauges and histograms (api.md §5): each family declared once in
+`FAMILIES`, recorded through one named recorder per event the core counts, and rendered as the
+Prometheus text exposition. Adapters and transports report through `SelectionService.observe`
+with the family constants below."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from typing import Final
 
-__all__ = ["FAMILIES", "Metrics"]
+__all__ = [
+    "CONNECTIONS",
+    "FAMILIES",
+    "INTERNAL_ERRORS",
+    "JSONRPC_MESSAGES",
+    "LIMIT_REJECTIONS",
+    "REQUEST_DURATION",
+    "SUBSCRIPTION_FAILURES",
+    "WS_CLOSES",
+    "WS_MESSAGES",
+    "Metrics",
+]
 
 _RATIO_BUCKETS: Final = tuple(round(0.1 * i, 1) for i in range(1, 11))
 _WAIT_BUCKETS: Final = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0)
 _DURATION_BUCKETS: Final = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                             0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _RANK_LABELS: Final = ("model_name", "tenant_id", "worker_id", "dp_rank")
+
+# The families reported from outside the core, by name.
+LIMIT_REJECTIONS: Final = "selection_proto_limit_rejections_total"
+INTERNAL_ERRORS: Final = "selection_proto_internal_errors_total"
+REQUEST_DURATION: Final = "selection_proto_request_duration_seconds"
+CONNECTIONS: Final = "selection_proto_connections"
+WS_MESSAGES: Final = "selection_proto_ws_messages_total"
+WS_CLOSES: Final = "selection_proto_ws_closes_total"
+SUBSCRIPTION_FAILURES: Final = "selection_proto_kv_subscription_failures_total"
+JSONRPC_MESSAGES: Final = "selection_proto_jsonrpc_messages_total"
 
 # name -> (type, help, label names, histogram bounds)
 FAMILIES: Final[Mapping[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]]] = {
@@ -52,18 +76,18 @@ FAMILIES: Final[Mapping[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]
     "selection_proto_state_bytes": ("gauge", "Estimated memory of the index, bookings and catalog.",
                                     (), ()),
     "selection_proto_state_budget_bytes": ("gauge", "The state budget (max_state_bytes).", (), ()),
-    "selection_proto_limit_rejections_total": ("counter", "Requests refused by a limit.", ("limit",), ()),
-    "selection_proto_internal_errors_total": (
+    LIMIT_REJECTIONS: ("counter", "Requests refused by a limit.", ("limit",), ()),
+    INTERNAL_ERRORS: (
         "counter", "Unexpected exceptions confined to one request, connection, stream or task.",
         ("where",), ()),
-    "selection_proto_request_duration_seconds": ("histogram", "Request handling time.", ("route",),
+    REQUEST_DURATION: ("histogram", "Request handling time.", ("route",),
                                                  _DURATION_BUCKETS),
-    "selection_proto_connections": ("gauge", "Open connections.", ("kind",), ()),
-    "selection_proto_ws_messages_total": ("counter", "WebSocket messages.", ("direction", "type"), ()),
-    "selection_proto_ws_closes_total": ("counter", "WebSocket closes.", ("direction", "code"), ()),
-    "selection_proto_kv_subscription_failures_total": ("counter", "Subscription failures.",
+    CONNECTIONS: ("gauge", "Open connections.", ("kind",), ()),
+    WS_MESSAGES: ("counter", "WebSocket messages.", ("direction", "type"), ()),
+    WS_CLOSES: ("counter", "WebSocket closes.", ("direction", "code"), ()),
+    SUBSCRIPTION_FAILURES: ("counter", "Subscription failures.",
                                                        ("scheme", "reason"), ()),
-    "selection_proto_jsonrpc_messages_total": ("counter", "JSON-RPC messages.", ("outcome",), ()),
+    JSONRPC_MESSAGES: ("counter", "JSON-RPC messages.", ("outcome",), ()),
 }
 
 Labels = tuple[str, ...]
@@ -133,6 +157,54 @@ class Metrics:
             self.set(name, labels, value)
         else:
             self.observe(name, labels, value)
+
+    # -- the core's recorders: one per thing it counts ------------------------------------------
+
+    def request(self, method: str, route: str, status: str) -> None:
+        self.inc("selection_proto_requests_total", (method, route, status))
+
+    def limit(self, name: str) -> None:
+        """A request was refused by the limit `name` (a Settings limit, or a transport's)."""
+        self.inc(LIMIT_REJECTIONS, (name,))
+
+    def internal_error(self, where: str) -> None:
+        self.inc(INTERNAL_ERRORS, (where,))
+
+    def selection(self, key: Labels, route: str, status: int) -> None:
+        """A selection's final outcome (a queued one counts when its ticket ends)."""
+        self.inc("selection_proto_selections_total", (*key, route, str(status)))
+
+    def selected(self, key: Labels, hit_ratio: float | None, below_max_overlap: bool) -> None:
+        """What the chosen rank had cached: its predicted hit ratio (None for an empty prompt),
+        and whether another candidate had more device overlap."""
+        if hit_ratio is not None:
+            self.observe("selection_proto_predicted_hit_ratio", key, hit_ratio)
+        if below_max_overlap:
+            self.inc("selection_proto_non_max_overlap_selections_total", key)
+
+    def booking(self, key: Labels, event: str, count: int = 1) -> None:
+        """Bookings booked, freed, prefill_complete, expired or dropped."""
+        self.inc("selection_proto_reservation_events_total", (*key, event), count)
+
+    def queue(self, key: Labels, event: str, waited: float | None = None) -> None:
+        """A queue event (admission.OUTCOMES, queued, rejected_full); an outcome with its wait."""
+        self.inc("selection_proto_queue_events_total", (*key, event))
+        if waited is not None:
+            self.observe("selection_proto_queue_wait_seconds", key, waited)
+
+    def kv_event(self, key: Labels, tier: str, kind: str, result: str) -> None:
+        self.inc("selection_proto_kv_events_total", (*key, tier, kind, result))
+
+    def kv_dropped(self, key: Labels, reason: str) -> None:
+        """A KV event or message was not applied: `reason` says why."""
+        self.inc("selection_proto_kv_events_dropped_total", (*key, reason))
+
+    def kv_gap(self, rank_labels: Labels, missing: int) -> None:
+        self.inc("selection_proto_kv_event_gaps_total", rank_labels)
+        self.inc("selection_proto_kv_missing_events_total", rank_labels, missing)
+
+    def kv_rewind(self, rank_labels: Labels) -> None:
+        self.inc("selection_proto_kv_event_rewinds_total", rank_labels)
 
     def value(self, name: str, labels: Labels = ()) -> float:
         return self._values.get(name, {}).get(labels, 0.0)

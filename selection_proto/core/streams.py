@@ -1,17 +1,27 @@
-"""Sources of KV events (events.md §7): an inbound push stream (a WebSocket on `/kv_events`) or
-an outbound subscription to an engine's endpoint, and what each has delivered.
+"""Sources of KV events (events.md §7) and their lifecycle: an inbound push stream (a WebSocket on
+`/kv_events`) or an outbound subscription to an engine's endpoint, what each has delivered, and the
+decoding of one stream message.
 
-A source's life:
+A source's life is the table `STREAM`, read by `Streams.move`:
 
-| kind | starts | connected | lost | ends |
-|---|---|---|---|---|
-| push | the WebSocket is bound (`open_event_stream`) | from the start | — | the socket closes, or its worker leaves |
-| subscription | its rank joins with an endpoint | the transport reports it | the transport reports it; retried | its rank leaves or its endpoint changes |
+| state | event | next | what happens |
+|---|---|---|---|
+| waiting | `connected` | connected | the rank counts one more open stream; the next message is a first |
+| connected | `lost` | waiting | every rank it fed is `loss_pending`; one open stream less |
+| waiting | `lost` | waiting | nothing (a subscription that failed before it connected) |
+| connected, waiting | `closed` | gone | as `lost` (the WebSocket closed) |
+| any | `ended` | gone | the service ended it: a push stream gets close 1001, a subscription an unsubscribe |
 
-A loss marks every rank the source fed as `loss_pending`: the first batch after a reconnect must
-prove continuity (a seq) or the rank is stale."""
+A push stream is created `waiting` and moves `connected` when it is bound; a subscription is
+created `waiting` when its rank joins with an endpoint and moves as the transport reports. A
+`loss_pending` rank must prove continuity (a seq) with its next batch, or it is stale. `ended`
+forgets without a loss: the rank it fed is being dropped or reset, or the service is stopping."""
 
 from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from typing import Final
 
 from . import jsonio
 from .codec import ShapeContext
@@ -19,15 +29,16 @@ from .engine import EngineBatch, InvalidBatch, decode_batch
 from .errors import InvalidJson, SelectionError, Unprocessable
 from .events import Event, decode_json_events
 from .index import Rank
-from .pool import Key
+from .outputs import CloseEventStream, OutputEvent, SubscribeKvEvents, UnsubscribeKvEvents
+from .pool import Key, Pool
 
-__all__ = ["DecodedMessage", "EventSource", "decode_engine_batch", "decode_or_error", "decode_stream_message"]
+__all__ = ["STREAM", "DecodedMessage", "EventSource", "Streams", "decode_engine_batch", "decode_or_error", "decode_stream_message"]
 
 
 class EventSource:
     """One source of KV events: an inbound push stream or an outbound subscription."""
 
-    __slots__ = ("sid", "kind", "worker_id", "dp_rank", "key", "delivered", "connected", "first")
+    __slots__ = ("sid", "kind", "worker_id", "dp_rank", "key", "delivered", "state", "first")
 
     def __init__(self, sid: int, kind: str, worker_id: int, dp_rank: int, key: Key) -> None:
         self.sid = sid
@@ -36,8 +47,99 @@ class EventSource:
         self.dp_rank = dp_rank
         self.key = key
         self.delivered: set[Rank] = set()  # ranks this stream fed since it (re)connected
-        self.connected = kind == "push"
+        self.state = "waiting"
         self.first = True  # no message seen since it (re)connected
+
+    @property
+    def rank(self) -> Rank:
+        return (self.worker_id, self.dp_rank)
+
+
+# (state, event) -> next state ("gone": forgotten); a pair not listed changes nothing.
+STREAM: Final[Mapping[tuple[str, str], str]] = {
+    ("waiting", "connected"): "connected",
+    ("connected", "lost"): "waiting",
+    ("waiting", "lost"): "waiting",
+    ("connected", "closed"): "gone",
+    ("waiting", "closed"): "gone",
+    ("waiting", "ended"): "gone",
+    ("connected", "ended"): "gone",
+}
+
+
+class Streams:
+    """Every open source by id, and the subscription of each rank that has one."""
+
+    __slots__ = ("_sources", "_subscriptions", "_next", "_pools", "_outbox")
+
+    def __init__(self, pools: Mapping[Key, Pool], outbox: deque[OutputEvent]) -> None:
+        self._sources: dict[int, EventSource] = {}
+        self._subscriptions: dict[Rank, int] = {}  # rank -> its subscription's stream
+        self._next = 1
+        self._pools = pools
+        self._outbox = outbox
+
+    def get(self, sid: int) -> EventSource | None:
+        return self._sources.get(sid)
+
+    def subscriptions_except(self, worker_id: int) -> int:
+        """How many subscriptions other workers hold."""
+        return sum(1 for rank in self._subscriptions if rank[0] != worker_id)
+
+    def _open(self, kind: str, rank: Rank, key: Key) -> EventSource:
+        source = EventSource(self._next, kind, rank[0], rank[1], key)
+        self._sources[source.sid] = source
+        self._next += 1
+        return source
+
+    def open_push(self, rank: Rank, key: Key) -> int:
+        """A WebSocket bound to `rank`: connected from the start."""
+        source = self._open("push", rank, key)
+        self.move(source, "connected")
+        return source.sid
+
+    def subscribe(self, rank: Rank, key: Key, endpoint: str) -> None:
+        """The rank joined with an endpoint: the transport is asked to subscribe."""
+        source = self._open("subscription", rank, key)
+        self._subscriptions[rank] = source.sid
+        self._outbox.append(SubscribeKvEvents(source.sid, rank[0], rank[1], endpoint, *key))
+
+    def unsubscribe(self, rank: Rank) -> None:
+        sid = self._subscriptions.pop(rank, None)
+        source = self._sources.get(sid) if sid is not None else None
+        if source is not None:
+            self.move(source, "ended")
+
+    def end_pushes(self, worker_id: int | None, reason: str) -> None:
+        """Close the push streams of `worker_id` (of everyone when None) with 1001."""
+        for source in list(self._sources.values()):
+            if source.kind == "push" and (worker_id is None or source.worker_id == worker_id):
+                self.move(source, "ended", reason)
+
+    def move(self, source: EventSource, event: str, reason: str = "") -> None:
+        """One transition of `STREAM`, with what it causes."""
+        after = STREAM.get((source.state, event), source.state)
+        pool = self._pools.get(source.key)
+        fresh = pool.fresh.get(source.rank) if pool is not None else None
+        if source.state == "connected" and event != "ended" and after != "connected":
+            if pool is not None:
+                for rank in source.delivered:
+                    fed = pool.fresh.get(rank)
+                    if fed is not None:
+                        fed.loss_pending = True
+            if fresh is not None and fresh.open_streams > 0:
+                fresh.open_streams -= 1
+            source.delivered.clear()
+        elif after == "connected" and source.state != "connected":
+            if fresh is not None:
+                fresh.open_streams += 1
+            source.first = True
+        if after == "gone":
+            del self._sources[source.sid]
+            if event == "ended":
+                self._outbox.append(CloseEventStream(source.sid, 1001, reason) if source.kind == "push"
+                                    else UnsubscribeKvEvents(source.sid))
+        source.state = after
 
 
 DecodedMessage = tuple[Event, ...] | EngineBatch

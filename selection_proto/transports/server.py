@@ -12,6 +12,7 @@ import anyio.abc
 from ..adapters.http import HttpConnection
 from ..adapters.ws import PushSession
 from ..core.handler import prepare_large_body
+from ..core.metrics import CONNECTIONS, INTERNAL_ERRORS, LIMIT_REJECTIONS
 from ..core.outputs import CloseEventStream, InternalError, OutputEvent, SelectionReady
 from ..core.service import SelectionService
 from ..core.streams import decode_or_error
@@ -66,13 +67,13 @@ class _Server:
         self.subscriptions: Subscriptions | None = None
 
     def _report_connections(self) -> None:
-        self.service.observe("selection_proto_connections", ("http",), float(len(self.connections)))
+        self.service.observe(CONNECTIONS, ("http",), float(len(self.connections)))
 
     async def client(self, stream: anyio.abc.SocketStream) -> None:
         async with stream:
             open_now = len(self.connections) + self.ws_count
             if open_now >= self.config.max_connections or self.draining:
-                self.service.observe("selection_proto_limit_rejections_total", ("connections",), 1.0)
+                self.service.observe(LIMIT_REJECTIONS, ("connections",), 1.0)
                 response = error_response(503, "too many connections", (("connection", "close"),))
                 head = b"HTTP/1.1 503 Service Unavailable\r\n" + b"".join(
                     f"{n}: {v}\r\n".encode("latin-1") for n, v in response.headers)
@@ -128,7 +129,7 @@ class _Server:
                 stream = await listener.accept()
             except OSError as exc:
                 # Counted with the internal errors, logged once here (no traceback to add).
-                self.service.observe("selection_proto_internal_errors_total", ("accept",), 1.0)
+                self.service.observe(INTERNAL_ERRORS, ("accept",), 1.0)
                 log("warning", "accept_failed", errno=exc.errno, detail=exc.strerror or str(exc),
                     retry_in_secs=delay)
                 await anyio.sleep(delay)
@@ -284,7 +285,7 @@ class _Server:
         self.ws_count += 1
         self.connections.discard(conn)
         self._report_connections()
-        self.service.observe("selection_proto_connections", ("websocket_in",), float(self.ws_count))
+        self.service.observe(CONNECTIONS, ("websocket_in",), float(self.ws_count))
         session: PushSession | None = None
         try:
             session = PushSession(self.service, self.clock, ws, target, trailing)
@@ -327,7 +328,7 @@ class _Server:
                     if other is session:
                         del self.ws_sessions[sid]
             self.ws_count -= 1
-            self.service.observe("selection_proto_connections", ("websocket_in",), float(self.ws_count))
+            self.service.observe(CONNECTIONS, ("websocket_in",), float(self.ws_count))
 
     async def _large_messages(self, session: PushSession, stream: anyio.abc.SocketStream,
                               lock: anyio.Lock) -> None:

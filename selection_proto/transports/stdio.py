@@ -13,6 +13,7 @@ import anyio.from_thread
 import anyio.lowlevel
 
 from ..adapters.jsonl import JsonRpcSession
+from ..core.metrics import CONNECTIONS
 from ..core.outputs import InternalError, SelectionReady
 from ..core.service import SelectionService
 from .logs import log, log_internal_error
@@ -109,7 +110,7 @@ async def serve_stdio(service: SelectionService) -> None:
                 return
 
     log("info", "stdio", pid=os.getpid())
-    service.observe("selection_proto_connections", ("stdio",), 1.0)
+    service.observe(CONNECTIONS, ("stdio",), 1.0)
     async with anyio.create_task_group() as tg:
         subscriptions.append(Subscriptions(service, tg, flush))
         tg.start_soon(read)

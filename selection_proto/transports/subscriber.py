@@ -12,6 +12,7 @@ import anyio
 import anyio.abc
 
 from ..adapters.ws import SubscriptionSession
+from ..core.metrics import SUBSCRIPTION_FAILURES
 from ..core.outputs import OutputEvent, SubscribeKvEvents, UnsubscribeKvEvents
 from ..core.service import SelectionService
 from .logs import log
@@ -76,7 +77,7 @@ class Subscriptions:
         self.scopes.clear()
 
     def _failed(self, scheme: str, reason: str, sub: SubscribeKvEvents, detail: str) -> None:
-        self.service.observe("selection_proto_kv_subscription_failures_total", (scheme, reason), 1.0)
+        self.service.observe(SUBSCRIPTION_FAILURES, (scheme, reason), 1.0)
         log("warning", "kv_subscription_failed", worker_id=sub.worker_id, dp_rank=sub.dp_rank,
             endpoint=sub.endpoint, reason=reason, detail=detail)
 

@@ -1,0 +1,388 @@
+"""Selection and booking (core.md §9-§10): a prompt's candidates, the overload filter, the cost and
+the choice, the booking that holds a rank's load until the request ends, and the admission queue
+that holds selections while every candidate is busy.
+
+A `Selection` carries one selection in progress from `_prepare` to `_finish`, so that a queued
+selection resumes from the same object. The selector appends what it causes (answers of queued
+tickets, internal errors) to the service's outbox; the service decides when to dispatch."""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Final
+
+import attrs
+
+from .admission import QueuedSelection, Tickets, order_key
+from .catalog import Catalog
+from .cost import (
+    NO_OVERRIDE,
+    Estimates,
+    cached_tokens,
+    choose,
+    estimates,
+    explain,
+    score,
+    tracks_prefill,
+)
+from .errors import BadRequest, Conflict, Internal, NotFound, NotReady, SelectionError, TooManyRequests
+from .index import Rank
+from .limits import Limits
+from .metrics import Metrics
+from .outputs import OutputEvent, SelectionReady
+from .pool import Key, Pool, key_label
+from .prompt import PromptHashes
+from .settings import Settings
+from .tracker import DuplicateReservation, rank_text
+from .types import (
+    Excluded,
+    Pending,
+    ReservationRequest,
+    ReservationResponse,
+    SelectAndReserveRequest,
+    SelectRequest,
+    SelectResponse,
+)
+from .wire import error_response, json_response
+
+__all__ = ["SHUTTING_DOWN", "Selection", "Selector"]
+
+SHUTTING_DOWN: Final = "selection service is shutting down"
+
+
+@attrs.define(slots=True)
+class Selection:
+    """One selection in progress: its request and pool, the booking id (select_and_reserve), the
+    prompt's hashes, the candidates with why others were excluded, and what each has cached."""
+
+    pool: Pool
+    req: SelectRequest
+    rid: str | None
+    prompt: PromptHashes
+    candidates: list[Rank]
+    excluded: dict[Rank, str]
+    found: Estimates
+
+
+class Selector:
+    """Selections, bookings and the admission queue of every pool."""
+
+    __slots__ = ("_settings", "_rng", "_metrics", "_limits", "_catalog", "_pools", "_tickets",
+                 "_outbox", "_internal_error", "_dispatching", "stopping")
+
+    def __init__(self, settings: Settings, rng: random.Random, metrics: Metrics, limits: Limits,
+                 catalog: Catalog, pools: Mapping[Key, Pool], tickets: Tickets,
+                 outbox: deque[OutputEvent], internal_error: Callable[[str], None]) -> None:
+        self._settings = settings
+        self._rng = rng
+        self._metrics = metrics
+        self._limits = limits
+        self._catalog = catalog
+        self._pools = pools
+        self._tickets = tickets
+        self._outbox = outbox
+        self._internal_error = internal_error
+        self._dispatching = False
+        self.stopping = False  # set by the service's shutdown: no new selections or bookings
+
+    def gate(self, model_name: str, tenant_id: str) -> Pool:
+        """The key's pool, or 503 while it has no schedulable worker."""
+        if not self._catalog.schedulable:
+            raise NotReady("no schedulable workers are available")
+        pool = self._pools.get((model_name, tenant_id))
+        if pool is None or not pool.workers:
+            raise NotReady(f"no schedulable workers for {key_label((model_name, tenant_id))}")
+        return pool
+
+    # -- selection (core.md §9.7) ----------------------------------------------------------------
+
+    def select(self, req: SelectRequest, now: float, reserve: bool) -> SelectResponse | Pending:
+        """A selection with its outcome counted (a queued one counts when its ticket ends)."""
+        route = "select_and_reserve" if reserve else "select"
+        key = (req.model_name, req.tenant_id)
+        try:
+            sel = self._prepare(req, reserve)
+            if (self._settings.queue_threshold is not None and req.allowed_worker_ids is None
+                    and all(self._busy(sel.pool, r) for r in sel.candidates)):
+                return self._enqueue(sel, now)
+            result = self._finish(sel, now)
+        except SelectionError as exc:
+            self._metrics.selection(key, route, exc.status)
+            raise
+        self._metrics.selection(key, route, 200)
+        return result
+
+    def _prepare(self, req: SelectRequest, reserve: bool) -> Selection:
+        """Steps 2-8: gate, booking id, prompt, candidates, what each has cached."""
+        if self.stopping:
+            raise NotReady(SHUTTING_DOWN)
+        pool = self.gate(req.model_name, req.tenant_id)
+        rid: str | None = None
+        if reserve:
+            assert isinstance(req, SelectAndReserveRequest)
+            rid = req.reservation_id
+            if rid is None:
+                rid = str(uuid.UUID(int=self._rng.getrandbits(128), version=4))
+            else:
+                self._limits.id_length("reservation_id", rid)
+        self._limits.id_length("selection_id", req.selection_id)
+        prompt = self._limits.prompt(req, pool)
+        candidates, excluded = self._candidates(req, pool)
+        return Selection(pool, req, rid, prompt, candidates, excluded, estimates(pool, prompt.blocks))
+
+    def _candidates(self, req: SelectRequest, pool: Pool) -> tuple[list[Rank], dict[Rank, str]]:
+        excluded: dict[Rank, str] = {}
+        ranks = pool.ranks()
+        allowed = req.allowed_worker_ids
+        pinned = req.pinned_worker
+        required = req.routing_constraints.required_taints
+        if pinned is not None:
+            if allowed is not None and pinned.worker_id not in allowed:
+                raise BadRequest(f"pinned worker {pinned.worker_id} is not in allowed worker set")
+            rank = (pinned.worker_id, pinned.dp_rank)
+            taints = pool.taints.get(pinned.worker_id, frozenset())
+            if rank not in pool.tracker.loads or not taints.issuperset(required):
+                raise NotReady("no endpoints available to route work")
+            for r in ranks:
+                if r != rank:
+                    excluded[r] = "not_pinned"
+            return [rank], excluded
+        candidates = ranks
+        if allowed is not None:
+            candidates = []
+            for r in ranks:
+                if r[0] in allowed:
+                    candidates.append(r)
+                else:
+                    excluded[r] = "not_allowed"
+        if required:
+            kept = []
+            for r in candidates:
+                if pool.taints[r[0]].issuperset(required):
+                    kept.append(r)
+                else:
+                    excluded[r] = "missing_required_taint"
+            candidates = kept
+        if not candidates:
+            raise NotReady("no endpoints available to route work")
+        return candidates, excluded
+
+    def _overloaded(self, pool: Pool, rank: Rank) -> bool:
+        s = self._settings
+        load = pool.tracker.loads[rank]
+        if s.active_prefill_tokens_threshold is not None and (
+            load.prefill_tokens > s.active_prefill_tokens_threshold
+        ):
+            return True
+        record = self._catalog[rank[0]].request
+        if (s.active_prefill_tokens_threshold_frac is not None
+                and record.max_num_batched_tokens is not None
+                and load.prefill_tokens > s.active_prefill_tokens_threshold_frac
+                * record.max_num_batched_tokens):
+            return True
+        total = record.total_kv_blocks
+        return (s.active_decode_blocks_threshold is not None and bool(total)
+                and len(load.unique) > s.active_decode_blocks_threshold * (total or 0))
+
+    def _filter_overloaded(self, sel: Selection) -> list[Rank]:
+        """Step 9: candidates of workers whose every rank is overloaded are excluded."""
+        s = self._settings
+        candidates = sel.candidates
+        if (s.active_prefill_tokens_threshold is None and s.active_decode_blocks_threshold is None
+                and s.active_prefill_tokens_threshold_frac is None):
+            return candidates
+        by_worker: dict[int, list[Rank]] = {}
+        for r in candidates:
+            by_worker.setdefault(r[0], []).append(r)
+        busy = {w for w, rs in by_worker.items() if all(self._overloaded(sel.pool, r) for r in rs)}
+        if not busy:
+            return candidates
+        for r in candidates:
+            if r[0] in busy:
+                sel.excluded[r] = "overloaded"
+        kept = [r for r in candidates if r[0] not in busy]
+        if not kept:
+            if sel.req.pinned_worker is not None:
+                raise TooManyRequests(f"pinned worker {sel.req.pinned_worker.worker_id} is overloaded")
+            raise TooManyRequests("all eligible workers are overloaded")
+        return kept
+
+    def _finish(self, sel: Selection, now: float) -> SelectResponse:
+        """Steps 9-11: overload filter, cost, choice, booking, answer."""
+        pool, req, prompt = sel.pool, sel.req, sel.prompt
+        scored = score(req, pool, prompt, self._filter_overloaded(sel), sel.found, self._settings)
+        o = req.router_config_override
+        temperature = (o.router_temperature if o is not None and o.router_temperature is not None
+                       else self._settings.temperature)
+        chosen = choose(pool, scored, temperature, self._rng)
+        if sel.rid is not None:
+            self._book(pool, sel.rid, chosen.rank, prompt, chosen.cached, req, now, wrap=True)
+        self._metrics.selected(pool.key, chosen.cached / prompt.isl if prompt.isl > 0 else None,
+                               chosen.device < max(c.device for c in scored))
+        record = self._catalog[chosen.rank[0]].request
+        response = SelectResponse(
+            selection_id=req.selection_id, reservation_id=sel.rid, model_name=req.model_name,
+            tenant_id=req.tenant_id, worker_id=chosen.rank[0], dp_rank=chosen.rank[1],
+            endpoint=record.endpoint or "", effective_overlap_blocks=float(chosen.effective),
+            cached_tokens=chosen.cached, block_size=pool.block_size,
+        )
+        if req.explain:
+            response = attrs.evolve(response, candidates=explain(scored),
+                                    excluded=tuple(Excluded(worker_id=r[0], dp_rank=r[1], reason=why)
+                                                   for r, why in sorted(sel.excluded.items())))
+        return response
+
+    # -- the admission queue (core.md §10) -------------------------------------------------------
+
+    def _busy(self, pool: Pool, rank: Rank) -> bool:
+        threshold = self._settings.queue_threshold
+        assert threshold is not None
+        limit = self._catalog[rank[0]].request.max_num_batched_tokens or 0
+        return pool.tracker.loads[rank].prefill_tokens > threshold * limit
+
+    def _enqueue(self, sel: Selection, now: float) -> Pending:
+        s = self._settings
+        pool = sel.pool
+        self._limits.queue_room(pool)
+        cached = 0
+        if s.queue_policy == "wspt":
+            cached = max(cached_tokens(r, sel.found, pool.block_size, s) for r in sel.candidates)
+        order = order_key(s.queue_policy, max(0.0, sel.req.priority_jump or 0.0), now - pool.epoch,
+                          sel.prompt.isl, cached)
+        ticket = self._tickets.issue(pool.key)
+        pool.queue.push(QueuedSelection(ticket, order, sel.req, sel.rid, sel.prompt, now))
+        self._metrics.queue(pool.key, "queued")
+        return Pending(ticket)
+
+    def _resolve(self, pool: Pool, entry: QueuedSelection, result: SelectResponse | SelectionError,
+                 outcome: str, now: float) -> None:
+        """Emit the one SelectionReady of a ticket."""
+        self._tickets.end(entry.ticket)
+        route = "select_and_reserve" if isinstance(entry.req, SelectAndReserveRequest) else "select"
+        if isinstance(result, SelectionError):
+            response = error_response(result.status, result.message)
+        else:
+            response = json_response(200, result.to_json())
+        self._metrics.selection(pool.key, route, response.status)
+        self._metrics.queue(pool.key, outcome, now - entry.enqueued_at)
+        self._outbox.append(SelectionReady(entry.ticket, result, response))
+
+    def fail_queue(self, pool: Pool, error: SelectionError, outcome: str, now: float) -> None:
+        """End every ticket of the pool with `error` (its last worker left, or shutdown)."""
+        for entry in pool.queue.take_all():
+            self._resolve(pool, entry, error, outcome, now)
+
+    def dispatch(self, pool: Pool | None, now: float) -> None:
+        """Run queued requests whose candidates now include a rank that is not busy (§10.4)."""
+        if pool is None or not pool.queue or self._dispatching:
+            return
+        self._dispatching = True
+        try:
+            for entry in pool.queue:
+                req = entry.req
+                try:
+                    candidates, excluded = self._candidates(req, pool)
+                    if all(self._busy(pool, r) for r in candidates):
+                        continue
+                    pool.queue.remove(entry)
+                    sel = Selection(pool, req, entry.rid, entry.prompt, candidates, excluded,
+                                    estimates(pool, entry.prompt.blocks))
+                    result: SelectResponse | SelectionError = self._finish(sel, now)
+                    outcome = "dispatched"
+                except SelectionError as exc:
+                    pool.queue.remove(entry)
+                    result, outcome = exc, "failed"
+                except Exception:  # noqa: BLE001 - confined to this ticket; the caller's call stands
+                    pool.queue.remove(entry)
+                    self._internal_error("dispatch")
+                    result, outcome = Internal("internal error"), "failed"
+                self._resolve(pool, entry, result, outcome, now)
+        finally:
+            self._dispatching = False
+
+    def expire_queue(self, pool: Pool, now: float) -> None:
+        timeout = self._settings.queue_timeout_secs
+        for entry in pool.queue.late(now, timeout):
+            pool.queue.remove(entry)
+            self._resolve(pool, entry, NotReady(
+                f"timed out after {format(timeout, 'g')} s waiting in the queue for {pool.label}"),
+                "timed_out", now)
+
+    def cancel(self, ticket: int) -> bool:
+        key = self._tickets.end(ticket)
+        pool = self._pools.get(key) if key is not None else None
+        entry = pool.queue.find(ticket) if pool is not None else None
+        if pool is None or entry is None:
+            return False
+        pool.queue.remove(entry)
+        self._metrics.queue(pool.key, "cancelled")
+        return True
+
+    # -- bookings ----------------------------------------------------------------------------------
+
+    def expire(self, pool: Pool, now: float) -> bool:
+        """Forget bookings older than `active_request_expiry_secs`; True when any went."""
+        expired = pool.tracker.expire(now, self._settings.active_request_expiry_secs)
+        if expired:
+            self._metrics.booking(pool.key, "expired", len(expired))
+        return bool(expired)
+
+    def _book(self, pool: Pool, rid: str, rank: Rank, prompt: PromptHashes, cached: int,
+              req: SelectRequest | ReservationRequest, now: float, *, wrap: bool) -> None:
+        s = self._settings
+        o = req.router_config_override or NO_OVERRIDE
+        reuse = s.assume_kv_reuse if o.assume_kv_reuse is None else o.assume_kv_reuse
+        self.expire(pool, now)
+        try:
+            self._limits.reservations(pool, rid)
+        except DuplicateReservation as exc:
+            if wrap:
+                raise Conflict(f"failed to book scheduler state: {exc.message}") from None
+            raise
+        self._limits.state_budget(f"booking {rid}")
+        blocks: list[int] | None = None
+        if s.track_active_blocks:
+            blocks = list(prompt.seqs) if reuse else [self._rng.getrandbits(64) for _ in prompt.seqs]
+        prefill = max(0, prompt.isl - cached) if tracks_prefill(s, o) else 0
+        pool.tracker.book(rid, rank, blocks, prefill, req.expected_output_tokens, now)
+        self._metrics.booking(pool.key, "booked")
+
+    def reserve(self, req: ReservationRequest, now: float) -> ReservationResponse:
+        if self.stopping:
+            raise NotReady(SHUTTING_DOWN)
+        pool = self.gate(req.model_name, req.tenant_id)
+        self._limits.id_length("reservation_id", req.reservation_id)
+        prompt = self._limits.prompt(req, pool, booking=True)
+        if req.worker_id not in pool.workers:
+            raise NotFound(f"schedulable worker {req.worker_id} not found for {pool.label}")
+        rank = (req.worker_id, 0 if req.dp_rank is None else req.dp_rank)
+        if rank not in pool.workers[req.worker_id]:
+            raise NotFound(f"Worker {rank_text(rank)} not found")
+        cached = 0
+        if prompt.blocks:
+            cached = cached_tokens(rank, estimates(pool, prompt.blocks), pool.block_size, self._settings)
+        self._book(pool, req.reservation_id, rank, prompt, cached, req, now, wrap=False)
+        record = self._catalog[req.worker_id].request
+        return ReservationResponse(reservation_id=req.reservation_id, model_name=req.model_name,
+                                   tenant_id=req.tenant_id, worker_id=rank[0], dp_rank=rank[1],
+                                   endpoint=record.endpoint or "")
+
+    def finish_booking(self, rid: str, model_name: str | None, tenant_id: str | None, *,
+                       free: bool) -> Pool:
+        """Prefill completion or free of a booking; its pool (both release load)."""
+        for key in sorted(self._pools):
+            if (model_name is None or key[0] == model_name) and (tenant_id is None or key[1] == tenant_id):
+                pool = self._pools[key]
+                if rid in pool.tracker.bookings:
+                    break
+        else:
+            raise NotFound(f"reservation {rid} not found")
+        if free:
+            pool.tracker.free(rid)
+        else:
+            pool.tracker.prefill_complete(rid)
+        self._metrics.booking(pool.key, "freed" if free else "prefill_complete")
+        return pool
