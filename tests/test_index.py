@@ -7,7 +7,7 @@ from typing import Any
 from conftest import Client, load_vectors, worker
 
 from selection_proto.core.events import decode_json_events
-from selection_proto.core.index import DeviceTree, IndexError_, KeyIndex
+from selection_proto.core.index import DeviceTree, IndexEventError, KeyIndex
 
 
 def _apply(tree: DeviceTree, event: Any) -> bool | str:
@@ -20,7 +20,7 @@ def _apply(tree: DeviceTree, event: Any) -> bool | str:
             tree.remove(rank, decoded.block_hashes)
         else:
             tree.clear(rank)
-    except IndexError_ as exc:
+    except IndexEventError as exc:
         return exc.text
     return True
 

@@ -1,7 +1,7 @@
 """Engine-native KV events: the msgpack `KVEventBatch` that vLLM and SGLang publish (events.md §3, §4).
 
 `decode_batch` checks a whole payload before anything is applied and raises `InvalidBatch` with
-the detail text; `convert` turns one decoded event into the internal `Event`s for a key (the router
+the detail text; `convert` turns one decoded event into the internal `KvEvent`s for a key (the router
 computes `tokens_hash` itself) or names the reason it is dropped.
 """
 
@@ -14,7 +14,7 @@ from typing import Any, Final
 import attrs
 import msgpack
 
-from .events import Event
+from .events import KvEvent
 from .hashing import block_hashes as hash_blocks
 from .hashing import iv, multimodal_block_hash, pack_tokens
 
@@ -208,7 +208,7 @@ class NamespaceMemory:
     def get(self, h: int) -> object | None:
         return self.entries.get(h)
 
-    def observe(self, event: Event) -> None:
+    def observe(self, event: KvEvent) -> None:
         """Follow a converted event: a store remembers its blocks' namespace, a remove forgets its
         blocks, a device clear forgets everything."""
         entries = self.entries
@@ -266,7 +266,7 @@ def _namespace(event: EngineEvent, memory: NamespaceMemory) -> str | None | obje
     return None
 
 
-def convert(event: EngineEvent, block_size: int, memory: NamespaceMemory) -> Event | str:
+def convert(event: EngineEvent, block_size: int, memory: NamespaceMemory) -> KvEvent | str:
     """The internal event for a key with `block_size`, or the reason label it is dropped."""
     if event.tag == "Ignored":
         return "ignored"
@@ -276,9 +276,9 @@ def convert(event: EngineEvent, block_size: int, memory: NamespaceMemory) -> Eve
         return "non_main_group"
     tier = MEDIUM_TIERS.get((event.medium or "").strip(), "device")
     if event.tag == "AllBlocksCleared":
-        return Event(worker_id=None, dp_rank=None, tier="device", event_id=None, kind="cleared")
+        return KvEvent(worker_id=None, dp_rank=None, tier="device", event_id=None, kind="cleared")
     if event.tag == "BlockRemoved":
-        return Event(worker_id=None, dp_rank=None, tier=tier, event_id=None, kind="removed",
+        return KvEvent(worker_id=None, dp_rank=None, tier=tier, event_id=None, kind="removed",
                      block_hashes=event.block_hashes)
     hashes = event.block_hashes
     if len(set(hashes)) != len(hashes) or (event.parent is not None and event.parent in hashes):
@@ -313,5 +313,5 @@ def convert(event: EngineEvent, block_size: int, memory: NamespaceMemory) -> Eve
             mm = [h for h in (_mm_hash(item, lora) for item in items) if h is not None]
             locals_.append(multimodal_block_hash(window, mm, seed))
     blocks = tuple(zip(hashes[:complete], locals_, strict=True))
-    return Event(worker_id=None, dp_rank=None, tier=tier, event_id=None, kind="stored",
+    return KvEvent(worker_id=None, dp_rank=None, tier=tier, event_id=None, kind="stored",
                  parent_hash=event.parent, blocks=blocks, namespace=namespace)

@@ -12,13 +12,13 @@ from .errors import BadRequest
 from .index import TIERS
 from .types import member
 
-__all__ = ["Event", "decode_json_events"]
+__all__ = ["KvEvent", "decode_json_events"]
 
 Kind = Literal["stored", "removed", "cleared"]
 
 
 @attrs.frozen(kw_only=True)
-class Event:
+class KvEvent:
     """One decoded event. `worker_id` / `dp_rank` are None when the message leaves them to the
     stream or query; `event_id` is None for engine events (assigned on application)."""
 
@@ -85,23 +85,23 @@ class _RouterEvent:
 
 
 def _decode_cache_event(obj: Any, path: str, worker_id: int | None, tier: str,
-                        ctx: ShapeContext) -> Event:
+                        ctx: ShapeContext) -> KvEvent:
     head = from_json(_KvCacheEvent, obj, path, ctx)
     if "data" not in obj:
         raise shape_error(path, "missing field `data`")
     data = _decode_data(obj["data"], join(path, "data"), ctx)
     if data is None:
-        return Event(worker_id=worker_id, dp_rank=head.dp_rank, tier=tier, event_id=head.event_id,
+        return KvEvent(worker_id=worker_id, dp_rank=head.dp_rank, tier=tier, event_id=head.event_id,
                      kind="cleared")
     if isinstance(data, _Stored):
-        return Event(worker_id=worker_id, dp_rank=head.dp_rank, tier=tier, event_id=head.event_id,
+        return KvEvent(worker_id=worker_id, dp_rank=head.dp_rank, tier=tier, event_id=head.event_id,
                      kind="stored", parent_hash=data.parent_hash,
                      blocks=tuple((b.block_hash, b.tokens_hash) for b in data.blocks))
-    return Event(worker_id=worker_id, dp_rank=head.dp_rank, tier=tier, event_id=head.event_id,
+    return KvEvent(worker_id=worker_id, dp_rank=head.dp_rank, tier=tier, event_id=head.event_id,
                  kind="removed", block_hashes=tuple(data.block_hashes))
 
 
-def _decode_one(obj: Any, path: str, ctx: ShapeContext) -> Event:
+def _decode_one(obj: Any, path: str, ctx: ShapeContext) -> KvEvent:
     if isinstance(obj, Mapping) and "event" not in obj and "data" in obj:
         return _decode_cache_event(obj, path, None, "device", ctx)
     head = from_json(_RouterEvent, obj, path, ctx)
@@ -110,14 +110,14 @@ def _decode_one(obj: Any, path: str, ctx: ShapeContext) -> Event:
     return _decode_cache_event(obj["event"], join(path, "event"), head.worker_id, head.storage_tier, ctx)
 
 
-def decode_json_events(payload: Any, ctx: ShapeContext = TYPED) -> list[Event]:
+def decode_json_events(payload: Any, ctx: ShapeContext = TYPED) -> list[KvEvent]:
     """A §2.3 payload (one RouterEvent, one bare KvCacheEvent, or an array of them)."""
     if isinstance(payload, list):
         return [_decode_one(item, f"[{i}]", ctx) for i, item in enumerate(payload)]
     return [_decode_one(payload, "", ctx)]
 
 
-def require_worker(event: Event, default: int | None) -> int:
+def require_worker(event: KvEvent, default: int | None) -> int:
     if event.worker_id is not None:
         return event.worker_id
     if default is None:

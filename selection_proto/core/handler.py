@@ -158,16 +158,16 @@ def _ok(value: Any, status: int = 200) -> Response:
     return json_response(status, value.to_json())
 
 
-def _h_health(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
-    return _ok(s.health())
+def _h_health(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+    return _ok(service.health())
 
 
-def _h_ready(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
-    ready, count = s.readiness(now=now)
+def _h_ready(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+    ready, count = service.readiness(now=now)
     # The bytes of `ReadyResponse.to_json()`, spliced from each record's cached JSON in one copy.
     head = b'{"ready":%s,"schedulable_workers":%d,"workers":[' % (b"true" if ready else b"false", count)
-    body = b",".join(_framed(head, s.records_json(), b"]}"))
-    return raw_json_response(200 if ready else 503, body)
+    payload = b",".join(_framed(head, service.records_json(), b"]}"))
+    return raw_json_response(200 if ready else 503, payload)
 
 
 def _framed(head: bytes, items: list[bytes], tail: bytes) -> list[bytes]:
@@ -179,87 +179,87 @@ def _framed(head: bytes, items: list[bytes], tail: bytes) -> list[bytes]:
     return items
 
 
-def _h_workers_get(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
-    params = parse_query(q, KEY_QUERY)
-    records = s.records_json(params.get("model_name"), params.get("tenant_id"))
+def _h_workers_get(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+    params = parse_query(query, KEY_QUERY)
+    records = service.records_json(params.get("model_name"), params.get("tenant_id"))
     return raw_json_response(200, b",".join(_framed(b"[", records, b"]")))
 
 
-def _h_workers_post(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
-    req = _decode(b, lambda v, ctx: from_json(WorkerRequest, v, "", ctx))
-    return _ok(s.upsert_worker(req, now=now), 201)
+def _h_workers_post(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+    req = _decode(body, lambda v, ctx: from_json(WorkerRequest, v, "", ctx))
+    return _ok(service.upsert_worker(req, now=now), 201)
 
 
-def _h_worker_patch(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
-    worker_id = _worker_id(p or "")
-    patch = _decode(b, lambda v, ctx: from_json(WorkerPatchRequest, v, "", ctx))
-    return _ok(s.patch_worker(worker_id, patch, now=now))
+def _h_worker_patch(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+    worker_id = _worker_id(param or "")
+    patch = _decode(body, lambda v, ctx: from_json(WorkerPatchRequest, v, "", ctx))
+    return _ok(service.patch_worker(worker_id, patch, now=now))
 
 
-def _h_worker_delete(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
-    return _ok(s.delete_worker(_worker_id(p or ""), now=now))
+def _h_worker_delete(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+    return _ok(service.delete_worker(_worker_id(param or ""), now=now))
 
 
 def _select_answer(result: Any) -> Response | Pending:
     return result if isinstance(result, Pending) else _ok(result)
 
 
-def _h_select(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response | Pending:
-    req = _decode(b, lambda v, ctx: from_json(SelectRequest, v, "", ctx))
-    return _select_answer(s.select(req, now=now))
+def _h_select(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response | Pending:
+    req = _decode(body, lambda v, ctx: from_json(SelectRequest, v, "", ctx))
+    return _select_answer(service.select(req, now=now))
 
 
-def _h_select_and_reserve(s: SelectionService, p: str | None, q: str, b: Body,
+def _h_select_and_reserve(service: SelectionService, param: str | None, query: str, body: Body,
                           now: float) -> Response | Pending:
-    req = _decode(b, lambda v, ctx: from_json(SelectAndReserveRequest, v, "", ctx))
-    return _select_answer(s.select_and_reserve(req, now=now))
+    req = _decode(body, lambda v, ctx: from_json(SelectAndReserveRequest, v, "", ctx))
+    return _select_answer(service.select_and_reserve(req, now=now))
 
 
-def _h_reserve(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
-    req = _decode(b, lambda v, ctx: from_json(ReservationRequest, v, "", ctx))
-    return _ok(s.reserve(req, now=now), 201)
+def _h_reserve(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+    req = _decode(body, lambda v, ctx: from_json(ReservationRequest, v, "", ctx))
+    return _ok(service.reserve(req, now=now), 201)
 
 
-def _h_prefill(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
-    rid = _reservation_id(p or "")
-    params = parse_query(q, KEY_QUERY)
-    s.prefill_complete(rid, model_name=params.get("model_name"),
+def _h_prefill(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+    rid = _reservation_id(param or "")
+    params = parse_query(query, KEY_QUERY)
+    service.prefill_complete(rid, model_name=params.get("model_name"),
                        tenant_id=params.get("tenant_id"), now=now)
-    return _ok(s.health())
+    return _ok(service.health())
 
 
-def _h_free(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
-    rid = _reservation_id(p or "")
-    params = parse_query(q, KEY_QUERY)
-    s.free(rid, model_name=params.get("model_name"), tenant_id=params.get("tenant_id"), now=now)
-    return _ok(s.health())
+def _h_free(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+    rid = _reservation_id(param or "")
+    params = parse_query(query, KEY_QUERY)
+    service.free(rid, model_name=params.get("model_name"), tenant_id=params.get("tenant_id"), now=now)
+    return _ok(service.health())
 
 
-def _h_loads(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
-    params = parse_query(q, KEY_QUERY)
-    return json_response(200, [m.to_json() for m in s.loads(params.get("model_name"),
+def _h_loads(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+    params = parse_query(query, KEY_QUERY)
+    return json_response(200, [m.to_json() for m in service.loads(params.get("model_name"),
                                                              params.get("tenant_id"))])
 
 
-def _h_potential(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
-    req = _decode(b, lambda v, ctx: from_json(PotentialLoadsRequest, v, "", ctx))
-    return json_response(200, [x.to_json() for x in s.potential_loads(req, now=now)])
+def _h_potential(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+    req = _decode(body, lambda v, ctx: from_json(PotentialLoadsRequest, v, "", ctx))
+    return json_response(200, [x.to_json() for x in service.potential_loads(req, now=now)])
 
 
-def _h_overlap(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
-    req = _decode(b, lambda v, ctx: from_json(OverlapScoresRequest, v, "", ctx))
-    return _ok(s.overlap_scores(req, now=now))
+def _h_overlap(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+    req = _decode(body, lambda v, ctx: from_json(OverlapScoresRequest, v, "", ctx))
+    return _ok(service.overlap_scores(req, now=now))
 
 
-def _h_events_post(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response | Pending:
-    params = parse_query(q, EVENT_QUERY)
+def _h_events_post(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response | Pending:
+    params = parse_query(query, EVENT_QUERY)
     worker_id = query_int(params, "worker_id", 64)
     dp_rank = query_int(params, "dp_rank", 32)
-    decoded = b.events if isinstance(b, ParsedBody) else None
+    decoded = body.events if isinstance(body, ParsedBody) else None
     if isinstance(decoded, SelectionError):
         raise decoded
-    events = decoded if decoded is not None else _decode(b, decode_json_events)
-    report = s.begin_kv_events(events, now=now, worker_id=worker_id, dp_rank=dp_rank,
+    events = decoded if decoded is not None else _decode(body, decode_json_events)
+    report = service.begin_kv_events(events, now=now, worker_id=worker_id, dp_rank=dp_rank,
                                model_name=params.get("model_name"), tenant_id=params.get("tenant_id"))
     return report if isinstance(report, Pending) else _ok(report)
 
@@ -289,34 +289,34 @@ def prepare_large_body(path: str, raw: bytes) -> ParsedBody | None:
     return body
 
 
-def _h_engine_batch(s: SelectionService, q: str, b: bytes, now: float) -> Response:
-    params = parse_query(q, EVENT_QUERY)
+def _h_engine_batch(service: SelectionService, query: str, body: bytes, now: float) -> Response:
+    params = parse_query(query, EVENT_QUERY)
     worker_id = query_int(params, "worker_id", 64)
     dp_rank = query_int(params, "dp_rank", 32)
-    report = s.apply_engine_batch(b, worker_id=worker_id, dp_rank=dp_rank, now=now,
+    report = service.apply_engine_batch(body, worker_id=worker_id, dp_rank=dp_rank, now=now,
                                   model_name=params.get("model_name"), tenant_id=params.get("tenant_id"))
     return _ok(report)
 
 
-def _h_events_get(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
+def _h_events_get(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
     return error_response(426, "this endpoint requires a WebSocket upgrade", (("upgrade", "websocket"),))
 
 
-def _h_metrics(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
-    text = s.metrics_text(now=now).encode("utf-8")
+def _h_metrics(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+    text = service.metrics_text(now=now).encode("utf-8")
     return Response(200, (("content-type", "text/plain; version=0.0.4; charset=utf-8"),
                           ("content-length", str(len(text)))), text)
 
 
-def _h_openapi(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
+def _h_openapi(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
     from .openapi import document
 
     return json_response(200, document())
 
 
-def _h_dump(s: SelectionService, p: str | None, q: str, b: Body, now: float) -> Response:
-    params = parse_query(q, KEY_QUERY)
-    return json_response(200, s.dump(params.get("model_name"), params.get("tenant_id")))
+def _h_dump(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+    params = parse_query(query, KEY_QUERY)
+    return json_response(200, service.dump(params.get("model_name"), params.get("tenant_id")))
 
 
 # route operation (routes.ROUTES) -> its handler

@@ -15,7 +15,7 @@ __all__ = [
     "INVALID_BLOCK_SEQUENCE",
     "PARENT_NOT_FOUND",
     "DeviceTree",
-    "IndexError_",
+    "IndexEventError",
     "KeyIndex",
     "LowerTier",
     "Rank",
@@ -30,7 +30,7 @@ TIERS: Final = ("device", "host_pinned", "disk", "external")
 LOWER_TIERS: Final = ("host_pinned", "disk", "external")
 
 
-class IndexError_(Exception):
+class IndexEventError(Exception):
     """A device event that could not be applied; `text` is Dynamo's wording, `label` the metric label."""
 
     def __init__(self, text: str, label: str) -> None:
@@ -39,11 +39,11 @@ class IndexError_(Exception):
         self.label = label
 
 
-PARENT_NOT_FOUND: Final = IndexError_(
+PARENT_NOT_FOUND: Final = IndexEventError(
     "Failed to apply event: Failed to find parent block", "parent_not_found"
 )
-BLOCK_NOT_FOUND: Final = IndexError_("Failed to apply event: Failed to find block", "block_not_found")
-INVALID_BLOCK_SEQUENCE: Final = IndexError_(
+BLOCK_NOT_FOUND: Final = IndexEventError("Failed to apply event: Failed to find block", "block_not_found")
+INVALID_BLOCK_SEQUENCE: Final = IndexEventError(
     "Failed to apply event: Invalid block sequence", "invalid_block_sequence"
 )
 
@@ -155,7 +155,7 @@ class DeviceTree:
             self.lookup[r] = {}
 
     def store(self, r: Rank, parent_hash: int | None, blocks: Sequence[Block]) -> None:
-        """Store `blocks` (engine, local) after `parent_hash`; raises IndexError_ without changes."""
+        """Store `blocks` (engine, local) after `parent_hash`; raises IndexEventError without changes."""
         table = self.lookup.setdefault(r, {})
         cur: _Node
         if parent_hash is not None:
@@ -227,7 +227,7 @@ class DeviceTree:
     def remove(self, r: Rank, hashes: Sequence[int]) -> None:
         """Remove engine hashes; unknown ones are skipped; raises the first error after applying."""
         table = self.lookup.setdefault(r, {})
-        err: IndexError_ | None = None
+        err: IndexEventError | None = None
         scrubbed: set[int] = set()
         i = 0
         total = len(hashes)

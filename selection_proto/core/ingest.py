@@ -25,9 +25,9 @@ from .errors import (
     StreamError,
     Unprocessable,
 )
-from .events import Event, require_worker
+from .events import KvEvent, require_worker
 from .freshness import GAP, Break
-from .index import IndexError_, Rank
+from .index import IndexEventError, Rank
 from .limits import Limits
 from .metrics import Metrics
 from .outputs import OutputEvent, SelectionReady
@@ -41,11 +41,11 @@ from .wire import error_response, json_response
 __all__ = ["WORKER_LEFT", "Ingest", "Target"]
 
 WORKER_LEFT: Final = "Failed to apply event: its worker left while the request was applied"
-STATE_BUDGET_EXHAUSTED: Final = IndexError_("Failed to apply event: state budget exhausted", "state_budget")
+STATE_BUDGET_EXHAUSTED: Final = IndexEventError("Failed to apply event: state budget exhausted", "state_budget")
 
 # What a request names for its events: worker_id, dp_rank, model_name, tenant_id.
 Target = tuple[int | None, int | None, str | None, str | None]
-Bound = tuple[Event, Pool, Rank]
+Bound = tuple[KvEvent, Pool, Rank]
 
 
 class _EventJob:
@@ -53,7 +53,7 @@ class _EventJob:
 
     __slots__ = ("ticket", "events", "target", "bound", "done", "tally")
 
-    def __init__(self, ticket: int, events: list[Event], target: Target) -> None:
+    def __init__(self, ticket: int, events: list[KvEvent], target: Target) -> None:
         self.ticket = ticket
         self.events = events
         self.target = target
@@ -115,7 +115,7 @@ class Ingest:
                              f"(ranks {ranks[0][1]}..{ranks[-1][1]})")
         return pool, rank
 
-    def _bind_each(self, events: Sequence[Event], target: Target) -> list[Bound]:
+    def _bind_each(self, events: Sequence[KvEvent], target: Target) -> list[Bound]:
         worker_id, dp_rank, model_name, tenant_id = target
         bound = []
         for event in events:
@@ -124,7 +124,7 @@ class Ingest:
                                             tenant_id)))
         return bound
 
-    def _budget_for(self, events: Sequence[Event]) -> None:
+    def _budget_for(self, events: Sequence[KvEvent]) -> None:
         if self._budget.exhausted and any(event.kind == "stored" for event in events):
             self._limits.state_budget("kv events")  # a request is refused whole; a stream drops stores
 
@@ -134,14 +134,14 @@ class Ingest:
         if worker_id is not None:
             self.bind(worker_id, dp_rank, model_name, tenant_id)
 
-    def apply_events(self, events: Sequence[Event], target: Target, now: float) -> ApplyReport:
+    def apply_events(self, events: Sequence[KvEvent], target: Target, now: float) -> ApplyReport:
         """Check every event, then apply them all (`POST /kv_events` with JSON)."""
         self._check_target(target)
         bound = self._bind_each(events, target)
         self._budget_for(events)
         return self.apply_bound(bound, now)
 
-    def begin(self, events: Sequence[Event], target: Target, now: float) -> ApplyReport | Pending:
+    def begin(self, events: Sequence[KvEvent], target: Target, now: float) -> ApplyReport | Pending:
         """`apply_events`, or a job applied a step per tick when there are more events than a step."""
         step = self._settings.max_events_per_step
         if step is None or len(events) <= step:
@@ -209,7 +209,7 @@ class Ingest:
         else:
             self._metrics.kv_rewind(labels)
 
-    def _apply(self, pool: Pool, rank: Rank, event: Event, over_budget: bool, tally: Tally,
+    def _apply(self, pool: Pool, rank: Rank, event: KvEvent, over_budget: bool, tally: Tally,
                position: int) -> None:
         """Apply one event to the index, count it, and tally it at `position`. `over_budget` is
         read once per message by the caller (a message overshoots the budget by at most itself)."""
@@ -220,7 +220,7 @@ class Ingest:
         else:
             tally.fail(position, error.text)
 
-    def _write(self, pool: Pool, rank: Rank, event: Event, over_budget: bool) -> IndexError_ | None:
+    def _write(self, pool: Pool, rank: Rank, event: KvEvent, over_budget: bool) -> IndexEventError | None:
         index = pool.index
         budget = self._budget
         if over_budget and event.kind == "stored":
@@ -242,7 +242,7 @@ class Ingest:
                     tree.clear(rank)
                     tree.ensure(rank)
                     pool.fresh[rank].mark_cleared()
-            except IndexError_ as exc:
+            except IndexEventError as exc:
                 return exc
             finally:  # a clear replaces the rank's table
                 budget.index_blocks += len(lookup[rank]) - before
@@ -326,7 +326,7 @@ class Ingest:
                 raise StreamError(1007, detail) from None
             raise StreamError(1008, exc.message) from None
 
-    def _stream_json(self, source: EventSource, events: tuple[Event, ...], now: float, start: int,
+    def _stream_json(self, source: EventSource, events: tuple[KvEvent, ...], now: float, start: int,
                      stop: int | None) -> ApplyReport:
         if start == 0:  # every event of the message is checked before its first slice applies
             for event in events:

@@ -23,7 +23,7 @@ from .admission import Tickets
 from .budget import StateBudget
 from .catalog import Catalog
 from .errors import Conflict, NotFound, NotReady, SelectionError, StreamError
-from .events import Event
+from .events import KvEvent
 from .handler import handle as handle_request
 from .index import LOWER_TIERS
 from .ingest import Ingest
@@ -254,14 +254,14 @@ class SelectionService:
         """409 unless KV events may be pushed in this mode (events.md §7.1)."""
         self._ingest.check_push_mode()
 
-    def apply_kv_events(self, events: Sequence[Event], *, now: float, worker_id: int | None = None,
+    def apply_kv_events(self, events: Sequence[KvEvent], *, now: float, worker_id: int | None = None,
                         dp_rank: int | None = None, model_name: str | None = None,
                         tenant_id: str | None = None) -> ApplyReport:
         """Apply decoded JSON events (`POST /kv_events`); every check runs before the first event."""
         return self._ingest.apply_events(events, (worker_id, dp_rank, model_name, tenant_id),
                                          self._advance(now))
 
-    def begin_kv_events(self, events: Sequence[Event], *, now: float, worker_id: int | None = None,
+    def begin_kv_events(self, events: Sequence[KvEvent], *, now: float, worker_id: int | None = None,
                         dp_rank: int | None = None, model_name: str | None = None,
                         tenant_id: str | None = None) -> ApplyReport | Pending:
         """`apply_kv_events`, except that more than `max_events_per_step` events are applied that

@@ -10,7 +10,7 @@ from .._version import __version__
 from .catalog import dp_range
 from .codec import from_json
 from .errors import ShapeError, Unprocessable
-from .events import Event, decode_json_events
+from .events import KvEvent, decode_json_events
 from .index import KeyIndex
 from .pool import Key
 from .types import WorkerCatalogRecord, WorkerRequest
@@ -48,7 +48,7 @@ def dump_of(records: Sequence[WorkerCatalogRecord], pools: Mapping[Key, tuple[in
 
 class RestorePlan(NamedTuple):
     workers: list[WorkerRequest]
-    events: list[Event]
+    events: list[KvEvent]
 
 
 def _invalid(path: str, exc: Unprocessable | str) -> Unprocessable:

@@ -27,7 +27,7 @@ from . import jsonio
 from .codec import ShapeContext
 from .engine import EngineBatch, InvalidBatch, decode_batch
 from .errors import InvalidJson, SelectionError, Unprocessable
-from .events import Event, decode_json_events
+from .events import KvEvent, decode_json_events
 from .index import Rank
 from .outputs import CloseEventStream, OutputEvent, SubscribeKvEvents, UnsubscribeKvEvents
 from .pool import Key, Pool
@@ -142,7 +142,7 @@ class Streams:
         source.state = after
 
 
-DecodedMessage = tuple[Event, ...] | EngineBatch
+DecodedMessage = tuple[KvEvent, ...] | EngineBatch
 
 
 def decode_engine_batch(payload: bytes) -> EngineBatch:

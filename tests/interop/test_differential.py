@@ -7,7 +7,7 @@ import random
 from typing import Any
 
 from selection_proto import block_hashes
-from selection_proto.core.index import DeviceTree, IndexError_
+from selection_proto.core.index import DeviceTree, IndexEventError
 
 from .conftest import run_reference
 
@@ -103,7 +103,7 @@ def _ours(case: dict[str, Any]) -> dict[str, Any]:
             else:
                 tree.remove(rank, data["removed"]["block_hashes"])
             applied.append(True)
-        except IndexError_ as exc:
+        except IndexEventError as exc:
             applied.append(exc.text)
     scores = [sorted([w, r, s] for (w, r), s in tree.find(q)[0].items() if s > 0) for q in case["queries"]]
     return {"applied": applied, "scores": scores}
