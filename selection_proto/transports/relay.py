@@ -14,7 +14,7 @@ import anyio.abc
 
 from ..adapters.ws import ForwardingClient
 from .logs import log, log_internal_error
-from .receive import receive
+from .pump import flush, receive
 from .subscriber import backoff_delays, connect
 from .zmq_sub import zmq_batches
 
@@ -73,10 +73,7 @@ async def _read(stream: anyio.abc.ByteStream, client: ForwardingClient, lock: an
         data = await receive(stream)
         assert data is not None  # no timeout
         client.receive_data(data)
-        out = client.data_to_send()
-        if out:
-            async with lock:
-                await stream.send(out)
+        await flush(stream.send, client, lock)
     scope.cancel()
 
 
@@ -100,7 +97,7 @@ async def _ws_loop(relay: Relay, to: str, worker_id: int, dp_rank: int) -> None:
             stream = await connect(host, port, tls=parts.scheme == "wss")
             lock = anyio.Lock()
             async with stream, anyio.create_task_group() as tg:
-                await stream.send(client.data_to_send())
+                await flush(stream.send, client)
                 tg.start_soon(_read, stream, client, lock, tg.cancel_scope)
                 while not client.accepted and not client.closed:
                     await anyio.sleep(0.01)
@@ -114,8 +111,7 @@ async def _ws_loop(relay: Relay, to: str, worker_id: int, dp_rank: int) -> None:
                             await relay.ready.wait()
                         continue
                     client.send_binary(message)
-                    async with lock:
-                        await stream.send(client.data_to_send())
+                    await flush(stream.send, client, lock)
                     sent += 1
                     relay.counters["forwarded"] += 1
         except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:

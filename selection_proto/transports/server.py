@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Callable
+from functools import partial
 
 import anyio
 import anyio.abc
@@ -18,7 +19,7 @@ from ..core.service import SelectionService
 from ..core.streams import decode_or_error
 from ..core.wire import error_response
 from .logs import log, log_internal_error
-from .receive import receive
+from .pump import CHUNK, flush, receive
 from .subscriber import Subscriptions
 
 __all__ = ["ServerConfig", "serve"]
@@ -113,9 +114,7 @@ class _Server:
         try:
             conn.internal_error()
             with anyio.move_on_after(1.0):
-                async with lock:
-                    while out := conn.data_to_send():
-                        await stream.send(out)
+                await flush(stream.send, conn, lock)
         except Exception:  # noqa: BLE001, S110 - nothing more can be said on this connection
             pass
 
@@ -173,12 +172,10 @@ class _Server:
                 return
             conn, stream, lock = waiter
             conn.resolve(out.response)
-            async with lock:
-                try:
-                    while data := conn.data_to_send():
-                        await self.send(stream, data)
-                except _GONE:
-                    conn.closed = True
+            try:
+                await flush(partial(self.send, stream), conn, lock)
+            except _GONE:
+                conn.closed = True
             if conn.pending_ticket is not None:
                 self.waiting[conn.pending_ticket] = (conn, stream, lock)
             # Wake the connection's reader: it may have stopped reading while it waited.
@@ -195,7 +192,7 @@ class _Server:
                 session.stream = None  # the core already forgot it
                 session.close(out.code, out.reason)
                 try:
-                    await self._ws_flush(session, stream, lock)
+                    await flush(partial(self.send, stream), session, lock)
                     await stream.aclose()
                 except _GONE:
                     pass
@@ -236,7 +233,7 @@ class _Server:
                 if conn.pending_ticket is not None and conn.buffered_bytes >= MAX_PENDING_BUFFER:
                     await anyio.sleep_forever()  # until `pump` delivers the answer
                 try:
-                    data = await stream.receive(65536)
+                    data = await stream.receive(CHUNK)
                 except anyio.EndOfStream:
                     data = b""
             self.waits.pop(conn, None)
@@ -250,16 +247,14 @@ class _Server:
                     continue
                 if conn.busy:
                     conn.timeout_response()
-                    while out := conn.data_to_send():
-                        await self.send(stream, out)
+                    await flush(partial(self.send, stream), conn)
                 break
             if not data and conn.pending_ticket is not None:
                 return  # the client left while its selection waited: `client` cancels the ticket
             conn.receive_data(data)
             while True:
-                while out := conn.data_to_send():  # one answer at a time: pipelining stays bounded
-                    async with lock:
-                        await self.send(stream, out)
+                # One answer at a time: pipelined requests are read only as answers go out.
+                await flush(partial(self.send, stream), conn, lock)
                 if conn.large_request is None:
                     break
                 # Megabytes of JSON are parsed in a worker thread while others are served.
@@ -291,7 +286,7 @@ class _Server:
             session = PushSession(self.service, self.clock, ws, target, trailing)
             if session.stream is not None:
                 self.ws_sessions[session.stream] = (session, stream, lock)
-            await self._ws_flush(session, stream, lock)
+            await flush(partial(self.send, stream), session, lock)
             interval = self.config.ws_ping_interval_secs
             while not session.closed:
                 data = await receive(stream, interval)
@@ -303,7 +298,7 @@ class _Server:
                 else:
                     session.receive_data(data)
                     await self._large_messages(session, stream, lock)
-                await self._ws_flush(session, stream, lock)
+                await flush(partial(self.send, stream), session, lock)
                 await self.pump()
         except _GONE:
             pass
@@ -313,7 +308,7 @@ class _Server:
                 try:
                     session.close(1011, "internal error")
                     with anyio.move_on_after(1.0):
-                        await self._ws_flush(session, stream, lock)
+                        await flush(partial(self.send, stream), session, lock)
                 except Exception:  # noqa: BLE001, S110 - nothing more can be said on it
                     pass
         finally:
@@ -340,7 +335,7 @@ class _Server:
             start: int | None = 0
             while start is not None:
                 start = session.apply_slice(message, decoded, start)
-                await self._ws_flush(session, stream, lock)
+                await flush(partial(self.send, stream), session, lock)
                 await self.pump()
                 await anyio.sleep(0)
 
@@ -351,16 +346,9 @@ class _Server:
             await stream.send_eof()
             with anyio.move_on_after(LINGER_SECS):
                 while True:
-                    await stream.receive(65536)
+                    await stream.receive(CHUNK)
         except (anyio.EndOfStream, *_GONE):
             pass
-
-    async def _ws_flush(self, session: PushSession, stream: anyio.abc.SocketStream,
-                        lock: anyio.Lock) -> None:
-        out = session.data_to_send()
-        if out:
-            async with lock:
-                await self.send(stream, out)
 
 
 async def serve(service: SelectionService, config: ServerConfig,

@@ -16,7 +16,7 @@ from ..core.metrics import SUBSCRIPTION_FAILURES
 from ..core.outputs import OutputEvent, SubscribeKvEvents, UnsubscribeKvEvents
 from ..core.service import SelectionService
 from .logs import log
-from .receive import receive
+from .pump import flush, receive
 from .zmq_sub import zmq_batches
 
 __all__ = ["BACKOFF_MAX", "BACKOFF_START", "Subscriptions", "backoff_delays", "connect"]
@@ -136,7 +136,7 @@ class Subscriptions:
                                       f"{host}:{port}", target)
         try:
             async with stream:
-                await stream.send(session.data_to_send())
+                await flush(stream.send, session)
                 while not session.closed:
                     # A peer that never completes the handshake is given up on like a refused one.
                     timeout = float("inf") if session.accepted else HANDSHAKE_TIMEOUT
@@ -144,9 +144,7 @@ class Subscriptions:
                     if data is None:
                         return "handshake", f"no handshake answer within {HANDSHAKE_TIMEOUT:g} s"
                     session.receive_data(data)
-                    out = session.data_to_send()
-                    if out:
-                        await stream.send(out)
+                    await flush(stream.send, session)
                     await self.changed()
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
             session.connection_lost()
