@@ -208,3 +208,59 @@ def test_tickets_are_global_and_end_once() -> None:
     assert (first, second) == (1, 2)
     assert tickets.end(first) == ("m", "t") and tickets.end(first) is None
     assert tickets.end(second) is None  # a request applied in steps is not cancellable
+
+
+def test_cost_prefers_cache_then_load_and_rounds_half_up() -> None:
+    """`cost`: a rank holding the prompt's prefix costs less; extra load costs more; the cached
+    tokens round half up; temperature 0 picks the minimum (ties: fewer cached blocks)."""
+    import random
+
+    from selection_proto.core.cost import cached_tokens, choose, estimates, score
+    from selection_proto.core.hashing import block_hashes
+    from selection_proto.core.pool import Pool
+    from selection_proto.core.settings import Settings
+
+    settings = Settings(host_cache_hit_weight=0.5)
+    pool = Pool(("m", "t"), 4, 0.0, settings, StateBudget(1 << 40))
+    pool.set_worker(1, ((1, 0),), frozenset())
+    pool.set_worker(2, ((2, 0),), frozenset())
+    pool.add_rank((1, 0))
+    pool.add_rank((2, 0))
+    tokens = list(range(16))
+    blocks = block_hashes(tokens, 4)
+    pool.index.device.store((1, 0), None, [(b, b) for b in blocks[:2]])
+    prompt = PromptHashes(blocks, None, len(tokens))
+    found = estimates(pool, blocks)
+    assert found[0] == {(1, 0): 2}
+    assert cached_tokens((1, 0), found, 4, settings) == 8
+    assert cached_tokens((1, 0), ({}, {(1, 0): 1}, {}), 3, settings) == 2  # 1.5 rounds up
+    req = SelectRequest(model_name="m", tenant_id="t", token_ids=tuple(tokens))
+    scored = score(req, pool, prompt, [(1, 0), (2, 0)], found, settings)
+    assert scored[0].logit < scored[1].logit
+    assert choose(pool, scored, 0.0, random.Random(0)).rank == (1, 0)
+    pool.tracker.book("r", (1, 0), None, 10_000, None, 0.0)  # far more queued prefill on rank 1
+    busy = score(req, pool, prompt, [(1, 0), (2, 0)], found, settings)
+    assert choose(pool, busy, 0.0, random.Random(0)).rank == (2, 0)
+
+
+def test_limits_refuse_and_count_under_their_label() -> None:
+    from selection_proto.core.errors import BadRequest, Conflict
+    from selection_proto.core.limits import Limits
+    from selection_proto.core.metrics import LIMIT_REJECTIONS, Metrics
+    from selection_proto.core.settings import Settings
+
+    metrics = Metrics()
+    budget = StateBudget(0)
+    limits = Limits(Settings(max_id_length=3, max_keys=1), metrics, budget)
+    limits.id_length("model_name", "abc")
+    with pytest.raises(BadRequest, match="model_name must be at most 3 characters"):
+        limits.id_length("model_name", "abcd")
+    limits.keys(1)
+    with pytest.raises(Conflict, match="at most 1 model/tenant keys"):
+        limits.keys(2)
+    budget.bookings += 1
+    with pytest.raises(InsufficientStorage):
+        limits.state_budget("booking r")
+    assert {label: metrics.value(LIMIT_REJECTIONS, (label,))
+            for label in ("id_length", "keys", "state_bytes")} == {
+        "id_length": 1.0, "keys": 1.0, "state_bytes": 1.0}
