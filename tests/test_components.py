@@ -264,3 +264,17 @@ def test_limits_refuse_and_count_under_their_label() -> None:
     assert {label: metrics.value(LIMIT_REJECTIONS, (label,))
             for label in ("id_length", "keys", "state_bytes")} == {
         "id_length": 1.0, "keys": 1.0, "state_bytes": 1.0}
+
+
+def test_a_slice_ends_at_its_event_or_block_budget() -> None:
+    """`slice_end`: a large message is applied in slices bounded by events and by blocks (a remove
+    of a hundred hashes is a hundred lookups), and a slice always makes progress."""
+    from selection_proto.core.events import KvEvent
+    from selection_proto.core.streams import slice_end
+
+    removes = [KvEvent(None, None, "device", None, "removed", block_hashes=tuple(range(100))) for _ in range(50)]
+    assert slice_end(removes, 0, 1024, 250) == 2  # 100 + 100, the third would pass 250
+    assert slice_end(removes, 49, 1024, 250) == 50
+    assert slice_end(removes, 0, 3, 10_000) == 3
+    huge = [KvEvent(None, None, "device", None, "removed", block_hashes=tuple(range(1000)))]
+    assert slice_end(huge, 0, 1024, 250) == 1  # one event over the budget still goes alone

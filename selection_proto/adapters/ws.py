@@ -35,16 +35,18 @@ from ..core.errors import SelectionError, StreamError
 from ..core.metrics import LIMIT_REJECTIONS, WS_CLOSES, WS_MESSAGES
 from ..core.routes import PUSH_QUERY
 from ..core.service import SelectionService
-from ..core.streams import DecodedMessage, decode_or_error
+from ..core.streams import DecodedMessage, decode_or_error, slice_end
 from ..core.wire import parse_query, query_int
 
-__all__ = ["LARGE_MESSAGE", "MAX_MESSAGE", "SLICE_EVENTS", "ForwardingClient", "LargeMessage", "PushSession", "SubscriptionSession", "check_handshake", "cut_reason", "server_handshake"]
+__all__ = ["LARGE_MESSAGE", "MAX_MESSAGE", "SLICE_BLOCKS", "SLICE_EVENTS", "ForwardingClient", "LargeMessage", "PushSession", "SubscriptionSession", "check_handshake", "cut_reason", "server_handshake"]
 
 MAX_MESSAGE: Final = 8 * 1024 * 1024
 # A push message larger than this is held for the transport, which decodes it away from the event
-# loop and applies it SLICE_EVENTS events at a time, letting other connections run in between.
+# loop and applies it a slice at a time (SLICE_EVENTS events, SLICE_BLOCKS blocks), letting other
+# connections run in between.
 LARGE_MESSAGE: Final = 256 * 1024
 SLICE_EVENTS: Final = 1024
+SLICE_BLOCKS: Final = 8192
 
 
 def cut_reason(reason: str) -> str:
@@ -285,15 +287,16 @@ class PushSession(_Session):
 
     def apply_slice(self, message: LargeMessage, decoded: DecodedMessage | SelectionError,
                     start: int) -> int | None:
-        """Apply the events of `message` from `start` on, at most SLICE_EVENTS of them; the next
-        start, or None when the message is done (acked, or the stream closed)."""
+        """Apply the events of `message` from `start` on, a slice of at most SLICE_EVENTS events and
+        SLICE_BLOCKS blocks (`slice_end`); the next start, or None when the message is done
+        (acked, or the stream closed)."""
         if self.closed:
             return None
         if isinstance(decoded, SelectionError):
-            count = 0  # refused whole: `_apply` closes the stream with its code
+            count = stop = 0  # refused whole: `_apply` closes the stream with its code
         else:
             count = len(decoded.events) if isinstance(decoded, EngineBatch) else len(decoded)
-        stop = start + SLICE_EVENTS
+            stop = slice_end(decoded, start, SLICE_EVENTS, SLICE_BLOCKS)
         if not self._apply(decoded, message.seq, start, stop, last=stop >= count):
             return None
         if stop < count:

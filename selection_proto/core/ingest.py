@@ -33,7 +33,7 @@ from .metrics import Metrics
 from .outputs import OutputEvent, SelectionReady
 from .pool import Key, Pool, key_label
 from .settings import Settings
-from .streams import DecodedMessage, EventSource, decode_engine_batch, decode_stream_message
+from .streams import DecodedMessage, EventSource, decode_engine_batch, decode_stream_message, slice_end
 from .tally import Tally
 from .types import ApplyReport, Pending
 from .wire import error_response, json_response
@@ -42,6 +42,10 @@ __all__ = ["WORKER_LEFT", "Ingest", "Target"]
 
 WORKER_LEFT: Final = "Failed to apply event: its worker left while the request was applied"
 STATE_BUDGET_EXHAUSTED: Final = IndexEventError("Failed to apply event: state budget exhausted", "state_budget")
+
+# A step applies at most `max_events_per_step` events and this many blocks per event of it: a
+# remove of a hundred hashes is a hundred lookups.
+BLOCKS_PER_EVENT: Final = 8
 
 # What a request names for its events: worker_id, dp_rank, model_name, tenant_id.
 Target = tuple[int | None, int | None, str | None, str | None]
@@ -152,8 +156,8 @@ class Ingest:
         return Pending(ticket)
 
     def step(self, now: float, until_done: bool = False) -> None:
-        """Bind or apply the next `max_events_per_step` events of the oldest job (all of every
-        job when `until_done`), answering each job that ends."""
+        """Bind or apply the next `max_events_per_step` events of the oldest job (fewer when they
+        carry many blocks; all of every job when `until_done`), answering each job that ends."""
         step = self._settings.max_events_per_step or 1
         while self._jobs:
             job = self._jobs[0]
@@ -169,7 +173,7 @@ class Ingest:
                                                        error_response(exc.status, exc.message)))
             else:
                 start = job.done
-                chunk = job.bound[start:start + step]
+                chunk = job.bound[start:slice_end(job.events, start, step, step * BLOCKS_PER_EVENT)]
                 for k, bound in enumerate(chunk, start):
                     pool, rank = bound[1], bound[2]
                     if self._pools.get(pool.key) is pool and rank in pool.fresh:

@@ -20,7 +20,7 @@ forgets without a loss: the rank it fed is being dropped or reset, or the servic
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Final
 
 from . import jsonio
@@ -32,7 +32,8 @@ from .index import Rank
 from .outputs import CloseEventStream, OutputEvent, SubscribeKvEvents, UnsubscribeKvEvents
 from .pool import Key, Pool
 
-__all__ = ["STREAM", "DecodedMessage", "EventSource", "Streams", "decode_engine_batch", "decode_or_error", "decode_stream_message"]
+__all__ = ["STREAM", "DecodedMessage", "EventSource", "Streams", "decode_engine_batch", "decode_or_error", "decode_stream_message",
+           "slice_end"]
 
 
 class EventSource:
@@ -172,3 +173,19 @@ def decode_or_error(data: bytes | str) -> DecodedMessage | SelectionError:
             return decode_stream_message(data, stepwise=True)
     except SelectionError as exc:
         return exc
+
+
+def slice_end(message: Sequence[KvEvent] | EngineBatch, start: int, max_events: int, max_blocks: int
+              ) -> int:
+    """Where the slice of `message` that begins at `start` ends: at most `max_events` events and,
+    past the first, at most `max_blocks` blocks, since a remove of a hundred hashes costs a
+    hundred lookups (a slice is the work done between two turns of the event loop)."""
+    events = message.events if isinstance(message, EngineBatch) else message
+    stop = min(len(events), start + max_events)
+    blocks = 0
+    for i in range(start, stop):
+        event = events[i]
+        blocks += len(event.block_hashes) + len(getattr(event, "blocks", ()))
+        if blocks > max_blocks and i > start:
+            return i
+    return stop
