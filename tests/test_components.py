@@ -272,9 +272,9 @@ def test_a_slice_ends_at_its_event_or_block_budget() -> None:
     from selection_proto.core.events import KvEvent
     from selection_proto.core.streams import slice_end
 
-    removes = [KvEvent(None, None, "device", None, "removed", block_hashes=tuple(range(100))) for _ in range(50)]
+    removes = [KvEvent(worker_id=None, dp_rank=None, tier="device", event_id=None, kind="removed", block_hashes=tuple(range(100))) for _ in range(50)]
     assert slice_end(removes, 0, 1024, 250) == 2  # 100 + 100, the third would pass 250
     assert slice_end(removes, 49, 1024, 250) == 50
     assert slice_end(removes, 0, 3, 10_000) == 3
-    huge = [KvEvent(None, None, "device", None, "removed", block_hashes=tuple(range(1000)))]
+    huge = [KvEvent(worker_id=None, dp_rank=None, tier="device", event_id=None, kind="removed", block_hashes=tuple(range(1000)))]
     assert slice_end(huge, 0, 1024, 250) == 1  # one event over the budget still goes alone
