@@ -290,8 +290,8 @@ def test_reservations(client: Client) -> None:
     scenario(client)
     body = {"model_name": "m", "reservation_id": "r1", "worker_id": 2, "token_ids": PROMPT}
     assert client.ok("POST", "/reservations", body, status=201) == {
-        "reservation_id": "r1", "model_name": "m", "tenant_id": "default", "worker_id": 2, "dp_rank": 0,
-        "endpoint": "http://w2:8000"}
+        "reservation_id": "r1", "selection_id": "r1", "model_name": "m", "tenant_id": "default",
+        "routing_group": "default", "worker_id": 2, "dp_rank": 0, "endpoint": "http://w2:8000"}
     load = client.ok("GET", "/loads")[0]["loads"][1]
     assert load == {"worker_id": 2, "dp_rank": 0, "potential_prefill_tokens": 5, "potential_decode_blocks": 3,
                     "active_requests": 1}

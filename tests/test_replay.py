@@ -3,8 +3,8 @@ digested whole, compared with digests recorded before (tests/replay_digests.json
 
 Each script mixes catalog writes (upserts, patches, deletes, bad bodies), JSON and msgpack events
 (with gaps and rewinds), pushed streams with `framing=seq`, selections with overrides and
-queueing, reservations, prefill completions, frees, ticks, `/loads`, `/overlap_scores`, `/dump`,
-`/ready` and `/metrics`. Every response, every output event, every stream report and every call
+queueing, reservations (and replays of pending selections), prefill completions, output blocks,
+frees, ticks, `/loads`, `/overlap_scores`, `/dump`, `/ready` and `/metrics`. Every response, every output event, every stream report and every call
 to the injected `random.Random` goes into the digest.
 
 A deliberate change of an answer re-records the digests in the same commit, with the reason:
@@ -143,6 +143,7 @@ def script_digest(seed: int) -> str:
     now = 10.0
     streams: dict[int, int] = {}
     bookings: list[str] = []
+    selected: list[tuple[str, str]] = []  # (model, selection id) of plain selects
     prompts = [[rng.randint(0, 7) for _ in range(16)] for _ in range(4)]
 
     def note(*parts: Any) -> None:
@@ -222,16 +223,27 @@ def script_digest(seed: int) -> str:
                 if getattr(result, "status", None) == 200:
                     bookings.append(rid)
             else:
+                body["selection_id"] = f"s{step}"  # a pending selection, booked later or not
                 call("POST", "/select", body)
+                selected.append((model, f"s{step}"))
         elif roll < 0.66:
-            rid = f"x{step}"
-            result = call("POST", "/reservations", {"model_name": model, "reservation_id": rid, "worker_id": wid,
-                                                    "token_ids": [rng.randint(0, 7) for _ in range(8)]})
+            if selected and rng.random() < 0.5:  # 1.6.1's replay form of a pending selection
+                model, rid = selected.pop(rng.randrange(len(selected)))
+                result = call("POST", "/reservations", {"model_name": model, "selection_id": rid})
+            else:
+                rid = f"x{step}"
+                result = call("POST", "/reservations", {"model_name": model, "reservation_id": rid,
+                                                        "worker_id": wid,
+                                                        "token_ids": [rng.randint(0, 7) for _ in range(8)]})
             if getattr(result, "status", None) == 201:
                 bookings.append(rid)
         elif roll < 0.72 and bookings:
             rid = bookings[rng.randrange(len(bookings))]
-            call("POST", f"/reservations/{rid}/prefill_complete")
+            if rng.random() < 0.5:
+                call("POST", f"/reservations/{rid}/prefill_complete")
+            else:
+                call("POST", f"/reservations/{rid}/output_block",
+                     {"decay_fraction": rng.choice([None, 0.0, 0.5, 1.0])})
         elif roll < 0.80 and bookings:
             rid = bookings.pop(rng.randrange(len(bookings)))
             call("DELETE", f"/reservations/{rid}")

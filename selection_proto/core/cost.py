@@ -18,6 +18,7 @@ __all__ = [
     "NO_OVERRIDE",
     "Estimates",
     "Scored",
+    "assumes_kv_reuse",
     "cached_tokens",
     "choose",
     "effective_blocks",
@@ -73,6 +74,13 @@ def tracks_prefill(s: Settings, o: RouterConfigOverride | None) -> bool:
     return s.track_prefill_tokens if o.track_prefill_tokens is None else o.track_prefill_tokens
 
 
+def assumes_kv_reuse(s: Settings, o: RouterConfigOverride | None) -> bool:
+    """Whether a booking tracks the prompt's own block hashes (shared blocks count once) rather
+    than random ones, the request's override first."""
+    o = o or NO_OVERRIDE
+    return s.assume_kv_reuse if o.assume_kv_reuse is None else o.assume_kv_reuse
+
+
 def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: list[Rank],
           estimates: Estimates, s: Settings) -> list[Scored]:
     """Every candidate's cost (core.md §9.5). The hot loop of a selection: one pass, locals
@@ -114,7 +122,8 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
             decay = 1.0 / (1.0 + decay_setting * ((active_prefill - min_prefill) / bs)
                            / query_blocks)
         credit_blocks = credit * decay * d + w_host * h + w_disk * k
-        decode_blocks = len(load.unique)
+        extra = load.extra  # output blocks and decayed prompt blocks (tracker.py)
+        decode_blocks = floor(len(load.unique) + extra + 0.5) if extra else len(load.unique)
         if track_blocks:
             decode_blocks += prompt.new_blocks(load)
         excess = raw_prefill_blocks - credit_blocks

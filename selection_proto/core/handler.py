@@ -33,6 +33,7 @@ from .routes import (
     route_of,
 )
 from .types import (
+    OutputBlockRequest,
     OverlapScoresRequest,
     Pending,
     PotentialLoadsRequest,
@@ -235,6 +236,14 @@ def _h_free(service: SelectionService, param: str | None, query: str, body: Body
     return _ok(service.health())
 
 
+def _h_output_block(service: SelectionService, param: str | None, query: str, body: Body,
+                    now: float) -> Response:
+    rid = _reservation_id(param or "")
+    req = _decode(body, lambda v, ctx: from_json(OutputBlockRequest, v, "", ctx))
+    service.output_block(rid, req.decay_fraction, now=now)
+    return _ok(service.health())
+
+
 def _h_loads(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
     params = parse_query(query, KEY_QUERY)
     return json_response(200, [m.to_json() for m in service.loads(params.get("model_name"),
@@ -332,6 +341,7 @@ _HANDLERS: Final[dict[str, Callable[..., Response | Pending]]] = {
     "reserve": _h_reserve,
     "prefill_complete": _h_prefill,
     "free": _h_free,
+    "output_block": _h_output_block,
     "loads": _h_loads,
     "potential_loads": _h_potential,
     "overlap_scores": _h_overlap,

@@ -32,7 +32,7 @@ def loads(pools: Mapping[Key, Pool], model_name: str | None, tenant_id: str | No
             model_name=key[0], tenant_id=key[1],
             loads=tuple(PotentialLoad(worker_id=r[0], dp_rank=r[1],
                                       potential_prefill_tokens=rank_loads[r].prefill_tokens,
-                                      potential_decode_blocks=len(rank_loads[r].unique),
+                                      potential_decode_blocks=rank_loads[r].decode_blocks(),
                                       active_requests=rank_loads[r].requests)
                         for r in pool.ranks()),
             pending_count=len(pool.queue),
@@ -50,7 +50,7 @@ def potential_loads(pool: Pool, prompt: PromptHashes, override: RouterConfigOver
     for r in pool.ranks():
         load = pool.tracker.loads[r]
         cached = cached_tokens(r, found, pool.block_size, s)
-        decode = len(load.unique) + (prompt.new_blocks(load) if s.track_active_blocks else 0)
+        decode = load.decode_blocks() + (prompt.new_blocks(load) if s.track_active_blocks else 0)
         out.append(PotentialLoad(
             worker_id=r[0], dp_rank=r[1],
             potential_prefill_tokens=load.prefill_tokens + (max(0, prompt.isl - cached) if track else 0),

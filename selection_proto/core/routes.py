@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Final, NamedTuple
 
 from .types import (
+    OutputBlockRequest,
     OverlapScoresRequest,
     PotentialLoadsRequest,
     ReservationRequest,
@@ -54,6 +55,8 @@ ROUTES: Final[tuple[Route, ...]] = (
           (201, 400, 404, 409, 413, 415, 422, 429, 503), "reservations.create"),
     Route("POST", "/reservations/{reservation_id}/prefill_complete", "prefill_complete", False, None, KEY_QUERY,
           (200, 400, 404), "reservations.prefill_complete"),
+    Route("POST", "/reservations/{reservation_id}/output_block", "output_block", True, OutputBlockRequest, (),
+          (200, 400, 404, 413, 415, 422), "reservations.output_block"),
     Route("DELETE", "/reservations/{reservation_id}", "free", False, None, KEY_QUERY, (200, 400, 404),
           "reservations.free"),
     Route("GET", "/loads", "loads", False, None, KEY_QUERY, (200, 400), "loads"),
@@ -69,6 +72,7 @@ ROUTES: Final[tuple[Route, ...]] = (
     Route("GET", "/dump", "dump", False, None, KEY_QUERY, (200, 400), "dump"),
 )
 
+_BOOKING_ACTIONS: Final = ("prefill_complete", "output_block")
 _BY_KEY: Final = {(r.method, r.template): r for r in ROUTES}
 _METHODS: Final[dict[str, tuple[str, ...]]] = {}
 for _route in ROUTES:
@@ -118,8 +122,8 @@ def match(path: str) -> tuple[str, str | None] | None:
             return "/workers/{worker_id}", parts[2]
         if parts[1] == "reservations":
             return "/reservations/{reservation_id}", parts[2]
-    if len(parts) == 4 and parts[:2] == ["", "reservations"] and parts[2] and parts[3] == "prefill_complete":
-        return "/reservations/{reservation_id}/prefill_complete", parts[2]
+    if len(parts) == 4 and parts[:2] == ["", "reservations"] and parts[2] and parts[3] in _BOOKING_ACTIONS:
+        return f"/reservations/{{reservation_id}}/{parts[3]}", parts[2]
     return None
 
 

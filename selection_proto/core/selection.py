@@ -19,8 +19,8 @@ import attrs
 from .admission import QueuedSelection, Tickets, order_key
 from .catalog import Catalog
 from .cost import (
-    NO_OVERRIDE,
     Estimates,
+    assumes_kv_reuse,
     cached_tokens,
     choose,
     estimates,
@@ -28,11 +28,21 @@ from .cost import (
     score,
     tracks_prefill,
 )
-from .errors import BadRequest, Conflict, Internal, NotFound, NotReady, SelectionError, TooManyRequests
+from .errors import (
+    BadRequest,
+    Conflict,
+    Internal,
+    NotFound,
+    NotReady,
+    SelectionError,
+    ShapeError,
+    TooManyRequests,
+)
 from .index import Rank
 from .limits import Limits
 from .metrics import Metrics
 from .outputs import OutputEvent, SelectionReady
+from .pending import MISSING, PendingSelection, PendingSelections, entry_size
 from .pool import Key, Pool, key_label
 from .prompt import PromptHashes
 from .settings import Settings
@@ -71,7 +81,7 @@ class Selector:
     """Selections, bookings and the admission queue of every pool."""
 
     __slots__ = ("_settings", "_rng", "_metrics", "_limits", "_catalog", "_pools", "_tickets",
-                 "_outbox", "_internal_error", "_dispatching", "stopping")
+                 "_outbox", "_internal_error", "_dispatching", "stopping", "pending")
 
     def __init__(self, settings: Settings, rng: random.Random, metrics: Metrics, limits: Limits,
                  catalog: Catalog, pools: Mapping[Key, Pool], tickets: Tickets,
@@ -87,6 +97,9 @@ class Selector:
         self._internal_error = internal_error
         self._dispatching = False
         self.stopping = False  # set by the service's shutdown: no new selections or bookings
+        self.pending = PendingSelections(settings.selection_cache_ttl_secs,
+                                         settings.selection_cache_max_entries,
+                                         settings.selection_cache_max_bytes)
 
     def gate(self, model_name: str, tenant_id: str) -> Pool:
         """The key's pool, or 503 while it has no schedulable worker."""
@@ -123,11 +136,11 @@ class Selector:
         rid: str | None = None
         if reserve:
             assert isinstance(req, SelectAndReserveRequest)
-            rid = req.reservation_id
+            self._limits.id_length("reservation_id", req.reservation_id)
+            # The booking id: ours, else 1.6.1's name for it, else drawn.
+            rid = req.reservation_id if req.reservation_id is not None else req.selection_id
             if rid is None:
                 rid = str(uuid.UUID(int=self._rng.getrandbits(128), version=4))
-            else:
-                self._limits.id_length("reservation_id", rid)
         self._limits.id_length("selection_id", req.selection_id)
         prompt = self._limits.prompt(req, pool)
         candidates, excluded = self._candidates(req, pool)
@@ -185,7 +198,7 @@ class Selector:
             return True
         total = record.total_kv_blocks
         return (s.active_decode_blocks_threshold is not None and bool(total)
-                and len(load.unique) > s.active_decode_blocks_threshold * (total or 0))
+                and load.decode_blocks() > s.active_decode_blocks_threshold * (total or 0))
 
     def _filter_overloaded(self, sel: Selection) -> list[Rank]:
         """Step 9: candidates of workers whose every rank is overloaded are excluded."""
@@ -218,13 +231,21 @@ class Selector:
         temperature = (o.router_temperature if o is not None and o.router_temperature is not None
                        else self._settings.temperature)
         chosen = choose(pool, scored, temperature, self._rng)
+        o = req.router_config_override
+        track, reuse = tracks_prefill(self._settings, o), assumes_kv_reuse(self._settings, o)
         if sel.rid is not None:
-            self._book(pool, sel.rid, chosen.rank, prompt, chosen.cached, req, now, wrap=True)
+            self._book(pool, sel.rid, chosen.rank, prompt, chosen.cached, track, reuse,
+                       req.expected_output_tokens, now, _scheduler_conflict)
+        elif req.selection_id is not None:
+            self.pending.remember(pool.key, req.selection_id, PendingSelection(
+                chosen.rank, prompt, chosen.cached, track, reuse, req.expected_output_tokens, now,
+                entry_size(pool.key, req.selection_id, prompt, req.lora_name, None)), now)
         self._metrics.selected(pool.key, chosen.cached / prompt.isl if prompt.isl > 0 else None,
                                chosen.device < max(c.device for c in scored))
         record = self._catalog[chosen.rank[0]].request
         response = SelectResponse(
-            selection_id=req.selection_id, reservation_id=sel.rid, model_name=req.model_name,
+            selection_id=req.selection_id if req.selection_id is not None else sel.rid,
+            reservation_id=sel.rid, model_name=req.model_name,
             tenant_id=req.tenant_id, worker_id=chosen.rank[0], dp_rank=chosen.rank[1],
             endpoint=record.endpoint or "", effective_overlap_blocks=float(chosen.effective),
             cached_tokens=chosen.cached, block_size=pool.block_size,
@@ -331,30 +352,39 @@ class Selector:
         return bool(expired)
 
     def _book(self, pool: Pool, rid: str, rank: Rank, prompt: PromptHashes, cached: int,
-              req: SelectRequest | ReservationRequest, now: float, *, wrap: bool) -> None:
-        s = self._settings
-        o = req.router_config_override or NO_OVERRIDE
-        reuse = s.assume_kv_reuse if o.assume_kv_reuse is None else o.assume_kv_reuse
+              track_prefill: bool, reuse: bool, expected_output_tokens: int | None, now: float,
+              duplicate: Callable[[DuplicateReservation], SelectionError] | None = None) -> None:
+        """Book `prompt` on `rank` as `rid`; `duplicate` words the 409 of an id already booked."""
         self.expire(pool, now)
         try:
             self._limits.reservations(pool, rid)
         except DuplicateReservation as exc:
-            if wrap:
-                raise Conflict(f"failed to book scheduler state: {exc.message}") from None
+            if duplicate is not None:
+                raise duplicate(exc) from None
             raise
         self._limits.state_budget(f"booking {rid}")
         blocks: list[int] | None = None
-        if s.track_active_blocks:
+        if self._settings.track_active_blocks:
             blocks = list(prompt.seqs) if reuse else [self._rng.getrandbits(64) for _ in prompt.seqs]
-        prefill = max(0, prompt.isl - cached) if tracks_prefill(s, o) else 0
-        pool.tracker.book(rid, rank, blocks, prefill, req.expected_output_tokens, now)
+        prefill = max(0, prompt.isl - cached) if track_prefill else 0
+        pool.tracker.book(rid, rank, blocks, prefill, expected_output_tokens, now)
         self._metrics.booking(pool.key, "booked")
 
     def reserve(self, req: ReservationRequest, now: float) -> ReservationResponse:
+        """An explicit booking on `worker_id` (it discards a pending selection of the same id),
+        or without it the booking of a pending selection."""
+        rid = req.reservation_id if req.reservation_id is not None else req.selection_id
+        if rid is None:
+            raise ShapeError("missing field `selection_id`")
         if self.stopping:
             raise NotReady(SHUTTING_DOWN)
-        pool = self.gate(req.model_name, req.tenant_id)
         self._limits.id_length("reservation_id", req.reservation_id)
+        self._limits.id_length("selection_id", req.selection_id)
+        key = (req.model_name, req.tenant_id)
+        if req.worker_id is None:
+            return self._book_pending(key, rid, req.selection_id or rid, now)
+        self.pending.forget(key, req.selection_id or rid)
+        pool = self.gate(req.model_name, req.tenant_id)
         prompt = self._limits.prompt(req, pool, booking=True)
         if req.worker_id not in pool.workers:
             raise NotFound(f"schedulable worker {req.worker_id} not found for {pool.label}")
@@ -364,25 +394,61 @@ class Selector:
         cached = 0
         if prompt.blocks:
             cached = cached_tokens(rank, estimates(pool, prompt.blocks), pool.block_size, self._settings)
-        self._book(pool, req.reservation_id, rank, prompt, cached, req, now, wrap=False)
-        record = self._catalog[req.worker_id].request
-        return ReservationResponse(reservation_id=req.reservation_id, model_name=req.model_name,
-                                   tenant_id=req.tenant_id, worker_id=rank[0], dp_rank=rank[1],
-                                   endpoint=record.endpoint or "")
+        o = req.router_config_override
+        self._book(pool, rid, rank, prompt, cached, tracks_prefill(self._settings, o),
+                   assumes_kv_reuse(self._settings, o), req.expected_output_tokens, now)
+        return self._booked(rid, key, rank)
 
-    def finish_booking(self, rid: str, model_name: str | None, tenant_id: str | None, *,
-                       free: bool) -> Pool:
-        """Prefill completion or free of a booking; its pool (both release load)."""
+    def _book_pending(self, key: Key, rid: str, sid: str, now: float) -> ReservationResponse:
+        """Book what the pending selection `sid` chose, exactly; it is used up only when the
+        booking succeeds (a 503, 404 or 409 may be retried)."""
+        entry = self.pending.get(key, sid, now)
+        if entry is None:
+            raise NotFound(MISSING.format(sid=sid, model=key[0], group=key[1]))
+        pool = self.gate(*key)
+        rank = entry.rank
+        if rank not in pool.workers.get(rank[0], ()):
+            raise NotFound(f"schedulable worker {rank[0]} (dp_rank {rank[1]}) not found for "
+                           f"model={key[0]} routing_group={key[1]}")
+        self._book(pool, rid, rank, entry.prompt, entry.cached, entry.track_prefill, entry.reuse,
+                   entry.expected_output_tokens, now,
+                   lambda _: Conflict(f"selection {rid} is already reserved or being reserved"))
+        self.pending.forget(key, sid)
+        return self._booked(rid, key, rank)
+
+    def _booked(self, rid: str, key: Key, rank: Rank) -> ReservationResponse:
+        return ReservationResponse(reservation_id=rid, model_name=key[0], tenant_id=key[1],
+                                   worker_id=rank[0], dp_rank=rank[1],
+                                   endpoint=self._catalog[rank[0]].request.endpoint or "")
+
+    def _booked_in(self, rid: str, model_name: str | None, tenant_id: str | None) -> Pool:
+        """The pool that holds the booking `rid` (the first in key order), or 404."""
         for key in sorted(self._pools):
             if (model_name is None or key[0] == model_name) and (tenant_id is None or key[1] == tenant_id):
                 pool = self._pools[key]
                 if rid in pool.tracker.bookings:
-                    break
-        else:
-            raise NotFound(f"reservation {rid} not found")
+                    return pool
+        raise NotFound(f"reservation {rid} not found")
+
+    def output_block(self, rid: str, decay_fraction: float | None) -> None:
+        """One more decode block for a booking (1.6.1); the range is checked before the lookup."""
+        if decay_fraction is not None and not 0.0 <= decay_fraction <= 1.0:
+            raise BadRequest("decay_fraction must be between 0.0 and 1.0")
+        pool = self._booked_in(rid, None, None)
+        pool.tracker.add_output_block(rid, decay_fraction)
+        self._metrics.booking(pool.key, "output_block")
+
+    def finish_booking(self, rid: str, model_name: str | None, tenant_id: str | None, *,
+                       free: bool) -> Pool:
+        """Prefill completion or free of a booking; its pool (both release load)."""
+        pool = self._booked_in(rid, model_name, tenant_id)
         if free:
             pool.tracker.free(rid)
         else:
             pool.tracker.prefill_complete(rid)
         self._metrics.booking(pool.key, "freed" if free else "prefill_complete")
         return pool
+
+
+def _scheduler_conflict(exc: DuplicateReservation) -> SelectionError:
+    return Conflict(f"failed to book scheduler state: {exc.message}")

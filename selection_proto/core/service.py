@@ -230,6 +230,13 @@ class SelectionService:
         pool = self._selector.finish_booking(reservation_id, model_name, tenant_id, free=True)
         self._selector.dispatch(pool, now)
 
+    def output_block(self, reservation_id: str, decay_fraction: float | None = None, *,
+                     now: float) -> None:
+        """One more decode block for a booking, optionally re-weighing its output and unshared
+        prompt blocks (1.6.1's `output_block`). Raises BadRequest (range), NotFound."""
+        self._advance(now)
+        self._selector.output_block(reservation_id, decay_fraction)
+
     def loads(self, model_name: str | None = None, tenant_id: str | None = None
               ) -> list[ModelLoadResponse]:
         """Each key's per-rank load and its queue, filtered by key."""

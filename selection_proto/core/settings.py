@@ -64,6 +64,9 @@ class Settings:
     max_record_bytes: int = 65536
     max_state_bytes: int = 4 * 1024**3
     max_events_per_step: int | None = 1024
+    selection_cache_ttl_secs: float = 120.0
+    selection_cache_max_entries: int = 4096
+    selection_cache_max_bytes: int = 256 * 1024**2
 
     def __attrs_post_init__(self) -> None:
         _check("kv_events", self.kv_events in ("subscribe", "push", "off"),
@@ -102,8 +105,11 @@ class Settings:
                      "max_subscriptions", "max_record_bytes", "max_state_bytes"):
             value = getattr(self, name)
             _check(name, _is_int(value) and value >= 1, "must be an integer >= 1")
-        _check("max_tombstones", _is_int(self.max_tombstones) and self.max_tombstones >= 0,
-               "must be an integer >= 0")
+        for name in ("max_tombstones", "selection_cache_max_entries", "selection_cache_max_bytes"):
+            value = getattr(self, name)
+            _check(name, _is_int(value) and value >= 0, "must be an integer >= 0")
+        _check("selection_cache_ttl_secs", _is_number(self.selection_cache_ttl_secs)
+               and self.selection_cache_ttl_secs >= 0, "must be a finite number >= 0")
         for name in ("track_active_blocks", "assume_kv_reuse", "track_prefill_tokens",
                      "zmq_endpoints"):
             _check(name, isinstance(getattr(self, name), bool), "must be a boolean")

@@ -1,6 +1,14 @@
-"""Slot tracker: bookings and the load they put on each rank (core.md §8)."""
+"""Slot tracker: bookings and the load they put on each rank (core.md §8).
+
+A rank's active decode blocks are its distinct booked prompt blocks, each weighing 1, plus the
+output blocks its bookings reported (1.6.1's `output_block`). A `decay_fraction` re-weighs a
+booking's output blocks and the tail of its prompt that no other booking shares; a block keeps its
+weight when a later booking comes to share it. The count is the weighted sum rounded half away
+from zero, as 1.6.1 rounds it; with no output blocks it is just the number of distinct blocks."""
 
 from __future__ import annotations
+
+import math
 
 from .budget import StateBudget
 from .errors import Conflict, NotFound, TooManyRequests
@@ -22,12 +30,20 @@ class DuplicateReservation(Conflict):
 
 
 class RankLoad:
-    __slots__ = ("prefill_tokens", "requests", "unique")
+    __slots__ = ("prefill_tokens", "requests", "unique", "weights", "extra")
 
     def __init__(self) -> None:
         self.prefill_tokens = 0
         self.requests = 0
-        self.unique: dict[int, int] = {}
+        self.unique: dict[int, int] = {}  # booked prompt block -> how many bookings hold it
+        self.weights: dict[int, float] = {}  # the prompt blocks that do not weigh 1
+        self.extra = 0.0  # the output blocks' weight, plus each weighted block's weight - 1
+
+    def decode_blocks(self) -> int:
+        """Active decode blocks: distinct prompt blocks and output blocks, weighted."""
+        if not self.extra:
+            return len(self.unique)
+        return math.floor(len(self.unique) + self.extra + 0.5)
 
     def new_blocks(self, distinct: set[int]) -> int:
         """How many of `distinct` this rank does not hold yet (iterating the smaller side)."""
@@ -41,7 +57,7 @@ class RankLoad:
 
 class Booking:
     __slots__ = ("rid", "rank", "blocks", "prefill_tokens", "prefill_done", "expected_output_tokens",
-                 "booked_at")
+                 "booked_at", "outputs", "output_weight")
 
     def __init__(self, rid: str, rank: Rank, blocks: list[int] | None, prefill_tokens: int,
                  expected_output_tokens: int | None, booked_at: float) -> None:
@@ -52,6 +68,8 @@ class Booking:
         self.prefill_done = False
         self.expected_output_tokens = expected_output_tokens
         self.booked_at = booked_at
+        self.outputs = 0  # output blocks reported
+        self.output_weight = 0.0  # their weight (a decay re-weighs them all)
 
 
 class Tracker:
@@ -118,6 +136,29 @@ class Tracker:
             booking.prefill_done = True
             self.loads[booking.rank].prefill_tokens -= booking.prefill_tokens
 
+    def add_output_block(self, rid: str, decay_fraction: float | None) -> None:
+        """One more output block for the booking; with a `decay_fraction`, every output block of
+        it, and the tail of its prompt that only it holds, weigh that fraction from now on."""
+        booking = self.get(rid)
+        load = self.loads[booking.rank]
+        booking.outputs += 1
+        booking.output_weight += 1.0
+        load.extra += 1.0
+        if decay_fraction is None:
+            return
+        weight = booking.outputs * decay_fraction
+        load.extra += weight - booking.output_weight
+        booking.output_weight = weight
+        unique, weights = load.unique, load.weights
+        for h in reversed(booking.blocks or ()):
+            if unique[h] != 1:
+                break  # shared with another booking: the prefix above it is shared too
+            load.extra += decay_fraction - weights.get(h, 1.0)
+            if decay_fraction == 1.0:
+                weights.pop(h, None)
+            else:
+                weights[h] = decay_fraction
+
     def free(self, rid: str) -> Booking:
         booking = self.bookings.pop(rid, None)
         if booking is None:
@@ -128,14 +169,22 @@ class Tracker:
         load.requests -= 1
         if not booking.prefill_done:
             load.prefill_tokens -= booking.prefill_tokens
+        if booking.output_weight:
+            load.extra -= booking.output_weight
         if booking.blocks:
-            unique = load.unique
+            unique, weights = load.unique, load.weights
             for h in booking.blocks:
                 left = unique[h] - 1
                 if left:
                     unique[h] = left
                 else:
                     del unique[h]
+                    if weights:
+                        weight = weights.pop(h, None)
+                        if weight is not None:
+                            load.extra -= weight - 1.0
+        if not load.weights and load.requests == 0:
+            load.extra = 0.0  # no rounding error outlives the bookings
         return booking
 
     def expire(self, now: float, max_age: float) -> list[str]:

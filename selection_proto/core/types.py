@@ -34,6 +34,7 @@ __all__ = [
     "Excluded",
     "Lifecycle",
     "ModelLoadResponse",
+    "OutputBlockRequest",
     "OverlapScoresRequest",
     "OverlapScoresResponse",
     "Pending",
@@ -258,9 +259,10 @@ class RoutingConstraints(_Checked):
 
 @attrs.frozen(kw_only=True)
 class _Prompt(_Checked):
-    """Prompt members shared by the selection requests (api.md §3.5)."""
+    """Prompt members shared by the selection requests (api.md §3.5); 1.6.1 names the cache
+    namespace `cache_salt`."""
 
-    _json_aliases: ClassVar[Mapping[str, str]] = _TENANT_ALIAS
+    _json_aliases: ClassVar[Mapping[str, str]] = {**_TENANT_ALIAS, "cache_salt": "cache_namespace"}
 
     model_name: str = member(STR, default="default", nullable=False)
     tenant_id: str = member(STR, default="default", nullable=False)
@@ -309,13 +311,24 @@ class SelectAndReserveRequest(SelectRequest):
 
 @attrs.frozen(kw_only=True)
 class ReservationRequest(_Prompt):
-    """`POST /reservations` (api.md §4.10)."""
+    """`POST /reservations` (api.md §4.10): a booking on `worker_id`, or without it the pending
+    selection `selection_id` (1.6.1's replay form). The booking id is `reservation_id`, else
+    `selection_id` (1.6.1's name for it)."""
 
-    reservation_id: str = member(STR, required=True, nullable=False)
-    worker_id: int = member(U64, required=True, nullable=False)
+    reservation_id: str | None = member(STR)
+    selection_id: str | None = member(STR)
+    worker_id: int | None = member(U64)
     dp_rank: int | None = member(U32)
     router_config_override: RouterConfigOverride | None = member(OBJECT(RouterConfigOverride))
     expected_output_tokens: int | None = member(U32)
+
+
+@attrs.frozen(kw_only=True)
+class OutputBlockRequest(_Checked):
+    """`POST /reservations/{reservation_id}/output_block` (1.6.1): one more decode block; the range
+    of `decay_fraction` is checked by the service (400, before the booking is looked up)."""
+
+    decay_fraction: float | None = member(F64)
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -439,13 +452,22 @@ class SelectResponse:
 
 
 @attrs.frozen(kw_only=True)
-class ReservationResponse(_Flat):
+class ReservationResponse:
+    """`POST /reservations`: the booking id under both names (`selection_id` is 1.6.1's), and the
+    tenant under both (`routing_group`)."""
+
     reservation_id: str
     model_name: str
     tenant_id: str
     worker_id: int
     dp_rank: int
     endpoint: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"reservation_id": self.reservation_id, "selection_id": self.reservation_id,
+                "model_name": self.model_name, "tenant_id": self.tenant_id,
+                "routing_group": self.tenant_id, "worker_id": self.worker_id,
+                "dp_rank": self.dp_rank, "endpoint": self.endpoint}
 
 
 

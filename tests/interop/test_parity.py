@@ -1,0 +1,182 @@
+"""Request parity with 1.6.1 (issue 14), side by side: the same script in 1.6.1's dialect against
+the reference service and ours, both started with the same cache limits, compared on statuses,
+error texts, the chosen workers and `/loads`."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.interop.test_services import Http, free_port
+from tests.test_http import Server
+
+WORKERS = (1,)  # one worker: both choose it (ties between idle workers are broken at random)
+
+
+def start_both(reference_python: str, *flags: str) -> tuple[Http, Http, Server, subprocess.Popen[bytes]]:
+    ref_port = free_port()
+    ref = subprocess.Popen([reference_python, "-m", "dynamo.select_service", "--port", str(ref_port), *flags],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           env={**os.environ, "RUST_LOG": "error", "DYN_LOG": "error"})
+    ours = Server(*flags)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", ref_port), timeout=1).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "the reference service did not start"
+            time.sleep(0.1)
+    services = (Http(ours.port, "routing_group"), Http(ref_port, "routing_group"))
+    for service in services:
+        for wid in WORKERS:
+            # The reference needs an event endpoint to call a worker schedulable; nothing publishes.
+            status, _ = service.call("POST", "/workers", {
+                "worker_id": wid, "model_name": "m", "endpoint": f"http://w{wid}:8000", "block_size": 4,
+                "kv_events_endpoint": f"tcp://127.0.0.1:{free_port()}", "max_num_batched_tokens": 100})
+            assert status == 201
+    return services[0], services[1], ours, ref
+
+
+@pytest.fixture
+def pair(request: pytest.FixtureRequest, reference_python: str) -> Iterator[tuple[Http, Http]]:
+    flags: tuple[str, ...] = getattr(request, "param", ())
+    ours, ref, server, process = start_both(reference_python, *flags)
+    try:
+        yield ours, ref
+    finally:
+        server.stop()
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def loads(service: Http) -> list[tuple[int, int, int, int]]:
+    status, body = service.call("GET", "/loads")
+    assert status == 200
+    return [(row["worker_id"], row["potential_prefill_tokens"], row["potential_decode_blocks"],
+             row["active_requests"]) for key in body for row in key["loads"]]
+
+
+def comparable(answer: Any) -> Any:
+    """What both must agree on: decoder details without serde's position (differences.md §2), and
+    the spec's `tenant=` labels read as 1.6.1's `routing_group=`."""
+    if isinstance(answer, dict) and isinstance(answer.get("error"), str):
+        text = re.sub(r" at line \d+ column \d+$", "", answer["error"])
+        return {**answer, "error": text.replace(" tenant=", " routing_group=")}
+    return answer
+
+
+def same(ours: Http, ref: Http, method: str, path: str, body: Any = None,
+         members: tuple[str, ...] = ("error", "worker_id", "dp_rank", "selection_id", "status")) -> int:
+    """Send one call to both; their statuses and the named members must agree."""
+    a, b = ours.call(method, path, body), ref.call(method, path, body)
+    a, b = (a[0], comparable(a[1])), (b[0], comparable(b[1]))
+    assert a[0] == b[0], (path, body, a, b)
+    if isinstance(b[1], dict):
+        assert {k: a[1].get(k) for k in members if k in b[1]} == {k: b[1][k] for k in members if k in b[1]}, (
+            path, body, a, b)
+    assert loads(ours) == loads(ref), (path, body)
+    return a[0]
+
+
+PROMPT = list(range(9))
+
+
+def test_pending_selection_books_what_was_selected_once(pair: tuple[Http, Http]) -> None:
+    ours, ref = pair
+    same(ours, ref, "POST", "/select", {"model_name": "m", "selection_id": "s1", "token_ids": PROMPT,
+                                        "expected_output_tokens": 5})
+    # The replay books the select's prompt; other prompt members are ignored.
+    assert same(ours, ref, "POST", "/reservations", {"model_name": "m", "selection_id": "s1",
+                                                     "token_ids": list(range(40))}) == 201
+    assert same(ours, ref, "POST", "/reservations", {"model_name": "m", "selection_id": "s1"}) == 404
+    # Another model is a miss and leaves the entry; the latest select for an id wins.
+    same(ours, ref, "POST", "/select", {"model_name": "m", "selection_id": "s2", "token_ids": PROMPT})
+    same(ours, ref, "POST", "/select", {"model_name": "m", "selection_id": "s2", "token_ids": list(range(13))})
+    assert same(ours, ref, "POST", "/reservations", {"model_name": "other", "selection_id": "s2"}) == 404
+    assert same(ours, ref, "POST", "/reservations", {"model_name": "m", "selection_id": "s2"}) == 201
+    # An id already booked: 409, and the entry stays for a retry after the free.
+    same(ours, ref, "POST", "/select", {"model_name": "m", "selection_id": "s2", "token_ids": PROMPT})
+    assert same(ours, ref, "POST", "/reservations", {"model_name": "m", "selection_id": "s2"}) == 409
+    assert same(ours, ref, "DELETE", "/reservations/s2") == 200
+    assert same(ours, ref, "POST", "/reservations", {"model_name": "m", "selection_id": "s2"}) == 201
+    # The explicit form discards a pending selection of the same id.
+    same(ours, ref, "POST", "/select", {"model_name": "m", "selection_id": "s3", "token_ids": PROMPT})
+    assert same(ours, ref, "POST", "/reservations", {"model_name": "m", "selection_id": "s3", "worker_id": 99,
+                                                     "token_ids": PROMPT}) == 404
+    assert same(ours, ref, "POST", "/reservations", {"model_name": "m", "selection_id": "s3"}) == 404
+    # select_and_reserve never leaves a pending selection.
+    same(ours, ref, "POST", "/select_and_reserve", {"model_name": "m", "selection_id": "s4", "token_ids": PROMPT})
+    assert same(ours, ref, "DELETE", "/reservations/s4") == 200
+    assert same(ours, ref, "POST", "/reservations", {"model_name": "m", "selection_id": "s4"}) == 404
+
+
+def test_a_vanished_worker_is_404_and_the_entry_stays(pair: tuple[Http, Http]) -> None:
+    ours, ref = pair
+    same(ours, ref, "POST", "/select", {"model_name": "m", "selection_id": "v", "token_ids": PROMPT})
+    for wid in WORKERS:
+        same(ours, ref, "DELETE", f"/workers/{wid}")
+    assert same(ours, ref, "POST", "/reservations", {"model_name": "m", "selection_id": "v"}) == 503
+    for wid in WORKERS:
+        body = {"worker_id": wid, "model_name": "m", "endpoint": f"http://w{wid}:8000", "block_size": 4,
+                "max_num_batched_tokens": 100}
+        for service in (ours, ref):
+            status, _ = service.call("POST", "/workers", {**body, "kv_events_endpoint": f"tcp://127.0.0.1:{free_port()}"})
+            assert status == 201
+    assert same(ours, ref, "POST", "/reservations", {"model_name": "m", "selection_id": "v"}) == 201
+
+
+@pytest.mark.parametrize("pair", [("--selection-cache-max-entries", "3")], indirect=True)
+def test_the_oldest_pending_selection_is_evicted_first(pair: tuple[Http, Http]) -> None:
+    ours, ref = pair
+    for sid in ("e1", "e2", "e3", "e4"):
+        same(ours, ref, "POST", "/select", {"model_name": "m", "selection_id": sid, "token_ids": PROMPT})
+    assert [same(ours, ref, "POST", "/reservations", {"model_name": "m", "selection_id": sid})
+            for sid in ("e1", "e2", "e3", "e4")] == [404, 201, 201, 201]
+
+
+@pytest.mark.parametrize("pair", [("--selection-cache-max-bytes", "24")], indirect=True)
+def test_pending_selection_bytes_count_as_in_1_6_1(pair: tuple[Http, Http]) -> None:
+    ours, ref = pair
+    # id `a`, model `m`, group `default`: 9 bytes, plus 8 per sequence hash, lora and session.
+    cases = [("a", list(range(5)), {}), ("b", list(range(9)), {}), ("c", list(range(5)), {"lora_name": "l" * 7}),
+             ("d", list(range(5)), {"lora_name": "l" * 8})]
+    statuses = []
+    for sid, tokens, extra in cases:
+        same(ours, ref, "POST", "/select", {"model_name": "m", "selection_id": sid, "token_ids": tokens, **extra})
+        statuses.append(same(ours, ref, "POST", "/reservations", {"model_name": "m", "selection_id": sid}))
+    assert statuses == [201, 404, 201, 404]
+
+
+@pytest.mark.parametrize("pair", [("--selection-cache-ttl-secs", "0.5")], indirect=True)
+def test_a_pending_selection_expires_after_its_ttl(pair: tuple[Http, Http]) -> None:
+    ours, ref = pair
+    same(ours, ref, "POST", "/select", {"model_name": "m", "selection_id": "t1", "token_ids": PROMPT})
+    same(ours, ref, "POST", "/select", {"model_name": "m", "selection_id": "t2", "token_ids": PROMPT})
+    assert same(ours, ref, "POST", "/reservations", {"model_name": "m", "selection_id": "t1"}) == 201
+    time.sleep(0.8)
+    assert same(ours, ref, "POST", "/reservations", {"model_name": "m", "selection_id": "t2"}) == 404
+
+
+def test_output_blocks_weigh_as_in_1_6_1(pair: tuple[Http, Http]) -> None:
+    ours, ref = pair
+    same(ours, ref, "POST", "/select_and_reserve", {"model_name": "m", "selection_id": "o", "token_ids": list(range(8))})
+    same(ours, ref, "POST", "/select_and_reserve", {"model_name": "m", "selection_id": "p", "token_ids": list(range(4))})
+    for body in ({}, {"decay_fraction": 0.5}, {"decay_fraction": None}, {"foo": 1}, {"decay_fraction": 0.25},
+                 {"decay_fraction": 0}):
+        assert same(ours, ref, "POST", "/reservations/o/output_block", body) == 200
+        assert same(ours, ref, "POST", "/reservations/p/output_block", body) == 200
+    assert same(ours, ref, "POST", "/reservations/o/output_block", {"decay_fraction": 1.5}) == 400
+    assert same(ours, ref, "POST", "/reservations/nope/output_block", {"decay_fraction": 1.5}) == 400
+    assert same(ours, ref, "POST", "/reservations/nope/output_block", {}) == 404
+    assert same(ours, ref, "POST", "/reservations/o/output_block", {"decay_fraction": "x"}) == 422
+    assert same(ours, ref, "DELETE", "/reservations/o") == 200
+    assert same(ours, ref, "POST", "/reservations/o/output_block", {}) == 404
+    assert same(ours, ref, "DELETE", "/reservations/p") == 200
