@@ -41,8 +41,11 @@ def test_select_example_with_explain(client: Client) -> None:
         now=1.0)
     assert status == 200
     assert body == (
-        b'{"selection_id":"s-1","model_name":"m","tenant_id":"default","worker_id":1,"dp_rank":0,'
+        b'{"selection_id":"s-1","model_name":"m","tenant_id":"default","routing_group":"default",'
+        b'"worker_id":1,"dp_rank":0,'
         b'"endpoint":"http://w1:8000","effective_overlap_blocks":2.0,"cached_tokens":8,"block_size":4,'
+        b'"overlap":{"longest_matched":8,"gpu":8,"dp":{"0":8},"cpu":8,"disk":8},'
+        b'"effective_prefill_tokens":4,"potential_decode_blocks":3,'
         b'"candidates":[{"worker_id":1,"dp_rank":0,"logit":4.0,"potential_prefill_tokens":4,'
         b'"potential_decode_blocks":3,"device_blocks":2,"host_pinned_blocks":2,"disk_blocks":2,'
         b'"cached_tokens":8},{"worker_id":2,"dp_rank":0,"logit":4.25,"potential_prefill_tokens":5,'

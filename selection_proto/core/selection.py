@@ -49,6 +49,7 @@ from .settings import Settings
 from .tracker import DuplicateReservation, rank_text
 from .types import (
     Excluded,
+    Overlap,
     Pending,
     ReservationRequest,
     ReservationResponse,
@@ -243,12 +244,30 @@ class Selector:
         self._metrics.selected(pool.key, chosen.cached / prompt.isl if prompt.isl > 0 else None,
                                chosen.device < max(c.device for c in scored))
         record = self._catalog[chosen.rank[0]].request
+        bs = pool.block_size
+        device, host, disk = sel.found
+        worker = chosen.rank[0]
+        longest = max((device.get(r, 0) + host.get(r, 0) + disk.get(r, 0)
+                       for r in {*device, *host, *disk}), default=0)
+        overlap = Overlap(longest_matched=longest * bs, gpu=chosen.device * bs,
+                          dp={str(r[1]): device.get(r, 0) * bs for r in pool.workers[worker]},
+                          cpu=(chosen.device + chosen.host_ext) * bs,
+                          disk=(chosen.device + chosen.host_ext + chosen.disk_ext) * bs)
+        # 1.6.1 counts the prompt's partial last block as one more decode block.
+        partial = 1 if self._settings.track_active_blocks and prompt.isl > len(prompt.blocks) * bs else 0
+        booked = pool.tracker.bookings.get(sel.rid) if sel.rid is not None else None
         response = SelectResponse(
             selection_id=req.selection_id if req.selection_id is not None else sel.rid,
             reservation_id=sel.rid, model_name=req.model_name,
-            tenant_id=req.tenant_id, worker_id=chosen.rank[0], dp_rank=chosen.rank[1],
+            tenant_id=req.tenant_id, worker_id=worker, dp_rank=chosen.rank[1],
             endpoint=record.endpoint or "", effective_overlap_blocks=float(chosen.effective),
-            cached_tokens=chosen.cached, block_size=pool.block_size,
+            cached_tokens=chosen.cached, block_size=bs, overlap=overlap,
+            effective_prefill_tokens=max(0, prompt.isl - chosen.cached),
+            potential_decode_blocks=chosen.decode_blocks + partial,
+            sequence_hashes=None if booked is None else tuple(
+                h - (1 << 64) if h >= 1 << 63 else h for h in booked.blocks or prompt.seqs),
+            isl_tokens=None if booked is None else prompt.isl,
+            track_prefill_tokens=None if booked is None else track,
         )
         if req.explain:
             response = attrs.evolve(response, candidates=explain(scored),

@@ -35,6 +35,7 @@ __all__ = [
     "Lifecycle",
     "ModelLoadResponse",
     "OutputBlockRequest",
+    "Overlap",
     "OverlapScoresRequest",
     "OverlapScoresResponse",
     "Pending",
@@ -414,8 +415,23 @@ class Excluded(_Flat):
 
 
 @attrs.frozen(kw_only=True)
+class Overlap(_Flat):
+    """1.6.1's overlap summary of a selection, in tokens: the longest prefix any rank holds in any
+    tier, the chosen rank's device prefix, that of each rank of the chosen worker (by dp rank),
+    and the chosen rank's prefix through host-pinned and through disk blocks."""
+
+    longest_matched: int
+    gpu: int
+    dp: dict[str, int]
+    cpu: int
+    disk: int
+
+
+@attrs.frozen(kw_only=True)
 class SelectResponse:
-    """The answer of `/select` and `/select_and_reserve` (api.md §4.7)."""
+    """The answer of `/select` and `/select_and_reserve` (api.md §4.7), with 1.6.1's members
+    beside ours (`routing_group`, `overlap`, `effective_prefill_tokens`, `potential_decode_blocks`;
+    a booking's `sequence_hashes`, `isl_tokens`, `track_prefill_tokens`)."""
 
     model_name: str
     tenant_id: str
@@ -425,8 +441,14 @@ class SelectResponse:
     effective_overlap_blocks: float
     cached_tokens: int
     block_size: int
+    overlap: Overlap
+    effective_prefill_tokens: int
+    potential_decode_blocks: int
     selection_id: str | None = None
     reservation_id: str | None = None
+    sequence_hashes: tuple[int, ...] | None = None  # a booking's tracked hashes, as i64
+    isl_tokens: int | None = None
+    track_prefill_tokens: bool | None = None
     candidates: tuple[Candidate, ...] | None = None
     excluded: tuple[Excluded, ...] | None = None
 
@@ -436,14 +458,21 @@ class SelectResponse:
             out["selection_id"] = self.selection_id
         if self.reservation_id is not None:
             out["reservation_id"] = self.reservation_id
+            out["sequence_hashes"] = list(self.sequence_hashes or ())
+            out["isl_tokens"] = self.isl_tokens
+            out["track_prefill_tokens"] = self.track_prefill_tokens
         out["model_name"] = self.model_name
         out["tenant_id"] = self.tenant_id
+        out["routing_group"] = self.tenant_id
         out["worker_id"] = self.worker_id
         out["dp_rank"] = self.dp_rank
         out["endpoint"] = self.endpoint
         out["effective_overlap_blocks"] = float(self.effective_overlap_blocks)
         out["cached_tokens"] = self.cached_tokens
         out["block_size"] = self.block_size
+        out["overlap"] = self.overlap.to_json()
+        out["effective_prefill_tokens"] = self.effective_prefill_tokens
+        out["potential_decode_blocks"] = self.potential_decode_blocks
         if self.candidates is not None:
             out["candidates"] = [c.to_json() for c in self.candidates]
         if self.excluded is not None:

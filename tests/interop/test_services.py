@@ -154,9 +154,17 @@ def test_same_scenario_same_answers(both: tuple[Http, Http, dict[int, Any]]) -> 
     ours_pick = ours.call("POST", "/select", query)[1]
     ref_pick = ref.call("POST", "/select", query)[1]
     assert ours_pick["worker_id"] == ref_pick["worker_id"] == 1
+    # 1.6.1's members of a selection's answer: the overlap summary in tokens, the prefill left and
+    # the decode blocks (a partial last block counts), on a device prefix and on host blocks.
+    members = ("routing_group", "overlap", "effective_prefill_tokens", "potential_decode_blocks")
+    for body in (query, query_b, {**query, "token_ids": prompt[:14]}):
+        ours_answer, ref_answer = ours.call("POST", "/select", body)[1], ref.call("POST", "/select", body)[1]
+        assert {k: ours_answer[k] for k in members} == {k: ref_answer[k] for k in members}, body
     # Book on both, then loads and potential loads agree.
-    assert ours.call("POST", "/select_and_reserve", {**query, "reservation_id": "a"})[0] == 200
-    assert ref.call("POST", "/select_and_reserve", {**query, "reservation_id": "a"})[0] == 200
+    booked = [service.call("POST", "/select_and_reserve", {**query, "selection_id": "a"}) for service in (ours, ref)]
+    assert [status for status, _ in booked] == [200, 200]
+    booking_members = ("selection_id", "sequence_hashes", "isl_tokens", "track_prefill_tokens", *members)
+    assert {k: booked[0][1][k] for k in booking_members} == {k: booked[1][1][k] for k in booking_members}
     ours_loads = ours.call("GET", "/loads")[1][0]["loads"]
     ref_loads = ref.call("GET", "/loads")[1][0]["loads"]
     assert ours_loads == ref_loads
