@@ -98,7 +98,7 @@ def test_tracker_drops_ranks_and_their_bookings_in_one_pass() -> None:
     for i in range(8):
         tracker.book(f"r{i}", (1, i % 4), [i, i + 100], 5, None, now=0.0)
     assert (budget.bookings, budget.booked_blocks) == (8, 16)
-    assert sorted(tracker.drop_ranks({(1, 0), (1, 1)})) == ["r0", "r1", "r4", "r5"]
+    assert sorted(b.rid for b in tracker.drop_ranks({(1, 0), (1, 1)})) == ["r0", "r1", "r4", "r5"]
     assert (budget.bookings, budget.booked_blocks) == (4, 8) and set(tracker.loads) == {(1, 2), (1, 3)}
 
 

@@ -15,9 +15,9 @@ import h11
 from wsproto import WSConnection
 
 from ..core.metrics import LIMIT_REJECTIONS, REQUEST_DURATION
+from ..core.responses import Pending
 from ..core.routes import MAX_BODY, ParsedBody, is_json, match, media_type, route_of
 from ..core.service import SelectionService
-from ..core.types import Pending
 from ..core.wire import Response, error_response
 from .ws import check_handshake, server_handshake
 

@@ -17,9 +17,9 @@ from urllib.parse import quote, urlencode
 from ..core import jsonio
 from ..core.metrics import JSONRPC_MESSAGES, LIMIT_REJECTIONS
 from ..core.outputs import SelectionReady
+from ..core.responses import Pending
 from ..core.routes import EVENT_QUERY, ROUTES, ParsedBody, path_parameter
 from ..core.service import SelectionService
-from ..core.types import Pending
 from ..core.wire import Response
 
 __all__ = ["MAX_LINE", "METHODS", "JsonRpcSession"]

@@ -6,14 +6,15 @@ Each concept has one module:
 
 * the bytes face: `routes` (every route in one table), `handler` (`handle`: decode, run, encode),
   `openapi`, `jsonio` (the JSON readers), `codec` (request shapes), `wire` (responses, queries);
-* the vocabulary: `types` (requests and answers), `errors` (each carries its status),
-  `outputs` (what the transport drains), `settings`;
+* the vocabulary: `types` (requests, the worker record), `responses` (answers), `errors` (each
+  carries its status), `outputs` (what the transport drains), `settings`;
 * the catalog side: `catalog` (records, tombstones, the lifecycle and reconcile tables, the
   metadata rules), `workers` (an upsert or delete moving the pools), `pool` (one key's workers,
   index, bookings, freshness and queue);
 * the selection side: `selection` (candidates, overload, choice, bookings, dispatch), `prompt`
   (a request's hashes), `cost` (a candidate's cost, the choice), `admission` (the queue, tickets,
-  how a ticket ends), `tracker` (bookings and loads), `readouts` (loads and overlap answers),
+  how a ticket ends), `tracker` (bookings and loads), `pending` (selections awaiting their
+  booking), `sessions` (session affinity), `readouts` (loads and overlap answers),
   `index` (the radix trees), `hashing`;
 * the KV-event side: `ingest` (bind and apply, requests applied in steps), `events` (Dynamo
   JSON), `engine` (engine msgpack), `streams` (event sources, their lifecycle table, message
@@ -37,9 +38,11 @@ from .errors import (
 )
 from .hashing import block_hashes, iv, sequence_hashes
 from .outputs import CloseEventStream, OutputEvent, SelectionReady, SubscribeKvEvents, UnsubscribeKvEvents
+from .responses import *  # noqa: F403 - the wire types are the public API
+from .responses import __all__ as _responses_all
 from .service import SelectionService
 from .settings import Settings
-from .types import *  # noqa: F403 - the wire types are the public API
+from .types import *  # noqa: F403
 from .types import __all__ as _types_all
 from .wire import Response
 
@@ -68,4 +71,5 @@ __all__ = [
     "iv",
     "sequence_hashes",
     *_types_all,
+    *_responses_all,
 ]

@@ -11,8 +11,9 @@ from typing import Final, NamedTuple
 from .index import Rank
 from .pool import Pool
 from .prompt import PromptHashes
+from .responses import Candidate
 from .settings import Settings, resolve_weights
-from .types import Candidate, RouterConfigOverride, SelectRequest
+from .types import RouterConfigOverride, SelectRequest
 
 __all__ = [
     "NO_OVERRIDE",

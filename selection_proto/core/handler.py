@@ -20,6 +20,7 @@ from .errors import (
     UnsupportedMediaType,
 )
 from .events import decode_json_events
+from .responses import Pending
 from .routes import (
     EVENT_QUERY,
     KEY_QUERY,
@@ -35,7 +36,6 @@ from .routes import (
 from .types import (
     OutputBlockRequest,
     OverlapScoresRequest,
-    Pending,
     PotentialLoadsRequest,
     ReservationRequest,
     SelectAndReserveRequest,

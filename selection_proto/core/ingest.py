@@ -32,10 +32,10 @@ from .limits import Limits
 from .metrics import Metrics
 from .outputs import OutputEvent, SelectionReady
 from .pool import Key, Pool, key_label
+from .responses import ApplyReport, Pending
 from .settings import Settings
 from .streams import DecodedMessage, EventSource, decode_engine_batch, decode_stream_message, slice_end
 from .tally import Tally
-from .types import ApplyReport, Pending
 from .wire import error_response, json_response
 
 __all__ = ["WORKER_LEFT", "Ingest", "Target"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 
 from .errors import SelectionError
-from .types import ApplyReport, SelectResponse
+from .responses import ApplyReport, SelectResponse
 from .wire import Response
 
 __all__ = ["CloseEventStream", "InternalError", "OutputEvent", "SelectionReady", "SubscribeKvEvents", "UnsubscribeKvEvents"]

@@ -29,16 +29,18 @@ class PendingSelection:
     and the booking inputs the request decided at selection time."""
 
     __slots__ = ("rank", "prompt", "cached", "track_prefill", "reuse", "expected_output_tokens",
-                 "inserted_at", "size")
+                 "session", "inserted_at", "size")
 
     def __init__(self, rank: Rank, prompt: PromptHashes, cached: int, track_prefill: bool,
-                 reuse: bool, expected_output_tokens: int | None, inserted_at: float, size: int) -> None:
+                 reuse: bool, expected_output_tokens: int | None, session: str | None,
+                 inserted_at: float, size: int) -> None:
         self.rank = rank
         self.prompt = prompt
         self.cached = cached
         self.track_prefill = track_prefill
         self.reuse = reuse
         self.expected_output_tokens = expected_output_tokens
+        self.session = session  # the session the booking binds (with affinity on)
         self.inserted_at = inserted_at
         self.size = size
 

@@ -13,8 +13,9 @@ from .budget import StateBudget
 from .engine import NamespaceMemory
 from .freshness import RankFreshness
 from .index import KeyIndex, Rank
+from .sessions import SessionTable
 from .settings import Settings
-from .tracker import Tracker
+from .tracker import Booking, Tracker
 
 __all__ = ["Key", "Pool", "key_label"]
 
@@ -29,7 +30,7 @@ class Pool:
     """Everything a key (model, tenant) holds while it has a schedulable rank (core.md §6.4)."""
 
     __slots__ = ("key", "label", "block_size", "index", "tracker", "fresh", "memory", "epoch",
-                 "workers", "taints", "queue", "_ranks", "budget")
+                 "workers", "taints", "queue", "_ranks", "budget", "sessions")
 
     def __init__(self, key: Key, block_size: int, now: float, settings: Settings,
                  budget: StateBudget) -> None:
@@ -45,6 +46,7 @@ class Pool:
         self.workers: dict[int, tuple[Rank, ...]] = {}  # schedulable worker -> its ranks
         self.taints: dict[int, frozenset[str]] = {}
         self.queue = AdmissionQueue()
+        self.sessions = SessionTable(settings.session_affinity_ttl_secs or 0.0, settings.max_sessions_per_key)
         self._ranks: list[Rank] | None = None
 
     def ranks(self) -> list[Rank]:
@@ -71,14 +73,29 @@ class Pool:
         self.fresh[rank] = RankFreshness()
         self._ranks = None
 
-    def drop_ranks(self, ranks: set[Rank]) -> list[str]:
+    def drop_ranks(self, ranks: set[Rank], now: float) -> list[Booking]:
+        """Forget the ranks with their index, freshness and bookings; the dropped bookings."""
         for rank in ranks:
             self.budget.index_blocks -= self.index.rank_size(rank)
             self.index.drop_rank(rank)
             self.fresh.pop(rank, None)
             self.memory.pop(rank, None)
         self._ranks = None
-        return self.tracker.drop_ranks(ranks)
+        return self._released(self.tracker.drop_ranks(ranks), now)
+
+    def free(self, rid: str, now: float) -> Booking:
+        """End a booking (404 if unknown), and its hold on a session's binding."""
+        return self._released([self.tracker.free(rid)], now)[0]
+
+    def expire(self, now: float, max_age: float) -> list[Booking]:
+        """End the bookings older than `max_age`."""
+        return self._released(self.tracker.expire(now, max_age), now)
+
+    def _released(self, bookings: list[Booking], now: float) -> list[Booking]:
+        for booking in bookings:
+            if booking.lease is not None:
+                self.sessions.release(booking.lease, now)
+        return bookings
 
     def reset_rank_events(self, rank: Rank) -> None:
         self.budget.index_blocks -= self.index.rank_size(rank)

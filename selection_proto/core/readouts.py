@@ -11,8 +11,9 @@ from .cost import cached_tokens, effective_blocks, estimates, tracks_prefill
 from .freshness import RankFreshness
 from .pool import Key, Pool
 from .prompt import PromptHashes
+from .responses import ModelLoadResponse, OverlapScoresResponse, PotentialLoad
 from .settings import Settings
-from .types import ModelLoadResponse, OverlapScoresResponse, PotentialLoad, RouterConfigOverride
+from .types import RouterConfigOverride
 
 __all__ = ["loads", "overlap_scores", "potential_loads"]
 

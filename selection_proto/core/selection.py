@@ -45,18 +45,11 @@ from .outputs import OutputEvent, SelectionReady
 from .pending import MISSING, PendingSelection, PendingSelections, entry_size
 from .pool import Key, Pool, key_label
 from .prompt import PromptHashes
+from .responses import Excluded, Overlap, Pending, ReservationResponse, SelectResponse
+from .sessions import check_session_id, mismatch
 from .settings import Settings
-from .tracker import DuplicateReservation, rank_text
-from .types import (
-    Excluded,
-    Overlap,
-    Pending,
-    ReservationRequest,
-    ReservationResponse,
-    SelectAndReserveRequest,
-    SelectRequest,
-    SelectResponse,
-)
+from .tracker import Booking, DuplicateReservation, rank_text
+from .types import ReservationRequest, SelectAndReserveRequest, SelectRequest
 from .wire import error_response, json_response
 
 __all__ = ["SHUTTING_DOWN", "Selection", "Selector"]
@@ -76,6 +69,8 @@ class Selection:
     candidates: list[Rank]
     excluded: dict[Rank, str]
     found: Estimates
+    session: str | None = None  # the session it steers by and books under (affinity on)
+    bound: Rank | None = None  # that session's live binding when the selection began
 
 
 class Selector:
@@ -118,7 +113,7 @@ class Selector:
         route = "select_and_reserve" if reserve else "select"
         key = (req.model_name, req.tenant_id)
         try:
-            sel = self._prepare(req, reserve)
+            sel = self._prepare(req, reserve, now)
             if (self._settings.queue_threshold is not None and req.allowed_worker_ids is None
                     and all(self._busy(sel.pool, r) for r in sel.candidates)):
                 return self._enqueue(sel, now)
@@ -129,8 +124,8 @@ class Selector:
         self._metrics.selection(key, route, 200)
         return result
 
-    def _prepare(self, req: SelectRequest, reserve: bool) -> Selection:
-        """Steps 2-8: gate, booking id, prompt, candidates, what each has cached."""
+    def _prepare(self, req: SelectRequest, reserve: bool, now: float) -> Selection:
+        """Steps 2-8: gate, booking id, prompt, session, candidates, what each has cached."""
         if self.stopping:
             raise NotReady(SHUTTING_DOWN)
         pool = self.gate(req.model_name, req.tenant_id)
@@ -144,10 +139,28 @@ class Selector:
                 rid = str(uuid.UUID(int=self._rng.getrandbits(128), version=4))
         self._limits.id_length("selection_id", req.selection_id)
         prompt = self._limits.prompt(req, pool)
-        candidates, excluded = self._candidates(req, pool)
-        return Selection(pool, req, rid, prompt, candidates, excluded, estimates(pool, prompt.blocks))
+        session, bound = self._session(pool, req, reserve, now)
+        candidates, excluded = self._candidates(req, pool, bound)
+        return Selection(pool, req, rid, prompt, candidates, excluded, estimates(pool, prompt.blocks),
+                         session, bound)
 
-    def _candidates(self, req: SelectRequest, pool: Pool) -> tuple[list[Rank], dict[Rank, str]]:
+    def _session(self, pool: Pool, req: SelectRequest, booking: bool, now: float
+                 ) -> tuple[str | None, Rank | None]:
+        """The session a request steers by (none with a `pinned_worker`, or with affinity off) and
+        its live binding. A booking forgets a binding whose rank left; a `/select` only reads."""
+        session = req.session
+        if self._settings.session_affinity_ttl_secs is None or session is None or req.pinned_worker:
+            return None, None
+        check_session_id(session)
+        bound = pool.sessions.target(session, now)
+        if bound is not None and bound not in pool.workers.get(bound[0], ()):
+            if booking:
+                pool.sessions.forget(session)
+            bound = None
+        return session, bound
+
+    def _candidates(self, req: SelectRequest, pool: Pool, bound: Rank | None = None
+                    ) -> tuple[list[Rank], dict[Rank, str]]:
         excluded: dict[Rank, str] = {}
         ranks = pool.ranks()
         allowed = req.allowed_worker_ids
@@ -180,6 +193,12 @@ class Selector:
                 else:
                     excluded[r] = "missing_required_taint"
             candidates = kept
+        if bound is not None and bound in candidates and not self._overloaded(pool, bound):
+            # A session's live binding is the only candidate while it is eligible.
+            for r in candidates:
+                if r != bound:
+                    excluded[r] = "session_affinity"
+            candidates = [bound]
         if not candidates:
             raise NotReady("no endpoints available to route work")
         return candidates, excluded
@@ -232,15 +251,20 @@ class Selector:
         temperature = (o.router_temperature if o is not None and o.router_temperature is not None
                        else self._settings.temperature)
         chosen = choose(pool, scored, temperature, self._rng)
-        o = req.router_config_override
         track, reuse = tracks_prefill(self._settings, o), assumes_kv_reuse(self._settings, o)
         if sel.rid is not None:
-            self._book(pool, sel.rid, chosen.rank, prompt, chosen.cached, track, reuse,
-                       req.expected_output_tokens, now, _scheduler_conflict)
+            if sel.session is not None and sel.bound is not None and chosen.rank != sel.bound:
+                pool.sessions.forget(sel.session)  # hard affinity: the binding is dropped, 400
+                raise mismatch(sel.session, sel.bound, chosen.rank)
+            booking = self._book(pool, sel.rid, chosen.rank, prompt, chosen.cached, track, reuse,
+                                 req.expected_output_tokens, now, _scheduler_conflict)
+            if sel.session is not None:
+                booking.lease = pool.sessions.lease(sel.session, chosen.rank, now)
         elif req.selection_id is not None:
+            session = req.session if req.pinned_worker is None else None
             self.pending.remember(pool.key, req.selection_id, PendingSelection(
-                chosen.rank, prompt, chosen.cached, track, reuse, req.expected_output_tokens, now,
-                entry_size(pool.key, req.selection_id, prompt, req.lora_name, None)), now)
+                chosen.rank, prompt, chosen.cached, track, reuse, req.expected_output_tokens, session,
+                now, entry_size(pool.key, req.selection_id, prompt, req.lora_name, session)), now)
         self._metrics.selected(pool.key, chosen.cached / prompt.isl if prompt.isl > 0 else None,
                                chosen.device < max(c.device for c in scored))
         record = self._catalog[chosen.rank[0]].request
@@ -324,12 +348,13 @@ class Selector:
             for entry in pool.queue:
                 req = entry.req
                 try:
-                    candidates, excluded = self._candidates(req, pool)
+                    session, bound = self._session(pool, req, entry.rid is not None, now)
+                    candidates, excluded = self._candidates(req, pool, bound)
                     if all(self._busy(pool, r) for r in candidates):
                         continue
                     pool.queue.remove(entry)
                     sel = Selection(pool, req, entry.rid, entry.prompt, candidates, excluded,
-                                    estimates(pool, entry.prompt.blocks))
+                                    estimates(pool, entry.prompt.blocks), session, bound)
                     result: SelectResponse | SelectionError = self._finish(sel, now)
                     outcome = "dispatched"
                 except SelectionError as exc:
@@ -365,14 +390,14 @@ class Selector:
 
     def expire(self, pool: Pool, now: float) -> bool:
         """Forget bookings older than `active_request_expiry_secs`; True when any went."""
-        expired = pool.tracker.expire(now, self._settings.active_request_expiry_secs)
+        expired = pool.expire(now, self._settings.active_request_expiry_secs)
         if expired:
             self._metrics.booking(pool.key, "expired", len(expired))
         return bool(expired)
 
     def _book(self, pool: Pool, rid: str, rank: Rank, prompt: PromptHashes, cached: int,
               track_prefill: bool, reuse: bool, expected_output_tokens: int | None, now: float,
-              duplicate: Callable[[DuplicateReservation], SelectionError] | None = None) -> None:
+              duplicate: Callable[[DuplicateReservation], SelectionError] | None = None) -> Booking:
         """Book `prompt` on `rank` as `rid`; `duplicate` words the 409 of an id already booked."""
         self.expire(pool, now)
         try:
@@ -386,8 +411,9 @@ class Selector:
         if self._settings.track_active_blocks:
             blocks = list(prompt.seqs) if reuse else [self._rng.getrandbits(64) for _ in prompt.seqs]
         prefill = max(0, prompt.isl - cached) if track_prefill else 0
-        pool.tracker.book(rid, rank, blocks, prefill, expected_output_tokens, now)
+        booking = pool.tracker.book(rid, rank, blocks, prefill, expected_output_tokens, now)
         self._metrics.booking(pool.key, "booked")
+        return booking
 
     def reserve(self, req: ReservationRequest, now: float) -> ReservationResponse:
         """An explicit booking on `worker_id` (it discards a pending selection of the same id),
@@ -429,9 +455,20 @@ class Selector:
         if rank not in pool.workers.get(rank[0], ()):
             raise NotFound(f"schedulable worker {rank[0]} (dp_rank {rank[1]}) not found for "
                            f"model={key[0]} routing_group={key[1]}")
-        self._book(pool, rid, rank, entry.prompt, entry.cached, entry.track_prefill, entry.reuse,
-                   entry.expected_output_tokens, now,
-                   lambda _: Conflict(f"selection {rid} is already reserved or being reserved"))
+        session = entry.session if self._settings.session_affinity_ttl_secs is not None else None
+        if session is not None:
+            bound = pool.sessions.target(session, now)
+            if bound is not None and bound not in pool.workers.get(bound[0], ()):
+                pool.sessions.forget(session)
+            elif bound is not None and bound != rank:
+                pool.sessions.forget(session)
+                self.pending.forget(key, sid)  # a 400 uses the selection up
+                raise mismatch(session, bound, rank)
+        booking = self._book(pool, rid, rank, entry.prompt, entry.cached, entry.track_prefill,
+                             entry.reuse, entry.expected_output_tokens, now,
+                             lambda _: Conflict(f"selection {rid} is already reserved or being reserved"))
+        if session is not None:
+            booking.lease = pool.sessions.lease(session, rank, now)
         self.pending.forget(key, sid)
         return self._booked(rid, key, rank)
 
@@ -457,12 +494,12 @@ class Selector:
         pool.tracker.add_output_block(rid, decay_fraction)
         self._metrics.booking(pool.key, "output_block")
 
-    def finish_booking(self, rid: str, model_name: str | None, tenant_id: str | None, *,
+    def finish_booking(self, rid: str, model_name: str | None, tenant_id: str | None, now: float, *,
                        free: bool) -> Pool:
         """Prefill completion or free of a booking; its pool (both release load)."""
         pool = self._booked_in(rid, model_name, tenant_id)
         if free:
-            pool.tracker.free(rid)
+            pool.free(rid, now)
         else:
             pool.tracker.prefill_complete(rid)
         self._metrics.booking(pool.key, "freed" if free else "prefill_complete")

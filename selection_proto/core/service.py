@@ -32,26 +32,28 @@ from .metrics import Metrics
 from .outputs import InternalError, OutputEvent
 from .pool import Key, Pool
 from .readouts import loads, overlap_scores, potential_loads
+from .responses import (
+    ApplyReport,
+    ModelLoadResponse,
+    OverlapScoresResponse,
+    Pending,
+    PotentialLoad,
+    ReadyResponse,
+    ReservationResponse,
+    SelectResponse,
+    StatusOk,
+)
 from .routes import ParsedBody
 from .selection import SHUTTING_DOWN, Selector
 from .settings import Settings
 from .snapshot import dump_of, parse_dump
 from .streams import DecodedMessage, Streams
 from .types import (
-    ApplyReport,
-    ModelLoadResponse,
     OverlapScoresRequest,
-    OverlapScoresResponse,
-    Pending,
-    PotentialLoad,
     PotentialLoadsRequest,
-    ReadyResponse,
     ReservationRequest,
-    ReservationResponse,
     SelectAndReserveRequest,
     SelectRequest,
-    SelectResponse,
-    StatusOk,
     WorkerCatalogRecord,
     WorkerPatchRequest,
     WorkerRequest,
@@ -220,14 +222,14 @@ class SelectionService:
                          tenant_id: str | None = None, now: float) -> None:
         """The booking's prefill is done: its prefill tokens stop counting. Raises NotFound."""
         now = self._advance(now)
-        pool = self._selector.finish_booking(reservation_id, model_name, tenant_id, free=False)
+        pool = self._selector.finish_booking(reservation_id, model_name, tenant_id, now, free=False)
         self._selector.dispatch(pool, now)
 
     def free(self, reservation_id: str, *, model_name: str | None = None,
              tenant_id: str | None = None, now: float) -> None:
         """End a booking: its load goes, and queued selections may run. Raises NotFound."""
         now = self._advance(now)
-        pool = self._selector.finish_booking(reservation_id, model_name, tenant_id, free=True)
+        pool = self._selector.finish_booking(reservation_id, model_name, tenant_id, now, free=True)
         self._selector.dispatch(pool, now)
 
     def output_block(self, reservation_id: str, decay_fraction: float | None = None, *,

@@ -64,6 +64,8 @@ class Settings:
     max_record_bytes: int = 65536
     max_state_bytes: int = 4 * 1024**3
     max_events_per_step: int | None = 1024
+    session_affinity_ttl_secs: float | None = None  # None: session affinity is off
+    max_sessions_per_key: int = 65536
     selection_cache_ttl_secs: float = 120.0
     selection_cache_max_entries: int = 4096
     selection_cache_max_bytes: int = 256 * 1024**2
@@ -102,12 +104,15 @@ class Settings:
                    and self.active_prefill_tokens_threshold >= 0, "must be an integer >= 0")
         for name in ("queue_max_pending", "max_keys", "max_workers_per_key", "max_dp_size",
                      "max_reservations_per_key", "max_prompt_tokens", "max_id_length",
-                     "max_subscriptions", "max_record_bytes", "max_state_bytes"):
+                     "max_subscriptions", "max_record_bytes", "max_state_bytes", "max_sessions_per_key"):
             value = getattr(self, name)
             _check(name, _is_int(value) and value >= 1, "must be an integer >= 1")
         for name in ("max_tombstones", "selection_cache_max_entries", "selection_cache_max_bytes"):
             value = getattr(self, name)
             _check(name, _is_int(value) and value >= 0, "must be an integer >= 0")
+        if self.session_affinity_ttl_secs is not None:
+            _check("session_affinity_ttl_secs", _is_number(self.session_affinity_ttl_secs)
+                   and 1 <= self.session_affinity_ttl_secs <= 31536000, "must be between 1 and 31536000")
         _check("selection_cache_ttl_secs", _is_number(self.selection_cache_ttl_secs)
                and self.selection_cache_ttl_secs >= 0, "must be a finite number >= 0")
         for name in ("track_active_blocks", "assume_kv_reuse", "track_prefill_tokens",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from .types import ApplyReport
+from .responses import ApplyReport
 
 __all__ = ["MAX_FAILURES", "Tally"]
 

@@ -13,6 +13,7 @@ import math
 from .budget import StateBudget
 from .errors import Conflict, NotFound, TooManyRequests
 from .index import Rank
+from .sessions import Lease
 
 __all__ = ["Booking", "DuplicateReservation", "RankLoad", "Tracker", "rank_text"]
 
@@ -57,7 +58,7 @@ class RankLoad:
 
 class Booking:
     __slots__ = ("rid", "rank", "blocks", "prefill_tokens", "prefill_done", "expected_output_tokens",
-                 "booked_at", "outputs", "output_weight")
+                 "booked_at", "outputs", "output_weight", "lease")
 
     def __init__(self, rid: str, rank: Rank, blocks: list[int] | None, prefill_tokens: int,
                  expected_output_tokens: int | None, booked_at: float) -> None:
@@ -68,6 +69,7 @@ class Booking:
         self.prefill_done = False
         self.expected_output_tokens = expected_output_tokens
         self.booked_at = booked_at
+        self.lease: Lease | None = None  # its hold on a session's binding (sessions.py)
         self.outputs = 0  # output blocks reported
         self.output_weight = 0.0  # their weight (a decay re-weighs them all)
 
@@ -88,17 +90,17 @@ class Tracker:
     def add_rank(self, rank: Rank) -> None:
         self.loads.setdefault(rank, RankLoad())
 
-    def drop_ranks(self, ranks: set[Rank]) -> list[str]:
+    def drop_ranks(self, ranks: set[Rank]) -> list[Booking]:
         """Forget the ranks and their bookings, in one pass over the bookings (a worker with 1,024
-        ranks and 100k bookings is one pass, not 1,024); returns the dropped ids."""
+        ranks and 100k bookings is one pass, not 1,024); returns the dropped bookings."""
         for rank in ranks:
             self.loads.pop(rank, None)
-        dropped = [rid for rid, b in self.bookings.items() if b.rank in ranks]
+        dropped = [b for b in self.bookings.values() if b.rank in ranks]
         budget = self.budget
-        for rid in dropped:
-            blocks = self.bookings.pop(rid).blocks
+        for booking in dropped:
+            del self.bookings[booking.rid]
             budget.bookings -= 1
-            budget.booked_blocks -= len(blocks) if blocks else 0
+            budget.booked_blocks -= len(booking.blocks) if booking.blocks else 0
         return dropped
 
     def check_can_book(self, rid: str) -> None:
@@ -187,15 +189,13 @@ class Tracker:
             load.extra = 0.0  # no rounding error outlives the bookings
         return booking
 
-    def expire(self, now: float, max_age: float) -> list[str]:
+    def expire(self, now: float, max_age: float) -> list[Booking]:
         expired: list[str] = []
         for rid, booking in self.bookings.items():
             if now - booking.booked_at < max_age:
                 break
             expired.append(rid)
-        for rid in expired:
-            self.free(rid)
-        return expired
+        return [self.free(rid) for rid in expired]
 
     def next_expiry(self, max_age: float) -> float | None:
         for booking in self.bookings.values():

@@ -1,8 +1,8 @@
-"""Wire types of api.md §3 and §4 as frozen attrs classes.
+"""Request types of api.md §3 and §4 as frozen attrs classes, and the worker record.
 
 Request members carry their JSON kind in attrs metadata (read by codec.py and by the OpenAPI
-generator); constructing a request directly runs the same checks as decoding it from JSON.
-Responses know their JSON form (`to_json`), with members in the order api.md gives.
+generator); constructing a request directly runs the same checks as decoding it from JSON. The
+answers are in `responses`.
 """
 
 from __future__ import annotations
@@ -29,28 +29,17 @@ from .codec import (
 )
 
 __all__ = [
-    "ApplyReport",
-    "Candidate",
-    "Excluded",
     "Lifecycle",
-    "ModelLoadResponse",
     "OutputBlockRequest",
-    "Overlap",
     "OverlapScoresRequest",
-    "OverlapScoresResponse",
-    "Pending",
     "PinnedWorker",
-    "PotentialLoad",
     "PotentialLoadsRequest",
-    "ReadyResponse",
     "ReservationRequest",
-    "ReservationResponse",
     "RouterConfigOverride",
     "RoutingConstraints",
     "SelectAndReserveRequest",
     "SelectRequest",
-    "SelectResponse",
-    "StatusOk",
+    "SessionContext",
     "WorkerCatalogRecord",
     "WorkerPatchRequest",
     "WorkerRequest",
@@ -288,10 +277,25 @@ class PotentialLoadsRequest(_Prompt):
 
 
 @attrs.frozen(kw_only=True)
+class SessionContext(_Checked):
+    """1.6.1's structured session: only `session_id` steers the choice here; the other members
+    are accepted (and checked) for 1.6.1's policies."""
+
+    session_id: str = member(STR, required=True, nullable=False)
+    parent_session_id: str | None = member(STR)
+    session_final: bool | None = member(BOOL)
+    input_trigger: str | None = member(ENUM("user_message", "tool_result", "other"))
+    agent_headers: dict[str, tuple[str, ...]] | None = member(MAP(ARRAY(STR)))
+
+
+@attrs.frozen(kw_only=True)
 class SelectRequest(_Prompt):
-    """`POST /select` (api.md §4.7)."""
+    """`POST /select` (api.md §4.7); `session_id` or `session_context` (which wins) name a session
+    for session affinity (sessions.py)."""
 
     selection_id: str | None = member(STR)
+    session_id: str | None = member(STR)
+    session_context: SessionContext | None = member(OBJECT(SessionContext))
     router_config_override: RouterConfigOverride | None = member(OBJECT(RouterConfigOverride))
     pinned_worker: PinnedWorker | None = member(OBJECT(PinnedWorker))
     allowed_worker_ids: frozenset[int] | None = member(ARRAY(U64), store=frozenset)
@@ -301,6 +305,11 @@ class SelectRequest(_Prompt):
     priority_jump: float | None = member(F64)
     expected_output_tokens: int | None = member(U32)
     explain: bool = member(BOOL, default=False, nullable=False)
+
+    @property
+    def session(self) -> str | None:
+        """The session this request names, if any."""
+        return self.session_context.session_id if self.session_context is not None else self.session_id
 
 
 @attrs.frozen(kw_only=True)
@@ -330,216 +339,3 @@ class OutputBlockRequest(_Checked):
     of `decay_fraction` is checked by the service (400, before the booking is looked up)."""
 
     decay_fraction: float | None = member(F64)
-
-
-# -- responses ---------------------------------------------------------------------------------
-
-
-class _Flat:
-    """A response whose JSON members are its attrs fields, in declaration order."""
-
-    def to_json(self) -> dict[str, Any]:
-        return attrs.asdict(self, recurse=False)  # type: ignore[arg-type]
-
-
-@attrs.frozen
-class StatusOk:
-    def to_json(self) -> dict[str, Any]:
-        return {"status": "ok"}
-
-
-@attrs.frozen(kw_only=True)
-class ReadyResponse:
-    ready: bool
-    schedulable_workers: int
-    workers: tuple[WorkerCatalogRecord, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "ready": self.ready,
-            "schedulable_workers": self.schedulable_workers,
-            "workers": [w.to_json() for w in self.workers],
-        }
-
-
-@attrs.frozen(kw_only=True)
-class PotentialLoad(_Flat):
-    worker_id: int
-    dp_rank: int
-    potential_prefill_tokens: int
-    potential_decode_blocks: int
-    active_requests: int
-
-
-
-@attrs.frozen(kw_only=True)
-class ModelLoadResponse:
-    model_name: str
-    tenant_id: str
-    loads: tuple[PotentialLoad, ...]
-    pending_count: int = 0
-    pending_isl_tokens: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "model_name": self.model_name,
-            "tenant_id": self.tenant_id,
-            "loads": [p.to_json() for p in self.loads],
-            "pending_count": self.pending_count,
-            "pending_isl_tokens": self.pending_isl_tokens,
-        }
-
-
-@attrs.frozen(kw_only=True)
-class Candidate(_Flat):
-    """One cost breakdown of `explain` (core.md §9.8)."""
-
-    worker_id: int
-    dp_rank: int
-    logit: float
-    potential_prefill_tokens: int
-    potential_decode_blocks: int
-    device_blocks: int
-    host_pinned_blocks: int
-    disk_blocks: int
-    cached_tokens: int
-
-
-
-@attrs.frozen(kw_only=True)
-class Excluded(_Flat):
-    worker_id: int
-    dp_rank: int
-    reason: str
-
-
-
-@attrs.frozen(kw_only=True)
-class Overlap(_Flat):
-    """1.6.1's overlap summary of a selection, in tokens: the longest prefix any rank holds in any
-    tier, the chosen rank's device prefix, that of each rank of the chosen worker (by dp rank),
-    and the chosen rank's prefix through host-pinned and through disk blocks."""
-
-    longest_matched: int
-    gpu: int
-    dp: dict[str, int]
-    cpu: int
-    disk: int
-
-
-@attrs.frozen(kw_only=True)
-class SelectResponse:
-    """The answer of `/select` and `/select_and_reserve` (api.md §4.7), with 1.6.1's members
-    beside ours (`routing_group`, `overlap`, `effective_prefill_tokens`, `potential_decode_blocks`;
-    a booking's `sequence_hashes`, `isl_tokens`, `track_prefill_tokens`)."""
-
-    model_name: str
-    tenant_id: str
-    worker_id: int
-    dp_rank: int
-    endpoint: str
-    effective_overlap_blocks: float
-    cached_tokens: int
-    block_size: int
-    overlap: Overlap
-    effective_prefill_tokens: int
-    potential_decode_blocks: int
-    selection_id: str | None = None
-    reservation_id: str | None = None
-    sequence_hashes: tuple[int, ...] | None = None  # a booking's tracked hashes, as i64
-    isl_tokens: int | None = None
-    track_prefill_tokens: bool | None = None
-    candidates: tuple[Candidate, ...] | None = None
-    excluded: tuple[Excluded, ...] | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        if self.selection_id is not None:
-            out["selection_id"] = self.selection_id
-        if self.reservation_id is not None:
-            out["reservation_id"] = self.reservation_id
-            out["sequence_hashes"] = list(self.sequence_hashes or ())
-            out["isl_tokens"] = self.isl_tokens
-            out["track_prefill_tokens"] = self.track_prefill_tokens
-        out["model_name"] = self.model_name
-        out["tenant_id"] = self.tenant_id
-        out["routing_group"] = self.tenant_id
-        out["worker_id"] = self.worker_id
-        out["dp_rank"] = self.dp_rank
-        out["endpoint"] = self.endpoint
-        out["effective_overlap_blocks"] = float(self.effective_overlap_blocks)
-        out["cached_tokens"] = self.cached_tokens
-        out["block_size"] = self.block_size
-        out["overlap"] = self.overlap.to_json()
-        out["effective_prefill_tokens"] = self.effective_prefill_tokens
-        out["potential_decode_blocks"] = self.potential_decode_blocks
-        if self.candidates is not None:
-            out["candidates"] = [c.to_json() for c in self.candidates]
-        if self.excluded is not None:
-            out["excluded"] = [e.to_json() for e in self.excluded]
-        return out
-
-
-@attrs.frozen(kw_only=True)
-class ReservationResponse:
-    """`POST /reservations`: the booking id under both names (`selection_id` is 1.6.1's), and the
-    tenant under both (`routing_group`)."""
-
-    reservation_id: str
-    model_name: str
-    tenant_id: str
-    worker_id: int
-    dp_rank: int
-    endpoint: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"reservation_id": self.reservation_id, "selection_id": self.reservation_id,
-                "model_name": self.model_name, "tenant_id": self.tenant_id,
-                "routing_group": self.tenant_id, "worker_id": self.worker_id,
-                "dp_rank": self.dp_rank, "endpoint": self.endpoint}
-
-
-
-@attrs.frozen(kw_only=True)
-class OverlapScoresResponse:
-    """`POST /overlap_scores`: rows and freshness are already JSON-shaped dicts (api.md §4.15)."""
-
-    block_size: int
-    num_blocks: int
-    workers: tuple[dict[str, Any], ...]
-    freshness: tuple[dict[str, Any], ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "block_size": self.block_size,
-            "num_blocks": self.num_blocks,
-            "workers": list(self.workers),
-            "freshness": list(self.freshness),
-        }
-
-
-@attrs.frozen(kw_only=True)
-class ApplyReport:
-    """What one KV-event message did (events.md §7.4)."""
-
-    received: int
-    applied: int
-    failed: int
-    dropped: int
-    failures: tuple[tuple[int, str], ...] = ()
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "received": self.received,
-            "applied": self.applied,
-            "failed": self.failed,
-            "dropped": self.dropped,
-            "failures": [{"index": i, "error": e} for i, e in self.failures],
-        }
-
-
-@attrs.frozen
-class Pending:
-    """A selection held back by the queue; its answer arrives as a `SelectionReady` output."""
-
-    ticket: int

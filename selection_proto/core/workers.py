@@ -106,7 +106,7 @@ class Workers:
         for step in RECONCILE[(was, lifecycle == "schedulable", same_pool)]:
             if step == "update":
                 assert previous is not None
-                self._update_in_place(previous, record)
+                self._update_in_place(previous, record, now)
             elif step == "leave":
                 assert previous is not None
                 self._leave(previous, now)
@@ -150,9 +150,9 @@ class Workers:
             pool.add_rank(rank)
             self._subscribe(pool, rank, endpoints.get(rank[1]))
 
-    def _drop_ranks(self, pool: Pool, ranks: Iterable[Rank]) -> None:
+    def _drop_ranks(self, pool: Pool, ranks: Iterable[Rank], now: float) -> None:
         gone = set(ranks)
-        dropped = pool.drop_ranks(gone)
+        dropped = pool.drop_ranks(gone, now)
         if dropped:
             self._metrics.booking(pool.key, "dropped", len(dropped))
         for rank in sorted(gone):
@@ -162,21 +162,22 @@ class Workers:
         pool = self._pools.get(record.key)
         if pool is None:
             return
-        self._drop_ranks(pool, pool.remove_worker(record.worker_id))
+        self._drop_ranks(pool, pool.remove_worker(record.worker_id), now)
         self._streams.end_pushes(record.worker_id, f"worker {record.worker_id} is no longer schedulable")
         if not pool.workers:
             del self._pools[record.key]
             self._selector.fail_queue(pool, NotReady(f"no schedulable workers for {pool.label}"),
                                       "failed", now)
 
-    def _update_in_place(self, previous: WorkerCatalogRecord, record: WorkerCatalogRecord) -> None:
+    def _update_in_place(self, previous: WorkerCatalogRecord, record: WorkerCatalogRecord,
+                         now: float) -> None:
         pool = self._pools[record.key]
         req = record.request
         wid = req.worker_id
         old_ranks = pool.workers.get(wid, ())
         new_ranks = tuple((wid, r) for r in dp_range(req))
         old_set, new_set = set(old_ranks), set(new_ranks)
-        self._drop_ranks(pool, [r for r in old_ranks if r not in new_set])
+        self._drop_ranks(pool, [r for r in old_ranks if r not in new_set], now)
         pool.set_worker(wid, new_ranks, effective_taints(req))
         old_endpoints = event_endpoints(previous.request)
         new_endpoints = event_endpoints(req)

@@ -180,3 +180,90 @@ def test_output_blocks_weigh_as_in_1_6_1(pair: tuple[Http, Http]) -> None:
     assert same(ours, ref, "DELETE", "/reservations/o") == 200
     assert same(ours, ref, "POST", "/reservations/o/output_block", {}) == 404
     assert same(ours, ref, "DELETE", "/reservations/p") == 200
+
+
+def two_workers(ours: Http, ref: Http) -> None:
+    body = {"worker_id": 2, "model_name": "m", "endpoint": "http://w2:8000", "block_size": 4,
+            "max_num_batched_tokens": 100}
+    for service in (ours, ref):
+        status, _ = service.call("POST", "/workers", {**body, "kv_events_endpoint": f"tcp://127.0.0.1:{free_port()}"})
+        assert status == 201
+
+
+def pinned(ours: Http, ref: Http, sid: str, worker: int, tokens: int) -> None:
+    """A booking on `worker` that makes it the busier one (the same load on both services)."""
+    assert same(ours, ref, "POST", "/select_and_reserve", {
+        "model_name": "m", "selection_id": sid, "token_ids": list(range(1000, 1000 + tokens)),
+        "pinned_worker": {"worker_id": worker, "dp_rank": 0}}) == 200
+
+
+@pytest.mark.parametrize("pair", [("--session-affinity-ttl-secs", "2")], indirect=True)
+def test_session_affinity_binds_on_booking_and_follows_1_6_1(pair: tuple[Http, Http]) -> None:
+    ours, ref = pair
+    two_workers(ours, ref)
+    pinned(ours, ref, "load1", 1, 40)  # worker 1 is busier: an unbound choice is worker 2
+    # A plain select only reads: no binding yet, so load decides.
+    same(ours, ref, "POST", "/select", {"model_name": "m", "session_id": "S", "token_ids": PROMPT})
+    # The booking binds S to worker 2; then worker 2 becomes the busier one and S still goes there.
+    same(ours, ref, "POST", "/select_and_reserve", {"model_name": "m", "selection_id": "s1", "session_id": "S",
+                                                    "token_ids": PROMPT})
+    pinned(ours, ref, "load2", 2, 100)
+    for path, sid in (("/select", None), ("/select_and_reserve", "s2")):
+        same(ours, ref, "POST", path, {"model_name": "m", "selection_id": sid, "session_id": "S", "token_ids": PROMPT})
+    same(ours, ref, "POST", "/select", {"model_name": "m", "token_ids": PROMPT})  # unbound: worker 1
+    # session_context wins over session_id; a pinned worker neither reads nor binds.
+    same(ours, ref, "POST", "/select", {"model_name": "m", "session_id": "S", "session_context": {"session_id": "Z"},
+                                        "token_ids": PROMPT})
+    same(ours, ref, "POST", "/select_and_reserve", {"model_name": "m", "selection_id": "p1", "session_id": "S",
+                                                    "pinned_worker": {"worker_id": 1, "dp_rank": 0},
+                                                    "token_ids": PROMPT})
+    # A booking forced away from the binding: 400, nothing booked, and the binding is gone.
+    assert same(ours, ref, "POST", "/select_and_reserve", {
+        "model_name": "m", "selection_id": "s3", "session_id": "S", "allowed_worker_ids": [1],
+        "token_ids": PROMPT}) == 400
+    same(ours, ref, "POST", "/select", {"model_name": "m", "session_id": "S", "token_ids": PROMPT})
+    # Over-long ids are refused; an empty one is a session.
+    assert same(ours, ref, "POST", "/select", {"model_name": "m", "session_id": "x" * 257, "token_ids": PROMPT}) == 400
+    assert same(ours, ref, "POST", "/select", {"model_name": "m", "session_id": "", "token_ids": PROMPT}) == 200
+    assert same(ours, ref, "POST", "/select", {"model_name": "m", "session_context": {}, "token_ids": PROMPT}) == 422
+
+
+@pytest.mark.parametrize("pair", [("--session-affinity-ttl-secs", "2")], indirect=True)
+def test_a_binding_expires_ttl_after_its_last_booking_ends(pair: tuple[Http, Http]) -> None:
+    ours, ref = pair
+    two_workers(ours, ref)
+    pinned(ours, ref, "load1", 1, 40)
+    for sid in ("t1", "t2"):  # two bookings of T on worker 2: two leases
+        same(ours, ref, "POST", "/select_and_reserve", {"model_name": "m", "selection_id": sid, "session_id": "T",
+                                                        "token_ids": PROMPT})
+    pinned(ours, ref, "load2", 2, 100)  # now unbound selections go to worker 1
+    same(ours, ref, "DELETE", "/reservations/t1")
+    time.sleep(2.5)
+    same(ours, ref, "POST", "/select", {"model_name": "m", "session_id": "T", "token_ids": PROMPT})  # t2 holds it
+    same(ours, ref, "DELETE", "/reservations/t2")
+    time.sleep(1.0)
+    same(ours, ref, "POST", "/select", {"model_name": "m", "session_id": "T", "token_ids": PROMPT})  # still bound
+    time.sleep(1.6)
+    same(ours, ref, "POST", "/select", {"model_name": "m", "session_id": "T", "token_ids": PROMPT})  # expired
+
+
+@pytest.mark.parametrize("pair", [("--session-affinity-ttl-secs", "30")], indirect=True)
+def test_a_replayed_selection_binds_its_session_and_a_departed_worker_rebinds(pair: tuple[Http, Http]) -> None:
+    ours, ref = pair
+    two_workers(ours, ref)
+    pinned(ours, ref, "load1", 1, 40)
+    same(ours, ref, "POST", "/select", {"model_name": "m", "selection_id": "v", "session_id": "V", "token_ids": PROMPT})
+    assert same(ours, ref, "POST", "/reservations", {"model_name": "m", "selection_id": "v"}) == 201
+    pinned(ours, ref, "load2", 2, 100)
+    same(ours, ref, "POST", "/select", {"model_name": "m", "session_id": "V", "token_ids": PROMPT})  # bound: 2
+    # A replay that would land away from the binding: 400, and the selection is used up.
+    same(ours, ref, "POST", "/select", {"model_name": "m", "selection_id": "w", "session_id": "V",
+                                        "allowed_worker_ids": [1], "token_ids": PROMPT})
+    assert same(ours, ref, "POST", "/reservations", {"model_name": "m", "selection_id": "w"}) == 400
+    assert same(ours, ref, "POST", "/reservations", {"model_name": "m", "selection_id": "w"}) == 404
+    # A session bound to a worker that left books elsewhere and is bound there.
+    same(ours, ref, "POST", "/select_and_reserve", {"model_name": "m", "selection_id": "u1", "session_id": "U",
+                                                    "token_ids": PROMPT})
+    same(ours, ref, "DELETE", "/workers/1")
+    same(ours, ref, "POST", "/select_and_reserve", {"model_name": "m", "selection_id": "u2", "session_id": "U",
+                                                    "token_ids": PROMPT})

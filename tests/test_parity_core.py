@@ -1,5 +1,5 @@
-"""Pending selections and output blocks in the core (issue 14), with a seeded clock: the cache's
-limits, expiry and eviction order, the replay's statuses, and the output-block weights."""
+"""Pending selections, output blocks and session affinity in the core (issue 14), with a seeded
+clock: the cache's limits, expiry and eviction order, replays, output-block weights, bindings."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ KEY = ("m", "default")
 
 
 def entry(at: float, size: int = 10) -> PendingSelection:
-    return PendingSelection((1, 0), PromptHashes([], None, 1), 0, True, True, None, at, size)
+    return PendingSelection((1, 0), PromptHashes([], None, 1), 0, True, True, None, None, at, size)
 
 
 def test_inserts_sweep_expired_entries_and_evict_the_oldest() -> None:
@@ -113,3 +113,59 @@ def test_output_blocks_and_decay_weigh_the_unshared_tail() -> None:
     assert decode_blocks(s) == 1
     s.free("short", now=1.0)
     assert decode_blocks(s) == 0 and s.pools[("m", "default")].tracker.loads[(1, 0)].extra == 0.0
+
+
+def two_workers(**settings: object) -> SelectionService:
+    s = service(**settings)
+    s.upsert_worker(WorkerRequest(worker_id=2, model_name="m", endpoint="http://w2", block_size=4), now=0.0)
+    # Worker 1 is busier: an unbound selection goes to worker 2.
+    s.select_and_reserve(SelectAndReserveRequest(model_name="m", reservation_id="load1", token_ids=list(range(40)),
+                                                 pinned_worker={"worker_id": 1, "dp_rank": 0}), now=0.0)
+    return s
+
+
+def pick(s: SelectionService, now: float, **fields: object) -> int:
+    answer = s.select(SelectRequest(model_name="m", token_ids=list(range(100, 109)), **fields), now=now)
+    return answer.worker_id  # type: ignore[union-attr]
+
+
+def book(s: SelectionService, rid: str, now: float, **fields: object) -> int:
+    fields = {"token_ids": list(range(100, 109)), **fields}
+    answer = s.select_and_reserve(SelectAndReserveRequest(model_name="m", reservation_id=rid, **fields), now=now)
+    return answer.worker_id  # type: ignore[union-attr]
+
+
+def test_a_session_binding_follows_its_rank_while_a_booking_holds_it() -> None:
+    s = two_workers(session_affinity_ttl_secs=2.0)
+    assert book(s, "a", 1.0, session_id="S") == 2
+    book(s, "load2", 1.0, pinned_worker={"worker_id": 2, "dp_rank": 0}, token_ids=list(range(200)))
+    assert pick(s, 1.0) == 1  # unbound: load decides
+    assert pick(s, 1.0, session_id="S") == 2  # bound: the busier worker
+    s.free("a", now=5.0)
+    assert pick(s, 6.9, session_id="S") == 2  # within 2 s of the last release
+    assert pick(s, 7.0, session_id="S") == 1  # expired
+
+
+def test_a_booking_away_from_the_binding_is_400_and_drops_it() -> None:
+    s = two_workers(session_affinity_ttl_secs=30.0)
+    book(s, "a", 1.0, session_id="S")
+    before = s.loads()
+    with pytest.raises(BadRequest, match="session S is bound to worker 2, not 1"):
+        book(s, "b", 1.0, session_id="S", allowed_worker_ids=[1])
+    assert s.loads() == before
+    book(s, "load2", 1.0, pinned_worker={"worker_id": 2, "dp_rank": 0}, token_ids=list(range(200)))
+    assert pick(s, 1.0, session_id="S") == 1  # the binding is gone
+
+
+def test_affinity_off_ignores_sessions_and_a_full_table_books_unbound() -> None:
+    off = two_workers()
+    book(off, "a", 1.0, session_id="x" * 300)  # not even checked
+    book(off, "load2", 1.0, pinned_worker={"worker_id": 2, "dp_rank": 0}, token_ids=list(range(200)))
+    assert pick(off, 1.0, session_id="x" * 300) == 1
+    full = two_workers(session_affinity_ttl_secs=30.0, max_sessions_per_key=1)
+    book(full, "a", 1.0, session_id="A")
+    book(full, "b", 1.0, session_id="B")  # no room: booked, not bound
+    book(full, "load2", 1.0, pinned_worker={"worker_id": 2, "dp_rank": 0}, token_ids=list(range(200)))
+    assert (pick(full, 1.0, session_id="A"), pick(full, 1.0, session_id="B")) == (2, 1)
+    with pytest.raises(BadRequest, match="must not exceed 256 bytes"):
+        pick(full, 1.0, session_id="é" * 129)
