@@ -10,7 +10,7 @@ import sys
 import tomllib
 import typing
 from collections.abc import Mapping, Sequence
-from typing import Any, NoReturn
+from typing import Any, Final, NoReturn
 
 import attrs
 
@@ -90,19 +90,54 @@ def _env(name: str) -> str:
     return "SELECTION_PROTO_" + name.upper()
 
 
+# Dynamo 1.6.1's environment variables for our settings, read after ours (SELECTION_PROTO_*).
+DYNAMO_ENV: Final[Mapping[str, tuple[str, ...]]] = {
+    "temperature": ("DYN_ROUTER_TEMPERATURE",),
+    "overlap_score_credit": ("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT",),
+    "overlap_score_credit_decay": ("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT_DECAY",),
+    "prefill_load_scale": ("DYN_ROUTER_PREFILL_LOAD_SCALE",),
+    "overlap_score_weight": ("DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT", "DYN_OVERLAP_SCORE_WEIGHT"),
+    "decode_active_request_weight": ("DYN_ROUTER_DECODE_ACTIVE_REQUEST_WEIGHT",),
+    "host_cache_hit_weight": ("DYN_ROUTER_HOST_CACHE_HIT_WEIGHT",),
+    "disk_cache_hit_weight": ("DYN_ROUTER_DISK_CACHE_HIT_WEIGHT",),
+    "track_active_blocks": ("DYN_ROUTER_TRACK_ACTIVE_BLOCKS",),
+    "track_prefill_tokens": ("DYN_ROUTER_TRACK_PREFILL_TOKENS",),
+    "assume_kv_reuse": ("DYN_ROUTER_ASSUME_KV_REUSE",),
+    "queue_threshold": ("DYN_ROUTER_QUEUE_THRESHOLD",),
+    "queue_policy": ("DYN_ROUTER_QUEUE_POLICY",),
+    "active_request_expiry_secs": ("DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS",),
+}
+# Dynamo's flags for our settings (`--no-…` too, for booleans).
+DYNAMO_FLAGS: Final[Mapping[str, str]] = {"assume_kv_reuse": "--router-assume-kv-reuse"}
+# Dynamo variables that choose what one event loop cannot or does not need: read, and ignored.
+IGNORED_ENV: Final = ("DYN_ROUTER_EVENT_THREADS",)
+# Dynamo variables for features we do not have yet: refused at start, never silently ignored.
+UNSUPPORTED_ENV: Final = ("DYN_ROUTER_USE_KV_EVENTS", "DYN_USE_KV_EVENTS", "DYN_ROUTER_TTL_SECS",
+                          "DYN_ROUTER_PREDICTED_TTL_SECS", "DYN_ROUTER_APPROXIMATE_CACHE_POLICY",
+                          "DYN_ROUTER_TRACKING_HASH", "DYN_ROUTER_TRACKING_KEY_FILE",
+                          "DYN_ROUTER_TRACKING_KEY_ID", "DYN_ROUTER_TRACK_OUTPUT_BLOCKS")
+
+
 def _add_settings(command: argparse.ArgumentParser) -> None:
     command.add_argument("--backend", default=None, help="asyncio (default) or trio")
     command.add_argument("--log-level", default=None, help="debug, info, warning, error")
     command.add_argument("--random-state", default=None, help="seed of the random generator")
     command.add_argument("--config", default=None, help="TOML file of settings")
     command.add_argument("--restore", default=None, metavar="PATH", help="replay a /dump file at start")
+    command.add_argument("--threads", default=None, metavar="N",
+                         help="accepted for Dynamo's CLI and ignored: one event loop serves all")
     for field in _SETTING_FIELDS:
         kind, _ = _kind(field)
+        names = [_flag(field.name), *([DYNAMO_FLAGS[field.name]] if field.name in DYNAMO_FLAGS else [])]
+        envs = ", ".join((_env(field.name), *DYNAMO_ENV.get(field.name, ())))
+        default = "none" if field.default is None else str(field.default).lower() if kind == "bool" \
+            else str(field.default)
+        help_text = f"default {default}; env {envs}"
         if kind == "bool":
-            command.add_argument(_flag(field.name), dest=field.name, default=None,
+            command.add_argument(*names, dest=field.name, default=None, help=help_text,
                                  action=argparse.BooleanOptionalAction)
         else:
-            command.add_argument(_flag(field.name), dest=field.name, default=None, metavar="VALUE")
+            command.add_argument(*names, dest=field.name, default=None, metavar="VALUE", help=help_text)
 
 
 def _build_parser() -> _Parser:
@@ -188,15 +223,22 @@ def settings_from(args: argparse.Namespace, env: Mapping[str, str]) -> Settings:
         for name in from_file:
             if name not in names:
                 raise UsageError(f"--config {config_path}: unknown setting {name!r}")
+    unsupported = [name for name in UNSUPPORTED_ENV if name in env]
+    if unsupported:
+        raise UsageError(f"{unsupported[0]}: not supported yet (approximate mode and tracking hashes "
+                         "are open work); unset it")
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for field in _SETTING_FIELDS:
         name = field.name
         flag_value = getattr(args, name, None)
+        dynamo = next((var for var in DYNAMO_ENV.get(name, ()) if var in env), None)
         if flag_value is not None:
             values[name], sources[name] = _convert(field, flag_value, _flag(name)), _flag(name)
         elif _env(name) in env:
             values[name], sources[name] = _convert(field, env[_env(name)], _env(name)), _env(name)
+        elif dynamo is not None:
+            values[name], sources[name] = _convert(field, env[dynamo], dynamo), dynamo
         elif name in from_file:
             source = f"--config {config_path}"
             values[name], sources[name] = _convert(field, from_file[name], source), source

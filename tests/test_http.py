@@ -179,6 +179,28 @@ def test_cli_usage_errors_and_help() -> None:
         assert result.returncode == 2 and result.stderr.strip() == line, result.stderr
 
 
+def test_dynamo_names_for_settings() -> None:
+    """1.6.1's environment variables and flags set our settings; ours win; `--threads` is accepted;
+    a variable for a feature we lack stops the start instead of being ignored."""
+    from selection_proto import cli
+
+    def settings(*args: str, **env: str) -> Any:
+        return cli.settings_from(cli._build_parser().parse_args(["serve", *args]), env)
+
+    assert settings(DYN_ROUTER_TEMPERATURE="0.5").temperature == 0.5
+    assert settings(DYN_ROUTER_TEMPERATURE="0.5", SELECTION_PROTO_TEMPERATURE="0.25").temperature == 0.25
+    assert settings("--temperature", "0.125", DYN_ROUTER_TEMPERATURE="0.5").temperature == 0.125
+    assert settings(DYN_OVERLAP_SCORE_WEIGHT="2").overlap_score_weight == 2.0
+    assert settings("--no-router-assume-kv-reuse").assume_kv_reuse is False
+    assert settings("--threads", "8", "--session-affinity-ttl-secs", "1.5").session_affinity_ttl_secs == 1.5
+    with pytest.raises(cli.UsageError, match="DYN_ROUTER_QUEUE_THRESHOLD: must be greater than 0"):
+        settings(DYN_ROUTER_QUEUE_THRESHOLD="0")
+    with pytest.raises(cli.UsageError, match="DYN_ROUTER_USE_KV_EVENTS: not supported yet"):
+        settings(DYN_ROUTER_USE_KV_EVENTS="false")
+    with pytest.raises(cli.UsageError, match="--session-affinity-ttl-secs: must be between 1 and 31536000"):
+        settings("--session-affinity-ttl-secs", "0")
+
+
 def test_port_in_use_is_a_runtime_failure(server: Server) -> None:
     result = subprocess.run([sys.executable, "-m", "selection_proto", "serve", "--port", str(server.port)],
                             capture_output=True, text=True, timeout=60)

@@ -169,3 +169,16 @@ def test_affinity_off_ignores_sessions_and_a_full_table_books_unbound() -> None:
     assert (pick(full, 1.0, session_id="A"), pick(full, 1.0, session_id="B")) == (2, 1)
     with pytest.raises(BadRequest, match="must not exceed 256 bytes"):
         pick(full, 1.0, session_id="é" * 129)
+
+
+def test_metrics_show_pending_selections_and_bindings() -> None:
+    s = two_workers(session_affinity_ttl_secs=30.0)
+    s.select(SelectRequest(model_name="m", selection_id="x", token_ids=list(range(9))), now=1.0)
+    book(s, "a", 1.0, session_id="S")
+    s.output_block("a", now=1.0)
+    text = s.metrics_text(now=1.0)
+    assert "selection_proto_pending_selections 1.0" in text
+    assert "selection_proto_pending_selection_bytes 25.0" in text  # 2 hashes, "x", "m", "default"
+    assert 'selection_proto_session_bindings{model_name="m",tenant_id="default"} 1.0' in text
+    assert ('selection_proto_reservation_events_total{model_name="m",tenant_id="default",event="output_block"} 1.0'
+            in text)

@@ -76,6 +76,11 @@ FAMILIES: Final[Mapping[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]
     "selection_proto_state_bytes": ("gauge", "Estimated memory of the index, bookings and catalog.",
                                     (), ()),
     "selection_proto_state_budget_bytes": ("gauge", "The state budget (max_state_bytes).", (), ()),
+    "selection_proto_pending_selections": ("gauge", "Selections awaiting their booking (1.6.1's replay form).",
+                                           (), ()),
+    "selection_proto_pending_selection_bytes": ("gauge", "Their size, as 1.6.1 counts it.", (), ()),
+    "selection_proto_session_bindings": ("gauge", "Session-affinity bindings, live or awaiting expiry.",
+                                         ("model_name", "tenant_id"), ()),
     LIMIT_REJECTIONS: ("counter", "Requests refused by a limit.", ("limit",), ()),
     INTERNAL_ERRORS: (
         "counter", "Unexpected exceptions confined to one request, connection, stream or task.",

@@ -386,7 +386,9 @@ class SelectionService:
         pending: dict[tuple[str, ...], float] = {}
         stale: dict[tuple[str, ...], float] = {}
         blocks: dict[tuple[str, ...], float] = {}
+        sessions: dict[tuple[str, ...], float] = {}
         for key, pool in self._pools.items():
+            sessions[key] = float(len(pool.sessions))
             ranks[key] = float(len(pool.ranks()))
             active[key] = float(len(pool.tracker.bookings))
             pending[key] = float(len(pool.queue))
@@ -404,6 +406,9 @@ class SelectionService:
             "selection_proto_index_blocks": blocks,
             "selection_proto_state_bytes": {(): float(self.budget.used)},
             "selection_proto_state_budget_bytes": {(): float(self.budget.limit)},
+            "selection_proto_pending_selections": {(): float(len(self._selector.pending))},
+            "selection_proto_pending_selection_bytes": {(): float(self._selector.pending.bytes)},
+            "selection_proto_session_bindings": sessions,
         })
 
     # -- bytes ---------------------------------------------------------------------------------
