@@ -50,6 +50,8 @@ def _kind(field: attrs.Attribute[Any]) -> tuple[str, tuple[str, ...]]:
             return "choice", typing.get_args(alias)
     if base is bool:
         return "bool", ()
+    if base is str:
+        return "str", ()
     if base is int:
         return "int", ()
     return "float", ()
@@ -71,6 +73,8 @@ def _convert(field: attrs.Attribute[Any], raw: Any, source: str) -> Any:
             if text.lower() in _FALSE:
                 return False
             raise UsageError(f"{source}: invalid boolean value {raw!r}")
+        if kind == "str":
+            return raw  # as given: a key id with surrounding spaces is refused, not trimmed
         if kind == "choice":
             if text not in choices:
                 raise UsageError(f"{source}: invalid choice {raw!r} (choose from {', '.join(choices)})")
@@ -106,6 +110,8 @@ DYNAMO_ENV: Final[Mapping[str, tuple[str, ...]]] = {
     "queue_threshold": ("DYN_ROUTER_QUEUE_THRESHOLD",),
     "queue_policy": ("DYN_ROUTER_QUEUE_POLICY",),
     "active_request_expiry_secs": ("DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS",),
+    "router_tracking_hash": ("DYN_ROUTER_TRACKING_HASH",),
+    "router_tracking_key_id": ("DYN_ROUTER_TRACKING_KEY_ID",),
 }
 # Dynamo's flags for our settings (`--no-…` too, for booleans).
 DYNAMO_FLAGS: Final[Mapping[str, str]] = {"assume_kv_reuse": "--router-assume-kv-reuse"}
@@ -114,8 +120,7 @@ IGNORED_ENV: Final = ("DYN_ROUTER_EVENT_THREADS",)
 # Dynamo variables for features we do not have yet: refused at start, never silently ignored.
 UNSUPPORTED_ENV: Final = ("DYN_ROUTER_USE_KV_EVENTS", "DYN_USE_KV_EVENTS", "DYN_ROUTER_TTL_SECS",
                           "DYN_ROUTER_PREDICTED_TTL_SECS", "DYN_ROUTER_APPROXIMATE_CACHE_POLICY",
-                          "DYN_ROUTER_TRACKING_HASH", "DYN_ROUTER_TRACKING_KEY_FILE",
-                          "DYN_ROUTER_TRACKING_KEY_ID", "DYN_ROUTER_TRACK_OUTPUT_BLOCKS")
+                          "DYN_ROUTER_TRACK_OUTPUT_BLOCKS")
 
 
 def _add_settings(command: argparse.ArgumentParser) -> None:
@@ -124,6 +129,9 @@ def _add_settings(command: argparse.ArgumentParser) -> None:
     command.add_argument("--random-state", default=None, help="seed of the random generator")
     command.add_argument("--config", default=None, help="TOML file of settings")
     command.add_argument("--restore", default=None, metavar="PATH", help="replay a /dump file at start")
+    command.add_argument("--router-tracking-key-file", default=None, metavar="PATH",
+                         help="32 raw bytes: the key of router_tracking_hash=keyed-xxh3-v1; env "
+                              "SELECTION_PROTO_ROUTER_TRACKING_KEY_FILE, DYN_ROUTER_TRACKING_KEY_FILE")
     command.add_argument("--threads", default=None, metavar="N",
                          help="accepted for Dynamo's CLI and ignored: one event loop serves all")
     for field in _SETTING_FIELDS:
@@ -225,8 +233,8 @@ def settings_from(args: argparse.Namespace, env: Mapping[str, str]) -> Settings:
                 raise UsageError(f"--config {config_path}: unknown setting {name!r}")
     unsupported = [name for name in UNSUPPORTED_ENV if name in env]
     if unsupported:
-        raise UsageError(f"{unsupported[0]}: not supported yet (approximate mode and tracking hashes "
-                         "are open work); unset it")
+        raise UsageError(f"{unsupported[0]}: not supported yet (approximate mode and automatic output "
+                         "tracking are open work); unset it")
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for field in _SETTING_FIELDS:
@@ -263,7 +271,10 @@ def _service_and_backend(args: argparse.Namespace, env: Mapping[str, str]) -> tu
         raise UsageError(f"--log-level: invalid choice {level!r} (choose from debug, info, warning, error)")
     set_log_level(level)
     rng = random.Random(seed) if seed is not None else random.Random()
-    service = SelectionService(settings, rng)
+    try:
+        service = SelectionService(settings, rng, _tracking_key(args, env))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     restore = _transport_value(args, env, "restore", None, str)
     if restore is not None:
         from .core import jsonio
@@ -280,6 +291,19 @@ def _service_and_backend(args: argparse.Namespace, env: Mapping[str, str]) -> tu
         except SelectionError as exc:
             raise UsageError(f"--restore {restore}: {exc.message}") from None
     return service, backend
+
+
+def _tracking_key(args: argparse.Namespace, env: Mapping[str, str]) -> bytes | None:
+    path = _transport_value(args, env, "router_tracking_key_file", None, str)
+    if path is None:
+        path = env.get("DYN_ROUTER_TRACKING_KEY_FILE")
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4096)
+    except OSError as exc:
+        raise UsageError(f"failed to read router tracking key file {path}: {exc.strerror or exc}") from None
 
 
 def _stdio(args: argparse.Namespace, env: Mapping[str, str]) -> int:

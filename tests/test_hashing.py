@@ -56,3 +56,31 @@ def test_seeds_sequences_and_multimodal() -> None:
 def test_tokens_outside_u32_are_refused() -> None:
     with pytest.raises(OverflowError):
         block_hashes([1, 2**32], 1)
+
+
+def test_keyed_tracking_hashes_match_dynamos_vector() -> None:
+    """`keyed-xxh3-v1` (Dynamo's `keyed_hash_vector_pins_scope_and_chain_framing`): the scope's seeds
+    come from keyed BLAKE3; each scope member changes them; the index's block hashes stay public."""
+    import random
+
+    from selection_proto import SelectAndReserveRequest, SelectionService, Settings, WorkerRequest
+    from selection_proto.core.tracking import KeyedTracking
+
+    tracking = KeyedTracking(b"\x5a" * 32, "2026-01")
+    vector = [4363769719052127296, 14998523962162619427, 13920914207884994756]
+    assert tracking.sequence(list(range(12)), 4, "model-a", "tenant-a", "cache-a", "adapter-a") == vector
+    assert tracking.sequence(list(range(12)), 4, "model-a", "tenant-b", "cache-a", "adapter-a") != vector
+    assert KeyedTracking(b"\x5b" * 32, "2026-01").sequence(
+        list(range(12)), 4, "model-a", "tenant-a", "cache-a", "adapter-a") != vector
+    with pytest.raises(ValueError, match="exactly 32 raw bytes; found 31"):
+        KeyedTracking(b"\x5a" * 31, "k")
+    settings = Settings(kv_events="push", router_tracking_hash="keyed-xxh3-v1", router_tracking_key_id="2026-01")
+    service = SelectionService(settings, random.Random(0), tracking_key=b"\x5a" * 32)
+    service.upsert_worker(WorkerRequest(worker_id=1, model_name="model-a", tenant_id="tenant-a",
+                                        endpoint="http://w1", block_size=4), now=0.0)
+    answer = service.select_and_reserve(SelectAndReserveRequest(
+        model_name="model-a", tenant_id="tenant-a", reservation_id="r", token_ids=list(range(12)),
+        cache_namespace="cache-a", lora_name="adapter-a"), now=0.0)
+    assert [h % (1 << 64) for h in answer.sequence_hashes or ()] == vector  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="requires router_tracking_key_file"):
+        SelectionService(settings)

@@ -66,11 +66,13 @@ def block_hashes(
     lora_name: str | None = None,
     cache_namespace: str | None = None,
     is_eagle: bool = False,
+    seed: int | None = None,
 ) -> list[int]:
-    """Local hashes of the complete blocks of `tokens` (the tail is ignored)."""
+    """Local hashes of the complete blocks of `tokens` (the tail is ignored), seeded by
+    `iv(lora_name, cache_namespace)` unless `seed` is given."""
     if block_size == 0:
         return []
-    k = iv(lora_name, cache_namespace)
+    k = iv(lora_name, cache_namespace) if seed is None else seed
     count = len(tokens)
     view = memoryview(_le_bytes(pack_tokens(tokens)))
     step = block_size * 4
@@ -85,8 +87,8 @@ def block_hashes(
     return [xxh3_64_intdigest(view[i : i + width], k) for i in range(0, n * step, step)]
 
 
-def sequence_hashes(blocks: Sequence[int]) -> list[int]:
-    """Rolling prefix hashes: seq[0] = blocks[0]; seq[i] = X(LE64(seq[i-1]) || LE64(blocks[i]), 1337)."""
+def sequence_hashes(blocks: Sequence[int], seed: int = XXH_SEED) -> list[int]:
+    """Rolling prefix hashes: seq[0] = blocks[0]; seq[i] = X(LE64(seq[i-1]) || LE64(blocks[i]), seed)."""
     if not blocks:
         return []
     prev = blocks[0]
@@ -94,7 +96,7 @@ def sequence_hashes(blocks: Sequence[int]) -> list[int]:
     append = out.append
     pack, digest = _pack_pair, xxh3_64_intdigest  # locals: this loop is the hot path
     for h in blocks[1:]:
-        append(prev := digest(pack(prev, h), XXH_SEED))
+        append(prev := digest(pack(prev, h), seed))
     return out
 
 

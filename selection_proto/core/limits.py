@@ -13,6 +13,7 @@ from .metrics import Metrics
 from .pool import Key, Pool, key_label
 from .prompt import PromptHashes, PromptTooLong, booking_prompt, selection_prompt
 from .settings import Settings
+from .tracking import KeyedTracking
 
 __all__ = ["Limits"]
 
@@ -20,12 +21,14 @@ __all__ = ["Limits"]
 class Limits:
     """Every limit the core enforces; a method raises the refusal after counting it."""
 
-    __slots__ = ("_settings", "_metrics", "_budget")
+    __slots__ = ("_settings", "_metrics", "_budget", "_tracking")
 
-    def __init__(self, settings: Settings, metrics: Metrics, budget: StateBudget) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics, budget: StateBudget,
+                 tracking: KeyedTracking | None = None) -> None:
         self._settings = settings
         self._metrics = metrics
         self._budget = budget
+        self._tracking = tracking  # keyed tracking hashes of prompts (tracking.py)
 
     def _refuse(self, name: str, error: SelectionError) -> SelectionError:
         self._metrics.limit(name)
@@ -87,7 +90,7 @@ class Limits:
         """The request's prompt in the pool's block size, within `max_prompt_tokens`."""
         make = booking_prompt if booking else selection_prompt
         try:
-            return make(req, pool.block_size, self._settings.max_prompt_tokens)
+            return make(req, pool.block_size, self._settings.max_prompt_tokens, self._tracking)
         except PromptTooLong as exc:
             raise self._refuse("prompt_tokens", exc) from None
 

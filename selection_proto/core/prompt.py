@@ -8,6 +8,7 @@ from typing import Any
 from .errors import BadRequest
 from .hashing import block_hashes, sequence_hashes
 from .tracker import RankLoad
+from .tracking import KeyedTracking
 
 __all__ = ["PromptHashes", "PromptTooLong", "booking_prompt", "selection_prompt"]
 
@@ -49,8 +50,10 @@ class PromptHashes:
         return load.new_blocks(self._distinct)
 
 
-def _from_tokens(req: Any, block_size: int, limit: int) -> PromptHashes | None:
-    """Enforce the length limits; the prompt of `token_ids` when the request has them."""
+def _from_tokens(req: Any, block_size: int, limit: int, tracking: KeyedTracking | None
+                 ) -> PromptHashes | None:
+    """Enforce the length limits; the prompt of `token_ids` when the request has them, with its
+    keyed tracking hashes when `tracking` is given."""
     for field in PROMPT_FIELDS:
         value = getattr(req, field)
         if value is not None and len(value) > limit:
@@ -58,12 +61,15 @@ def _from_tokens(req: Any, block_size: int, limit: int) -> PromptHashes | None:
     if req.token_ids is None:
         return None
     blocks = block_hashes(req.token_ids, block_size, req.lora_name, req.cache_namespace)
-    return PromptHashes(blocks, None, len(req.token_ids))
+    seqs = None if tracking is None else tracking.sequence(
+        req.token_ids, block_size, req.model_name, req.tenant_id, req.cache_namespace, req.lora_name)
+    return PromptHashes(blocks, seqs, len(req.token_ids))
 
 
-def selection_prompt(req: Any, block_size: int, limit: int) -> PromptHashes:
+def selection_prompt(req: Any, block_size: int, limit: int, tracking: KeyedTracking | None = None
+                     ) -> PromptHashes:
     """The prompt of a selection (`select`, `select_and_reserve`, scores, potential loads)."""
-    prompt = _from_tokens(req, block_size, limit)
+    prompt = _from_tokens(req, block_size, limit, tracking)
     if prompt is not None:
         return prompt
     if req.block_hashes is None:
@@ -80,9 +86,10 @@ def selection_prompt(req: Any, block_size: int, limit: int) -> PromptHashes:
     return PromptHashes(list(req.block_hashes), list(req.sequence_hashes), req.isl_tokens)
 
 
-def booking_prompt(req: Any, block_size: int, limit: int) -> PromptHashes:
+def booking_prompt(req: Any, block_size: int, limit: int, tracking: KeyedTracking | None = None
+                   ) -> PromptHashes:
     """The prompt of a direct booking (`POST /reservations`): no block hashes needed."""
-    prompt = _from_tokens(req, block_size, limit)
+    prompt = _from_tokens(req, block_size, limit, tracking)
     if prompt is not None:
         return prompt
     if req.sequence_hashes is None:

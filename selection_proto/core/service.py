@@ -48,6 +48,7 @@ from .selection import SHUTTING_DOWN, Selector
 from .settings import Settings
 from .snapshot import dump_of, parse_dump
 from .streams import DecodedMessage, Streams
+from .tracking import KeyedTracking
 from .types import (
     OverlapScoresRequest,
     PotentialLoadsRequest,
@@ -70,12 +71,20 @@ class SelectionService:
     """The Sans-IO selection service. See core.md §4.2 for the method table. `catalog` and `pools`
     may be read (by tests, for inspection); only the service writes them."""
 
-    def __init__(self, settings: Settings | None = None, rng: random.Random | None = None) -> None:
+    def __init__(self, settings: Settings | None = None, rng: random.Random | None = None,
+                 tracking_key: bytes | None = None) -> None:
+        """`tracking_key`: the 32-byte provider key of `router_tracking_hash=keyed-xxh3-v1`."""
         self.settings = s = settings if settings is not None else Settings()
         self.rng = rng if rng is not None else random.Random(0)
         self.metrics = Metrics()
         self.budget = StateBudget(s.max_state_bytes)
-        self.limits = Limits(s, self.metrics, self.budget)
+        keyed = s.router_tracking_hash == "keyed-xxh3-v1"
+        if keyed != (tracking_key is not None):
+            raise ValueError("keyed-xxh3-v1 requires router_tracking_key_file" if keyed else
+                             "router tracking key options require router_tracking_hash=keyed-xxh3-v1")
+        tracking = (KeyedTracking(tracking_key, s.router_tracking_key_id or "") if tracking_key is not None
+                    else None)
+        self.limits = Limits(s, self.metrics, self.budget, tracking)
         self.catalog = Catalog(self.budget, s.max_tombstones)
         self._pools: dict[Key, Pool] = {}
         self._outbox: deque[OutputEvent] = deque()

@@ -11,6 +11,7 @@ __all__ = ["Settings", "KvEventsMode", "QueuePolicy"]
 
 KvEventsMode = Literal["subscribe", "push", "off"]
 QueuePolicy = Literal["fcfs", "lcfs", "wspt"]
+TrackingHash = Literal["public-xxh3-v1", "keyed-xxh3-v1"]
 
 
 def _check(name: str, ok: bool, reason: str) -> None:
@@ -64,6 +65,8 @@ class Settings:
     max_record_bytes: int = 65536
     max_state_bytes: int = 4 * 1024**3
     max_events_per_step: int | None = 1024
+    router_tracking_hash: TrackingHash = "public-xxh3-v1"
+    router_tracking_key_id: str | None = None  # with keyed-xxh3-v1 (the key is given to the service)
     session_affinity_ttl_secs: float | None = None  # None: session affinity is off
     max_sessions_per_key: int = 65536
     selection_cache_ttl_secs: float = 120.0
@@ -110,6 +113,15 @@ class Settings:
         for name in ("max_tombstones", "selection_cache_max_entries", "selection_cache_max_bytes"):
             value = getattr(self, name)
             _check(name, _is_int(value) and value >= 0, "must be an integer >= 0")
+        _check("router_tracking_hash", self.router_tracking_hash in ("public-xxh3-v1", "keyed-xxh3-v1"),
+               f"router_tracking_hash must be public-xxh3-v1 or keyed-xxh3-v1, got \"{self.router_tracking_hash}\"")
+        key_id = self.router_tracking_key_id
+        if self.router_tracking_hash == "keyed-xxh3-v1":
+            _check("router_tracking_key_id", isinstance(key_id, str) and key_id != "" and key_id == key_id.strip(),
+                   "keyed-xxh3-v1 requires a nonempty router_tracking_key_id")
+        else:
+            _check("router_tracking_key_id", key_id is None,
+                   "router tracking key options require router_tracking_hash=keyed-xxh3-v1")
         if self.session_affinity_ttl_secs is not None:
             _check("session_affinity_ttl_secs", _is_number(self.session_affinity_ttl_secs)
                    and 1 <= self.session_affinity_ttl_secs <= 31536000, "must be between 1 and 31536000")

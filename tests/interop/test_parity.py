@@ -267,3 +267,33 @@ def test_a_replayed_selection_binds_its_session_and_a_departed_worker_rebinds(pa
     same(ours, ref, "DELETE", "/workers/1")
     same(ours, ref, "POST", "/select_and_reserve", {"model_name": "m", "selection_id": "u2", "session_id": "U",
                                                     "token_ids": PROMPT})
+
+
+KEY_FILE = os.path.join(os.path.dirname(__file__), "tracking_key.bin")  # 32 bytes of 0x5a
+
+
+@pytest.mark.parametrize("pair", [("--router-tracking-hash", "keyed-xxh3-v1", "--router-tracking-key-file", KEY_FILE,
+                                   "--router-tracking-key-id", "2026-01")], indirect=True)
+def test_keyed_tracking_hashes_are_1_6_1s(pair: tuple[Http, Http]) -> None:
+    ours, ref = pair
+    members = ("selection_id", "sequence_hashes", "worker_id", "error")
+    for sid, extra in (("k1", {}), ("k2", {"cache_salt": "cache-a", "lora_name": "adapter-a"}),
+                       ("k3", {"routing_group": "default", "token_ids": list(range(5))})):
+        body = {"model_name": "m", "selection_id": sid, "token_ids": list(range(12)), **extra}
+        assert same(ours, ref, "POST", "/select_and_reserve", body, members) == 200
+    # Sequence hashes a client sends are used as given.
+    body = {"model_name": "m", "selection_id": "k4", "block_hashes": [1, 2], "sequence_hashes": [11, 12],
+            "isl_tokens": 8}
+    assert same(ours, ref, "POST", "/select_and_reserve", body, members) == 200
+
+
+@pytest.mark.parametrize("pair", [("--no-router-assume-kv-reuse",)], indirect=True)
+def test_without_kv_reuse_identical_bookings_count_twice(pair: tuple[Http, Http]) -> None:
+    ours, ref = pair
+    for sid in ("a", "b"):
+        same(ours, ref, "POST", "/select_and_reserve", {"model_name": "m", "selection_id": sid,
+                                                        "token_ids": list(range(8))})
+    # The override brings the public hashes back for one booking.
+    same(ours, ref, "POST", "/select_and_reserve", {"model_name": "m", "selection_id": "c", "token_ids": list(range(8)),
+                                                    "router_config_override": {"assume_kv_reuse": True}})
+    assert loads(ours)[0][2] == 6
