@@ -60,9 +60,10 @@ def _from_tokens(req: Any, block_size: int, limit: int, tracking: KeyedTracking 
             raise PromptTooLong(f"{field} has {len(value)} entries; the limit is {limit}")
     if req.token_ids is None:
         return None
-    blocks = block_hashes(req.token_ids, block_size, req.lora_name, req.cache_namespace)
+    eagle = bool(req.is_eagle)
+    blocks = block_hashes(req.token_ids, block_size, req.lora_name, req.cache_namespace, eagle)
     seqs = None if tracking is None else tracking.sequence(
-        req.token_ids, block_size, req.model_name, req.tenant_id, req.cache_namespace, req.lora_name)
+        req.token_ids, block_size, req.model_name, req.tenant_id, req.cache_namespace, req.lora_name, eagle)
     return PromptHashes(blocks, seqs, len(req.token_ids))
 
 

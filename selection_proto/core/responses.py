@@ -138,6 +138,7 @@ class SelectResponse:
     sequence_hashes: tuple[int, ...] | None = None  # a booking's tracked hashes, as i64
     isl_tokens: int | None = None
     track_prefill_tokens: bool | None = None
+    worker_load: dict[str, int] | None = None  # an advisory /select's view of the chosen rank
     candidates: tuple[Candidate, ...] | None = None
     excluded: tuple[Excluded, ...] | None = None
 
@@ -162,6 +163,8 @@ class SelectResponse:
         out["overlap"] = self.overlap.to_json()
         out["effective_prefill_tokens"] = self.effective_prefill_tokens
         out["potential_decode_blocks"] = self.potential_decode_blocks
+        if self.worker_load is not None:
+            out["worker_load"] = self.worker_load
         if self.candidates is not None:
             out["candidates"] = [c.to_json() for c in self.candidates]
         if self.excluded is not None:

@@ -55,6 +55,7 @@ from .wire import error_response, json_response
 __all__ = ["SHUTTING_DOWN", "Selection", "Selector"]
 
 SHUTTING_DOWN: Final = "selection service is shutting down"
+NO_CAPACITY: Final = 10_000_000  # 1.6.1's prefill capacity of a worker without max_num_batched_tokens
 
 
 @attrs.define(slots=True)
@@ -280,6 +281,12 @@ class Selector:
         # 1.6.1 counts the prompt's partial last block as one more decode block.
         partial = 1 if self._settings.track_active_blocks and prompt.isl > len(prompt.blocks) * bs else 0
         booked = pool.tracker.bookings.get(sel.rid) if sel.rid is not None else None
+        worker_load: dict[str, int] | None = None
+        if req.advisory and sel.rid is None:
+            worker_load = {"active_prefill_tokens": pool.tracker.loads[chosen.rank].prefill_tokens,
+                           "prefill_token_capacity": record.max_num_batched_tokens or NO_CAPACITY}
+            if record.total_kv_blocks is not None:
+                worker_load["total_kv_blocks"] = record.total_kv_blocks
         response = SelectResponse(
             selection_id=req.selection_id if req.selection_id is not None else sel.rid,
             reservation_id=sel.rid, model_name=req.model_name,
@@ -291,7 +298,7 @@ class Selector:
             sequence_hashes=None if booked is None else tuple(
                 h - (1 << 64) if h >= 1 << 63 else h for h in booked.blocks or prompt.seqs),
             isl_tokens=None if booked is None else prompt.isl,
-            track_prefill_tokens=None if booked is None else track,
+            track_prefill_tokens=None if booked is None else track, worker_load=worker_load,
         )
         if req.explain:
             response = attrs.evolve(response, candidates=explain(scored),

@@ -19,7 +19,7 @@ _DOMAIN: Final = b"dynamo.router.tracking-hash/keyed-xxh3-v1\0"
 _LE32 = struct.Struct("<I").pack
 _LE64 = struct.Struct("<Q").pack
 
-Scope = tuple[str, str, int, str | None, str | None]  # model, tenant, block size, salt, LoRA
+Scope = tuple[str, str, int, str | None, str | None, bool]  # model, tenant, block size, salt, LoRA, eagle
 
 
 class KeyedTracking:
@@ -38,7 +38,7 @@ class KeyedTracking:
     def _derive(self, scope: Scope) -> tuple[int, int]:
         import blake3  # the keyed mode's only dependency (the `tracking` extra)
 
-        model, tenant, block_size, salt, lora = scope
+        model, tenant, block_size, salt, lora, eagle = scope
         h: Any = blake3.blake3(key=self._key)
         h.update(_DOMAIN)
 
@@ -60,7 +60,7 @@ class KeyedTracking:
         frame(4, _LE32(block_size))
         optional(5, salt)
         optional(6, lora)
-        frame(7, b"\0")  # is_eagle: requests here are never eagle
+        frame(7, b"\1" if eagle else b"\0")
         digest: bytes = h.digest(32)
         seeds = (int.from_bytes(digest[0:8], "little"), int.from_bytes(digest[8:16], "little"))
         if len(self._seeds) >= 4096:  # scopes are few; a client minting salts cannot grow this
@@ -69,8 +69,8 @@ class KeyedTracking:
         return seeds
 
     def sequence(self, tokens: Sequence[int], block_size: int, model: str, tenant: str,
-                 salt: str | None, lora: str | None) -> list[int]:
+                 salt: str | None, lora: str | None, eagle: bool = False) -> list[int]:
         """The keyed tracking hashes of a prompt's complete blocks."""
-        scope = (model, tenant, block_size, salt or None, lora or None)
+        scope = (model, tenant, block_size, salt or None, lora or None, eagle)
         block_seed, chain_seed = self._seeds.get(scope) or self._derive(scope)
-        return sequence_hashes(block_hashes(tokens, block_size, seed=block_seed), chain_seed)
+        return sequence_hashes(block_hashes(tokens, block_size, is_eagle=eagle, seed=block_seed), chain_seed)

@@ -262,6 +262,7 @@ class _Prompt(_Checked):
     isl_tokens: int | None = member(U64)
     lora_name: str | None = member(STR)
     cache_namespace: str | None = member(STR)
+    is_eagle: bool | None = member(BOOL)  # eagle windows: bs + 1 tokens, stepping bs (core.md §5)
 
 
 @attrs.frozen(kw_only=True)
@@ -305,6 +306,7 @@ class SelectRequest(_Prompt):
     priority_jump: float | None = member(F64)
     expected_output_tokens: int | None = member(U32)
     explain: bool = member(BOOL, default=False, nullable=False)
+    advisory: bool = member(BOOL, default=False, nullable=False)  # 1.6.1: answer the worker's load too
 
     @property
     def session(self) -> str | None:

@@ -297,3 +297,20 @@ def test_without_kv_reuse_identical_bookings_count_twice(pair: tuple[Http, Http]
     same(ours, ref, "POST", "/select_and_reserve", {"model_name": "m", "selection_id": "c", "token_ids": list(range(8)),
                                                     "router_config_override": {"assume_kv_reuse": True}})
     assert loads(ours)[0][2] == 6
+
+
+def test_advisory_selections_and_eagle_prompts(pair: tuple[Http, Http]) -> None:
+    ours, ref = pair
+    status, _ = ours.call("PATCH", "/workers/1", {"total_kv_blocks": 50})
+    assert status == 200
+    status, _ = ref.call("PATCH", "/workers/1", {"total_kv_blocks": 50})
+    assert status == 200
+    members = ("worker_id", "worker_load", "potential_decode_blocks", "sequence_hashes", "error")
+    same(ours, ref, "POST", "/select_and_reserve", {"model_name": "m", "selection_id": "a", "token_ids": list(range(30))},
+         members)
+    for body in ({"advisory": True}, {"advisory": False}, {"advisory": None}, {"advisory": "x"},
+                 {"is_eagle": True}, {"is_eagle": True, "advisory": True}):
+        same(ours, ref, "POST", "/select", {"model_name": "m", "token_ids": list(range(9)), **body}, members)
+    for sid, body in (("b", {"advisory": True}), ("e", {"is_eagle": True})):
+        same(ours, ref, "POST", "/select_and_reserve", {"model_name": "m", "selection_id": sid,
+                                                        "token_ids": list(range(9)), **body}, members)
