@@ -240,3 +240,24 @@ def test_kv_events_applied_in_steps_are_answered_over_json_rpc() -> None:
     by_id = {a["id"]: a for a in answers}
     assert by_id[2]["result"] == {"received": 50, "applied": 50, "failed": 0, "dropped": 0, "failures": []}
     assert by_id[3]["result"] == {"status": "ok"}
+
+
+def test_1_6_1_calls_over_json_rpc() -> None:
+    """The new routes and members through a real `stdio` subprocess: a pending selection booked by
+    `reservations.create`, an output block, and a session bound by a booking."""
+    data = b"".join([
+        rpc(1, "workers.create", **worker(1)),
+        rpc(2, "select", model_name="m", selection_id="s", session_id="S", token_ids=list(range(8))),
+        rpc(3, "reservations.create", model_name="m", selection_id="s"),
+        rpc(4, "reservations.output_block", reservation_id="s", decay_fraction=0.5),
+        rpc(5, "loads", model_name="m"),
+        rpc(6, "reservations.output_block", reservation_id="s", decay_fraction=2),
+    ])
+    answers, _, code = run_session(data, "--session-affinity-ttl-secs", "30")
+    assert code == 0
+    by_id = {a["id"]: a for a in answers}
+    assert by_id[3]["result"]["selection_id"] == "s" and by_id[3]["result"]["routing_group"] == "default"
+    assert by_id[4]["result"] == {"status": "ok"}
+    assert by_id[5]["result"][0]["loads"][0]["potential_decode_blocks"] == 2  # 2 x 0.5 + 1 x 0.5, rounded
+    assert by_id[6]["error"]["code"] == 400
+    assert by_id[6]["error"]["message"] == "decay_fraction must be between 0.0 and 1.0"
