@@ -84,3 +84,30 @@ def test_keyed_tracking_hashes_match_dynamos_vector() -> None:
     assert [h % (1 << 64) for h in answer.sequence_hashes or ()] == vector  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="requires router_tracking_key_file"):
         SelectionService(settings)
+
+
+def test_multimodal_prompt_blocks_match_1_6_1() -> None:
+    """`mm_routing_info` replaces `token_ids` when it has tokens; a block's `mm_hash` values are
+    hashed after its tokens, sorted (vectors observed on 1.6.1)."""
+    import random
+
+    from selection_proto import SelectAndReserveRequest, SelectionService, Settings, WorkerRequest
+    from selection_proto.core.types import BlockExtraInfo, MmObject, MmRoutingInfo
+
+    service = SelectionService(Settings(kv_events="push"), random.Random(0))
+    service.upsert_worker(WorkerRequest(worker_id=1, endpoint="http://w1", block_size=4), now=0.0)
+
+    def booked(rid: str, **prompt: object) -> tuple[list[int], int]:
+        answer = service.select_and_reserve(SelectAndReserveRequest(reservation_id=rid, **prompt), now=0.0)
+        return list(answer.sequence_hashes or ()), answer.isl_tokens or 0  # type: ignore[union-attr]
+
+    def info(*hashes: int) -> BlockExtraInfo:
+        return BlockExtraInfo(mm_objects=[MmObject(mm_hash=h, offsets=[[0, 1]]) for h in hashes])
+
+    routing = list(range(10, 18))
+    assert booked("a", token_ids=[1], mm_routing_info=MmRoutingInfo(
+        routing_token_ids=routing, block_mm_infos=[info(42)])) == ([5748563526305030929, -5847508800843096957], 8)
+    assert booked("b", mm_routing_info=MmRoutingInfo(routing_token_ids=routing, block_mm_infos=[info(7, 42)]))[0] == [
+        -4983250488678060218, -1204099627517821879]
+    assert booked("c", token_ids=[1, 2, 3, 4], mm_routing_info=MmRoutingInfo(routing_token_ids=[])) == (
+        [-3803038269031200164], 4)

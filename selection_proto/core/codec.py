@@ -28,6 +28,7 @@ __all__ = [
     "F64",
     "I64",
     "MAP",
+    "NULLABLE",
     "OBJECT",
     "STR",
     "U32",
@@ -59,6 +60,11 @@ BOOL: Final = ("bool",)
 
 def ARRAY(item: tuple[Any, ...]) -> tuple[Any, ...]:
     return ("array", item)
+
+
+def NULLABLE(item: tuple[Any, ...]) -> tuple[Any, ...]:
+    """An array item that may be `null` (kept as None)."""
+    return ("nullable", item)
 
 
 def MAP(value: tuple[Any, ...], key: str = "str") -> tuple[Any, ...]:
@@ -194,6 +200,8 @@ def check_value(kind: tuple[Any, ...], value: Any, path: str, ctx: ShapeContext 
     tag = kind[0]
     if tag == "int":
         return _check_int(kind, value, path)
+    if tag == "nullable":
+        return None if value is None else check_value(kind[1], value, path, ctx)
     if tag == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _invalid_type(path, value, kind[1])

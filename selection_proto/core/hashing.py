@@ -10,7 +10,7 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from itertools import repeat
 from operator import itemgetter
 
@@ -67,12 +67,21 @@ def block_hashes(
     cache_namespace: str | None = None,
     is_eagle: bool = False,
     seed: int | None = None,
+    mm: Mapping[int, Sequence[int]] | None = None,
 ) -> list[int]:
     """Local hashes of the complete blocks of `tokens` (the tail is ignored), seeded by
-    `iv(lora_name, cache_namespace)` unless `seed` is given."""
+    `iv(lora_name, cache_namespace)` unless `seed` is given. `mm`: block index -> the multimodal
+    hashes hashed into that block after its tokens."""
     if block_size == 0:
         return []
     k = iv(lora_name, cache_namespace) if seed is None else seed
+    if mm:
+        hashes = block_hashes(tokens, block_size, is_eagle=is_eagle, seed=k)
+        width = block_size + 1 if is_eagle else block_size
+        for i, items in mm.items():
+            if i < len(hashes):
+                hashes[i] = multimodal_block_hash(tokens[i * block_size:i * block_size + width], items, k)
+        return hashes
     count = len(tokens)
     view = memoryview(_le_bytes(pack_tokens(tokens)))
     step = block_size * 4

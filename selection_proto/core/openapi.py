@@ -23,6 +23,8 @@ def _schema(kind: tuple[Any, ...], schemas: dict[str, Any]) -> dict[str, Any]:
         return {"type": "string"}
     if tag == "bool":
         return {"type": "boolean"}
+    if tag == "nullable":
+        return {"anyOf": [_schema(kind[1], schemas), {"type": "null"}]}
     if tag == "enum":
         return {"type": "string", "enum": list(kind[1])}
     if tag == "array":

@@ -12,7 +12,7 @@ from .tracking import KeyedTracking
 
 __all__ = ["PromptHashes", "PromptTooLong", "booking_prompt", "selection_prompt"]
 
-PROMPT_FIELDS = ("token_ids", "block_hashes", "sequence_hashes")
+PROMPT_FIELDS = ("token_ids", "block_hashes", "sequence_hashes", "block_mm_infos")
 
 
 class PromptTooLong(BadRequest):
@@ -58,13 +58,26 @@ def _from_tokens(req: Any, block_size: int, limit: int, tracking: KeyedTracking 
         value = getattr(req, field)
         if value is not None and len(value) > limit:
             raise PromptTooLong(f"{field} has {len(value)} entries; the limit is {limit}")
-    if req.token_ids is None:
+    routing = req.mm_routing_info
+    if routing is not None:
+        for field in ("routing_token_ids", "block_mm_infos"):
+            value = getattr(routing, field)
+            if len(value) > limit:
+                raise PromptTooLong(f"mm_routing_info.{field} has {len(value)} entries; the limit is {limit}")
+    if routing is not None and len(routing.routing_token_ids):  # 1.6.1: they replace token_ids
+        tokens, infos = routing.routing_token_ids, routing.block_mm_infos
+    elif req.token_ids is not None:
+        tokens, infos = req.token_ids, req.block_mm_infos
+    else:
         return None
     eagle = bool(req.is_eagle)
-    blocks = block_hashes(req.token_ids, block_size, req.lora_name, req.cache_namespace, eagle)
+    # Blocks with multimodal items hash their items' hashes after their tokens.
+    mm = {i: [o.mm_hash for o in info.mm_objects] for i, info in enumerate(infos or ())
+          if info is not None and info.mm_objects}
+    blocks = block_hashes(tokens, block_size, req.lora_name, req.cache_namespace, eagle, mm=mm)
     seqs = None if tracking is None else tracking.sequence(
-        req.token_ids, block_size, req.model_name, req.tenant_id, req.cache_namespace, req.lora_name, eagle)
-    return PromptHashes(blocks, seqs, len(req.token_ids))
+        tokens, block_size, req.model_name, req.tenant_id, req.cache_namespace, req.lora_name, eagle, mm)
+    return PromptHashes(blocks, seqs, len(tokens))
 
 
 def selection_prompt(req: Any, block_size: int, limit: int, tracking: KeyedTracking | None = None

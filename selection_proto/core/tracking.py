@@ -7,7 +7,7 @@ public block hashes; sequence hashes a client sent are used as given, whatever t
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from .hashing import block_hashes, sequence_hashes
@@ -69,8 +69,10 @@ class KeyedTracking:
         return seeds
 
     def sequence(self, tokens: Sequence[int], block_size: int, model: str, tenant: str,
-                 salt: str | None, lora: str | None, eagle: bool = False) -> list[int]:
+                 salt: str | None, lora: str | None, eagle: bool = False,
+                 mm: Mapping[int, Sequence[int]] | None = None) -> list[int]:
         """The keyed tracking hashes of a prompt's complete blocks."""
         scope = (model, tenant, block_size, salt or None, lora or None, eagle)
         block_seed, chain_seed = self._seeds.get(scope) or self._derive(scope)
-        return sequence_hashes(block_hashes(tokens, block_size, is_eagle=eagle, seed=block_seed), chain_seed)
+        blocks = block_hashes(tokens, block_size, is_eagle=eagle, seed=block_seed, mm=mm)
+        return sequence_hashes(blocks, chain_seed)

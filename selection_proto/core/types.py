@@ -21,6 +21,7 @@ from .codec import (
     F64,
     I64,
     MAP,
+    NULLABLE,
     OBJECT,
     STR,
     U32,
@@ -29,7 +30,10 @@ from .codec import (
 )
 
 __all__ = [
+    "BlockExtraInfo",
     "Lifecycle",
+    "MmObject",
+    "MmRoutingInfo",
     "OutputBlockRequest",
     "OverlapScoresRequest",
     "PinnedWorker",
@@ -248,6 +252,31 @@ class RoutingConstraints(_Checked):
 
 
 @attrs.frozen(kw_only=True)
+class MmObject(_Checked):
+    """One multimodal item of a block: its hash (hashed into the block) and its offsets (not)."""
+
+    mm_hash: int = member(U64, required=True, nullable=False)
+    offsets: list[list[int]] = member(ARRAY(ARRAY(U64)), required=True, nullable=False)
+
+
+@attrs.frozen(kw_only=True)
+class BlockExtraInfo(_Checked):
+    """The multimodal items of one block of a prompt (1.6.1)."""
+
+    mm_objects: list[MmObject] = member(ARRAY(OBJECT(MmObject)), required=True, nullable=False)
+
+
+@attrs.frozen(kw_only=True)
+class MmRoutingInfo(_Checked):
+    """1.6.1's `mm_routing_info`: the tokens to route by (placeholders expanded) and their blocks'
+    multimodal items; non-empty `routing_token_ids` replace `token_ids`."""
+
+    routing_token_ids: array[int] = member(ARRAY(U32), required=True, nullable=False)
+    block_mm_infos: list[BlockExtraInfo | None] = member(ARRAY(NULLABLE(OBJECT(BlockExtraInfo))),
+                                                         factory=list, nullable=False)
+
+
+@attrs.frozen(kw_only=True)
 class _Prompt(_Checked):
     """Prompt members shared by the selection requests (api.md §3.5); 1.6.1 names the cache
     namespace `cache_salt`."""
@@ -263,6 +292,8 @@ class _Prompt(_Checked):
     lora_name: str | None = member(STR)
     cache_namespace: str | None = member(STR)
     is_eagle: bool | None = member(BOOL)  # eagle windows: bs + 1 tokens, stepping bs (core.md §5)
+    mm_routing_info: MmRoutingInfo | None = member(OBJECT(MmRoutingInfo))
+    block_mm_infos: list[BlockExtraInfo | None] | None = member(ARRAY(NULLABLE(OBJECT(BlockExtraInfo))))
 
 
 @attrs.frozen(kw_only=True)
