@@ -160,6 +160,11 @@ def _build_parser() -> _Parser:
     serve.add_argument("--request-timeout-secs", default=None)
     serve.add_argument("--shutdown-timeout-secs", default=None)
     serve.add_argument("--ws-ping-interval-secs", default=None)
+    serve.add_argument("--indexer-peers", default=None, metavar="URL[,URL...]",
+                       help="start from the first of these peers whose /dump restores (1.6.1's "
+                            "format too); env SELECTION_PROTO_INDEXER_PEERS")
+    serve.add_argument("--indexer-peer-timeout-secs", default=None, metavar="SECONDS",
+                       help="how long one peer may take to answer (default 10)")
     _add_settings(serve)
     stdio = sub.add_parser("stdio", help="JSON-RPC 2.0 lines on stdin/stdout")
     _add_settings(stdio)
@@ -332,6 +337,15 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     )
     import anyio
 
+    peers = _transport_value(args, env, "indexer_peers", None, str)
+    if peers:
+        from .transports.peers import recover_from_peers
+
+        timeout = _transport_value(args, env, "indexer_peer_timeout_secs", 10.0, float)
+        if not timeout > 0 or timeout == float("inf"):
+            raise UsageError("--indexer-peer-timeout-secs: must be a finite number greater than 0")
+        anyio.run(recover_from_peers, service, [p.strip() for p in peers.split(",") if p.strip()],
+                  timeout, backend=backend)
     try:
         anyio.run(serve, service, config, backend=backend)
     except RuntimeError as exc:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -27,21 +26,20 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, *program, "serve", "--port", "0", "--kv-events", mode, *args],
             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-        assert self.proc.stderr is not None
-        ready, _, _ = select.select([self.proc.stderr], [], [], 30)
-        assert ready, "the server did not report its port within 30 s"
-        line = self.proc.stderr.readline()
-        record = json.loads(line)
-        assert record["event"] == "listening", line
-        self.port = int(record["url"].rsplit(":", 1)[1])
-        self.logs: list[str] = [line]
+        self.logs: list[str] = []
+        self._listening = threading.Event()
         # Keep draining stderr so that a chatty server never blocks on a full pipe.
         threading.Thread(target=self._drain, daemon=True).start()
+        assert self._listening.wait(30), "the server did not report its port: " + "".join(self.logs)
+        record = next(json.loads(line) for line in self.logs if '"listening"' in line)
+        self.port = int(record["url"].rsplit(":", 1)[1])
 
     def _drain(self) -> None:
         assert self.proc.stderr is not None
         for line in self.proc.stderr:
             self.logs.append(line)
+            if '"event":"listening"' in line:
+                self._listening.set()
 
     def connect(self) -> socket.socket:
         return socket.create_connection(("127.0.0.1", self.port), timeout=5)

@@ -182,3 +182,28 @@ def test_metrics_show_pending_selections_and_bindings() -> None:
     assert 'selection_proto_session_bindings{model_name="m",tenant_id="default"} 1.0' in text
     assert ('selection_proto_reservation_events_total{model_name="m",tenant_id="default",event="output_block"} 1.0'
             in text)
+
+
+def test_recovering_a_1_6_1_index_checks_it_whole_first() -> None:
+    from selection_proto.core.errors import Unprocessable
+
+    stored = {"worker_id": 1, "event": {"event_id": 0, "dp_rank": 0, "data": {"stored": {
+        "parent_hash": None, "blocks": [{"block_hash": 5, "tokens_hash": 55}]}}}}
+    removed = {"worker_id": 1, "event": {"event_id": 1, "data": {"removed": {"block_hashes": [5]}}}}
+    for bad, why in (({"m": {"block_size": 4, "events": []}}, "<model>:<group>"),
+                     ({"m:g": {"block_size": 0, "events": []}}, "block_size"),
+                     ({"m:g": {"block_size": 4, "events": [stored, removed]}}, "expected stored events")):
+        fresh = SelectionService(Settings(kv_events="push"))
+        with pytest.raises(Unprocessable, match=why):
+            fresh.recover(bad, "http://peer", now=0.0)
+        assert not fresh.pools and fresh.recovered_from is None  # nothing applied
+    crowded = SelectionService(Settings(kv_events="push", max_keys=1))
+    with pytest.raises(Conflict, match="key limit"):
+        crowded.recover({"a:g": {"block_size": 4, "events": []}, "b:g": {"block_size": 4, "events": []}},
+                        "http://peer", now=0.0)
+    warm = SelectionService(Settings(kv_events="push"))
+    warm.recover({"m:default": {"block_size": 4, "events": [stored]}}, "http://peer", now=0.0)
+    assert warm.ready(now=0.0).to_json()["recovered_from"] == "http://peer"
+    assert warm.dump()["events"] == []  # not ours to dump until worker 1 registers here
+    warm.upsert_worker(WorkerRequest(worker_id=1, model_name="m", endpoint="http://w1", block_size=4), now=0.0)
+    assert len(warm.dump()["events"]) == 1

@@ -166,7 +166,10 @@ def _h_health(service: SelectionService, param: str | None, query: str, body: Bo
 def _h_ready(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
     ready, count = service.readiness(now=now)
     # The bytes of `ReadyResponse.to_json()`, spliced from each record's cached JSON in one copy.
-    head = b'{"ready":%s,"schedulable_workers":%d,"workers":[' % (b"true" if ready else b"false", count)
+    head = b'{"ready":%s,"schedulable_workers":%d,' % (b"true" if ready else b"false", count)
+    if service.recovered_from is not None:
+        head += b'"recovered_from":' + jsonio.dumps(service.recovered_from) + b","
+    head += b'"workers":['
     payload = b",".join(_framed(head, service.records_json(), b"]}"))
     return raw_json_response(200 if ready else 503, payload)
 

@@ -229,7 +229,9 @@ class Ingest:
         budget = self._budget
         if over_budget and event.kind == "stored":
             # Removes and clears still apply (they free memory); the rank misses these stores.
-            pool.fresh[rank].stale = True
+            fresh = pool.fresh.get(rank)  # none for a rank recovered from a peer, not registered
+            if fresh is not None:
+                fresh.stale = True
             self._limits.stale_store()
             return STATE_BUDGET_EXHAUSTED
         if event.tier == "device":

@@ -28,6 +28,8 @@ def loads(pools: Mapping[Key, Pool], model_name: str | None, tenant_id: str | No
         ):
             continue
         pool = pools[key]
+        if not pool.workers:
+            continue  # an index recovered from a peer, awaiting its workers
         rank_loads = pool.tracker.loads
         out.append(ModelLoadResponse(
             model_name=key[0], tenant_id=key[1],

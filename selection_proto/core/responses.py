@@ -42,13 +42,14 @@ class ReadyResponse:
     ready: bool
     schedulable_workers: int
     workers: tuple[WorkerCatalogRecord, ...]
+    recovered_from: str | None = None  # the peer whose /dump this service started from
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "ready": self.ready,
-            "schedulable_workers": self.schedulable_workers,
-            "workers": [w.to_json() for w in self.workers],
-        }
+        out: dict[str, Any] = {"ready": self.ready, "schedulable_workers": self.schedulable_workers}
+        if self.recovered_from is not None:
+            out["recovered_from"] = self.recovered_from
+        out["workers"] = [w.to_json() for w in self.workers]
+        return out
 
 
 @attrs.frozen(kw_only=True)

@@ -46,7 +46,7 @@ from .responses import (
 from .routes import ParsedBody
 from .selection import SHUTTING_DOWN, Selector
 from .settings import Settings
-from .snapshot import dump_of, parse_dump
+from .snapshot import dump_of, parse_dump, parse_peer_index
 from .streams import DecodedMessage, Streams
 from .tracking import KeyedTracking
 from .types import (
@@ -98,6 +98,7 @@ class SelectionService:
                               tickets, self._outbox)
         self._now = -math.inf
         self._shutting_down = False
+        self.recovered_from: str | None = None  # the peer this service started from (`recover`)
 
     @property
     def pools(self) -> Mapping[Key, Pool]:
@@ -165,7 +166,8 @@ class SelectionService:
     def ready(self, *, now: float) -> ReadyResponse:
         """Readiness (core.md §6.8) with every record in (model, tenant, worker) order."""
         ready, count = self.readiness(now=now)
-        return ReadyResponse(ready=ready, schedulable_workers=count, workers=tuple(self.catalog.sorted()))
+        return ReadyResponse(ready=ready, schedulable_workers=count, workers=tuple(self.catalog.sorted()),
+                             recovered_from=self.recovered_from)
 
     def readiness(self, *, now: float) -> tuple[bool, int]:
         """(ready, schedulable workers): `ready()` without building the worker list."""
@@ -370,6 +372,25 @@ class SelectionService:
             except SelectionError:
                 continue  # its worker did not become schedulable here (e.g. another kv_events mode)
         self._ingest.apply_bound(bound, now, touch_freshness=False)
+
+    def recover(self, dump: Any, source: str, *, now: float) -> None:
+        """Start warm from a peer's `/dump` (`--indexer-peers`): ours is restored whole (catalog
+        and index); 1.6.1's fills each partition's index before its workers register here (they
+        must then use its block size). Validated whole first; raises SelectionError."""
+        now = self._advance(now)
+        if isinstance(dump, dict) and "format" in dump:
+            self.restore(dump, now=now)
+        else:
+            partitions = parse_peer_index(dump)
+            if self._pools or self.catalog:
+                raise Conflict("recovery needs an empty service")
+            if len(partitions) > self.settings.max_keys:
+                raise Conflict(f"key limit reached: at most {self.settings.max_keys} model/tenant keys")
+            for key, (block_size, events) in partitions.items():
+                pool = self._pools[key] = Pool(key, block_size, now, self.settings, self.budget)
+                self._ingest.apply_bound([(e, pool, (e.worker_id or 0, e.dp_rank or 0)) for e in events],
+                                         now, touch_freshness=False)
+        self.recovered_from = source
 
     # -- metrics -------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from .index import KeyIndex
 from .pool import Key
 from .types import WorkerCatalogRecord, WorkerRequest
 
-__all__ = ["FORMAT", "RestorePlan", "dump_of", "parse_dump"]
+__all__ = ["FORMAT", "RestorePlan", "dump_of", "parse_dump", "parse_peer_index"]
 
 FORMAT: Final = "selection-proto-dump/1"
 
@@ -28,9 +28,12 @@ def dump_of(records: Sequence[WorkerCatalogRecord], pools: Mapping[Key, tuple[in
             tenant_id is None or key[1] == tenant_id)
 
     keys = [k for k in sorted(pools) if wanted(k)]
+    listed = {r.worker_id for r in records if r.lifecycle != "unschedulable"}
     events: list[dict[str, Any]] = []
     for key in keys:
         for tier, rank, parent, blocks in pools[key][1].dump():
+            if rank[0] not in listed:
+                continue  # recovered from a peer for a worker not registered here (yet)
             events.append({
                 "worker_id": rank[0], "storage_tier": tier,
                 "event": {"event_id": len(events), "dp_rank": rank[1], "data": {"stored": {
@@ -54,6 +57,29 @@ class RestorePlan(NamedTuple):
 def _invalid(path: str, exc: Unprocessable | str) -> Unprocessable:
     reason = exc if isinstance(exc, str) else exc.detail if isinstance(exc, ShapeError) else exc.message
     return Unprocessable(f"invalid dump: {path}: {reason}")
+
+
+def parse_peer_index(dump: Any) -> dict[Key, tuple[int, list[KvEvent]]]:
+    """1.6.1's dump (`{"<model>:<group>": {"block_size", "events"}}`, indexer recovery): each
+    partition's block size and stored events, every part checked first; raises Unprocessable."""
+    if not isinstance(dump, Mapping) or "format" in dump:
+        raise _invalid("(root)", "expected a map of \"<model>:<group>\" partitions")
+    out: dict[Key, tuple[int, list[KvEvent]]] = {}
+    for name, entry in dump.items():
+        model, sep, group = str(name).partition(":")
+        if not sep:
+            raise _invalid(str(name), "expected a \"<model>:<group>\" partition name")
+        block_size = entry.get("block_size") if isinstance(entry, Mapping) else None
+        if type(block_size) is not int or not 0 < block_size < 1 << 32:
+            raise _invalid(str(name), "expected {\"block_size\": u32 > 0, \"events\": [...]}")
+        try:
+            events = decode_json_events(entry.get("events"))
+        except Unprocessable as exc:
+            raise _invalid(f"{name}.events", exc) from None
+        if any(e.worker_id is None or e.kind != "stored" for e in events):
+            raise _invalid(f"{name}.events", "expected stored events, each with its worker_id")
+        out[(model, group)] = (block_size, list(events))
+    return out
 
 
 def parse_dump(dump: Any) -> RestorePlan:

@@ -77,8 +77,9 @@ class Workers:
             return "incomplete", tuple(reasons)
         key = (req.model_name, req.tenant_id)
         pool = self._pools.get(key)
-        if pool is not None and pool.block_size != req.block_size and any(
-            w != req.worker_id for w in pool.workers
+        # A pool without workers holds an index recovered from a peer: its block size stands.
+        if pool is not None and pool.block_size != req.block_size and (
+            not pool.workers or any(w != req.worker_id for w in pool.workers)
         ):
             return "incomplete", (
                 f"reconciliation failed: block_size mismatch for {key_label(key)}: "

@@ -348,3 +348,56 @@ def test_multimodal_prompts_hash_as_1_6_1(pair: tuple[Http, Http]) -> None:
     for i, body in enumerate(bodies):
         same(ours, ref, "POST", "/select_and_reserve", {"model_name": "m", "selection_id": f"mm{i}", **body}, members)
         same(ours, ref, "POST", "/potential_loads", {"model_name": "m", **body}, members)
+
+
+def test_start_warm_from_a_1_6_1_peer(reference_python: str) -> None:
+    """Issue 13: `--indexer-peers` pointed at 1.6.1 takes its index before our workers register;
+    a worker of that partition must then use the recovered block size."""
+    import msgpack
+    import zmq
+
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    pub.bind(endpoint)
+    ref_port = free_port()
+    ref = subprocess.Popen([reference_python, "-m", "dynamo.select_service", "--port", str(ref_port)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           env={**os.environ, "RUST_LOG": "error", "DYN_LOG": "error"})
+    try:
+        reference = Http(ref_port, "routing_group")
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", ref_port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the reference service did not start"
+                time.sleep(0.1)
+        worker = {"worker_id": 1, "model_name": "m", "endpoint": "http://w1:8000", "block_size": 4}
+        assert reference.call("POST", "/workers", {**worker, "kv_events_endpoint": endpoint})[0] == 201
+        prompt = {"model_name": "m", "token_ids": list(range(1, 13))}
+        batch = msgpack.packb([time.time(), [["BlockStored", [101, 102, 103], None, list(range(1, 13)), 4,
+                                              None, "GPU", None, None]], 0])
+        for seq in range(1, 200):  # ZMQ PUB drops what is sent before the subscriber joined
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), batch])
+            rows = reference.call("POST", "/overlap_scores", prompt)[1]["workers"]
+            if rows and rows[0]["device_blocks"] == 3:
+                break
+            time.sleep(0.1)
+        ours = Server("--indexer-peers", f"http://127.0.0.1:{ref_port}")
+        try:
+            service = Http(ours.port, "routing_group")
+            assert service.call("GET", "/ready")[1]["recovered_from"] == f"http://127.0.0.1:{ref_port}"
+            assert service.call("GET", "/loads")[1] == []  # an index awaiting its workers
+            # Before any worker of the partition registers, its recovered block size stands.
+            other = service.call("POST", "/workers", {**worker, "worker_id": 2, "block_size": 8})[1]
+            assert other["not_schedulable_reasons"] == [
+                "reconciliation failed: block_size mismatch for model=m tenant=default: existing=4 requested=8"]
+            assert service.call("POST", "/workers", worker)[1]["lifecycle"] == "schedulable"
+            assert service.call("POST", "/overlap_scores", prompt)[1]["workers"][0]["device_blocks"] == 3
+        finally:
+            ours.stop()
+    finally:
+        ref.terminate()
+        ref.wait(timeout=30)
+        pub.close(linger=0)
