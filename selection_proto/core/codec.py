@@ -367,11 +367,11 @@ def validate_instance(inst: Any, path: str = "") -> None:
         if m.kind is None:
             continue
         value = getattr(inst, m.name)
-        field_path = f"{path}.{m.name}" if path else m.name
         if value is None:
             if not m.nullable:
-                raise _invalid_type(field_path, None, _expected(m.kind))
+                raise _invalid_type(f"{path}.{m.name}" if path else m.name, None, _expected(m.kind))
             continue
+        field_path = f"{path}.{m.name}" if path else m.name
         checked = check_value(m.kind, value, field_path, TYPED)
         if m.rule is not None:
             reason = m.rule(checked)

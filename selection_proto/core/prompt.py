@@ -59,6 +59,11 @@ def _from_tokens(req: Any, block_size: int, limit: int, tracking: KeyedTracking 
         if value is not None and len(value) > limit:
             raise PromptTooLong(f"{field} has {len(value)} entries; the limit is {limit}")
     routing = req.mm_routing_info
+    if routing is None and not req.block_mm_infos and not req.is_eagle and tracking is None:
+        if req.token_ids is None:
+            return None  # the plain prompt, by far the most common: nothing more to decide
+        blocks = block_hashes(req.token_ids, block_size, req.lora_name, req.cache_namespace)
+        return PromptHashes(blocks, None, len(req.token_ids))
     if routing is not None:
         for field in ("routing_token_ids", "block_mm_infos"):
             value = getattr(routing, field)

@@ -3,7 +3,7 @@ with members in the order api.md gives (1.6.1's members beside ours, docs/DECISI
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 
@@ -104,8 +104,7 @@ class Excluded(_Flat):
 
 
 
-@attrs.frozen(kw_only=True)
-class Overlap(_Flat):
+class Overlap(NamedTuple):
     """1.6.1's overlap summary of a selection, in tokens: the longest prefix any rank holds in any
     tier, the chosen rank's device prefix, that of each rank of the chosen worker (by dp rank),
     and the chosen rank's prefix through host-pinned and through disk blocks."""
@@ -115,6 +114,9 @@ class Overlap(_Flat):
     dp: dict[str, int]
     cpu: int
     disk: int
+
+    def to_json(self) -> dict[str, Any]:
+        return self._asdict()
 
 
 @attrs.frozen(kw_only=True)

@@ -252,7 +252,8 @@ class Selector:
         temperature = (o.router_temperature if o is not None and o.router_temperature is not None
                        else self._settings.temperature)
         chosen = choose(pool, scored, temperature, self._rng)
-        track, reuse = tracks_prefill(self._settings, o), assumes_kv_reuse(self._settings, o)
+        if sel.rid is not None or req.selection_id is not None:  # what a booking would track
+            track, reuse = tracks_prefill(self._settings, o), assumes_kv_reuse(self._settings, o)
         if sel.rid is not None:
             if sel.session is not None and sel.bound is not None and chosen.rank != sel.bound:
                 pool.sessions.forget(sel.session)  # hard affinity: the binding is dropped, 400
@@ -272,10 +273,15 @@ class Selector:
         bs = pool.block_size
         device, host, disk = sel.found
         worker = chosen.rank[0]
-        longest = max((device.get(r, 0) + host.get(r, 0) + disk.get(r, 0)
-                       for r in {*device, *host, *disk}), default=0)
+        if host or disk:
+            longest = max((device.get(r, 0) + host.get(r, 0) + disk.get(r, 0)
+                           for r in {*device, *host, *disk}), default=0)
+        else:  # the common case: device blocks only
+            longest = max(device.values(), default=0)
+        ranks = pool.workers[worker]
         overlap = Overlap(longest_matched=longest * bs, gpu=chosen.device * bs,
-                          dp={str(r[1]): device.get(r, 0) * bs for r in pool.workers[worker]},
+                          dp={str(chosen.rank[1]): chosen.device * bs} if len(ranks) == 1 else
+                          {str(r[1]): device.get(r, 0) * bs for r in ranks},
                           cpu=(chosen.device + chosen.host_ext) * bs,
                           disk=(chosen.device + chosen.host_ext + chosen.disk_ext) * bs)
         # 1.6.1 counts the prompt's partial last block as one more decode block.
@@ -298,7 +304,8 @@ class Selector:
             sequence_hashes=None if booked is None else tuple(
                 h - (1 << 64) if h >= 1 << 63 else h for h in booked.blocks or prompt.seqs),
             isl_tokens=None if booked is None else prompt.isl,
-            track_prefill_tokens=None if booked is None else track, worker_load=worker_load,
+            track_prefill_tokens=None if booked is None else track,
+            worker_load=worker_load,
         )
         if req.explain:
             response = attrs.evolve(response, candidates=explain(scored),
