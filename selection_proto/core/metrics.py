@@ -15,6 +15,7 @@ __all__ = [
     "JSONRPC_MESSAGES",
     "LIMIT_REJECTIONS",
     "REQUEST_DURATION",
+    "KV_REPLAYS",
     "SUBSCRIPTION_FAILURES",
     "WS_CLOSES",
     "WS_MESSAGES",
@@ -35,6 +36,7 @@ CONNECTIONS: Final = "selection_proto_connections"
 WS_MESSAGES: Final = "selection_proto_ws_messages_total"
 WS_CLOSES: Final = "selection_proto_ws_closes_total"
 SUBSCRIPTION_FAILURES: Final = "selection_proto_kv_subscription_failures_total"
+KV_REPLAYS: Final = "selection_proto_kv_replay_total"
 JSONRPC_MESSAGES: Final = "selection_proto_jsonrpc_messages_total"
 
 # name -> (type, help, label names, histogram bounds)
@@ -90,6 +92,8 @@ FAMILIES: Final[Mapping[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]
     CONNECTIONS: ("gauge", "Open connections.", ("kind",), ()),
     WS_MESSAGES: ("counter", "WebSocket messages.", ("direction", "type"), ()),
     WS_CLOSES: ("counter", "WebSocket closes.", ("direction", "code"), ()),
+    KV_REPLAYS: ("counter", "Engine replays: requests, batches recovered and lost, replays that failed.",
+                 ("result",), ()),
     SUBSCRIPTION_FAILURES: ("counter", "Subscription failures.",
                                                        ("scheme", "reason"), ()),
     JSONRPC_MESSAGES: ("counter", "JSON-RPC messages.", ("outcome",), ()),

@@ -99,11 +99,11 @@ class Streams:
         self.move(source, "connected")
         return source.sid
 
-    def subscribe(self, rank: Rank, key: Key, endpoint: str) -> None:
+    def subscribe(self, rank: Rank, key: Key, endpoint: str, replay_endpoint: str | None = None) -> None:
         """The rank joined with an endpoint: the transport is asked to subscribe."""
         source = self._open("subscription", rank, key)
         self._subscriptions[rank] = source.sid
-        self._outbox.append(SubscribeKvEvents(source.sid, rank[0], rank[1], endpoint, *key))
+        self._outbox.append(SubscribeKvEvents(source.sid, rank[0], rank[1], endpoint, *key, replay_endpoint))
 
     def unsubscribe(self, rank: Rank) -> None:
         sid = self._subscriptions.pop(rank, None)

@@ -133,9 +133,11 @@ class Workers:
         self._catalog.delete(record, jsonio.dumps(record.to_json()))
         return record
 
-    def _subscribe(self, pool: Pool, rank: Rank, endpoint: str | None) -> None:
+    def _subscribe(self, pool: Pool, rank: Rank, endpoint: str | None, req: WorkerRequest) -> None:
         if self._settings.kv_events == "subscribe" and endpoint:
-            self._streams.subscribe(rank, pool.key, endpoint)
+            # The worker's one replay socket serves its one rank (an engine per rank has its own).
+            replay = req.replay_endpoint if len(dp_range(req)) == 1 else None
+            self._streams.subscribe(rank, pool.key, endpoint, replay)
 
     def _join(self, record: WorkerCatalogRecord, now: float) -> None:
         req = record.request
@@ -149,7 +151,7 @@ class Workers:
         endpoints = event_endpoints(req)
         for rank in ranks:
             pool.add_rank(rank)
-            self._subscribe(pool, rank, endpoints.get(rank[1]))
+            self._subscribe(pool, rank, endpoints.get(rank[1]), req)
 
     def _drop_ranks(self, pool: Pool, ranks: Iterable[Rank], now: float) -> None:
         gone = set(ranks)
@@ -186,8 +188,9 @@ class Workers:
         for rank in new_ranks:
             if rank not in old_set:
                 pool.add_rank(rank)
-                self._subscribe(pool, rank, new_endpoints.get(rank[1]))
-            elif subscribe and old_endpoints.get(rank[1]) != new_endpoints.get(rank[1]):
+                self._subscribe(pool, rank, new_endpoints.get(rank[1]), req)
+            elif subscribe and (old_endpoints.get(rank[1]) != new_endpoints.get(rank[1])
+                                or previous.request.replay_endpoint != req.replay_endpoint):
                 pool.reset_rank_events(rank)
                 self._streams.unsubscribe(rank)
-                self._subscribe(pool, rank, new_endpoints.get(rank[1]))
+                self._subscribe(pool, rank, new_endpoints.get(rank[1]), req)

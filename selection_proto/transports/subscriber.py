@@ -11,13 +11,14 @@ from urllib.parse import urlsplit
 import anyio
 import anyio.abc
 
+from ..adapters.replay import SeqOrder, parse_replay_frames
 from ..adapters.ws import SubscriptionSession
-from ..core.metrics import SUBSCRIPTION_FAILURES
+from ..core.metrics import KV_REPLAYS, SUBSCRIPTION_FAILURES
 from ..core.outputs import OutputEvent, SubscribeKvEvents, UnsubscribeKvEvents
 from ..core.service import SelectionService
 from .logs import log
 from .pump import flush, receive
-from .zmq_sub import zmq_batches
+from .zmq_sub import fetch_replay, zmq_batches
 
 __all__ = ["BACKOFF_MAX", "BACKOFF_START", "Subscriptions", "backoff_delays", "connect"]
 
@@ -162,19 +163,41 @@ class Subscriptions:
             self._failed(scheme, "zmq_unavailable", sub, "pyzmq is not installed")
             return
         self.service.subscription_state(sub.stream, True, now=anyio.current_time())
+        order = SeqOrder()
         try:
             async for messages in zmq_batches(sub.endpoint):
                 for frames in messages:
-                    deliver_zmq(self.service, sub.stream, frames)
+                    if len(frames) != 3 or len(frames[1]) != 8:  # [topic, 8-byte seq, payload]
+                        self.service.stream_dropped(sub.stream, "bad_zmq_frames")
+                        continue
+                    order.live(int.from_bytes(frames[1], "big"), frames[2], sub.replay_endpoint is not None)
+                    if order.want is not None and sub.replay_endpoint is not None:
+                        await self._replay(sub, sub.replay_endpoint, order, order.want)
+                    for seq, payload in order.ready():
+                        self.service.stream_message(sub.stream, payload, seq=seq, now=anyio.current_time())
                 if messages:
                     await self.changed()
         finally:
             self.service.subscription_state(sub.stream, False, now=anyio.current_time())
 
-
-def deliver_zmq(service: SelectionService, stream: int, frames: list[bytes]) -> None:
-    """One ZMQ message: exactly [topic, 8-byte big-endian seq, payload] (events.md §3.1)."""
-    if len(frames) != 3 or len(frames[1]) != 8:
-        service.stream_dropped(stream, "bad_zmq_frames")
-        return
-    service.stream_message(stream, frames[2], seq=int.from_bytes(frames[1], "big"), now=anyio.current_time())
+    async def _replay(self, sub: SubscribeKvEvents, endpoint: str, order: SeqOrder, start: int) -> None:
+        """Fill a gap from the engine's replay socket (issue 13); live batches wait in the SUB
+        socket meanwhile, and those the replay already brought are dropped as duplicates."""
+        order.want = None
+        before = (order.recovered, order.unrecovered)
+        frames_list, ended = await anyio.to_thread.run_sync(fetch_replay, endpoint, start,
+                                                            abandon_on_cancel=True)
+        for frames in frames_list:
+            parsed = parse_replay_frames(frames)
+            if parsed is None:
+                self.service.stream_dropped(sub.stream, "bad_zmq_frames")
+                continue
+            order.replayed(*parsed)
+        order.replay_done()
+        self.service.observe(KV_REPLAYS, ("requested",), 1.0)
+        self.service.observe(KV_REPLAYS, ("recovered",), float(order.recovered - before[0]))
+        self.service.observe(KV_REPLAYS, ("unrecovered",), float(order.unrecovered - before[1]))
+        if not ended:
+            self.service.observe(KV_REPLAYS, ("failed",), 1.0)
+            log("warning", "kv_replay_failed", worker_id=sub.worker_id, dp_rank=sub.dp_rank,
+                endpoint=endpoint, start=start)

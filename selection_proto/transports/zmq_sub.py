@@ -7,7 +7,34 @@ from typing import Any
 
 import anyio
 
-__all__ = ["zmq_batches"]
+__all__ = ["REPLAY_TIMEOUT", "fetch_replay", "zmq_batches"]
+
+REPLAY_TIMEOUT = 1.0  # seconds the engine may take for each replayed batch
+MAX_REPLAYED = 100_000
+
+
+def fetch_replay(endpoint: str, start: int, timeout: float = REPLAY_TIMEOUT) -> tuple[list[list[bytes]], bool]:
+    """Ask the engine's ROUTER at `endpoint` for every batch from `start` on (blocking: run it in a
+    worker thread). The frames received, and whether the replay ended as it should."""
+    import zmq
+
+    from ..adapters.replay import END, parse_replay_frames, replay_request
+
+    socket: Any = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    received: list[list[bytes]] = []
+    try:
+        socket.connect(endpoint)
+        socket.send_multipart(replay_request(start))
+        while len(received) < MAX_REPLAYED and socket.poll(int(timeout * 1000)):
+            frames = socket.recv_multipart()
+            parsed = parse_replay_frames(frames)
+            if parsed is not None and parsed[0] == END:
+                return received, True
+            received.append(frames)
+        return received, False
+    finally:
+        socket.close(linger=0)
 
 
 async def zmq_batches(endpoint: str, topic: bytes = b"") -> AsyncIterator[list[list[bytes]]]:

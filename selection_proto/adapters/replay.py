@@ -1,0 +1,101 @@
+"""Engine replay as a Sans-IO sequence (issue 13): vLLM and SGLang number their ZMQ batches and keep
+the recent ones behind a ROUTER socket (the worker's `replay_endpoint`). When the live stream skips
+a number (also when a new subscription's first batch is not 0), the missing batches are asked for
+(`want`), the live ones that keep arriving are held, and everything is handed on in order, each
+number once (`ready`). Numbers the engine no longer has are counted as unrecovered and the next
+batch is handed on anyway: the core sees the jump, counts the gap and marks the rank stale."""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = ["MAX_HELD", "SeqOrder", "parse_replay_frames", "replay_request"]
+
+MAX_HELD: Final = 10_000  # live batches held during one replay (vLLM keeps 10,000 by default)
+END: Final = -1
+
+
+def replay_request(start: int) -> list[bytes]:
+    """What a DEALER sends to ask for every batch from `start` on (an empty delimiter frame, as
+    a REQ socket would add, then the 8-byte big-endian number)."""
+    return [b"", start.to_bytes(8, "big")]
+
+
+def parse_replay_frames(frames: list[bytes]) -> tuple[int, bytes] | None:
+    """(seq, payload) of one replayed batch, `(END, b"")` at the end; None when malformed. vLLM
+    sends `[b"", seq, payload]`, newer versions `[b"", topic, seq, payload]`."""
+    if len(frames) == 3:
+        _, seq, payload = frames
+    elif len(frames) == 4:
+        _, _, seq, payload = frames
+    else:
+        return None
+    if len(seq) != 8:
+        return None
+    return int.from_bytes(seq, "big", signed=True), payload
+
+
+class SeqOrder:
+    """One subscription's batches, put back in order with the engine's help."""
+
+    __slots__ = ("next", "replaying", "want", "_held", "_ready", "requested", "recovered", "unrecovered",
+                 "overflowed")
+
+    def __init__(self) -> None:
+        self.next: int | None = None  # the number the index expects next
+        self.replaying = False
+        self.want: int | None = None  # a replay to request from this number (the transport clears it)
+        self._held: dict[int, bytes] = {}
+        self._ready: list[tuple[int, bytes]] = []
+        self.requested = self.recovered = self.unrecovered = self.overflowed = 0
+
+    def ready(self) -> list[tuple[int, bytes]]:
+        """The batches to apply now, in order."""
+        out, self._ready = self._ready, []
+        return out
+
+    def live(self, seq: int, payload: bytes, can_replay: bool = True) -> None:
+        """A batch from the live stream."""
+        expected = 0 if self.next is None else self.next
+        if seq < expected:
+            return  # already applied (a replay brought it first)
+        if self.replaying or (seq > expected and can_replay):
+            if len(self._held) >= MAX_HELD:
+                self.overflowed += 1  # dropped: the stream will show the gap
+            else:
+                self._held[seq] = payload
+            if not self.replaying:
+                self.replaying = True
+                self.want = expected
+                self.requested += 1
+            return
+        self._hand_on(seq, payload)
+
+    def replayed(self, seq: int, payload: bytes) -> None:
+        """A batch the engine replayed."""
+        expected = 0 if self.next is None else self.next
+        if seq < expected:
+            return
+        self._held.pop(seq, None)
+        if seq > expected:
+            self.unrecovered += seq - expected  # evicted from the engine's buffer
+        else:
+            self.recovered += 1
+        self._hand_on(seq, payload)
+
+    def replay_done(self) -> None:
+        """The engine ended its replay (or did not answer): hand on what was held, in order."""
+        self.replaying = False
+        self.want = None
+        for seq in sorted(self._held):
+            expected = 0 if self.next is None else self.next
+            if seq < expected:
+                continue
+            if seq > expected:
+                self.unrecovered += seq - expected
+            self._hand_on(seq, self._held[seq])
+        self._held.clear()
+
+    def _hand_on(self, seq: int, payload: bytes) -> None:
+        self._ready.append((seq, payload))
+        self.next = seq + 1

@@ -1,0 +1,149 @@
+"""Engine replay (issue 13) with a real ZMQ engine stand-in: a PUB socket and a ROUTER replay socket
+framed as vLLM frames them, against a real `serve --kv-events subscribe`. Batches published before
+the subscription, batches lost on the wire, and batches the engine no longer has."""
+
+from __future__ import annotations
+
+import collections
+import re
+import threading
+import time
+from typing import Any
+
+import msgpack
+import zmq
+
+from tests.interop.test_services import Http, free_port
+from tests.test_http import Server
+
+END = (-1).to_bytes(8, "big", signed=True)
+
+
+class Engine:
+    """An engine's event publisher: live batches on PUB, the last `keep` again on request."""
+
+    def __init__(self, keep: int = 10_000) -> None:
+        context = zmq.Context.instance()
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.pub = context.socket(zmq.PUB)
+        self.pub.bind(self.endpoint)
+        self.router = context.socket(zmq.ROUTER)
+        self.router.bind(self.replay_endpoint)
+        self.buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=keep)
+        self.lock = threading.Lock()
+        self.requests: list[int] = []
+        self.running = True
+        threading.Thread(target=self._serve_replays, daemon=True).start()
+
+    def _serve_replays(self) -> None:
+        while self.running:
+            if not self.router.poll(50):
+                continue
+            identity, _, start = self.router.recv_multipart()
+            first = int.from_bytes(start, "big")
+            self.requests.append(first)
+            with self.lock:
+                for seq, payload in list(self.buffer):
+                    if seq >= first:
+                        self.router.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
+            self.router.send_multipart([identity, b"", END, b""])
+
+    def publish(self, seq: int, send: bool = True) -> None:
+        payload = msgpack.packb([time.time(), [["BlockStored", [1000 + seq], None,
+                                                list(range(4 * seq, 4 * seq + 4)), 4, None, "GPU", None, None]], 0])
+        with self.lock:
+            self.buffer.append((seq, payload))
+        if send:
+            self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+
+    def close(self) -> None:
+        self.running = False
+        time.sleep(0.1)
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+
+
+def metric(port: int, line_start: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    match = re.search("^" + re.escape(line_start) + r" ([0-9.e+]+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def freshness(service: Http) -> Any:
+    body = {"model_name": "m", "token_ids": [0, 1, 2, 3]}
+    return service.call("POST", "/overlap_scores", body)[1]["freshness"][0]
+
+
+def until(check: Any, seconds: float = 20) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+BLOCKS = 'selection_proto_index_blocks{model_name="m",tenant_id="default",tier="device"}'
+
+
+def test_replay_recovers_what_was_published_before_and_lost_between() -> None:
+    engine = Engine()
+    server = Server(mode="subscribe")
+    try:
+        service = Http(server.port, "tenant_id")
+        for seq in range(3):
+            engine.publish(seq, send=False)  # before anyone subscribed
+        assert service.call("POST", "/workers", {
+            "worker_id": 1, "model_name": "m", "endpoint": "http://w1", "block_size": 4,
+            "kv_events_endpoint": engine.endpoint, "replay_endpoint": engine.replay_endpoint})[0] == 201
+
+        def publish_until_applied(seq: int) -> None:
+            deadline = time.monotonic() + 20
+            while metric(server.port, BLOCKS) < seq + 1:
+                assert time.monotonic() < deadline, "the batches were not applied"
+                engine.pub.send_multipart([b"", seq.to_bytes(8, "big"), engine.buffer[-1][1]])
+                time.sleep(0.1)
+
+        engine.publish(3, send=False)
+        publish_until_applied(3)  # the first batch seen is 3: 0-2 come from the replay
+        assert engine.requests[0] == 0
+        engine.publish(4, send=False)  # lost on the wire
+        engine.publish(5, send=False)
+        publish_until_applied(5)
+        assert engine.requests[-1] == 4
+        fresh = freshness(service)
+        assert fresh["stale"] is False and fresh["event_gaps"] == 0
+        assert metric(server.port, 'selection_proto_kv_replay_total{result="recovered"}') >= 5
+        assert metric(server.port, 'selection_proto_kv_replay_total{result="unrecovered"}') == 0
+    finally:
+        server.stop()
+        engine.close()
+
+
+def test_batches_the_engine_no_longer_has_are_a_counted_gap_and_a_stale_rank() -> None:
+    engine = Engine(keep=3)
+    server = Server(mode="subscribe")
+    try:
+        service = Http(server.port, "tenant_id")
+        assert service.call("POST", "/workers", {
+            "worker_id": 1, "model_name": "m", "endpoint": "http://w1", "block_size": 4,
+            "kv_events_endpoint": engine.endpoint, "replay_endpoint": engine.replay_endpoint})[0] == 201
+        deadline = time.monotonic() + 20
+        engine.publish(0, send=False)
+        while metric(server.port, BLOCKS) < 1:  # the slow joiner: resend 0 until it lands
+            assert time.monotonic() < deadline
+            engine.pub.send_multipart([b"", (0).to_bytes(8, "big"), engine.buffer[-1][1]])
+            time.sleep(0.1)
+        for seq in range(1, 5):
+            engine.publish(seq, send=False)  # four lost on the wire
+        engine.publish(5)  # the engine keeps 3-5 only: 1 and 2 are gone
+        until(lambda: metric(server.port, BLOCKS) >= 4)
+        fresh = freshness(service)
+        assert fresh["stale"] is True and fresh["event_gaps"] == 1 and fresh["missing_events"] == 2
+        assert metric(server.port, 'selection_proto_kv_replay_total{result="unrecovered"}') == 2
+        assert metric(server.port, BLOCKS) == 4
+    finally:
+        server.stop()
+        engine.close()
