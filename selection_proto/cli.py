@@ -111,6 +111,8 @@ DYNAMO_ENV: Final[Mapping[str, tuple[str, ...]]] = {
     "queue_policy": ("DYN_ROUTER_QUEUE_POLICY",),
     "active_request_expiry_secs": ("DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS",),
     "router_tracking_hash": ("DYN_ROUTER_TRACKING_HASH",),
+    "router_ttl_secs": ("DYN_ROUTER_TTL_SECS",),
+    "predicted_ttl_secs": ("DYN_ROUTER_PREDICTED_TTL_SECS",),
     "router_tracking_key_id": ("DYN_ROUTER_TRACKING_KEY_ID",),
 }
 # Dynamo's flags for our settings (`--no-…` too, for booleans).
@@ -118,9 +120,7 @@ DYNAMO_FLAGS: Final[Mapping[str, str]] = {"assume_kv_reuse": "--router-assume-kv
 # Dynamo variables that choose what one event loop cannot or does not need: read, and ignored.
 IGNORED_ENV: Final = ("DYN_ROUTER_EVENT_THREADS",)
 # Dynamo variables for features we do not have yet: refused at start, never silently ignored.
-UNSUPPORTED_ENV: Final = ("DYN_ROUTER_USE_KV_EVENTS", "DYN_USE_KV_EVENTS", "DYN_ROUTER_TTL_SECS",
-                          "DYN_ROUTER_PREDICTED_TTL_SECS", "DYN_ROUTER_APPROXIMATE_CACHE_POLICY",
-                          "DYN_ROUTER_TRACK_OUTPUT_BLOCKS")
+UNSUPPORTED_ENV: Final = ("DYN_ROUTER_TRACK_OUTPUT_BLOCKS",)
 
 
 def _add_settings(command: argparse.ArgumentParser) -> None:
@@ -238,10 +238,11 @@ def settings_from(args: argparse.Namespace, env: Mapping[str, str]) -> Settings:
                 raise UsageError(f"--config {config_path}: unknown setting {name!r}")
     unsupported = [name for name in UNSUPPORTED_ENV if name in env]
     if unsupported:
-        raise UsageError(f"{unsupported[0]}: not supported yet (approximate mode and automatic output "
-                         "tracking are open work); unset it")
+        raise UsageError(f"{unsupported[0]}: not supported yet (automatic output tracking is open work); "
+                         "unset it")
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
+    _dynamo_kv_mode(env, values, sources)
     for field in _SETTING_FIELDS:
         name = field.name
         flag_value = getattr(args, name, None)
@@ -261,6 +262,32 @@ def settings_from(args: argparse.Namespace, env: Mapping[str, str]) -> Settings:
         text = str(exc)
         name, _, reason = text.partition(": ")
         raise UsageError(f"{sources.get(name, name)}: {reason or text}") from None
+
+
+def _dynamo_kv_mode(env: Mapping[str, str], values: dict[str, Any], sources: dict[str, str]) -> None:
+    """1.6.1's switch to approximate mode (`DYN_ROUTER_USE_KV_EVENTS=false`) and its cache policy;
+    our own `kv_events` setting, read after, wins."""
+    name = next((n for n in ("DYN_ROUTER_USE_KV_EVENTS", "DYN_USE_KV_EVENTS") if n in env), None)
+    approximate = False
+    if name is not None:
+        text = env[name].strip().lower()
+        if text not in (*_TRUE, *_FALSE):
+            raise UsageError(f"{name}: invalid boolean value {env[name]!r}")
+        approximate = text in _FALSE
+        if approximate:
+            values["kv_events"], sources["kv_events"] = "approximate", name
+    policy = env.get("DYN_ROUTER_APPROXIMATE_CACHE_POLICY")
+    if policy is not None:
+        if policy not in ("ttl", "lru"):
+            raise UsageError(f"unknown approximate cache policy \"{policy}\", expected 'ttl' or 'lru'")
+        if policy == "lru" and not approximate:
+            raise UsageError("router_approximate_cache_policy=lru requires use_kv_events=false; "
+                             "the local side indexer is TTL-only")
+        if policy == "lru":
+            from .transports.logs import log
+
+            log("warning", "approximate_cache_policy", detail="router_approximate_cache_policy=lru is not "
+                "supported by the selection service yet; falling back to TTL retention")
 
 
 def _service_and_backend(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[SelectionService, str]:

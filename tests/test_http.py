@@ -193,8 +193,14 @@ def test_dynamo_names_for_settings() -> None:
     assert settings("--threads", "8", "--session-affinity-ttl-secs", "1.5").session_affinity_ttl_secs == 1.5
     with pytest.raises(cli.UsageError, match="DYN_ROUTER_QUEUE_THRESHOLD: must be greater than 0"):
         settings(DYN_ROUTER_QUEUE_THRESHOLD="0")
-    with pytest.raises(cli.UsageError, match="DYN_ROUTER_USE_KV_EVENTS: not supported yet"):
-        settings(DYN_ROUTER_USE_KV_EVENTS="false")
+    assert settings(DYN_ROUTER_USE_KV_EVENTS="false", DYN_ROUTER_TTL_SECS="3").kv_events == "approximate"
+    assert settings(DYN_ROUTER_USE_KV_EVENTS="false", SELECTION_PROTO_KV_EVENTS="push").kv_events == "push"
+    with pytest.raises(cli.UsageError, match="requires use_kv_events=false"):
+        settings(DYN_ROUTER_APPROXIMATE_CACHE_POLICY="lru")
+    with pytest.raises(cli.UsageError, match="router_predicted_ttl_secs requires use_kv_events=true"):
+        settings(DYN_ROUTER_USE_KV_EVENTS="0", DYN_ROUTER_PREDICTED_TTL_SECS="3")
+    with pytest.raises(cli.UsageError, match="DYN_ROUTER_TRACK_OUTPUT_BLOCKS: not supported yet"):
+        settings(DYN_ROUTER_TRACK_OUTPUT_BLOCKS="true")
     with pytest.raises(cli.UsageError, match="--session-affinity-ttl-secs: must be between 1 and 31536000"):
         settings("--session-affinity-ttl-secs", "0")
 

@@ -207,3 +207,35 @@ def test_recovering_a_1_6_1_index_checks_it_whole_first() -> None:
     assert warm.dump()["events"] == []  # not ours to dump until worker 1 registers here
     warm.upsert_worker(WorkerRequest(worker_id=1, model_name="m", endpoint="http://w1", block_size=4), now=0.0)
     assert len(warm.dump()["events"]) == 1
+
+
+def test_a_predicted_side_index_beside_real_events() -> None:
+    """`predicted_ttl_secs` (1.6.1's `DYN_ROUTER_PREDICTED_TTL_SECS`): bookings predict into a side
+    tree; a rank's prefix is the larger of the two; the side is not dumped and expires."""
+    from selection_proto import OverlapScoresRequest, ReservationRequest
+    from selection_proto.core.events import decode_json_events
+    from selection_proto.core.hashing import block_hashes
+
+    s = SelectionService(Settings(kv_events="push", predicted_ttl_secs=3.0), random.Random(0))
+    for wid in (1, 2):
+        s.upsert_worker(WorkerRequest(worker_id=wid, model_name="m", endpoint=f"http://w{wid}", block_size=4),
+                        now=0.0)
+    tokens = list(range(12))
+    first = block_hashes(tokens, 4)[0]
+    s.apply_kv_events(decode_json_events({"worker_id": 1, "event": {"event_id": 1, "data": {"stored": {
+        "parent_hash": None, "blocks": [{"block_hash": 77, "tokens_hash": first}]}}}}), now=0.0)
+
+    def rows(now: float) -> dict[int, int]:
+        answer = s.overlap_scores(OverlapScoresRequest(model_name="m", token_ids=tokens), now=now)
+        return {row["worker_id"]: row["device_blocks"] for row in answer.workers if row["device_blocks"]}
+
+    assert rows(0.0) == {1: 1}
+    s.reserve(ReservationRequest(model_name="m", reservation_id="a", worker_id=1, token_ids=tokens), now=0.0)
+    s.reserve(ReservationRequest(model_name="m", reservation_id="b", worker_id=2, token_ids=tokens[:8]), now=0.0)
+    assert rows(0.0) == {1: 3, 2: 2}
+    assert len(s.dump()["events"]) == 1  # the real block only
+    assert s.next_deadline() == pytest.approx(3.0)
+    s.tick(3.05)
+    assert rows(3.05) == {1: 1}
+    s.delete_worker(2, now=3.1)  # a rank leaving takes its predictions along
+    assert s.budget.index_blocks == 1

@@ -63,6 +63,10 @@ def cached_tokens(rank: Rank, found: Estimates, block_size: int, s: Settings) ->
 def estimates(pool: Pool, blocks: list[int]) -> Estimates:
     """Device prefix, host extension and disk+external extension blocks per rank (§7.4)."""
     device, hits = pool.index.tiered(blocks)
+    if pool.side is not None:  # predicted blocks beside real events: the larger prefix counts
+        for r, n in pool.side.find(blocks)[0].items():
+            if n > device.get(r, 0):
+                device[r] = n
     disk = dict(hits["disk"])
     for r, n in hits["external"].items():
         disk[r] = disk.get(r, 0) + n

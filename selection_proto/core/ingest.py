@@ -98,6 +98,8 @@ class Ingest:
                            "(this service runs kv_events=subscribe)")
         if mode == "off":
             raise Conflict("kv events are disabled (kv_events=off)")
+        if mode == "approximate":
+            raise Conflict("kv events are not used (kv_events=approximate: bookings predict the cache)")
 
     def bind(self, worker_id: int, dp_rank: int | None, model_name: str | None,
              tenant_id: str | None) -> tuple[Pool, Rank]:

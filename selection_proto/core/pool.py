@@ -12,7 +12,8 @@ from .admission import AdmissionQueue
 from .budget import StateBudget
 from .engine import NamespaceMemory
 from .freshness import RankFreshness
-from .index import KeyIndex, Rank
+from .index import DeviceTree, KeyIndex, Rank
+from .predictions import Predictions
 from .sessions import SessionTable
 from .settings import Settings
 from .tracker import Booking, Tracker
@@ -30,7 +31,7 @@ class Pool:
     """Everything a key (model, tenant) holds while it has a schedulable rank (core.md §6.4)."""
 
     __slots__ = ("key", "label", "block_size", "index", "tracker", "fresh", "memory", "epoch",
-                 "workers", "taints", "queue", "_ranks", "budget", "sessions")
+                 "workers", "taints", "queue", "_ranks", "budget", "sessions", "side", "predictions")
 
     def __init__(self, key: Key, block_size: int, now: float, settings: Settings,
                  budget: StateBudget) -> None:
@@ -47,6 +48,14 @@ class Pool:
         self.taints: dict[int, frozenset[str]] = {}
         self.queue = AdmissionQueue()
         self.sessions = SessionTable(settings.session_affinity_ttl_secs or 0.0, settings.max_sessions_per_key)
+        # Bookings predict the cache: into the index itself, or a side tree read beside events.
+        self.side: DeviceTree | None = None
+        self.predictions: Predictions | None = None
+        if settings.kv_events == "approximate":
+            self.predictions = Predictions(self.index.device, settings.router_ttl_secs, budget)
+        elif settings.predicted_ttl_secs is not None:
+            self.side = DeviceTree()
+            self.predictions = Predictions(self.side, settings.predicted_ttl_secs, budget)
         self._ranks: list[Rank] | None = None
 
     def ranks(self) -> list[Rank]:
@@ -78,6 +87,9 @@ class Pool:
         for rank in ranks:
             self.budget.index_blocks -= self.index.rank_size(rank)
             self.index.drop_rank(rank)
+            if self.side is not None:
+                self.budget.index_blocks -= self.side.size(rank)
+                self.side.clear(rank)
             self.fresh.pop(rank, None)
             self.memory.pop(rank, None)
         self._ranks = None

@@ -115,4 +115,5 @@ def booking_prompt(req: Any, block_size: int, limit: int, tracking: KeyedTrackin
         raise BadRequest("sequence_hashes is required without token_ids")
     if req.isl_tokens is None:
         raise BadRequest("isl_tokens is required without token_ids")
-    return PromptHashes([], list(req.sequence_hashes), req.isl_tokens)
+    # Block hashes, when sent, say what the booking predicts cached (approximate mode).
+    return PromptHashes(list(req.block_hashes or ()), list(req.sequence_hashes), req.isl_tokens)

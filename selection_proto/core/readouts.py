@@ -1,21 +1,64 @@
 """What the pools hold, read without changing anything: each key's loads and queue, the loads a
-prompt would add (`/potential_loads`), and a prompt's overlap per rank and tier with each rank's
-freshness (`/overlap_scores`, events.md §6)."""
+prompt would add (`/potential_loads`), a prompt's overlap per rank and tier with each rank's
+freshness (`/overlap_scores`, events.md §6), and the gauges of `/metrics` that mirror state."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+from .._version import __version__
+from .budget import StateBudget
 from .cost import cached_tokens, effective_blocks, estimates, tracks_prefill
 from .freshness import RankFreshness
+from .index import LOWER_TIERS
+from .pending import PendingSelections
 from .pool import Key, Pool
 from .prompt import PromptHashes
 from .responses import ModelLoadResponse, OverlapScoresResponse, PotentialLoad
 from .settings import Settings
-from .types import RouterConfigOverride
+from .types import RouterConfigOverride, WorkerCatalogRecord
 
-__all__ = ["loads", "overlap_scores", "potential_loads"]
+__all__ = ["gauges", "loads", "overlap_scores", "potential_loads"]
+
+Samples = dict[tuple[str, ...], float]
+
+
+def gauges(records: Iterable[WorkerCatalogRecord], pools: Mapping[Key, Pool], budget: StateBudget,
+           pending: PendingSelections) -> dict[str, Samples]:
+    """The gauge families that mirror state, sampled now (api.md §5)."""
+    lifecycles: Samples = {("incomplete",): 0.0, ("schedulable",): 0.0, ("unschedulable",): 0.0}
+    for r in records:
+        lifecycles[(r.lifecycle,)] = lifecycles.get((r.lifecycle,), 0.0) + 1
+    ranks: Samples = {}
+    active: Samples = {}
+    queued: Samples = {}
+    stale: Samples = {}
+    blocks: Samples = {}
+    sessions: Samples = {}
+    for key, pool in pools.items():
+        sessions[key] = float(len(pool.sessions))
+        ranks[key] = float(len(pool.ranks()))
+        active[key] = float(len(pool.tracker.bookings))
+        queued[key] = float(len(pool.queue))
+        stale[key] = float(sum(1 for f in pool.fresh.values() if f.stale))
+        blocks[(*key, "device")] = float(pool.index.device.total_size())
+        for tier in LOWER_TIERS:
+            blocks[(*key, tier)] = float(pool.index.lower[tier].total_size())
+    return {
+        "selection_proto_info": {(__version__,): 1.0},
+        "selection_proto_workers": lifecycles,
+        "selection_proto_schedulable_ranks": ranks,
+        "selection_proto_reservations_active": active,
+        "selection_proto_queue_pending": queued,
+        "selection_proto_kv_stale_ranks": stale,
+        "selection_proto_index_blocks": blocks,
+        "selection_proto_state_bytes": {(): float(budget.used)},
+        "selection_proto_state_budget_bytes": {(): float(budget.limit)},
+        "selection_proto_pending_selections": {(): float(len(pending))},
+        "selection_proto_pending_selection_bytes": {(): float(pending.bytes)},
+        "selection_proto_session_bindings": sessions,
+    }
 
 
 def loads(pools: Mapping[Key, Pool], model_name: str | None, tenant_id: str | None

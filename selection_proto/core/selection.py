@@ -98,13 +98,16 @@ class Selector:
                                          settings.selection_cache_max_entries,
                                          settings.selection_cache_max_bytes)
 
-    def gate(self, model_name: str, tenant_id: str) -> Pool:
-        """The key's pool, or 503 while it has no schedulable worker."""
+    def gate(self, model_name: str, tenant_id: str, now: float) -> Pool:
+        """The key's pool, or 503 while it has no schedulable worker; predictions past their
+        time are gone from it."""
         if not self._catalog.schedulable:
             raise NotReady("no schedulable workers are available")
         pool = self._pools.get((model_name, tenant_id))
         if pool is None or not pool.workers:
             raise NotReady(f"no schedulable workers for {key_label((model_name, tenant_id))}")
+        if pool.predictions is not None:
+            pool.predictions.expire(now)
         return pool
 
     # -- selection (core.md §9.7) ----------------------------------------------------------------
@@ -129,7 +132,7 @@ class Selector:
         """Steps 2-8: gate, booking id, prompt, session, candidates, what each has cached."""
         if self.stopping:
             raise NotReady(SHUTTING_DOWN)
-        pool = self.gate(req.model_name, req.tenant_id)
+        pool = self.gate(req.model_name, req.tenant_id, now)
         rid: str | None = None
         if reserve:
             assert isinstance(req, SelectAndReserveRequest)
@@ -427,6 +430,8 @@ class Selector:
         prefill = max(0, prompt.isl - cached) if track_prefill else 0
         booking = pool.tracker.book(rid, rank, blocks, prefill, expected_output_tokens, now)
         self._metrics.booking(pool.key, "booked")
+        if pool.predictions is not None:
+            pool.predictions.record(rank, prompt.blocks, now)
         return booking
 
     def reserve(self, req: ReservationRequest, now: float) -> ReservationResponse:
@@ -443,7 +448,7 @@ class Selector:
         if req.worker_id is None:
             return self._book_pending(key, rid, req.selection_id or rid, now)
         self.pending.forget(key, req.selection_id or rid)
-        pool = self.gate(req.model_name, req.tenant_id)
+        pool = self.gate(req.model_name, req.tenant_id, now)
         prompt = self._limits.prompt(req, pool, booking=True)
         if req.worker_id not in pool.workers:
             raise NotFound(f"schedulable worker {req.worker_id} not found for {pool.label}")
@@ -464,7 +469,7 @@ class Selector:
         entry = self.pending.get(key, sid, now)
         if entry is None:
             raise NotFound(MISSING.format(sid=sid, model=key[0], group=key[1]))
-        pool = self.gate(*key)
+        pool = self.gate(*key, now)
         rank = entry.rank
         if rank not in pool.workers.get(rank[0], ()):
             raise NotFound(f"schedulable worker {rank[0]} (dp_rank {rank[1]}) not found for "

@@ -18,20 +18,18 @@ from typing import Any, Final
 
 import attrs
 
-from .._version import __version__
 from .admission import Tickets
 from .budget import StateBudget
 from .catalog import Catalog
 from .errors import Conflict, NotFound, NotReady, SelectionError, StreamError
 from .events import KvEvent
 from .handler import handle as handle_request
-from .index import LOWER_TIERS
 from .ingest import Ingest
 from .limits import Limits
 from .metrics import Metrics
 from .outputs import InternalError, OutputEvent
 from .pool import Key, Pool
-from .readouts import loads, overlap_scores, potential_loads
+from .readouts import gauges, loads, overlap_scores, potential_loads
 from .responses import (
     ApplyReport,
     ModelLoadResponse,
@@ -126,6 +124,8 @@ class SelectionService:
         if self._ingest.stepping:
             self._ingest.step(now)
         for pool in list(self._pools.values()):
+            if pool.predictions is not None:
+                pool.predictions.expire(now)
             if self._selector.expire(pool, now):
                 self._selector.dispatch(pool, now)
             self._selector.expire_queue(pool, now)
@@ -143,6 +143,9 @@ class SelectionService:
             oldest = pool.queue.oldest()
             if oldest is not None:
                 deadlines.append(oldest + s.queue_timeout_secs)
+            expiry = pool.predictions.next_expiry() if pool.predictions is not None else None
+            if expiry is not None:
+                deadlines.append(expiry)
         if self._ingest.stepping:
             deadlines.append(self._now)
         return min(deadlines) if deadlines else None
@@ -257,15 +260,15 @@ class SelectionService:
 
     def potential_loads(self, req: PotentialLoadsRequest, *, now: float) -> list[PotentialLoad]:
         """What each rank's load would be if the prompt ran there (no booking)."""
-        self._advance(now)
-        pool = self._selector.gate(req.model_name, req.tenant_id)
+        now = self._advance(now)
+        pool = self._selector.gate(req.model_name, req.tenant_id, now)
         return potential_loads(pool, self.limits.prompt(req, pool), req.router_config_override,
                                self.settings)
 
     def overlap_scores(self, req: OverlapScoresRequest, *, now: float) -> OverlapScoresResponse:
         """Cached blocks per rank and tier for a prompt, with each rank's freshness (events.md §6)."""
         now = self._advance(now)
-        pool = self._selector.gate(req.model_name, req.tenant_id)
+        pool = self._selector.gate(req.model_name, req.tenant_id, now)
         return overlap_scores(pool, self.limits.prompt(req, pool), self.settings, now)
 
     # -- KV events -----------------------------------------------------------------------------
@@ -407,39 +410,8 @@ class SelectionService:
     def metrics_text(self, *, now: float) -> str:
         """The Prometheus text exposition (api.md §5)."""
         self._advance(now)
-        lifecycles: dict[tuple[str, ...], float] = {
-            ("incomplete",): 0.0, ("schedulable",): 0.0, ("unschedulable",): 0.0}
-        for r in self.catalog.values():
-            lifecycles[(r.lifecycle,)] = lifecycles.get((r.lifecycle,), 0.0) + 1
-        ranks: dict[tuple[str, ...], float] = {}
-        active: dict[tuple[str, ...], float] = {}
-        pending: dict[tuple[str, ...], float] = {}
-        stale: dict[tuple[str, ...], float] = {}
-        blocks: dict[tuple[str, ...], float] = {}
-        sessions: dict[tuple[str, ...], float] = {}
-        for key, pool in self._pools.items():
-            sessions[key] = float(len(pool.sessions))
-            ranks[key] = float(len(pool.ranks()))
-            active[key] = float(len(pool.tracker.bookings))
-            pending[key] = float(len(pool.queue))
-            stale[key] = float(sum(1 for f in pool.fresh.values() if f.stale))
-            blocks[(*key, "device")] = float(pool.index.device.total_size())
-            for tier in LOWER_TIERS:
-                blocks[(*key, tier)] = float(pool.index.lower[tier].total_size())
-        return self.metrics.render({
-            "selection_proto_info": {(__version__,): 1.0},
-            "selection_proto_workers": lifecycles,
-            "selection_proto_schedulable_ranks": ranks,
-            "selection_proto_reservations_active": active,
-            "selection_proto_queue_pending": pending,
-            "selection_proto_kv_stale_ranks": stale,
-            "selection_proto_index_blocks": blocks,
-            "selection_proto_state_bytes": {(): float(self.budget.used)},
-            "selection_proto_state_budget_bytes": {(): float(self.budget.limit)},
-            "selection_proto_pending_selections": {(): float(len(self._selector.pending))},
-            "selection_proto_pending_selection_bytes": {(): float(self._selector.pending.bytes)},
-            "selection_proto_session_bindings": sessions,
-        })
+        return self.metrics.render(gauges(self.catalog.values(), self._pools, self.budget,
+                                          self._selector.pending))
 
     # -- bytes ---------------------------------------------------------------------------------
 

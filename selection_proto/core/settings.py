@@ -9,7 +9,7 @@ import attrs
 
 __all__ = ["Settings", "KvEventsMode", "QueuePolicy"]
 
-KvEventsMode = Literal["subscribe", "push", "off"]
+KvEventsMode = Literal["subscribe", "push", "off", "approximate"]
 QueuePolicy = Literal["fcfs", "lcfs", "wspt"]
 TrackingHash = Literal["public-xxh3-v1", "keyed-xxh3-v1"]
 
@@ -65,6 +65,8 @@ class Settings:
     max_record_bytes: int = 65536
     max_state_bytes: int = 4 * 1024**3
     max_events_per_step: int | None = 1024
+    router_ttl_secs: float = 120.0  # kv_events=approximate: how long a booked prompt is assumed cached
+    predicted_ttl_secs: float | None = None  # with real events: a predicted side index, this TTL
     router_tracking_hash: TrackingHash = "public-xxh3-v1"
     router_tracking_key_id: str | None = None  # with keyed-xxh3-v1 (the key is given to the service)
     session_affinity_ttl_secs: float | None = None  # None: session affinity is off
@@ -74,8 +76,15 @@ class Settings:
     selection_cache_max_bytes: int = 256 * 1024**2
 
     def __attrs_post_init__(self) -> None:
-        _check("kv_events", self.kv_events in ("subscribe", "push", "off"),
-               "must be one of subscribe, push, off")
+        _check("kv_events", self.kv_events in ("subscribe", "push", "off", "approximate"),
+               "must be one of subscribe, push, off, approximate")
+        _check("router_ttl_secs", _is_number(self.router_ttl_secs) and self.router_ttl_secs > 0,
+               "must be greater than 0")
+        if self.predicted_ttl_secs is not None:
+            _check("predicted_ttl_secs", _is_number(self.predicted_ttl_secs) and self.predicted_ttl_secs > 0,
+                   "must be greater than 0")
+            _check("predicted_ttl_secs", self.kv_events != "approximate",
+                   "router_predicted_ttl_secs requires use_kv_events=true")
         _check("queue_policy", self.queue_policy in ("fcfs", "lcfs", "wspt"),
                "must be one of fcfs, lcfs, wspt")
         if self.overlap_score_credit is not None:

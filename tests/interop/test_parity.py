@@ -20,12 +20,13 @@ from tests.test_http import Server
 WORKERS = (1,)  # one worker: both choose it (ties between idle workers are broken at random)
 
 
-def start_both(reference_python: str, *flags: str) -> tuple[Http, Http, Server, subprocess.Popen[bytes]]:
+def start_both(reference_python: str, *flags: str, mode: str = "push"
+               ) -> tuple[Http, Http, Server, subprocess.Popen[bytes]]:
     ref_port = free_port()
     ref = subprocess.Popen([reference_python, "-m", "dynamo.select_service", "--port", str(ref_port), *flags],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            env={**os.environ, "RUST_LOG": "error", "DYN_LOG": "error"})
-    ours = Server(*flags)
+    ours = Server(*flags, mode=mode)
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -401,3 +402,56 @@ def test_start_warm_from_a_1_6_1_peer(reference_python: str) -> None:
         ref.terminate()
         ref.wait(timeout=30)
         pub.close(linger=0)
+
+
+def device_rows(service: Http, tokens: list[int]) -> dict[int, int]:
+    answer = service.call("POST", "/overlap_scores", {"model_name": "m", "token_ids": tokens})[1]
+    return {row["worker_id"]: row["device_blocks"] for row in answer["workers"] if row["device_blocks"]}
+
+
+def test_approximate_mode_predicts_from_bookings_as_1_6_1(reference_python: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 13: with `DYN_ROUTER_USE_KV_EVENTS=false` (both read it) bookings predict the cache for
+    `DYN_ROUTER_TTL_SECS`, refreshed by each booking; a plain select records nothing."""
+    monkeypatch.setenv("DYN_ROUTER_USE_KV_EVENTS", "false")
+    monkeypatch.setenv("DYN_ROUTER_TTL_SECS", "3")
+    ours, ref, server, process = start_both(reference_python, mode="approximate")
+    try:
+        two_workers(ours, ref)
+        q, p = list(range(12)), list(range(8))
+        started = time.monotonic()
+        pin = {"pinned_worker": {"worker_id": 1, "dp_rank": 0}}
+        steps: list[tuple[str, str, Any]] = [
+            ("POST", "/select", {"model_name": "m", "token_ids": q}),
+            ("POST", "/select_and_reserve", {"model_name": "m", "selection_id": "a", "token_ids": q, **pin}),
+            ("POST", "/select", {"model_name": "m", "selection_id": "v", "token_ids": list(range(100, 108)), **pin}),
+            ("POST", "/reservations", {"model_name": "m", "selection_id": "v"}),
+            ("POST", "/reservations", {"model_name": "m", "selection_id": "e", "worker_id": 2,
+                                       "block_hashes": [1, 2], "sequence_hashes": [1, 5], "isl_tokens": 8}),
+            ("POST", "/reservations", {"model_name": "m", "selection_id": "f", "worker_id": 2,
+                                       "sequence_hashes": [7], "isl_tokens": 4}),
+            ("DELETE", "/reservations/a", None),  # a free keeps the prediction
+        ]
+        # Statuses, chosen workers and predictions are compared, not loads: an explicit booking's
+        # prefill load differs (1.6.1 books none without its `effective_prefill_tokens` hint; we
+        # book the uncached tokens, as the spec says).
+        def both(method: str, path: str, body: Any) -> None:
+            a, b = ours.call(method, path, body), ref.call(method, path, body)
+            assert a[0] == b[0], (a, b)
+            if (body or {}).get("pinned_worker") or path != "/select":  # two idle workers tie at random
+                assert (a[1] or {}).get("worker_id") == (b[1] or {}).get("worker_id"), (a, b)
+
+        for method, path, body in steps:
+            both(method, path, body)
+            for tokens in (q, list(range(100, 108))):
+                assert device_rows(ours, tokens) == device_rows(ref, tokens), (path, body)
+        time.sleep(max(0.0, 2.0 - (time.monotonic() - started)))
+        both("POST", "/select_and_reserve", {"model_name": "m", "selection_id": "b", "token_ids": p, **pin})
+        time.sleep(max(0.0, 3.8 - (time.monotonic() - started)))
+        assert device_rows(ours, q) == device_rows(ref, q) == {1: 2}  # q's third block expired
+        time.sleep(max(0.0, 5.5 - (time.monotonic() - started)))
+        assert device_rows(ours, q) == device_rows(ref, q) == {}
+    finally:
+        server.stop()
+        process.terminate()
+        process.wait(timeout=30)
