@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -14,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.interop.test_services import Http, free_port
+from tests.interop.test_services import Http, free_port, start_reference
 from tests.test_http import Server
 
 WORKERS = (1,)  # one worker: both choose it (ties between idle workers are broken at random)
@@ -22,19 +21,8 @@ WORKERS = (1,)  # one worker: both choose it (ties between idle workers are brok
 
 def start_both(reference_python: str, *flags: str, mode: str = "push"
                ) -> tuple[Http, Http, Server, subprocess.Popen[bytes]]:
-    ref_port = free_port()
-    ref = subprocess.Popen([reference_python, "-m", "dynamo.select_service", "--port", str(ref_port), *flags],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           env={**os.environ, "RUST_LOG": "error", "DYN_LOG": "error"})
+    ref, ref_port = start_reference(reference_python, *flags)
     ours = Server(*flags, mode=mode)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", ref_port), timeout=1).close()
-            break
-        except OSError:
-            assert time.monotonic() < deadline, "the reference service did not start"
-            time.sleep(0.1)
     services = (Http(ours.port, "routing_group"), Http(ref_port, "routing_group"))
     for service in services:
         for wid in WORKERS:
@@ -360,20 +348,9 @@ def test_start_warm_from_a_1_6_1_peer(reference_python: str) -> None:
     pub = zmq.Context.instance().socket(zmq.PUB)
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     pub.bind(endpoint)
-    ref_port = free_port()
-    ref = subprocess.Popen([reference_python, "-m", "dynamo.select_service", "--port", str(ref_port)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           env={**os.environ, "RUST_LOG": "error", "DYN_LOG": "error"})
+    ref, ref_port = start_reference(reference_python)
     try:
         reference = Http(ref_port, "routing_group")
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", ref_port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the reference service did not start"
-                time.sleep(0.1)
         worker = {"worker_id": 1, "model_name": "m", "endpoint": "http://w1:8000", "block_size": 4}
         assert reference.call("POST", "/workers", {**worker, "kv_events_endpoint": endpoint})[0] == 201
         prompt = {"model_name": "m", "token_ids": list(range(1, 13))}

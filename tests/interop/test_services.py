@@ -48,6 +48,24 @@ class Http:
             return exc.code, json.loads(exc.read() or b"null")
 
 
+def start_reference(reference_python: str, *flags: str) -> tuple[subprocess.Popen[bytes], int]:
+    """`python -m dynamo.select_service` on a free port, once it accepts connections."""
+    port = free_port()
+    process = subprocess.Popen([reference_python, "-m", "dynamo.select_service", "--port", str(port), *flags],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env={**os.environ, "RUST_LOG": "error", "DYN_LOG": "error"})
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return process, port
+        except OSError:
+            if time.monotonic() > deadline:
+                process.kill()
+                raise AssertionError("the reference service did not start") from None
+            time.sleep(0.1)
+
+
 @pytest.fixture
 def both(reference_python: str) -> Iterator[tuple[Http, Http, dict[int, Any]]]:
     context = zmq.Context.instance()
@@ -58,20 +76,9 @@ def both(reference_python: str) -> Iterator[tuple[Http, Http, dict[int, Any]]]:
         pubs[wid] = context.socket(zmq.PUB)
         pubs[wid].bind(f"tcp://127.0.0.1:{port}")
         endpoints[wid] = f"tcp://127.0.0.1:{port}"
-    ref_port = free_port()
-    ref = subprocess.Popen([reference_python, "-m", "dynamo.select_service", "--port", str(ref_port)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           env={**os.environ, "RUST_LOG": "error", "DYN_LOG": "error"})
+    ref, ref_port = start_reference(reference_python)
     ours = Server()
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", ref_port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the reference service did not start"
-                time.sleep(0.1)
         services = (Http(ours.port, "tenant_id"), Http(ref_port, "routing_group"))
         for service in services:
             for wid in WORKERS:
