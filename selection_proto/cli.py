@@ -175,6 +175,8 @@ def _build_parser() -> _Parser:
     relay.add_argument("--dp-rank", default=0, type=int)
     relay.add_argument("--topic", default="", help="ZMQ topic prefix (default: all)")
     relay.add_argument("--buffer", default=1024, type=int, help="messages buffered while disconnected")
+    relay.add_argument("--replay", default=None, metavar="ENDPOINT",
+                       help="the engine's replay (ROUTER) endpoint: resume where the service stands")
     relay.add_argument("--backend", default=None, help="asyncio (default) or trio")
     relay.add_argument("--log-level", default=None, help="debug, info, warning, error")
     return parser
@@ -204,8 +206,10 @@ def _relay(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         return 1
     from .transports.relay import run_relay
 
+    if args.replay is not None and not args.replay.startswith(("tcp://", "ipc://")):
+        raise UsageError(f"--replay: expected a tcp:// or ipc:// endpoint, not {args.replay!r}")
     anyio.run(run_relay, args.zmq, args.to, args.worker_id, args.dp_rank, args.topic, args.buffer,
-              backend=backend)
+              args.replay, backend=backend)
     return 0
 
 

@@ -147,3 +147,53 @@ def test_batches_the_engine_no_longer_has_are_a_counted_gap_and_a_stale_rank() -
     finally:
         server.stop()
         engine.close()
+
+
+def test_the_relay_resumes_where_the_service_stands() -> None:
+    """`relay --replay`: batches published before the relay started, and while it was stopped,
+    reach the index once each, in order (the service says its last seq; the engine replays)."""
+    import signal
+    import subprocess
+    import sys
+
+    engine = Engine()
+    server = Server()  # kv_events=push
+    service = Http(server.port, "tenant_id")
+
+    def start_relay() -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "selection_proto", "relay", "--zmq", engine.endpoint, "--replay",
+             engine.replay_endpoint, "--to", f"ws://127.0.0.1:{server.port}/kv_events", "--worker-id", "1"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def stop(relay: subprocess.Popen[str]) -> dict[str, Any]:
+        relay.send_signal(signal.SIGTERM)
+        assert relay.wait(timeout=15) == 0
+        assert relay.stderr is not None
+        import json
+
+        return [json.loads(line) for line in relay.stderr.read().splitlines()
+                if '"relay_stopped"' in line][-1]
+
+    try:
+        assert service.call("POST", "/workers", {"worker_id": 1, "model_name": "m", "endpoint": "http://w1",
+                                                 "block_size": 4})[0] == 201
+        for seq in range(3):
+            engine.publish(seq)  # nobody listens yet
+        relay = start_relay()
+        until(lambda: metric(server.port, BLOCKS) >= 3)
+        first = stop(relay)
+        assert first["replayed"] == 3
+        for seq in range(3, 5):
+            engine.publish(seq)  # the relay is down
+        relay = start_relay()
+        until(lambda: metric(server.port, BLOCKS) >= 5)
+        engine.publish(5)
+        until(lambda: metric(server.port, BLOCKS) >= 6)
+        second = stop(relay)
+        assert second["replayed"] == 2  # 3 and 4: what the service had is not sent again
+        fresh = freshness(service)
+        assert fresh["stale"] is False and fresh["event_gaps"] == 0 and fresh["rewinds"] == 0
+    finally:
+        server.stop()
+        engine.close()

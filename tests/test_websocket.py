@@ -73,7 +73,19 @@ def test_seq_framing_gaps_and_acks(server: Server) -> None:
     assert (fresh["event_gaps"], fresh["missing_events"], fresh["stale"]) == (1, 3, True)
 
 
+def test_resume_says_where_the_index_stands(server: Server) -> None:
+    """`resume=true`: the first message is the rank's last applied seq (null before any), for a
+    sender that resends from there (the relay's `--replay`)."""
+    with connect(url(server, "worker_id=2&framing=seq&ack=true&resume=true")) as ws:
+        assert json.loads(ws.recv(timeout=5)) == {"resume": None}
+        ws.send((7).to_bytes(8, "big") + engine_batch([701], [1, 2, 3, 4]))
+        assert json.loads(ws.recv(timeout=5)) == {"ack": 1}
+    with connect(url(server, "worker_id=2&framing=seq&resume=true")) as ws:
+        assert json.loads(ws.recv(timeout=5)) == {"resume": 7}
+
+
 @pytest.mark.parametrize(("query", "message", "code", "reason"), [
+    ("worker_id=1&resume=maybe", None, 1008, "Failed to deserialize query string: resume: invalid boolean"),
     ("worker_id=9", None, 1008, "worker 9 not found"),
     ("", None, 1008, "worker_id is required"),
     ("worker_id=1&dp_rank=3", None, 1008, "dp_rank 3 is not a rank of worker 1 (ranks 0..0)"),

@@ -247,6 +247,10 @@ class PushSession(_Session):
             dp_rank = query_int(params, "dp_rank", 32)
             framing = params.get("framing", "raw")
             ack = params.get("ack", "false")
+            resume = params.get("resume", "false")
+            if resume not in ("true", "false"):
+                raise SelectionError("Failed to deserialize query string: resume: invalid boolean "
+                                     f"`{resume}`", 400)
             if framing not in ("raw", "seq"):
                 raise SelectionError("Failed to deserialize query string: framing: unknown variant "
                                      f"`{framing}`, expected `raw` or `seq`", 400)
@@ -259,6 +263,9 @@ class PushSession(_Session):
                 tenant_id=params.get("tenant_id"), now=self._clock())
             self._seq_framing = framing == "seq"
             self._ack = ack == "true"
+            if resume == "true":  # where the index stands, so that a sender can resend from there
+                position = service.stream_position(self.stream)
+                self._send(TextMessage(data=f'{{"resume":{"null" if position is None else position}}}'))
         except SelectionError as exc:
             self.close(1008, exc.message)
 
@@ -371,6 +378,20 @@ class SubscriptionSession(_Session):
             self._service.subscription_state(self.stream, False, now=self._clock())
 
 
+def parse_resume(text: str) -> tuple[int | None] | None:
+    """`({"resume": n}["resume"],)` from the service, None for anything else."""
+    try:
+        message = jsonio.loads(text)
+    except jsonio.JSONSyntaxError:
+        return None
+    if not isinstance(message, dict) or "resume" not in message:
+        return None
+    value = message["resume"]
+    if value is None or (type(value) is int and 0 <= value < 1 << 63):
+        return (value,)
+    return None
+
+
 def parse_ack(text: str) -> int:
     """The count of `{"ack": n}` from the service, or 0 for anything else: whatever the service
     sends (deep nesting, a thousand-digit number), the relay keeps forwarding."""
@@ -394,6 +415,8 @@ class ForwardingClient:
         self.accepted = False
         self.closed = False
         self.acked = 0
+        self.resume: int | None = None  # the service's last applied seq, once it said it
+        self.resumed = False
         self.close_code: int | None = None
         self.close_reason = ""
         self.rejected: str | None = None
@@ -424,7 +447,11 @@ class ForwardingClient:
                 self.rejected = f"handshake refused with status {event.status_code}"
                 self.closed = True
             elif isinstance(event, TextMessage):
-                self.acked = max(self.acked, parse_ack(event.data))
+                resume = parse_resume(event.data)
+                if resume is not None:
+                    self.resumed, self.resume = True, resume[0]
+                else:
+                    self.acked = max(self.acked, parse_ack(event.data))
             elif isinstance(event, Ping):
                 self._out.append(self._ws.send(event.response()))
             elif isinstance(event, CloseConnection):

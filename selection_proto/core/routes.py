@@ -24,7 +24,7 @@ __all__ = ["EVENT_QUERY", "KEY_QUERY", "MAX_BODY", "PUSH_QUERY", "ROUTES", "Rout
 MAX_BODY: Final = 8 * 1024 * 1024
 KEY_QUERY: Final = ("model_name", "tenant_id", "routing_group")
 EVENT_QUERY: Final = ("worker_id", "dp_rank", *KEY_QUERY)
-PUSH_QUERY: Final = (*EVENT_QUERY, "framing", "ack")
+PUSH_QUERY: Final = (*EVENT_QUERY, "framing", "ack", "resume")
 
 
 class Route(NamedTuple):

@@ -323,6 +323,14 @@ class SelectionService:
             raise StreamError(1008, "stream is not open")
         return self._ingest.stream_message(source, data, seq, now, start, stop)
 
+    def stream_position(self, stream: int) -> int | None:
+        """The last seq applied for the stream's rank (from any stream of it), for a sender that
+        resumes where the index stands (`resume=true`); None when none was seen."""
+        source = self._streams.get(stream)
+        pool = self._pools.get(source.key) if source is not None else None
+        fresh = pool.fresh.get(source.rank) if source is not None and pool is not None else None
+        return fresh.last_seq if fresh is not None else None
+
     def close_event_stream(self, stream: int, *, now: float) -> None:
         """The inbound WebSocket closed."""
         self._advance(now)

@@ -1,5 +1,10 @@
 """`selection-proto relay`: forward one engine's ZMQ KV events to the service over one WebSocket
-(transports.md §5). Messages go out in order, as 8 seq bytes + payload; nothing is dropped silently."""
+(transports.md §5). Messages go out in order, as 8 seq bytes + payload; nothing is dropped silently.
+
+With the engine's replay socket (`--replay`), a connection resumes where the service's index
+stands: the service says its last applied seq (`resume=true`), the relay asks the engine for
+everything after it, and skips what the service already has, so that neither a relay restart nor a
+lost connection loses batches the engine still keeps."""
 
 from __future__ import annotations
 
@@ -12,16 +17,26 @@ from urllib.parse import urlencode, urlsplit
 import anyio
 import anyio.abc
 
+from ..adapters.replay import parse_replay_frames
 from ..adapters.ws import ForwardingClient
 from .logs import log, log_internal_error
 from .pump import flush, receive
 from .subscriber import backoff_delays, connect
-from .zmq_sub import zmq_batches
+from .zmq_sub import fetch_replay, zmq_batches
 
 __all__ = ["Relay", "run_relay"]
 
 MAX_BUFFER_BYTES = 64 * 1024 * 1024
 REPORT_EVERY = 10.0
+RESUME_TIMEOUT = 2.0  # how long to wait for the service's resume point (an older one sends none)
+
+
+class _Replayed(bytes):
+    """A message the engine replayed (its live copy, if one follows, is the duplicate)."""
+
+    @property
+    def data(self) -> bytes:
+        return bytes(self)
 
 
 class Relay:
@@ -33,7 +48,8 @@ class Relay:
         self.limit = buffer_messages
         self.counters = {"forwarded": 0, "acknowledged": 0, "dropped_overflow": 0,
                          "unacknowledged_at_disconnect": 0, "invalid_frames": 0, "reconnects": 0,
-                         "internal_errors": 0}
+                         "internal_errors": 0, "replayed": 0, "skipped_duplicates": 0}
+        self.replayed: set[int] = set()  # seqs the last resume brought: their live copies are skipped
         self.ready = anyio.Event()
 
     def offer(self, frames: list[bytes]) -> None:
@@ -50,11 +66,35 @@ class Relay:
         self.ready.set()
 
     def take(self) -> bytes | None:
-        if not self.buffer:
-            return None
-        message = self.buffer.popleft()
-        self.buffer_bytes -= len(message)
-        return message
+        """The next message to forward, skipping live copies of what a resume replayed."""
+        while self.buffer:
+            message, replayed = self.buffer.popleft(), False
+            self.buffer_bytes -= len(message)
+            if isinstance(message, _Replayed):
+                message, replayed = message.data, True
+            seq = int.from_bytes(message[:8], "big")
+            if not replayed and seq in self.replayed:
+                self.replayed.discard(seq)
+                self.counters["skipped_duplicates"] += 1
+                continue
+            return message
+        return None
+
+    def resume(self, last: int | None, replayed: list[list[bytes]]) -> None:
+        """A connection began where the service has `last` applied: buffered messages it already
+        has go, and the engine's replay of what follows goes first, in order."""
+        start = 0 if last is None else last + 1
+        kept = [m for m in self.buffer if int.from_bytes(m[:8], "big") >= start]
+        self.counters["skipped_duplicates"] += len(self.buffer) - len(kept)
+        messages: list[bytes] = []
+        for frames in replayed:
+            parsed = parse_replay_frames(frames)
+            if parsed is not None and parsed[0] >= start:
+                messages.append(_Replayed(parsed[0].to_bytes(8, "big") + parsed[1]))
+        self.replayed = {int.from_bytes(m[:8], "big") for m in messages}
+        self.counters["replayed"] += len(messages)
+        self.buffer = deque([*messages, *kept])
+        self.buffer_bytes = sum(len(m) for m in self.buffer)
 
     def report(self, event: str = "relay_counters") -> None:
         log("info", event, **self.counters)
@@ -77,10 +117,11 @@ async def _read(stream: anyio.abc.ByteStream, client: ForwardingClient, lock: an
     scope.cancel()
 
 
-async def _ws_loop(relay: Relay, to: str, worker_id: int, dp_rank: int) -> None:
+async def _ws_loop(relay: Relay, to: str, worker_id: int, dp_rank: int, replay: str | None) -> None:
     parts = urlsplit(to)
-    query = "&".join(q for q in (parts.query, urlencode({"worker_id": worker_id, "dp_rank": dp_rank,
-                                                          "framing": "seq", "ack": "true"})) if q)
+    ours = {"worker_id": worker_id, "dp_rank": dp_rank, "framing": "seq", "ack": "true",
+            **({"resume": "true"} if replay else {})}
+    query = "&".join(q for q in (parts.query, urlencode(ours)) if q)
     target = (parts.path or "/") + "?" + query
     host = parts.hostname or "127.0.0.1"
     port = parts.port or (443 if parts.scheme == "wss" else 80)
@@ -103,6 +144,15 @@ async def _ws_loop(relay: Relay, to: str, worker_id: int, dp_rank: int) -> None:
                     await anyio.sleep(0.01)
                 if client.accepted:
                     log("info", "relay_connected", to=to)
+                if replay is not None and client.accepted:
+                    with anyio.move_on_after(RESUME_TIMEOUT):
+                        while not client.resumed and not client.closed:
+                            await anyio.sleep(0.01)
+                    if client.resumed:
+                        start = 0 if client.resume is None else client.resume + 1
+                        frames, _ = await anyio.to_thread.run_sync(fetch_replay, replay, start,
+                                                                   abandon_on_cancel=True)
+                        relay.resume(client.resume, frames)
                 while not client.closed:
                     message = relay.take()
                     if message is None:
@@ -131,12 +181,12 @@ async def _ws_loop(relay: Relay, to: str, worker_id: int, dp_rank: int) -> None:
 
 
 async def run_relay(zmq_endpoint: str, to: str, worker_id: int, dp_rank: int, topic: str,
-                    buffer_messages: int) -> None:
+                    buffer_messages: int, replay: str | None = None) -> None:
     relay = Relay(buffer_messages)
     log("info", "relay", zmq=zmq_endpoint, to=to, worker_id=worker_id, dp_rank=dp_rank)
     async with anyio.create_task_group() as tg:
         tg.start_soon(_zmq_loop, relay, zmq_endpoint, topic.encode())
-        tg.start_soon(_ws_loop, relay, to, worker_id, dp_rank)
+        tg.start_soon(_ws_loop, relay, to, worker_id, dp_rank, replay)
 
         async def reporter() -> None:
             while True:
