@@ -432,3 +432,55 @@ def test_approximate_mode_predicts_from_bookings_as_1_6_1(reference_python: str,
         server.stop()
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_a_predicted_side_index_beside_real_events_as_1_6_1(reference_python: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 13: `DYN_ROUTER_PREDICTED_TTL_SECS` (both read it): a real block plus bookings' predicted
+    blocks, the larger prefix per worker, not dumped, gone after the TTL."""
+    import msgpack
+    import zmq
+
+    monkeypatch.setenv("DYN_ROUTER_PREDICTED_TTL_SECS", "3")
+    pubs = {wid: zmq.Context.instance().socket(zmq.PUB) for wid in (1, 2)}
+    endpoints = {}
+    for wid, pub in pubs.items():
+        endpoints[wid] = f"tcp://127.0.0.1:{free_port()}"
+        pub.bind(endpoints[wid])
+    ref, ref_port = start_reference(reference_python)
+    server = Server()
+    try:
+        ours, reference = Http(server.port, "routing_group"), Http(ref_port, "routing_group")
+        for wid in (1, 2):
+            worker = {"worker_id": wid, "model_name": "m", "endpoint": f"http://w{wid}:8000", "block_size": 4,
+                      "kv_events_endpoint": endpoints[wid]}
+            assert ours.call("POST", "/workers", worker)[0] == reference.call("POST", "/workers", worker)[0] == 201
+        tokens = list(range(1, 13))
+        batch = msgpack.packb([time.time(), [["BlockStored", [501], None, tokens[:4], 4, None, "GPU", None, None]], 0])
+        import urllib.request
+
+        request = urllib.request.Request(f"http://127.0.0.1:{server.port}/kv_events?worker_id=1", data=batch,
+                                         method="POST", headers={"content-type": "application/msgpack"})
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            assert answer.status == 200
+        for seq in range(1, 200):  # ZMQ PUB drops what is sent before the subscriber joined
+            pubs[1].send_multipart([b"", seq.to_bytes(8, "big"), batch])
+            if device_rows(reference, tokens) == {1: 1}:
+                break
+            time.sleep(0.1)
+        assert device_rows(ours, tokens) == device_rows(reference, tokens) == {1: 1}
+        started = time.monotonic()
+        for sid, wid, n in (("a", 1, 12), ("b", 2, 8)):
+            body = {"model_name": "m", "selection_id": sid, "worker_id": wid, "token_ids": tokens[:n]}
+            assert ours.call("POST", "/reservations", body)[0] == reference.call("POST", "/reservations", body)[0]
+        assert device_rows(ours, tokens) == device_rows(reference, tokens) == {1: 3, 2: 2}
+        events = [e for key in reference.call("GET", "/dump")[1].values() for e in key["events"]]
+        assert len(events) == len(ours.call("GET", "/dump")[1]["events"]) == 1  # the real block only
+        time.sleep(max(0.0, 3.3 - (time.monotonic() - started)))
+        assert device_rows(ours, tokens) == device_rows(reference, tokens) == {1: 1}
+    finally:
+        server.stop()
+        ref.terminate()
+        ref.wait(timeout=30)
+        for pub in pubs.values():
+            pub.close(linger=0)
