@@ -4,6 +4,7 @@ file, in that precedence (transports.md §7)."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import sys
@@ -192,6 +193,7 @@ def _relay(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         raise UsageError(f"--log-level: invalid choice {level!r} (choose from debug, info, warning, error)")
     set_log_level(level)
     backend = _transport_value(args, env, "backend", "asyncio", str)
+    _check_backend(backend)
     if not args.zmq.startswith(("tcp://", "ipc://")):
         raise UsageError(f"--zmq: expected a tcp:// or ipc:// endpoint, not {args.zmq!r}")
     if not args.to.startswith(("ws://", "wss://")):
@@ -201,7 +203,7 @@ def _relay(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     try:
         import zmq  # noqa: F401
     except ImportError:
-        print(f"{PROG}: error: relay needs the optional extra zmq (pip install 'selection-proto[zmq]')",
+        print(f"{PROG}: error: relay needs pyzmq (pip install pyzmq)",
               file=sys.stderr)
         return 1
     from .transports.relay import run_relay
@@ -294,12 +296,22 @@ def _dynamo_kv_mode(env: Mapping[str, str], values: dict[str, Any], sources: dic
                 "supported by the selection service yet; falling back to TTL retention")
 
 
+def _check_backend(backend: str) -> None:
+    if backend not in ("asyncio", "trio"):
+        raise UsageError(f"--backend: invalid choice {backend!r} (choose from asyncio, trio)")
+    if backend == "trio":
+        try:
+            import trio  # noqa: F401
+        except ImportError:
+            raise UsageError("--backend trio: the trio package is not installed "
+                             "(pip install 'selection-proto[trio]')") from None
+
+
 def _service_and_backend(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[SelectionService, str]:
     settings = settings_from(args, env)
     seed = _transport_value(args, env, "random_state", None, int)
     backend = _transport_value(args, env, "backend", "asyncio", str)
-    if backend not in ("asyncio", "trio"):
-        raise UsageError(f"--backend: invalid choice {backend!r} (choose from asyncio, trio)")
+    _check_backend(backend)
     level = _transport_value(args, env, "log_level", "info", str)
     from .transports.logs import LEVELS, set_log_level
 
@@ -357,15 +369,20 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     from .transports.server import ServerConfig, serve
 
     service, backend = _service_and_backend(args, env)
-    config = ServerConfig(
-        host=_transport_value(args, env, "host", "127.0.0.1", str),
-        port=_transport_value(args, env, "port", 8092, int),
-        max_connections=_transport_value(args, env, "max_connections", 1024, int),
-        keep_alive_timeout_secs=_transport_value(args, env, "keep_alive_timeout_secs", 5.0, float),
-        request_timeout_secs=_transport_value(args, env, "request_timeout_secs", 30.0, float),
-        shutdown_timeout_secs=_transport_value(args, env, "shutdown_timeout_secs", 10.0, float),
-        ws_ping_interval_secs=_transport_value(args, env, "ws_ping_interval_secs", 20.0, float),
-    )
+    port = _transport_value(args, env, "port", 8092, int)
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--port: must be between 1 and 65535 (0: any free port), not {port}")
+    max_connections = _transport_value(args, env, "max_connections", 1024, int)
+    if max_connections < 1:
+        raise UsageError(f"--max-connections: must be at least 1, not {max_connections}")
+    timeouts = {name: _transport_value(args, env, name, default, float) for name, default in (
+        ("keep_alive_timeout_secs", 5.0), ("request_timeout_secs", 30.0), ("shutdown_timeout_secs", 10.0),
+        ("ws_ping_interval_secs", 20.0))}
+    for name, value in timeouts.items():
+        if not (value > 0 and math.isfinite(value)):  # NaN fails both
+            raise UsageError(f"{_flag(name)}: must be a finite number greater than 0, not {value}")
+    config = ServerConfig(host=_transport_value(args, env, "host", "127.0.0.1", str), port=port,
+                          max_connections=max_connections, **timeouts)
     import anyio
 
     peers = _transport_value(args, env, "indexer_peers", None, str)

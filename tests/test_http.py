@@ -172,6 +172,12 @@ def test_cli_usage_errors_and_help() -> None:
         (("serve",), {"SELECTION_PROTO_TRACK_PREFILL_TOKENS": "maybe"},
          "selection-proto: error: SELECTION_PROTO_TRACK_PREFILL_TOKENS: invalid boolean value 'maybe'"),
         (("serve", "--port", "abc"), {}, "selection-proto: error: --port: invalid int value 'abc'"),
+        (("serve", "--port", "99999"), {},
+         "selection-proto: error: --port: must be between 1 and 65535 (0: any free port), not 99999"),
+        (("serve", "--request-timeout-secs", "nan"), {},
+         "selection-proto: error: --request-timeout-secs: must be a finite number greater than 0, not nan"),
+        (("serve", "--max-connections", "0"), {},
+         "selection-proto: error: --max-connections: must be at least 1, not 0"),
     ]:
         result = run(*args, **env)
         assert result.returncode == 2 and result.stderr.strip() == line, result.stderr
