@@ -53,10 +53,14 @@ def test_whole_session_with_bad_lines() -> None:
     ])
     answers, stderr, code = run_session(data)
     assert code == 0
+    batches = [a for a in answers if isinstance(a, list)]
+    answers = [a for a in answers if not isinstance(a, list)]
     by_id = {a["id"]: a for a in answers if a["id"] is not None}
     anonymous = [a["error"] for a in answers if a["id"] is None]
-    assert [e["code"] for e in anonymous] == [-32700, -32600, -32600, -32600]
-    assert anonymous[1]["data"] == {"detail": "batch requests are not supported"}
+    assert [e["code"] for e in anonymous] == [-32700, -32600, -32600]
+    # `[1, 2]` is a batch of two members that are not calls: one array of two errors.
+    assert [[m["error"]["data"] for m in batch] for batch in batches] == [
+        [{"detail": "a request must be a JSON object"}] * 2]
     assert by_id[1]["result"]["lifecycle"] == "schedulable"
     assert by_id[7]["error"]["code"] == -32600
     assert by_id[8]["error"]["code"] == -32602
@@ -71,7 +75,7 @@ def test_whole_session_with_bad_lines() -> None:
     assert [w["worker_id"] for w in by_id[10]["result"]] == [1, 2]
     assert by_id[11]["result"]["applied"] == 1
     assert by_id[12]["result"] == {"status": "ok"}
-    assert len(answers) == 16
+    assert len(answers) == 15
     for line in stderr.splitlines():
         assert "level" in json.loads(line)
 
@@ -261,3 +265,55 @@ def test_1_6_1_calls_over_json_rpc() -> None:
     assert by_id[5]["result"][0]["loads"][0]["potential_decode_blocks"] == 2  # 2 x 0.5 + 1 x 0.5, rounded
     assert by_id[6]["error"]["code"] == 400
     assert by_id[6]["error"]["message"] == "decay_fraction must be between 0.0 and 1.0"
+
+
+def test_batches_are_answered_as_one_array() -> None:
+    """JSON-RPC 2.0 §6: a batch gets one array of the answers of its calls (notifications add
+    none, a batch of notifications gets nothing); an empty batch is one Invalid Request; a member
+    that is not a call gets its own error inside the array."""
+    calls = [
+        {"jsonrpc": "2.0", "id": 1, "method": "workers.create", "params": worker(1)},
+        {"jsonrpc": "2.0", "method": "health"},
+        {"jsonrpc": "2.0", "id": 2, "method": "nope"},
+        5,
+        {"jsonrpc": "2.0", "id": 3, "method": "loads", "params": {"model_name": "m"}},
+    ]
+    data = (json.dumps(calls) + "\n" + json.dumps([{"jsonrpc": "2.0", "method": "health"}]) + "\n[]\n").encode()
+    answers, _, code = run_session(data)
+    assert code == 0
+    assert len(answers) == 2
+    batch, empty = answers
+    assert [a.get("id") for a in batch] == [1, 2, None, 3]
+    assert batch[0]["result"]["lifecycle"] == "schedulable"
+    assert batch[1]["error"]["code"] == -32601 and batch[2]["error"]["code"] == -32600
+    assert batch[3]["result"][0]["loads"][0]["worker_id"] == 1
+    assert empty["error"] == {"code": -32600, "message": "Invalid Request", "data": {"detail": "an empty batch"}}
+
+
+def test_a_batch_waits_for_its_queued_selection() -> None:
+    from selection_proto import SelectionService, Settings
+
+    service = SelectionService(Settings(kv_events="push", queue_threshold=0.5), random.Random(0))
+    session = JsonRpcSession(service, lambda: 0.0)
+    busy = {**worker(1), "max_num_batched_tokens": 8}
+    session.receive_data(rpc(1, "workers.create", **busy) + rpc(
+        2, "reservations.create", model_name="m", reservation_id="load", worker_id=1, token_ids=list(range(16))))
+    session.data_to_send()
+    batch = [{"jsonrpc": "2.0", "id": 3, "method": "select", "params": {"model_name": "m", "token_ids": [1, 2]}},
+             {"jsonrpc": "2.0", "id": 4, "method": "health"}]
+    session.receive_data(json.dumps(batch).encode() + b"\n")
+    assert session.data_to_send() == b""  # the queued selection holds the batch's answer
+    service.free("load", now=1.0)
+    while (out := service.next_output()) is not None:
+        session.deliver(out)  # type: ignore[arg-type]
+    answer = json.loads(session.data_to_send())
+    assert [a["id"] for a in answer] == [4, 3] and answer[1]["result"]["worker_id"] == 1
+
+
+def test_every_method_is_documented() -> None:
+    from pathlib import Path
+
+    from selection_proto.adapters.jsonl import METHODS
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "embedding.md").read_text()
+    assert [m for m in (*METHODS, "cancel", "shutdown") if f"| `{m}` |" not in text] == []

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 from collections.abc import Callable
+from functools import partial
 from http import HTTPStatus
 from typing import Any, Final
 from urllib.parse import quote, urlencode
@@ -67,6 +68,18 @@ def render(rid: Id, response: Response) -> bytes:
         "status": status, "body": parsed}}) + b"}\n"
 
 
+class _Batch:
+    """A JSON-RPC batch being answered: its members' answers, sent as one array once the last
+    (queued selections included) is in; notifications add nothing."""
+
+    __slots__ = ("answers", "pending", "open")
+
+    def __init__(self) -> None:
+        self.answers: list[bytes] = []
+        self.pending = 0  # members waiting for a queued answer
+        self.open = True  # its members are still being read
+
+
 class JsonRpcSession:
     def __init__(self, service: SelectionService, clock: Callable[[], float]) -> None:
         self._service = service
@@ -76,6 +89,8 @@ class JsonRpcSession:
         self._out: list[bytes] = []
         self._waiting: dict[int, Id] = {}  # ticket -> request id (None for a notification)
         self._in_flight: dict[Id, int] = {}  # request id -> ticket
+        self._batch: _Batch | None = None  # the batch whose members are being read
+        self._ticket_batch: dict[int, _Batch] = {}  # queued members of batches
         self.shutdown_requested = False
 
     @property
@@ -86,6 +101,17 @@ class JsonRpcSession:
         data = b"".join(self._out)
         self._out.clear()
         return data
+
+    def _emit(self, answer: bytes) -> None:
+        """One answer line: straight out, or into the batch being read."""
+        if self._batch is not None:
+            self._batch.answers.append(answer.rstrip(b"\n"))
+        else:
+            self._out.append(answer)
+
+    def _close_batch(self, batch: _Batch) -> None:
+        if batch.answers:
+            self._out.append(b"[" + b",".join(batch.answers) + b"]\n")
 
     def _count(self, outcome: str) -> None:
         self._service.observe(JSONRPC_MESSAGES, (outcome,), 1.0)
@@ -147,8 +173,23 @@ class JsonRpcSession:
             self._out.append(_envelope_error(None, -32700, "Parse error", {"detail": exc.detail}))
             return
         if isinstance(message, list):
-            self._invalid(None, "batch requests are not supported")
+            if not message:
+                self._invalid(None, "an empty batch")
+                return
+            batch = self._batch = _Batch()
+            try:
+                for i, member in enumerate(message):
+                    self._message(member, partial(_exact_member, line, i), len(line), may_contain_bools)
+            finally:
+                self._batch = None
+                batch.open = False
+            if batch.pending == 0:
+                self._close_batch(batch)
             return
+        self._message(message, lambda: jsonio.loads_exact(line), len(line), may_contain_bools)
+
+    def _message(self, message: Any, exact: Callable[[], Any], size: int, may_contain_bools: bool) -> None:
+        """One call of a line (or of a batch); `exact` re-reads it with exact integers."""
         if not isinstance(message, dict):
             self._invalid(None, "a request must be a JSON object")
             return
@@ -166,30 +207,30 @@ class JsonRpcSession:
         if not isinstance(params, dict):
             self._count("invalid_params")
             if has_id:
-                self._out.append(_envelope_error(rid, -32602, "Invalid params",
-                                                 {"detail": "params must be an object"}))
+                self._emit(_envelope_error(rid, -32602, "Invalid params",
+                                           {"detail": "params must be an object"}))
             return
         if has_id and rid in self._in_flight:
             self._invalid(rid, f"id {rid} is already in flight")
             return
         self._count("request" if has_id else "notification")
         try:
-            self._call(rid if has_id else None, has_id, method, params, line, may_contain_bools)
+            self._call(rid if has_id else None, has_id, method, params, exact, size, may_contain_bools)
         except Exception:  # noqa: BLE001 - one call's failure is confined to it
             self._service.internal_error("jsonrpc")
             self._count("internal_error")
             self._in_flight.pop(rid, None)
             if has_id:
-                self._out.append(_envelope_error(rid, -32603, "Internal error"))
+                self._emit(_envelope_error(rid, -32603, "Internal error"))
 
     def _invalid(self, rid: Id, detail: str) -> None:
         self._count("invalid_request")
-        self._out.append(_envelope_error(rid, -32600, "Invalid Request", {"detail": detail}))
+        self._emit(_envelope_error(rid, -32600, "Invalid Request", {"detail": detail}))
 
     # -- dispatch ------------------------------------------------------------------------------
 
-    def _call(self, rid: Id, answer: bool, method: str, params: dict[str, Any], line: bytes,
-              may_contain_bools: bool) -> None:
+    def _call(self, rid: Id, answer: bool, method: str, params: dict[str, Any], exact: Callable[[], Any],
+              size: int, may_contain_bools: bool) -> None:
         if method == "cancel":
             ticket = self._in_flight.pop(params.get("id"), None)
             if ticket is not None:
@@ -199,44 +240,60 @@ class JsonRpcSession:
         if method == "shutdown":
             self.shutdown_requested = True
             if answer:
-                self._out.append(b'{"jsonrpc":"2.0","id":' + jsonio.dumps(rid) + b',"result":{"status":"ok"}}\n')
+                self._emit(b'{"jsonrpc":"2.0","id":' + jsonio.dumps(rid) + b',"result":{"status":"ok"}}\n')
             return
         route = METHODS.get(method)
         if route is None:
             self._count("method_not_found")
             if answer:
-                self._out.append(_envelope_error(rid, -32601, "Method not found", {"method": method}))
+                self._emit(_envelope_error(rid, -32601, "Method not found", {"method": method}))
             return
         try:
-            http_method, path, query, headers, body = _request(method, route, params, line,
+            http_method, path, query, headers, body = _request(method, route, params, exact, size,
                                                                may_contain_bools)
         except _ParamsError as exc:
             self._count("invalid_params")
             if answer:
-                self._out.append(_envelope_error(rid, -32602, "Invalid params", {"detail": exc.detail}))
+                self._emit(_envelope_error(rid, -32602, "Invalid params", {"detail": exc.detail}))
             return
         result = self._service.handle(http_method, path, query, headers, body, now=self._clock())
         if isinstance(result, Pending):
             self._waiting[result.ticket] = rid
             if answer:
                 self._in_flight[rid] = result.ticket
+                if self._batch is not None:  # the batch's answer waits for this one
+                    self._ticket_batch[result.ticket] = self._batch
+                    self._batch.pending += 1
             return
         if answer:
-            self._out.append(render(rid, result))
+            self._emit(render(rid, result))
 
     def deliver(self, ready: SelectionReady) -> bool:
         """Write the deferred answer of one of this session's tickets; False if not ours."""
         if ready.ticket not in self._waiting:
             return False
         rid = self._waiting.pop(ready.ticket)
+        batch = self._ticket_batch.pop(ready.ticket, None)
         if rid is not None and self._in_flight.get(rid) == ready.ticket:
             del self._in_flight[rid]
-            self._out.append(render(rid, ready.response))
+            answer = render(rid, ready.response)
+            if batch is None:
+                self._out.append(answer)
+            else:
+                batch.answers.append(answer.rstrip(b"\n"))
+        if batch is not None:
+            batch.pending -= 1
+            if batch.pending == 0 and not batch.open:
+                self._close_batch(batch)
         return True
 
 
+def _exact_member(line: bytes, i: int) -> Any:
+    return jsonio.loads_exact(line)[i]
+
+
 def _request(method: str, route: tuple[str, str, str | None, bool], params: dict[str, Any],
-             line: bytes, may_contain_bools: bool
+             exact_call: Callable[[], Any], size: int, may_contain_bools: bool
              ) -> tuple[str, str, str, list[tuple[str, str]], bytes | ParsedBody]:
     """The HTTP-shaped request of a call. A JSON body is handed over parsed, as `ParsedBody`:
     the line was parsed once, here, and is not encoded and parsed again."""
@@ -244,8 +301,8 @@ def _request(method: str, route: tuple[str, str, str | None, bool], params: dict
 
     def parsed(pick: Callable[[dict[str, Any]], Any]) -> ParsedBody:
         def exact() -> Any:
-            return pick(jsonio.loads_exact(line)["params"])
-        return ParsedBody(pick(params), may_contain_bools, len(line), exact)
+            return pick(exact_call()["params"])
+        return ParsedBody(pick(params), may_contain_bools, size, exact)
 
     rest = dict(params)
     path = template
