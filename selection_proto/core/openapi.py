@@ -49,6 +49,8 @@ def _component(cls: type, schemas: dict[str, Any]) -> None:
         prop = _schema(meta["kind"], schemas)
         if meta.get("nullable") and "type" in prop:
             prop = {**prop, "type": [prop["type"], "null"]}
+            if "enum" in prop:  # null must be one of the values too
+                prop["enum"] = [*prop["enum"], None]
         elif meta.get("nullable"):
             prop = {"anyOf": [prop, {"type": "null"}]}
         if meta.get("required"):
