@@ -388,3 +388,34 @@ def test_a_large_kv_events_request_is_applied_in_steps_with_the_same_report() ->
             assert read_response(sock, buf)[2] == before  # nothing of it was applied
     finally:
         assert s.stop() == 0
+
+
+def test_metrics_parse_as_prometheus_text_with_process_and_rank_figures() -> None:
+    """`/metrics` read by `prometheus_client`'s own parser: every family parses, the process's
+    figures are there (from the server), and each rank's load."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.interop.test_services import Http
+
+    server = Server()
+    try:
+        service = Http(server.port, "tenant_id")
+        assert service.call("POST", "/workers", {"worker_id": 1, "model_name": "m", "endpoint": "http://w1",
+                                                 "block_size": 4})[0] == 201
+        assert service.call("POST", "/select_and_reserve", {"model_name": "m", "reservation_id": "r",
+                                                            "token_ids": list(range(9))})[0] == 200
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as answer:
+            text = answer.read().decode()
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        assert families["process_resident_memory_bytes"].samples[0].value > 1e6
+        assert families["process_open_fds"].samples[0].value >= 3
+        assert families["process_start_time_seconds"].samples[0].value > 1.7e9
+        rank = {"model_name": "m", "tenant_id": "default", "worker_id": "1", "dp_rank": "0"}
+        for name, value in (("selection_proto_rank_active_requests", 1.0),
+                            ("selection_proto_rank_prefill_tokens", 9.0),
+                            ("selection_proto_rank_decode_blocks", 2.0)):
+            assert [s.value for s in families[name].samples if s.labels == rank] == [value]
+    finally:
+        server.stop()

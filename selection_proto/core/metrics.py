@@ -14,6 +14,10 @@ __all__ = [
     "INTERNAL_ERRORS",
     "JSONRPC_MESSAGES",
     "LIMIT_REJECTIONS",
+    "PROCESS_CPU",
+    "PROCESS_FDS",
+    "PROCESS_MEMORY",
+    "PROCESS_START",
     "REQUEST_DURATION",
     "KV_REPLAYS",
     "SUBSCRIPTION_FAILURES",
@@ -37,6 +41,10 @@ WS_MESSAGES: Final = "selection_proto_ws_messages_total"
 WS_CLOSES: Final = "selection_proto_ws_closes_total"
 SUBSCRIPTION_FAILURES: Final = "selection_proto_kv_subscription_failures_total"
 KV_REPLAYS: Final = "selection_proto_kv_replay_total"
+PROCESS_MEMORY: Final = "process_resident_memory_bytes"
+PROCESS_CPU: Final = "process_cpu_seconds_total"
+PROCESS_FDS: Final = "process_open_fds"
+PROCESS_START: Final = "process_start_time_seconds"
 JSONRPC_MESSAGES: Final = "selection_proto_jsonrpc_messages_total"
 
 # name -> (type, help, label names, histogram bounds)
@@ -92,6 +100,13 @@ FAMILIES: Final[Mapping[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]
     CONNECTIONS: ("gauge", "Open connections.", ("kind",), ()),
     WS_MESSAGES: ("counter", "WebSocket messages.", ("direction", "type"), ()),
     WS_CLOSES: ("counter", "WebSocket closes.", ("direction", "code"), ()),
+    PROCESS_MEMORY: ("gauge", "Resident memory of the serving process.", (), ()),
+    PROCESS_CPU: ("counter", "CPU time of the serving process (user and system).", (), ()),
+    PROCESS_FDS: ("gauge", "Open file descriptors of the serving process.", (), ()),
+    PROCESS_START: ("gauge", "When the serving process started, in seconds since the epoch.", (), ()),
+    "selection_proto_rank_active_requests": ("gauge", "Live bookings per rank.", _RANK_LABELS, ()),
+    "selection_proto_rank_prefill_tokens": ("gauge", "Booked prefill tokens per rank.", _RANK_LABELS, ()),
+    "selection_proto_rank_decode_blocks": ("gauge", "Active decode blocks per rank.", _RANK_LABELS, ()),
     KV_REPLAYS: ("counter", "Engine replays: requests, batches recovered and lost, replays that failed.",
                  ("result",), ()),
     SUBSCRIPTION_FAILURES: ("counter", "Subscription failures.",

@@ -36,8 +36,17 @@ def gauges(records: Iterable[WorkerCatalogRecord], pools: Mapping[Key, Pool], bu
     stale: Samples = {}
     blocks: Samples = {}
     sessions: Samples = {}
+    requests: Samples = {}
+    prefill: Samples = {}
+    decode: Samples = {}
     for key, pool in pools.items():
         sessions[key] = float(len(pool.sessions))
+        for rank in pool.ranks():  # bounded by the worker and dp-size limits
+            load = pool.tracker.loads[rank]
+            labels = (*key, str(rank[0]), str(rank[1]))
+            requests[labels] = float(load.requests)
+            prefill[labels] = float(load.prefill_tokens)
+            decode[labels] = float(load.decode_blocks())
         ranks[key] = float(len(pool.ranks()))
         active[key] = float(len(pool.tracker.bookings))
         queued[key] = float(len(pool.queue))
@@ -58,6 +67,9 @@ def gauges(records: Iterable[WorkerCatalogRecord], pools: Mapping[Key, Pool], bu
         "selection_proto_pending_selections": {(): float(len(pending))},
         "selection_proto_pending_selection_bytes": {(): float(pending.bytes)},
         "selection_proto_session_bindings": sessions,
+        "selection_proto_rank_active_requests": requests,
+        "selection_proto_rank_prefill_tokens": prefill,
+        "selection_proto_rank_decode_blocks": decode,
     }
 
 

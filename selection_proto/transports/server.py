@@ -19,6 +19,7 @@ from ..core.service import SelectionService
 from ..core.streams import decode_or_error
 from ..core.wire import error_response
 from .logs import log, log_internal_error
+from .process import ProcessMetrics
 from .pump import CHUNK, flush, receive
 from .subscriber import Subscriptions
 
@@ -198,8 +199,14 @@ class _Server:
                     pass
 
     async def timer(self) -> None:
-        """Tick the core at its next deadline (booking expiry, queue timeout)."""
+        """Tick the core at its next deadline (booking expiry, queue timeout); report the
+        process's own figures about once a second."""
+        process = ProcessMetrics(self.service)
+        reported = -1.0
         while True:
+            if self.clock() - reported >= 1.0:
+                process.report()
+                reported = self.clock()
             deadline = self.service.next_deadline()
             delay = 1.0 if deadline is None else min(1.0, max(0.0, deadline - self.clock()))
             self.timer_target = self.clock() + delay
