@@ -239,3 +239,18 @@ def test_a_predicted_side_index_beside_real_events() -> None:
     assert rows(3.05) == {1: 1}
     s.delete_worker(2, now=3.1)  # a rank leaving takes its predictions along
     assert s.budget.index_blocks == 1
+
+
+def test_session_bindings_count_in_the_state_budget() -> None:
+    from selection_proto.core.budget import SESSION_BYTES
+
+    s = two_workers(session_affinity_ttl_secs=30.0)
+    book(s, "a", 1.0, session_id="S")
+    assert s.budget.session_bytes == SESSION_BYTES + 1
+    s.free("a", now=1.0)
+    assert pick(s, 40.0, session_id="S") in (1, 2)  # expired, and forgotten when read
+    assert s.budget.session_bytes == 0
+    book(s, "b", 41.0, session_id="T")
+    for wid in (1, 2):
+        s.delete_worker(wid, now=41.0)  # the pool goes, and its bindings with it
+    assert s.budget.session_bytes == 0

@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from selection_proto.core.budget import StateBudget
 from selection_proto.core.pending import PendingSelection, PendingSelections
 from selection_proto.core.prompt import PromptHashes
 from selection_proto.core.sessions import Lease, SessionTable
@@ -64,7 +65,7 @@ class SessionMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.table = SessionTable(self.TTL, self.LIMIT)
+        self.table = SessionTable(self.TTL, self.LIMIT, StateBudget(1 << 40))
         self.model: dict[str, list[object]] = {}
         self.leases: list[tuple[Lease, list[object]]] = []
         self.now = 0.0

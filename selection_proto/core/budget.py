@@ -11,13 +11,14 @@ from typing import Final
 
 from .errors import SelectionError
 
-__all__ = ["BLOCK_BYTES", "BOOKED_BLOCK_BYTES", "BOOKING_BYTES", "RECORD_FACTOR", "InsufficientStorage",
-           "StateBudget"]
+__all__ = ["BLOCK_BYTES", "BOOKED_BLOCK_BYTES", "BOOKING_BYTES", "RECORD_FACTOR", "SESSION_BYTES",
+           "InsufficientStorage", "StateBudget"]
 
 BLOCK_BYTES: Final = 200  # one (rank, block) in a radix tree or a lower tier
 BOOKING_BYTES: Final = 300  # a booking without blocks
 BOOKED_BLOCK_BYTES: Final = 70  # each sequence hash a booking holds
 RECORD_FACTOR: Final = 5  # a catalog record's memory / its JSON size (typical records)
+SESSION_BYTES: Final = 250  # a session binding, besides its id
 
 
 class InsufficientStorage(SelectionError):
@@ -27,7 +28,7 @@ class InsufficientStorage(SelectionError):
 class StateBudget:
     """Counters kept by their owners (tracker, index writes, catalog) and the limit."""
 
-    __slots__ = ("limit", "index_blocks", "bookings", "booked_blocks", "record_bytes")
+    __slots__ = ("limit", "index_blocks", "bookings", "booked_blocks", "record_bytes", "session_bytes")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -35,11 +36,13 @@ class StateBudget:
         self.bookings = 0
         self.booked_blocks = 0
         self.record_bytes = 0  # JSON bytes of every stored record, tombstones included
+        self.session_bytes = 0  # session bindings (made only by bookings, which check the budget)
 
     @property
     def used(self) -> int:
         return (self.index_blocks * BLOCK_BYTES + self.bookings * BOOKING_BYTES
-                + self.booked_blocks * BOOKED_BLOCK_BYTES + self.record_bytes * RECORD_FACTOR)
+                + self.booked_blocks * BOOKED_BLOCK_BYTES + self.record_bytes * RECORD_FACTOR
+                + self.session_bytes)
 
     @property
     def exhausted(self) -> bool:

@@ -47,7 +47,8 @@ class Pool:
         self.workers: dict[int, tuple[Rank, ...]] = {}  # schedulable worker -> its ranks
         self.taints: dict[int, frozenset[str]] = {}
         self.queue = AdmissionQueue()
-        self.sessions = SessionTable(settings.session_affinity_ttl_secs or 0.0, settings.max_sessions_per_key)
+        self.sessions = SessionTable(settings.session_affinity_ttl_secs or 0.0, settings.max_sessions_per_key,
+                                     budget)
         # Bookings predict the cache: into the index itself, or a side tree read beside events.
         self.side: DeviceTree | None = None
         self.predictions: Predictions | None = None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Final, NamedTuple
 
+from .budget import SESSION_BYTES, StateBudget
 from .errors import BadRequest
 from .index import Rank
 
@@ -57,12 +58,13 @@ class Lease(NamedTuple):
 class SessionTable:
     """One pool's bindings of session id -> rank."""
 
-    __slots__ = ("_ttl", "_limit", "_bindings")
+    __slots__ = ("_ttl", "_limit", "_bindings", "_budget")
 
-    def __init__(self, ttl: float, limit: int) -> None:
+    def __init__(self, ttl: float, limit: int, budget: StateBudget) -> None:
         self._ttl = ttl
         self._limit = limit
         self._bindings: dict[str, _Binding] = {}
+        self._budget = budget
 
     def __len__(self) -> int:
         return len(self._bindings)
@@ -72,7 +74,7 @@ class SessionTable:
         if binding is None:
             return None
         if binding.leases == 0 and binding.idle_until <= now:
-            del self._bindings[session]  # expired: forgotten on sight
+            self.forget(session)  # expired: forgotten on sight
             return None
         return binding
 
@@ -82,7 +84,13 @@ class SessionTable:
         return binding.rank if binding is not None else None
 
     def forget(self, session: str) -> None:
-        self._bindings.pop(session, None)
+        if self._bindings.pop(session, None) is not None:
+            self._budget.session_bytes -= SESSION_BYTES + len(session)
+
+    def close(self) -> None:
+        """The pool goes: so do its bindings."""
+        for session in list(self._bindings):
+            self.forget(session)
 
     def lease(self, session: str, rank: Rank, now: float) -> Lease | None:
         """A booking of the session landed on `rank` (the caller checked it is the bound rank, if
@@ -95,6 +103,7 @@ class SessionTable:
                 if len(self._bindings) >= self._limit:
                     return None
             binding = self._bindings[session] = _Binding(rank)
+            self._budget.session_bytes += SESSION_BYTES + len(session)
         binding.leases += 1
         return Lease(session, binding)
 
@@ -108,4 +117,4 @@ class SessionTable:
 
     def _sweep(self, now: float) -> None:
         for session in [s for s, b in self._bindings.items() if b.leases == 0 and b.idle_until <= now]:
-            del self._bindings[session]
+            self.forget(session)

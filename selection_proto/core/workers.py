@@ -169,6 +169,7 @@ class Workers:
         self._streams.end_pushes(record.worker_id, f"worker {record.worker_id} is no longer schedulable")
         if not pool.workers:
             del self._pools[record.key]
+            pool.sessions.close()
             self._selector.fail_queue(pool, NotReady(f"no schedulable workers for {pool.label}"),
                                       "failed", now)
 
