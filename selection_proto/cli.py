@@ -130,6 +130,8 @@ def _add_settings(command: argparse.ArgumentParser) -> None:
     command.add_argument("--random-state", default=None, help="seed of the random generator")
     command.add_argument("--config", default=None, help="TOML file of settings")
     command.add_argument("--restore", default=None, metavar="PATH", help="replay a /dump file at start")
+    command.add_argument("--print-config", action="store_true",
+                         help="print the effective settings with where each came from, and exit")
     command.add_argument("--router-tracking-key-file", default=None, metavar="PATH",
                          help="32 raw bytes: the key of router_tracking_hash=keyed-xxh3-v1; env "
                               "SELECTION_PROTO_ROUTER_TRACKING_KEY_FILE, DYN_ROUTER_TRACKING_KEY_FILE")
@@ -188,11 +190,11 @@ def _relay(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
     from .transports.logs import LEVELS, set_log_level
 
-    level = _transport_value(args, env, "log_level", "info", str)
+    level = _transport_value(args, env, "log_level", TRANSPORT["log_level"], str)
     if level not in LEVELS:
         raise UsageError(f"--log-level: invalid choice {level!r} (choose from debug, info, warning, error)")
     set_log_level(level)
-    backend = _transport_value(args, env, "backend", "asyncio", str)
+    backend = _transport_value(args, env, "backend", TRANSPORT["backend"], str)
     _check_backend(backend)
     if not args.zmq.startswith(("tcp://", "ipc://")):
         raise UsageError(f"--zmq: expected a tcp:// or ipc:// endpoint, not {args.zmq!r}")
@@ -215,12 +217,52 @@ def _relay(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     return 0
 
 
+# Settings of the transports and the command line, beside `Settings`: also TOML keys.
+TRANSPORT: Final[Mapping[str, Any]] = {
+    "host": "127.0.0.1", "port": 8092, "max_connections": 1024, "keep_alive_timeout_secs": 5.0,
+    "request_timeout_secs": 30.0, "shutdown_timeout_secs": 10.0, "ws_ping_interval_secs": 20.0,
+    "backend": "asyncio", "log_level": "info", "random_state": None, "restore": None, "indexer_peers": None,
+    "indexer_peer_timeout_secs": 10.0, "router_tracking_key_file": None,
+}
+TRANSPORT_KEYS: Final = tuple(TRANSPORT)
+# Our variables that are not settings (the test suite's, the config file's).
+_OTHER_ENV: Final = ("SELECTION_PROTO_CONFIG", "SELECTION_PROTO_VECTORS", "SELECTION_PROTO_REQUIRE_REFERENCE")
+
+
+def _config_file(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[dict[str, Any], str]:
+    """The TOML file's keys (read once per run) and how errors name it."""
+    cached = getattr(args, "_file", None)
+    if cached is not None:
+        return cached  # type: ignore[no-any-return]
+    path = getattr(args, "config", None) or env.get(_env("config"))
+    values: dict[str, Any] = {}
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                values = tomllib.load(fh)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise UsageError(f"--config {path}: {exc}") from None
+        known = {f.name for f in _SETTING_FIELDS} | set(TRANSPORT_KEYS)
+        for name in values:
+            if name not in known:
+                raise UsageError(f"--config {path}: unknown setting {name!r}")
+    args._file = (values, f"--config {path}")
+    return args._file  # type: ignore[no-any-return]
+
+
 def _transport_value(args: argparse.Namespace, env: Mapping[str, str], name: str, default: Any,
                      cast: type) -> Any:
-    raw = getattr(args, name)
+    """A transport setting: its flag, else `SELECTION_PROTO_*`, else the TOML file, else `default`."""
+    raw = getattr(args, name, None)
     source = _flag(name)
     if raw is None and _env(name) in env:
         raw, source = env[_env(name)], _env(name)
+    if raw is None:
+        from_file, file_source = _config_file(args, env)
+        if name in from_file:
+            raw, source = from_file[name], f"{file_source}: {name}"
+            if isinstance(raw, bool) or (cast is not str and isinstance(raw, str)):
+                raise UsageError(f"{source}: expected a {cast.__name__}, not {raw!r}")
     if raw is None:
         return default
     try:
@@ -229,25 +271,25 @@ def _transport_value(args: argparse.Namespace, env: Mapping[str, str], name: str
         raise UsageError(f"{source}: invalid {cast.__name__} value {raw!r}") from None
 
 
-def settings_from(args: argparse.Namespace, env: Mapping[str, str]) -> Settings:
-    config_path = args.config or env.get(_env("config"))
-    from_file: dict[str, Any] = {}
-    if config_path:
-        try:
-            with open(config_path, "rb") as fh:
-                from_file = tomllib.load(fh)
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise UsageError(f"--config {config_path}: {exc}") from None
-        names = {f.name for f in _SETTING_FIELDS}
-        for name in from_file:
-            if name not in names:
-                raise UsageError(f"--config {config_path}: unknown setting {name!r}")
+def _warn_unknown_env(env: Mapping[str, str]) -> None:
+    from .transports.logs import log
+
+    known = {_env(f.name) for f in _SETTING_FIELDS} | {_env(n) for n in TRANSPORT_KEYS} | set(_OTHER_ENV)
+    for name in sorted(n for n in env if n.startswith("SELECTION_PROTO_") and n not in known):
+        log("warning", "unknown_variable", name=name, detail="not a setting; ignored")
+
+
+def settings_from(args: argparse.Namespace, env: Mapping[str, str],
+                  sources: dict[str, str] | None = None) -> Settings:
+    """The settings of flags, `SELECTION_PROTO_*`, Dynamo's variables and the TOML file, in that
+    order; `sources`, when given, receives where each came from."""
+    from_file, file_source = _config_file(args, env)
     unsupported = [name for name in UNSUPPORTED_ENV if name in env]
     if unsupported:
         raise UsageError(f"{unsupported[0]}: not supported yet (automatic output tracking is open work); "
                          "unset it")
     values: dict[str, Any] = {}
-    sources: dict[str, str] = {}
+    sources = {} if sources is None else sources
     _dynamo_kv_mode(env, values, sources)
     for field in _SETTING_FIELDS:
         name = field.name
@@ -260,8 +302,11 @@ def settings_from(args: argparse.Namespace, env: Mapping[str, str]) -> Settings:
         elif dynamo is not None:
             values[name], sources[name] = _convert(field, env[dynamo], dynamo), dynamo
         elif name in from_file:
-            source = f"--config {config_path}"
-            values[name], sources[name] = _convert(field, from_file[name], source), source
+            source = f"{file_source}: {name}"
+            raw = from_file[name]
+            if _kind(field)[0] == "bool" and not isinstance(raw, bool):
+                raise UsageError(f"{source}: expected a boolean, not {raw!r}")
+            values[name], sources[name] = _convert(field, raw, source), source
     try:
         return Settings(**values)
     except (ValueError, TypeError) as exc:
@@ -309,21 +354,22 @@ def _check_backend(backend: str) -> None:
 
 def _service_and_backend(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[SelectionService, str]:
     settings = settings_from(args, env)
-    seed = _transport_value(args, env, "random_state", None, int)
-    backend = _transport_value(args, env, "backend", "asyncio", str)
+    seed = _transport_value(args, env, "random_state", TRANSPORT["random_state"], int)
+    backend = _transport_value(args, env, "backend", TRANSPORT["backend"], str)
     _check_backend(backend)
-    level = _transport_value(args, env, "log_level", "info", str)
+    level = _transport_value(args, env, "log_level", TRANSPORT["log_level"], str)
     from .transports.logs import LEVELS, set_log_level
 
     if level not in LEVELS:
         raise UsageError(f"--log-level: invalid choice {level!r} (choose from debug, info, warning, error)")
     set_log_level(level)
+    _warn_unknown_env(env)
     rng = random.Random(seed) if seed is not None else random.Random()
     try:
         service = SelectionService(settings, rng, _tracking_key(args, env))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    restore = _transport_value(args, env, "restore", None, str)
+    restore = _transport_value(args, env, "restore", TRANSPORT["restore"], str)
     if restore is not None:
         from .core import jsonio
         from .core.errors import SelectionError
@@ -342,7 +388,7 @@ def _service_and_backend(args: argparse.Namespace, env: Mapping[str, str]) -> tu
 
 
 def _tracking_key(args: argparse.Namespace, env: Mapping[str, str]) -> bytes | None:
-    path = _transport_value(args, env, "router_tracking_key_file", None, str)
+    path = _transport_value(args, env, "router_tracking_key_file", TRANSPORT["router_tracking_key_file"], str)
     if path is None:
         path = env.get("DYN_ROUTER_TRACKING_KEY_FILE")
     if path is None:
@@ -369,27 +415,26 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     from .transports.server import ServerConfig, serve
 
     service, backend = _service_and_backend(args, env)
-    port = _transport_value(args, env, "port", 8092, int)
+    port = _transport_value(args, env, "port", TRANSPORT["port"], int)
     if not 0 <= port <= 65535:
         raise UsageError(f"--port: must be between 1 and 65535 (0: any free port), not {port}")
-    max_connections = _transport_value(args, env, "max_connections", 1024, int)
+    max_connections = _transport_value(args, env, "max_connections", TRANSPORT["max_connections"], int)
     if max_connections < 1:
         raise UsageError(f"--max-connections: must be at least 1, not {max_connections}")
-    timeouts = {name: _transport_value(args, env, name, default, float) for name, default in (
-        ("keep_alive_timeout_secs", 5.0), ("request_timeout_secs", 30.0), ("shutdown_timeout_secs", 10.0),
-        ("ws_ping_interval_secs", 20.0))}
+    timeouts = {name: _transport_value(args, env, name, TRANSPORT[name], float) for name in (
+        "keep_alive_timeout_secs", "request_timeout_secs", "shutdown_timeout_secs", "ws_ping_interval_secs")}
     for name, value in timeouts.items():
         if not (value > 0 and math.isfinite(value)):  # NaN fails both
             raise UsageError(f"{_flag(name)}: must be a finite number greater than 0, not {value}")
-    config = ServerConfig(host=_transport_value(args, env, "host", "127.0.0.1", str), port=port,
+    config = ServerConfig(host=_transport_value(args, env, "host", TRANSPORT["host"], str), port=port,
                           max_connections=max_connections, **timeouts)
     import anyio
 
-    peers = _transport_value(args, env, "indexer_peers", None, str)
+    peers = _transport_value(args, env, "indexer_peers", TRANSPORT["indexer_peers"], str)
     if peers:
         from .transports.peers import recover_from_peers
 
-        timeout = _transport_value(args, env, "indexer_peer_timeout_secs", 10.0, float)
+        timeout = _transport_value(args, env, "indexer_peer_timeout_secs", TRANSPORT["indexer_peer_timeout_secs"], float)
         if not timeout > 0 or timeout == float("inf"):
             raise UsageError("--indexer-peer-timeout-secs: must be a finite number greater than 0")
         anyio.run(recover_from_peers, service, [p.strip() for p in peers.split(",") if p.strip()],
@@ -404,6 +449,38 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     return 0
 
 
+def _print_config(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    """Every setting, TOML-shaped, with its source: flag, variable, file or default."""
+    sources: dict[str, str] = {}
+    settings = settings_from(args, env, sources)
+    lines = []
+    for field in _SETTING_FIELDS:
+        value = getattr(settings, field.name)
+        lines.append(f"{field.name} = {_toml(value)}  # {sources.get(field.name, 'default')}")
+    from_file, file_source = _config_file(args, env)
+    for name, default in TRANSPORT.items():
+        if args.command == "stdio" and name not in ("backend", "log_level", "random_state", "restore",
+                                                     "router_tracking_key_file"):
+            continue
+        cast = type(default) if default is not None else int if name == "random_state" else str
+        value = _transport_value(args, env, name, default, cast)  # checked as the command would
+        source = (_flag(name) if getattr(args, name, None) is not None else _env(name) if _env(name) in env
+                  else f"{file_source}: {name}" if name in from_file else "default")
+        lines.append(f"{name} = {_toml(value)}  # {source}")
+    print("\n".join(lines))
+    return 0
+
+
+def _toml(value: Any) -> str:
+    if value is None:
+        return '"none"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     parser = _build_parser()
@@ -413,6 +490,8 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             raise UsageError("a command is required (serve, stdio, relay)")
         if args.command == "relay":
             return _relay(args, env)
+        if args.print_config:
+            return _print_config(args, env)
         return _stdio(args, env) if args.command == "stdio" else _serve(args, env)
     except UsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

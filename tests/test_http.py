@@ -419,3 +419,51 @@ def test_metrics_parse_as_prometheus_text_with_process_and_rank_figures() -> Non
             assert [s.value for s in families[name].samples if s.labels == rank] == [value]
     finally:
         server.stop()
+
+
+def test_print_config_names_each_source_and_toml_is_strict(tmp_path: Any) -> None:
+    config = tmp_path / "settings.toml"
+    config.write_text('temperature = 0.5\nport = 9000\n')
+
+    def run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "selection_proto", "serve", *args], capture_output=True,
+                              text=True, timeout=60, env={**os.environ, **env})
+
+    result = run("--print-config", "--config", str(config), "--max-keys", "7",
+                 SELECTION_PROTO_QUEUE_POLICY="lcfs", DYN_ROUTER_TTL_SECS="3")
+    assert result.returncode == 0
+    lines = dict(line.split(" = ", 1) for line in result.stdout.splitlines())
+    assert lines["temperature"] == f"0.5  # --config {config}: temperature"
+    assert lines["port"] == f"9000  # --config {config}: port"
+    assert lines["max_keys"] == "7  # --max-keys"
+    assert lines["queue_policy"] == '"lcfs"  # SELECTION_PROTO_QUEUE_POLICY'
+    assert lines["router_ttl_secs"] == "3.0  # DYN_ROUTER_TTL_SECS"
+    assert lines["host"] == '"127.0.0.1"  # default'
+    for text, line in (("track_prefill_tokens = \"yes\"\n", "track_prefill_tokens: expected a boolean, not 'yes'"),
+                       ("port = \"9000\"\n", "port: expected a int, not '9000'"),
+                       ("frob = 1\n", "unknown setting 'frob'")):
+        config.write_text(text)
+        result = run("--print-config", "--config", str(config))
+        assert result.returncode == 2 and line in result.stderr, result.stderr
+
+
+def test_start_up_line_and_unknown_variables() -> None:
+    import select
+
+    proc = subprocess.Popen([sys.executable, "-m", "selection_proto", "serve", "--port", "0", "--host", "::1"],
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "SELECTION_PROTO_TEMPRATURE": "1"})
+    try:
+        assert proc.stderr is not None
+        records = []
+        while not any(r["event"] == "listening" for r in records):
+            ready, _, _ = select.select([proc.stderr], [], [], 30)
+            assert ready
+            records.append(json.loads(proc.stderr.readline()))
+        warning = next(r for r in records if r["event"] == "unknown_variable")
+        assert warning["name"] == "SELECTION_PROTO_TEMPRATURE"
+        listening = records[-1]
+        assert listening["url"].startswith("http://[::1]:") and listening["version"] == "0.1.0"
+        assert listening["settings"]["kv_events"] == "subscribe"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)

@@ -9,7 +9,9 @@ from functools import partial
 
 import anyio
 import anyio.abc
+import attrs
 
+from .._version import __version__
 from ..adapters.http import HttpConnection
 from ..adapters.ws import PushSession
 from ..core.handler import prepare_large_body
@@ -368,7 +370,9 @@ async def serve(service: SelectionService, config: ServerConfig,
     except OSError as exc:
         raise RuntimeError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from exc
     port = listener.extra(anyio.abc.SocketAttribute.local_port)
-    log("info", "listening", url=f"http://{config.host}:{port}")
+    host = f"[{config.host}]" if ":" in config.host else config.host  # an IPv6 address
+    log("info", "listening", url=f"http://{host}:{port}", version=__version__,
+        settings=attrs.asdict(service.settings))
     if ready is not None:
         ready(config.host, port)
     async with anyio.create_task_group() as tg:
