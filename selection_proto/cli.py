@@ -166,6 +166,9 @@ def _build_parser() -> _Parser:
     serve.add_argument("--indexer-peers", default=None, metavar="URL[,URL...]",
                        help="start from the first of these peers whose /dump restores (1.6.1's "
                             "format too); env SELECTION_PROTO_INDEXER_PEERS")
+    serve.add_argument("--auth-token-file", default=None, metavar="PATH",
+                       help="every route but /health, /ready, /metrics and /openapi.json then needs "
+                            "'Authorization: Bearer <the file's token>'")
     serve.add_argument("--indexer-peer-timeout-secs", default=None, metavar="SECONDS",
                        help="how long one peer may take to answer (default 10)")
     _add_settings(serve)
@@ -222,7 +225,7 @@ TRANSPORT: Final[Mapping[str, Any]] = {
     "host": "127.0.0.1", "port": 8092, "max_connections": 1024, "keep_alive_timeout_secs": 5.0,
     "request_timeout_secs": 30.0, "shutdown_timeout_secs": 10.0, "ws_ping_interval_secs": 20.0,
     "backend": "asyncio", "log_level": "info", "random_state": None, "restore": None, "indexer_peers": None,
-    "indexer_peer_timeout_secs": 10.0, "router_tracking_key_file": None,
+    "indexer_peer_timeout_secs": 10.0, "router_tracking_key_file": None, "auth_token_file": None,
 }
 TRANSPORT_KEYS: Final = tuple(TRANSPORT)
 # Our variables that are not settings (the test suite's, the config file's).
@@ -400,6 +403,20 @@ def _tracking_key(args: argparse.Namespace, env: Mapping[str, str]) -> bytes | N
         raise UsageError(f"failed to read router tracking key file {path}: {exc.strerror or exc}") from None
 
 
+def _auth_token(args: argparse.Namespace, env: Mapping[str, str]) -> bytes | None:
+    path = _transport_value(args, env, "auth_token_file", None, str)
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as fh:
+            token = fh.read(4097).strip()
+    except OSError as exc:
+        raise UsageError(f"--auth-token-file {path}: {exc.strerror or exc}") from None
+    if not token or len(token) > 4096 or not all(0x21 <= b <= 0x7e for b in token):
+        raise UsageError(f"--auth-token-file {path}: expected one token of 1 to 4096 visible ASCII characters")
+    return token
+
+
 def _stdio(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     import anyio
 
@@ -427,7 +444,7 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         if not (value > 0 and math.isfinite(value)):  # NaN fails both
             raise UsageError(f"{_flag(name)}: must be a finite number greater than 0, not {value}")
     config = ServerConfig(host=_transport_value(args, env, "host", TRANSPORT["host"], str), port=port,
-                          max_connections=max_connections, **timeouts)
+                          max_connections=max_connections, auth_token=_auth_token(args, env), **timeouts)
     import anyio
 
     peers = _transport_value(args, env, "indexer_peers", TRANSPORT["indexer_peers"], str)

@@ -467,3 +467,49 @@ def test_start_up_line_and_unknown_variables() -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=15)
+
+
+def test_a_bearer_token_guards_every_route_but_the_open_ones(tmp_path: Any) -> None:
+    """`--auth-token-file`: 401 with a JSON error and the connection closed before the body is
+    read; the WebSocket upgrade is guarded too; probes and scrapes stay open."""
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    from tests.interop.test_services import Http
+
+    token = tmp_path / "token"
+    token.write_text("s3cret-token\n")
+    server = Server("--auth-token-file", str(token))
+    try:
+        anonymous = Http(server.port, "tenant_id")
+        worker = {"worker_id": 1, "model_name": "m", "endpoint": "http://w1", "block_size": 4}
+        status, body = anonymous.call("POST", "/workers", worker)
+        assert (status, body) == (401, {"error": "missing or invalid bearer token"})
+        import urllib.request
+
+        def call(method: str, path: str, auth: str) -> int:
+            request = urllib.request.Request(f"http://127.0.0.1:{server.port}{path}", method=method,
+                                             data=json.dumps(worker).encode() if method == "POST" else None,
+                                             headers={"content-type": "application/json", "authorization": auth})
+            try:
+                with urllib.request.urlopen(request, timeout=10) as answer:
+                    return int(answer.status)
+            except urllib.error.HTTPError as exc:
+                return int(exc.code)
+
+        for path in ("/health", "/ready", "/metrics", "/openapi.json"):
+            assert call("GET", path, "") in (200, 503), path
+        assert call("GET", "/dump", "") == 401
+        assert call("POST", "/workers", "Bearer wrong") == 401
+        assert call("POST", "/workers", "Bearer s3cret-token") == 201
+        with pytest.raises(InvalidStatus):
+            connect(f"ws://127.0.0.1:{server.port}/kv_events?worker_id=1")
+        with connect(f"ws://127.0.0.1:{server.port}/kv_events?worker_id=1",
+                     additional_headers={"authorization": "Bearer s3cret-token"}) as ws:
+            ws.ping().wait(timeout=5)
+    finally:
+        server.stop()
+    token.write_text("\n")
+    result = subprocess.run([sys.executable, "-m", "selection_proto", "serve", "--auth-token-file", str(token)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "expected one token" in result.stderr

@@ -7,6 +7,7 @@ reading: a body over 8 MiB is refused as soon as that is known, without reading 
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Callable
 from http import HTTPStatus
 from typing import Final, NamedTuple
@@ -62,17 +63,23 @@ def _reason(status: int) -> bytes:
         return b""
 
 
+# Routes anyone may read, with or without `--auth-token-file`: probes, scrapes, the API's shape.
+OPEN_PATHS: Final = (b"/health", b"/ready", b"/metrics", b"/openapi.json")
+
+
 class HttpConnection:
     """Feed received bytes with `receive_data`, send what `data_to_send` returns, close when
     `closed` is true. `busy` tells whether a request is partly received or being answered."""
 
     def __init__(self, service: SelectionService, clock: Callable[[], float], *,
-                 defer_large: bool = False) -> None:
+                 defer_large: bool = False, auth_token: bytes | None = None) -> None:
         """With `defer_large`, a JSON body over 256 KiB is not parsed here: it waits in
         `large_request` until the caller parses it (`handler.prepare_large_body`, pure, in any thread)
         and hands the result to `complete_large`, so that parsing megabytes does not hold up
-        the caller's other connections."""
+        the caller's other connections. With `auth_token`, every route but the open ones
+        (`OPEN_PATHS`) needs `Authorization: Bearer <token>`; others get 401 before their body is read."""
         self._service = service
+        self._auth = None if auth_token is None else b"Bearer " + auth_token
         self._clock = clock
         self._defer_large = defer_large
         self.large_request: LargeRequest | None = None
@@ -182,6 +189,13 @@ class HttpConnection:
             self._respond(error_response(431, f"request header block exceeds {MAX_HEADER_BYTES} bytes"),
                           close=True)
             return
+        if self._auth is not None and request.target.split(b"?", 1)[0] not in OPEN_PATHS:
+            given = next((v for n, v in request.headers if n == b"authorization"), b"")
+            if not hmac.compare_digest(given, self._auth):
+                self._service.observe(LIMIT_REJECTIONS, ("auth",), 1.0)
+                self._respond(error_response(401, "missing or invalid bearer token",
+                                             (("www-authenticate", "Bearer"),)), close=True)
+                return
         names = {name for name, _ in request.headers}
         if b"content-length" in names and b"transfer-encoding" in names:
             # RFC 9112 §6.3: a smuggling attempt until proven otherwise; answer and close.

@@ -42,8 +42,10 @@ ACCEPT_BACKOFF_MAX = 1.0
 class ServerConfig:
     def __init__(self, host: str = "127.0.0.1", port: int = 8092, max_connections: int = 1024,
                  keep_alive_timeout_secs: float = 5.0, request_timeout_secs: float = 30.0,
-                 shutdown_timeout_secs: float = 10.0, ws_ping_interval_secs: float = 20.0) -> None:
+                 shutdown_timeout_secs: float = 10.0, ws_ping_interval_secs: float = 20.0,
+                 auth_token: bytes | None = None) -> None:
         self.ws_ping_interval_secs = ws_ping_interval_secs
+        self.auth_token = auth_token  # bearer token every route but the open ones needs
         self.host = host
         self.port = port
         self.max_connections = max_connections
@@ -86,7 +88,7 @@ class _Server:
                 except _GONE:
                     pass
                 return
-            conn = HttpConnection(self.service, self.clock, defer_large=True)
+            conn = HttpConnection(self.service, self.clock, defer_large=True, auth_token=self.config.auth_token)
             lock = anyio.Lock(fast_acquire=True)
             self.connections.add(conn)
             self._report_connections()
