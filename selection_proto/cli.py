@@ -127,6 +127,7 @@ UNSUPPORTED_ENV: Final = ("DYN_ROUTER_TRACK_OUTPUT_BLOCKS",)
 def _add_settings(command: argparse.ArgumentParser) -> None:
     command.add_argument("--backend", default=None, help="asyncio (default) or trio")
     command.add_argument("--log-level", default=None, help="debug, info, warning, error")
+    command.add_argument("--log-format", default=None, help="json (default: one object a line) or text")
     command.add_argument("--random-state", default=None, help="seed of the random generator")
     command.add_argument("--config", default=None, help="TOML file of settings")
     command.add_argument("--restore", default=None, metavar="PATH", help="replay a /dump file at start")
@@ -185,6 +186,7 @@ def _build_parser() -> _Parser:
                        help="the engine's replay (ROUTER) endpoint: resume where the service stands")
     relay.add_argument("--backend", default=None, help="asyncio (default) or trio")
     relay.add_argument("--log-level", default=None, help="debug, info, warning, error")
+    relay.add_argument("--log-format", default=None, help="json (default: one object a line) or text")
     return parser
 
 
@@ -197,6 +199,7 @@ def _relay(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     if level not in LEVELS:
         raise UsageError(f"--log-level: invalid choice {level!r} (choose from debug, info, warning, error)")
     set_log_level(level)
+    _set_log_format(args, env)
     backend = _transport_value(args, env, "backend", TRANSPORT["backend"], str)
     _check_backend(backend)
     if not args.zmq.startswith(("tcp://", "ipc://")):
@@ -224,7 +227,7 @@ def _relay(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 TRANSPORT: Final[Mapping[str, Any]] = {
     "host": "127.0.0.1", "port": 8092, "max_connections": 1024, "keep_alive_timeout_secs": 5.0,
     "request_timeout_secs": 30.0, "shutdown_timeout_secs": 10.0, "ws_ping_interval_secs": 20.0,
-    "backend": "asyncio", "log_level": "info", "random_state": None, "restore": None, "indexer_peers": None,
+    "backend": "asyncio", "log_level": "info", "log_format": "json", "random_state": None, "restore": None, "indexer_peers": None,
     "indexer_peer_timeout_secs": 10.0, "router_tracking_key_file": None, "auth_token_file": None,
 }
 TRANSPORT_KEYS: Final = tuple(TRANSPORT)
@@ -344,6 +347,15 @@ def _dynamo_kv_mode(env: Mapping[str, str], values: dict[str, Any], sources: dic
                 "supported by the selection service yet; falling back to TTL retention")
 
 
+def _set_log_format(args: argparse.Namespace, env: Mapping[str, str]) -> None:
+    from .transports.logs import FORMATS, set_log_format
+
+    name = _transport_value(args, env, "log_format", TRANSPORT["log_format"], str)
+    if name not in FORMATS:
+        raise UsageError(f"--log-format: invalid choice {name!r} (choose from json, text)")
+    set_log_format(name)
+
+
 def _check_backend(backend: str) -> None:
     if backend not in ("asyncio", "trio"):
         raise UsageError(f"--backend: invalid choice {backend!r} (choose from asyncio, trio)")
@@ -366,6 +378,7 @@ def _service_and_backend(args: argparse.Namespace, env: Mapping[str, str]) -> tu
     if level not in LEVELS:
         raise UsageError(f"--log-level: invalid choice {level!r} (choose from debug, info, warning, error)")
     set_log_level(level)
+    _set_log_format(args, env)
     _warn_unknown_env(env)
     rng = random.Random(seed) if seed is not None else random.Random()
     try:
@@ -476,7 +489,7 @@ def _print_config(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         lines.append(f"{field.name} = {_toml(value)}  # {sources.get(field.name, 'default')}")
     from_file, file_source = _config_file(args, env)
     for name, default in TRANSPORT.items():
-        if args.command == "stdio" and name not in ("backend", "log_level", "random_state", "restore",
+        if args.command == "stdio" and name not in ("backend", "log_level", "log_format", "random_state", "restore",
                                                      "router_tracking_key_file"):
             continue
         cast = type(default) if default is not None else int if name == "random_state" else str

@@ -9,6 +9,7 @@ import pytest
 from conftest import Client, stored, worker
 
 from selection_proto import (
+    Notice,
     SelectionService,
     SelectRequest,
     Settings,
@@ -97,12 +98,22 @@ def test_worker_lifecycle_and_reasons(make_client: Any) -> None:
         "kv_events endpoint is required for dp_rank 0"]
     record = sub.ok("PATCH", "/workers/1", {"kv_events_endpoint": "ws://engine:9000/events"})
     assert record["lifecycle"] == "schedulable" and "not_schedulable_reasons" not in record
-    outputs = []
-    while (out := sub.service.next_output()) is not None:
-        outputs.append(out)
-    assert outputs == [SubscribeKvEvents(1, 1, 0, "ws://engine:9000/events", "m", "default")]
+    def drained() -> list[Any]:
+        outputs = []
+        while (out := sub.service.next_output()) is not None:
+            outputs.append(out)
+        return outputs
+
+    outputs = drained()
+    assert [o for o in outputs if not isinstance(o, Notice)] == [
+        SubscribeKvEvents(1, 1, 0, "ws://engine:9000/events", "m", "default")]
+    # Each change is a notice for the log: worker 1 went from incomplete to schedulable.
+    replaced = [o for o in outputs if isinstance(o, Notice) and o.event == "worker_replaced"][-1]
+    assert dict(replaced.fields)["lifecycle"] == "schedulable" and dict(replaced.fields)["was"] == "incomplete"
     sub.ok("DELETE", "/workers/1")
-    assert sub.service.next_output() == UnsubscribeKvEvents(1)
+    outputs = drained()
+    assert [o for o in outputs if not isinstance(o, Notice)] == [UnsubscribeKvEvents(1)]
+    assert [o.event for o in outputs if isinstance(o, Notice)] == ["kv_stream_closed", "worker_removed"]
 
 
 @pytest.mark.parametrize(("endpoint", "text"), [

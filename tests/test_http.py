@@ -513,3 +513,41 @@ def test_a_bearer_token_guards_every_route_but_the_open_ones(tmp_path: Any) -> N
     result = subprocess.run([sys.executable, "-m", "selection_proto", "serve", "--auth-token-file", str(token)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "expected one token" in result.stderr
+
+
+def test_lifecycle_events_are_logged() -> None:
+    from tests.interop.test_services import Http
+
+    server = Server()
+    try:
+        service = Http(server.port, "tenant_id")
+        assert service.call("POST", "/workers", {"worker_id": 1, "model_name": "m", "endpoint": "http://w1",
+                                                 "block_size": 4})[0] == 201
+        assert service.call("DELETE", "/workers/1")[0] == 200
+        deadline = time.monotonic() + 10
+        while not any('"worker_removed"' in line for line in server.logs):
+            assert time.monotonic() < deadline, server.logs
+            time.sleep(0.05)
+        records = [json.loads(line) for line in server.logs]
+        registered = next(r for r in records if r["event"] == "worker_registered")
+        assert (registered["worker_id"], registered["lifecycle"], registered["level"]) == (1, "schedulable", "info")
+    finally:
+        server.stop()
+
+
+def test_text_logs_for_a_terminal() -> None:
+    import re
+    import select
+
+    proc = subprocess.Popen([sys.executable, "-m", "selection_proto", "serve", "--port", "0", "--log-format", "text"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        ready, _, _ = select.select([proc.stderr], [], [], 30)
+        assert ready
+        line = proc.stderr.readline()
+        assert re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z info +listening url=http://127\.0\.0\.1:\d+ "
+                        r"version=0\.1\.0 settings=\"\{", line), line
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)

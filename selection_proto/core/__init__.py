@@ -37,7 +37,15 @@ from .errors import (
     UnsupportedMediaType,
 )
 from .hashing import block_hashes, iv, sequence_hashes
-from .outputs import CloseEventStream, OutputEvent, SelectionReady, SubscribeKvEvents, UnsubscribeKvEvents
+from .outputs import (
+    CloseEventStream,
+    InternalError,
+    Notice,
+    OutputEvent,
+    SelectionReady,
+    SubscribeKvEvents,
+    UnsubscribeKvEvents,
+)
 from .responses import *  # noqa: F403 - the wire types are the public API
 from .responses import __all__ as _responses_all
 from .service import SelectionService
@@ -51,9 +59,11 @@ __all__ = [
     "CloseEventStream",
     "Conflict",
     "Internal",
+    "InternalError",
     "MethodNotAllowed",
     "NotFound",
     "NotReady",
+    "Notice",
     "OutputEvent",
     "PayloadTooLarge",
     "Response",

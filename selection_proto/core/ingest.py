@@ -30,7 +30,7 @@ from .freshness import GAP, Break
 from .index import IndexEventError, Rank
 from .limits import Limits
 from .metrics import Metrics
-from .outputs import OutputEvent, SelectionReady
+from .outputs import Notice, OutputEvent, SelectionReady
 from .pool import Key, Pool, key_label
 from .responses import ApplyReport, Pending
 from .settings import Settings
@@ -214,6 +214,8 @@ class Ingest:
             self._metrics.kv_gap(labels, broken.missing)
         else:
             self._metrics.kv_rewind(labels)
+        self._outbox.append(Notice(f"kv_{broken.kind}", (("worker_id", rank[0]), ("dp_rank", rank[1]),
+                                                          ("missing", broken.missing))))
 
     def _apply(self, pool: Pool, rank: Rank, event: KvEvent, over_budget: bool, tally: Tally,
                position: int) -> None:

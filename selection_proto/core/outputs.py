@@ -8,7 +8,8 @@ from .errors import SelectionError
 from .responses import ApplyReport, SelectResponse
 from .wire import Response
 
-__all__ = ["CloseEventStream", "InternalError", "OutputEvent", "SelectionReady", "SubscribeKvEvents", "UnsubscribeKvEvents"]
+__all__ = ["CloseEventStream", "InternalError", "Notice", "OutputEvent", "SelectionReady", "SubscribeKvEvents",
+           "UnsubscribeKvEvents"]
 
 
 @attrs.frozen
@@ -57,4 +58,13 @@ class InternalError:
     detail: str
 
 
-OutputEvent = SelectionReady | SubscribeKvEvents | UnsubscribeKvEvents | CloseEventStream | InternalError
+@attrs.frozen
+class Notice:
+    """Something an operator wants in the log (a worker registered or removed, a lifecycle change,
+    a KV-event stream opened or closed, a gap in a stream): the transport logs it at info level."""
+
+    event: str
+    fields: tuple[tuple[str, object], ...]
+
+
+OutputEvent = SelectionReady | SubscribeKvEvents | UnsubscribeKvEvents | CloseEventStream | InternalError | Notice

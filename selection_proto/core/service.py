@@ -91,7 +91,7 @@ class SelectionService:
         self._selector = Selector(s, self.rng, self.metrics, self.limits, self.catalog, self._pools,
                                   tickets, self._outbox, self.internal_error)
         self._workers = Workers(s, self.metrics, self.limits, self.budget, self.catalog, self._pools,
-                                self._streams, self._selector)
+                                self._streams, self._selector, self._outbox)
         self._ingest = Ingest(s, self.metrics, self.limits, self.budget, self.catalog, self._pools,
                               tickets, self._outbox)
         self._now = -math.inf

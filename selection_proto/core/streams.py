@@ -29,7 +29,7 @@ from .engine import EngineBatch, InvalidBatch, decode_batch
 from .errors import InvalidJson, SelectionError, Unprocessable
 from .events import KvEvent, decode_json_events
 from .index import Rank
-from .outputs import CloseEventStream, OutputEvent, SubscribeKvEvents, UnsubscribeKvEvents
+from .outputs import CloseEventStream, Notice, OutputEvent, SubscribeKvEvents, UnsubscribeKvEvents
 from .pool import Key, Pool
 
 __all__ = ["STREAM", "DecodedMessage", "EventSource", "Streams", "decode_engine_batch", "decode_or_error", "decode_stream_message",
@@ -135,6 +135,10 @@ class Streams:
             if fresh is not None:
                 fresh.open_streams += 1
             source.first = True
+        if after != source.state:
+            self._outbox.append(Notice(f"kv_stream_{after if after != 'gone' else 'closed'}", (
+                ("stream", source.sid), ("kind", source.kind), ("worker_id", source.worker_id),
+                ("dp_rank", source.dp_rank), ("cause", event))))
         if after == "gone":
             del self._sources[source.sid]
             if event == "ended":

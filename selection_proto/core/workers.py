@@ -5,6 +5,7 @@ tombstone. Subscriptions follow the ranks that have an endpoint."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 
 from . import jsonio
@@ -23,6 +24,7 @@ from .errors import BadRequest, NotFound, NotReady
 from .index import Rank
 from .limits import Limits
 from .metrics import Metrics
+from .outputs import Notice, OutputEvent
 from .pool import Key, Pool, key_label
 from .selection import Selector
 from .settings import Settings
@@ -36,10 +38,12 @@ class Workers:
     """Upserts and deletes of workers, applied to the catalog, the pools and the streams."""
 
     __slots__ = ("_settings", "_metrics", "_limits", "_budget", "_catalog", "_pools", "_streams",
-                 "_selector")
+                 "_selector", "_outbox")
 
     def __init__(self, settings: Settings, metrics: Metrics, limits: Limits, budget: StateBudget,
-                 catalog: Catalog, pools: dict[Key, Pool], streams: Streams, selector: Selector) -> None:
+                 catalog: Catalog, pools: dict[Key, Pool], streams: Streams, selector: Selector,
+                 outbox: deque[OutputEvent]) -> None:
+        self._outbox = outbox
         self._settings = settings
         self._budget = budget
         self._metrics = metrics
@@ -114,6 +118,10 @@ class Workers:
             else:
                 self._join(record, now)
         self._catalog.store(record, encoded)
+        self._outbox.append(Notice("worker_registered" if previous is None else "worker_replaced", (
+            ("worker_id", req.worker_id), ("model_name", req.model_name), ("tenant_id", req.tenant_id),
+            ("lifecycle", lifecycle), *((("was", previous.lifecycle),) if previous is not None else ()),
+            *((("reasons", list(reasons)),) if reasons else ()))))
         self._selector.dispatch(self._pools.get(record.key), now)
         if previous is not None and previous.key != record.key:
             self._selector.dispatch(self._pools.get(previous.key), now)
@@ -131,6 +139,7 @@ class Workers:
             self._selector.dispatch(self._pools.get(previous.key), now)
         record = WorkerCatalogRecord(request=previous.request, lifecycle="unschedulable")
         self._catalog.delete(record, jsonio.dumps(record.to_json()))
+        self._outbox.append(Notice("worker_removed", (("worker_id", worker_id), ("was", previous.lifecycle))))
         return record
 
     def _subscribe(self, pool: Pool, rank: Rank, endpoint: str | None, req: WorkerRequest) -> None:

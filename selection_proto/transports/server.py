@@ -16,7 +16,7 @@ from ..adapters.http import HttpConnection
 from ..adapters.ws import PushSession
 from ..core.handler import prepare_large_body
 from ..core.metrics import CONNECTIONS, INTERNAL_ERRORS, LIMIT_REJECTIONS
-from ..core.outputs import CloseEventStream, InternalError, OutputEvent, SelectionReady
+from ..core.outputs import CloseEventStream, InternalError, Notice, OutputEvent, SelectionReady
 from ..core.service import SelectionService
 from ..core.streams import decode_or_error
 from ..core.wire import error_response
@@ -169,7 +169,9 @@ class _Server:
                 self.wake.set()  # something is due before the timer would look again
 
     async def _deliver(self, out: OutputEvent) -> None:
-        if isinstance(out, InternalError):
+        if isinstance(out, Notice):
+            log("info", out.event, **dict(out.fields))
+        elif isinstance(out, InternalError):
             log_internal_error(out.where, out.detail)
         elif isinstance(out, SelectionReady):
             waiter = self.waiting.pop(out.ticket, None)

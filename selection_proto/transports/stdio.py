@@ -14,7 +14,7 @@ import anyio.lowlevel
 
 from ..adapters.jsonl import JsonRpcSession
 from ..core.metrics import CONNECTIONS
-from ..core.outputs import InternalError, SelectionReady
+from ..core.outputs import InternalError, Notice, SelectionReady
 from ..core.service import SelectionService
 from .logs import log, log_internal_error
 from .subscriber import Subscriptions
@@ -46,7 +46,9 @@ async def serve_stdio(service: SelectionService) -> None:
     async def flush() -> None:
         while (event := service.next_output()) is not None:
             try:
-                if isinstance(event, InternalError):
+                if isinstance(event, Notice):
+                    log("info", event.event, **dict(event.fields))
+                elif isinstance(event, InternalError):
                     log_internal_error(event.where, event.detail)
                 elif isinstance(event, SelectionReady):
                     session.deliver(event)
