@@ -170,6 +170,9 @@ def _build_parser() -> _Parser:
     serve.add_argument("--auth-token-file", default=None, metavar="PATH",
                        help="every route but /health, /ready, /metrics and /openapi.json then needs "
                             "'Authorization: Bearer <the file's token>'")
+    serve.add_argument("--tls-cert", default=None, metavar="PATH", help="serve HTTPS and wss:// with this "
+                                                                         "certificate chain (PEM), with --tls-key")
+    serve.add_argument("--tls-key", default=None, metavar="PATH", help="the private key of --tls-cert (PEM)")
     serve.add_argument("--indexer-peer-timeout-secs", default=None, metavar="SECONDS",
                        help="how long one peer may take to answer (default 10)")
     _add_settings(serve)
@@ -229,6 +232,7 @@ TRANSPORT: Final[Mapping[str, Any]] = {
     "request_timeout_secs": 30.0, "shutdown_timeout_secs": 10.0, "ws_ping_interval_secs": 20.0,
     "backend": "asyncio", "log_level": "info", "log_format": "json", "random_state": None, "restore": None, "indexer_peers": None,
     "indexer_peer_timeout_secs": 10.0, "router_tracking_key_file": None, "auth_token_file": None,
+    "tls_cert": None, "tls_key": None,
 }
 TRANSPORT_KEYS: Final = tuple(TRANSPORT)
 # Our variables that are not settings (the test suite's, the config file's).
@@ -416,6 +420,23 @@ def _tracking_key(args: argparse.Namespace, env: Mapping[str, str]) -> bytes | N
         raise UsageError(f"failed to read router tracking key file {path}: {exc.strerror or exc}") from None
 
 
+def _tls_context(args: argparse.Namespace, env: Mapping[str, str]) -> Any:
+    cert = _transport_value(args, env, "tls_cert", None, str)
+    key = _transport_value(args, env, "tls_key", None, str)
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        raise UsageError("--tls-cert and --tls-key go together")
+    import ssl
+
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise UsageError(f"--tls-cert {cert} / --tls-key {key}: {exc.strerror or exc}") from None
+    return context
+
+
 def _auth_token(args: argparse.Namespace, env: Mapping[str, str]) -> bytes | None:
     path = _transport_value(args, env, "auth_token_file", None, str)
     if path is None:
@@ -457,7 +478,8 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         if not (value > 0 and math.isfinite(value)):  # NaN fails both
             raise UsageError(f"{_flag(name)}: must be a finite number greater than 0, not {value}")
     config = ServerConfig(host=_transport_value(args, env, "host", TRANSPORT["host"], str), port=port,
-                          max_connections=max_connections, auth_token=_auth_token(args, env), **timeouts)
+                          max_connections=max_connections, auth_token=_auth_token(args, env),
+                          tls=_tls_context(args, env), **timeouts)
     import anyio
 
     peers = _transport_value(args, env, "indexer_peers", TRANSPORT["indexer_peers"], str)

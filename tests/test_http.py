@@ -551,3 +551,44 @@ def test_text_logs_for_a_terminal() -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=15)
+
+
+def test_https_and_wss_with_a_certificate(tmp_path: Any) -> None:
+    """`--tls-cert`/`--tls-key`: the same API over HTTPS and wss://; a peer that never finishes its
+    handshake is dropped and the server still answers."""
+    import ssl
+    import urllib.request
+
+    import trustme
+    from websockets.sync.client import connect
+
+    authority = trustme.CA()
+    certificate = authority.issue_cert("127.0.0.1")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    certificate.cert_chain_pems[0].write_to_path(str(cert))
+    certificate.private_key_pem.write_to_path(str(key))
+    client = ssl.create_default_context()
+    authority.configure_trust(client)
+    server = Server("--tls-cert", str(cert), "--tls-key", str(key), "--request-timeout-secs", "1")
+    try:
+        assert server.logs[-1].find('"url":"https://127.0.0.1:') != -1
+        silent = socket.create_connection(("127.0.0.1", server.port))  # never says hello
+        with urllib.request.urlopen(f"https://127.0.0.1:{server.port}/health", context=client, timeout=10) as answer:
+            assert json.loads(answer.read()) == {"status": "ok"}
+        request = urllib.request.Request(f"https://127.0.0.1:{server.port}/workers", method="POST",
+                                         data=json.dumps({"worker_id": 1, "endpoint": "http://w1",
+                                                          "block_size": 4}).encode(),
+                                         headers={"content-type": "application/json"})
+        with urllib.request.urlopen(request, context=client, timeout=10) as answer:
+            assert answer.status == 201
+        with connect(f"wss://127.0.0.1:{server.port}/kv_events?worker_id=1&ack=true", ssl=client) as ws:
+            ws.send(json.dumps({"worker_id": 1, "event": {"event_id": 1, "data": "cleared"}}))
+            assert json.loads(ws.recv(timeout=5)) == {"ack": 1}
+        time.sleep(1.5)
+        assert silent.recv(1) == b""  # dropped after the handshake timeout
+        silent.close()
+    finally:
+        server.stop()
+    result = subprocess.run([sys.executable, "-m", "selection_proto", "serve", "--tls-cert", str(cert)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--tls-cert and --tls-key go together" in result.stderr

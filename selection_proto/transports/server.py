@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import ssl
 import time
 from collections.abc import Callable
 from functools import partial
@@ -10,6 +11,7 @@ from functools import partial
 import anyio
 import anyio.abc
 import attrs
+from anyio.streams.tls import TLSStream
 
 from .._version import __version__
 from ..adapters.http import HttpConnection
@@ -43,8 +45,9 @@ class ServerConfig:
     def __init__(self, host: str = "127.0.0.1", port: int = 8092, max_connections: int = 1024,
                  keep_alive_timeout_secs: float = 5.0, request_timeout_secs: float = 30.0,
                  shutdown_timeout_secs: float = 10.0, ws_ping_interval_secs: float = 20.0,
-                 auth_token: bytes | None = None) -> None:
+                 auth_token: bytes | None = None, tls: ssl.SSLContext | None = None) -> None:
         self.ws_ping_interval_secs = ws_ping_interval_secs
+        self.tls = tls  # serve HTTPS and wss:// with this context
         self.auth_token = auth_token  # bearer token every route but the open ones needs
         self.host = host
         self.port = port
@@ -64,18 +67,35 @@ class _Server:
         self.draining = False
         self.idle = anyio.Event()
         self.waits: dict[HttpConnection, anyio.CancelScope] = {}  # idle receives, cut by shutdown
-        self.waiting: dict[int, tuple[HttpConnection, anyio.abc.SocketStream, anyio.Lock]] = {}
+        self.waiting: dict[int, tuple[HttpConnection, anyio.abc.ByteStream, anyio.Lock]] = {}
         self.woken: set[HttpConnection] = set()  # readers cancelled by `pump`, not by a deadline
         self.wake = anyio.Event()
         self.timer_target = float("inf")
-        self.ws_sessions: dict[int, tuple[PushSession, anyio.abc.SocketStream, anyio.Lock]] = {}
+        self.ws_sessions: dict[int, tuple[PushSession, anyio.abc.ByteStream, anyio.Lock]] = {}
+        self.handshakes = 0  # TLS handshakes under way (they count against max_connections)
         self.ws_count = 0
         self.subscriptions: Subscriptions | None = None
 
     def _report_connections(self) -> None:
         self.service.observe(CONNECTIONS, ("http",), float(len(self.connections)))
 
-    async def client(self, stream: anyio.abc.SocketStream) -> None:
+    async def client(self, stream: anyio.abc.ByteStream) -> None:
+        if self.config.tls is not None:
+            if len(self.connections) + self.ws_count + self.handshakes >= self.config.max_connections:
+                self.service.observe(LIMIT_REJECTIONS, ("connections",), 1.0)
+                await anyio.aclose_forcefully(stream)  # no plain-text answer on a TLS port
+                return
+            self.handshakes += 1
+            try:  # a peer that never completes its TLS handshake is dropped like a silent one
+                with anyio.fail_after(self.config.request_timeout_secs):
+                    stream = await TLSStream.wrap(stream, server_side=True, ssl_context=self.config.tls,
+                                                  standard_compatible=False)
+            except (TimeoutError, ssl.SSLError, anyio.EndOfStream, *_GONE):
+                self.service.observe(LIMIT_REJECTIONS, ("tls_handshake",), 1.0)
+                await anyio.aclose_forcefully(stream)
+                return
+            finally:
+                self.handshakes -= 1
         async with stream:
             open_now = len(self.connections) + self.ws_count
             if open_now >= self.config.max_connections or self.draining:
@@ -113,7 +133,7 @@ class _Server:
                 with anyio.move_on_after(1.0, shield=True):  # log what this connection queued
                     await self.pump()
 
-    async def _last_words(self, stream: anyio.abc.SocketStream, conn: HttpConnection,
+    async def _last_words(self, stream: anyio.abc.ByteStream, conn: HttpConnection,
                           lock: anyio.Lock) -> None:
         """A 500 when the connection can still answer, then the close."""
         try:
@@ -142,7 +162,7 @@ class _Server:
             delay = ACCEPT_BACKOFF_START
             tg.start_soon(self.client, stream)
 
-    async def send(self, stream: anyio.abc.SocketStream, data: bytes) -> None:
+    async def send(self, stream: anyio.abc.ByteStream, data: bytes) -> None:
         """A send that does not complete within request_timeout_secs aborts the connection."""
         with anyio.move_on_after(self.config.request_timeout_secs) as scope:
             if len(data) <= SEND_CHUNK:
@@ -226,7 +246,7 @@ class _Server:
                 await anyio.sleep(1.0)
             await self.pump(wake_timer=False)
 
-    async def _serve(self, stream: anyio.abc.SocketStream, conn: HttpConnection,
+    async def _serve(self, stream: anyio.abc.ByteStream, conn: HttpConnection,
                      lock: anyio.Lock) -> None:
         request_started: float | None = None
         while not conn.closed:
@@ -284,7 +304,7 @@ class _Server:
         if conn.linger:
             await self._linger(stream)
 
-    async def _websocket(self, stream: anyio.abc.SocketStream, conn: HttpConnection,
+    async def _websocket(self, stream: anyio.abc.ByteStream, conn: HttpConnection,
                          lock: anyio.Lock) -> None:
         """The rest of an upgraded connection: one inbound KV-event push stream. It counts
         against `max_connections` like the HTTP connection it was."""
@@ -338,7 +358,7 @@ class _Server:
             self.ws_count -= 1
             self.service.observe(CONNECTIONS, ("websocket_in",), float(self.ws_count))
 
-    async def _large_messages(self, session: PushSession, stream: anyio.abc.SocketStream,
+    async def _large_messages(self, session: PushSession, stream: anyio.abc.ByteStream,
                               lock: anyio.Lock) -> None:
         """Large messages are decoded in a worker thread (a pure function of their bytes) and
         applied in slices, so that an 8 MB message of 70k events does not stall other clients.
@@ -352,7 +372,7 @@ class _Server:
                 await self.pump()
                 await anyio.sleep(0)
 
-    async def _linger(self, stream: anyio.abc.SocketStream) -> None:
+    async def _linger(self, stream: anyio.abc.ByteStream) -> None:
         """Half-close, then read and drop what the client still sends (bounded in time), so
         that closing with unread bytes does not reset the connection before the answer is read."""
         try:
@@ -375,7 +395,8 @@ async def serve(service: SelectionService, config: ServerConfig,
         raise RuntimeError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from exc
     port = listener.extra(anyio.abc.SocketAttribute.local_port)
     host = f"[{config.host}]" if ":" in config.host else config.host  # an IPv6 address
-    log("info", "listening", url=f"http://{host}:{port}", version=__version__,
+    scheme = "https" if config.tls is not None else "http"
+    log("info", "listening", url=f"{scheme}://{host}:{port}", version=__version__,
         settings=attrs.asdict(service.settings))
     if ready is not None:
         ready(config.host, port)
