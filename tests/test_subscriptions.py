@@ -129,5 +129,9 @@ def test_unreachable_endpoints_are_retried_and_counted() -> None:
         assert wait_for(lambda: 'reason="connect"} 2.0' in http_text(server.port, "/metrics")
                         or 'reason="connect"} 3.0' in http_text(server.port, "/metrics"), seconds=5)
         assert http(server.port, "POST", "/select", {"token_ids": [1, 2, 3, 4]})[0] == 200
+        # /ready stays ready (the worker is schedulable) and says which subscription fails.
+        status, ready = http(server.port, "GET", "/ready")
+        assert status == 200 and ready["details"] == [
+            f"worker 1 dp_rank 0: no KV-event subscription to ws://127.0.0.1:{dead}/"]
     finally:
         assert server.stop() == 0

@@ -169,6 +169,9 @@ def _h_ready(service: SelectionService, param: str | None, query: str, body: Bod
     head = b'{"ready":%s,"schedulable_workers":%d,' % (b"true" if ready else b"false", count)
     if service.recovered_from is not None:
         head += b'"recovered_from":' + jsonio.dumps(service.recovered_from) + b","
+    details = service.ready_details()
+    if details:
+        head += b'"details":' + jsonio.dumps(details) + b","
     head += b'"workers":['
     payload = b",".join(_framed(head, service.records_json(), b"]}"))
     return raw_json_response(200 if ready else 503, payload)

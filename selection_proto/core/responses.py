@@ -43,11 +43,14 @@ class ReadyResponse:
     schedulable_workers: int
     workers: tuple[WorkerCatalogRecord, ...]
     recovered_from: str | None = None  # the peer whose /dump this service started from
+    details: tuple[str, ...] = ()  # subscriptions that cannot reach their engine
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"ready": self.ready, "schedulable_workers": self.schedulable_workers}
         if self.recovered_from is not None:
             out["recovered_from"] = self.recovered_from
+        if self.details:
+            out["details"] = list(self.details)
         out["workers"] = [w.to_json() for w in self.workers]
         return out
 

@@ -170,7 +170,11 @@ class SelectionService:
         """Readiness (core.md §6.8) with every record in (model, tenant, worker) order."""
         ready, count = self.readiness(now=now)
         return ReadyResponse(ready=ready, schedulable_workers=count, workers=tuple(self.catalog.sorted()),
-                             recovered_from=self.recovered_from)
+                             recovered_from=self.recovered_from, details=tuple(self.ready_details()))
+
+    def ready_details(self) -> list[str]:
+        """What `/ready` reports beside readiness: subscriptions that cannot reach their engine."""
+        return self._streams.failing()
 
     def readiness(self, *, now: float) -> tuple[bool, int]:
         """(ready, schedulable workers): `ready()` without building the worker list."""
@@ -356,6 +360,8 @@ class SelectionService:
         events from now on (stale) until a `cleared` or a continuous stream proves otherwise."""
         self.subscription_state(stream, False, now=now)
         source = self._streams.get(stream)
+        if source is not None:
+            source.failing = True
         pool = self._pools.get(source.key) if source is not None else None
         fresh = pool.fresh.get(source.rank) if source is not None and pool is not None else None
         if fresh is not None:

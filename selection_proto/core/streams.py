@@ -39,7 +39,8 @@ __all__ = ["STREAM", "DecodedMessage", "EventSource", "Streams", "decode_engine_
 class EventSource:
     """One source of KV events: an inbound push stream or an outbound subscription."""
 
-    __slots__ = ("sid", "kind", "worker_id", "dp_rank", "key", "delivered", "state", "first")
+    __slots__ = ("sid", "kind", "worker_id", "dp_rank", "key", "delivered", "state", "first", "endpoint",
+                 "failing")
 
     def __init__(self, sid: int, kind: str, worker_id: int, dp_rank: int, key: Key) -> None:
         self.sid = sid
@@ -50,6 +51,8 @@ class EventSource:
         self.delivered: set[Rank] = set()  # ranks this stream fed since it (re)connected
         self.state = "waiting"
         self.first = True  # no message seen since it (re)connected
+        self.endpoint = ""  # a subscription's
+        self.failing = False  # a subscription that could not connect, or lost its engine, since
 
     @property
     def rank(self) -> Rank:
@@ -83,6 +86,11 @@ class Streams:
     def get(self, sid: int) -> EventSource | None:
         return self._sources.get(sid)
 
+    def failing(self) -> list[str]:
+        """What `/ready` says of the subscriptions that cannot reach their engine."""
+        return [f"worker {s.worker_id} dp_rank {s.dp_rank}: no KV-event subscription to {s.endpoint}"
+                for s in sorted(self._sources.values(), key=lambda s: s.rank) if s.failing]
+
     def subscriptions_except(self, worker_id: int) -> int:
         """How many subscriptions other workers hold."""
         return sum(1 for rank in self._subscriptions if rank[0] != worker_id)
@@ -102,6 +110,7 @@ class Streams:
     def subscribe(self, rank: Rank, key: Key, endpoint: str, replay_endpoint: str | None = None) -> None:
         """The rank joined with an endpoint: the transport is asked to subscribe."""
         source = self._open("subscription", rank, key)
+        source.endpoint = endpoint
         self._subscriptions[rank] = source.sid
         self._outbox.append(SubscribeKvEvents(source.sid, rank[0], rank[1], endpoint, *key, replay_endpoint))
 
@@ -135,6 +144,7 @@ class Streams:
             if fresh is not None:
                 fresh.open_streams += 1
             source.first = True
+            source.failing = False
         if after != source.state:
             self._outbox.append(Notice(f"kv_stream_{after if after != 'gone' else 'closed'}", (
                 ("stream", source.sid), ("kind", source.kind), ("worker_id", source.worker_id),
