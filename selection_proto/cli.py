@@ -173,6 +173,8 @@ def _build_parser() -> _Parser:
     serve.add_argument("--tls-cert", default=None, metavar="PATH", help="serve HTTPS and wss:// with this "
                                                                          "certificate chain (PEM), with --tls-key")
     serve.add_argument("--tls-key", default=None, metavar="PATH", help="the private key of --tls-cert (PEM)")
+    serve.add_argument("--access-log", default=None, action="store_const", const="true",
+                       help="log every answer: method, path, status, milliseconds")
     serve.add_argument("--indexer-peer-timeout-secs", default=None, metavar="SECONDS",
                        help="how long one peer may take to answer (default 10)")
     _add_settings(serve)
@@ -232,7 +234,7 @@ TRANSPORT: Final[Mapping[str, Any]] = {
     "request_timeout_secs": 30.0, "shutdown_timeout_secs": 10.0, "ws_ping_interval_secs": 20.0,
     "backend": "asyncio", "log_level": "info", "log_format": "json", "random_state": None, "restore": None, "indexer_peers": None,
     "indexer_peer_timeout_secs": 10.0, "router_tracking_key_file": None, "auth_token_file": None,
-    "tls_cert": None, "tls_key": None,
+    "tls_cert": None, "tls_key": None, "access_log": None,
 }
 TRANSPORT_KEYS: Final = tuple(TRANSPORT)
 # Our variables that are not settings (the test suite's, the config file's).
@@ -420,6 +422,22 @@ def _tracking_key(args: argparse.Namespace, env: Mapping[str, str]) -> bytes | N
         raise UsageError(f"failed to read router tracking key file {path}: {exc.strerror or exc}") from None
 
 
+def _flag_on(args: argparse.Namespace, env: Mapping[str, str], name: str) -> bool:
+    """A boolean transport setting: the flag, `SELECTION_PROTO_*` (true/false...), or a TOML boolean."""
+    if getattr(args, name, None) is not None:
+        return True
+    if _env(name) in env:
+        text = env[_env(name)].strip().lower()
+        if text not in (*_TRUE, *_FALSE):
+            raise UsageError(f"{_env(name)}: invalid boolean value {env[_env(name)]!r}")
+        return text in _TRUE
+    from_file, source = _config_file(args, env)
+    value = from_file.get(name, False)
+    if not isinstance(value, bool):
+        raise UsageError(f"{source}: {name}: expected a boolean, not {value!r}")
+    return value
+
+
 def _tls_context(args: argparse.Namespace, env: Mapping[str, str]) -> Any:
     cert = _transport_value(args, env, "tls_cert", None, str)
     key = _transport_value(args, env, "tls_key", None, str)
@@ -479,7 +497,8 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             raise UsageError(f"{_flag(name)}: must be a finite number greater than 0, not {value}")
     config = ServerConfig(host=_transport_value(args, env, "host", TRANSPORT["host"], str), port=port,
                           max_connections=max_connections, auth_token=_auth_token(args, env),
-                          tls=_tls_context(args, env), **timeouts)
+                          tls=_tls_context(args, env), access_log=_flag_on(args, env, "access_log"),
+                          **timeouts)
     import anyio
 
     peers = _transport_value(args, env, "indexer_peers", TRANSPORT["indexer_peers"], str)
@@ -515,7 +534,8 @@ def _print_config(args: argparse.Namespace, env: Mapping[str, str]) -> int:
                                                      "router_tracking_key_file"):
             continue
         cast = type(default) if default is not None else int if name == "random_state" else str
-        value = _transport_value(args, env, name, default, cast)  # checked as the command would
+        # Checked as the command would check it.
+        value = _flag_on(args, env, name) if name == "access_log" else _transport_value(args, env, name, default, cast)
         source = (_flag(name) if getattr(args, name, None) is not None else _env(name) if _env(name) in env
                   else f"{file_source}: {name}" if name in from_file else "default")
         lines.append(f"{name} = {_toml(value)}  # {source}")

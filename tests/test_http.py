@@ -592,3 +592,22 @@ def test_https_and_wss_with_a_certificate(tmp_path: Any) -> None:
     result = subprocess.run([sys.executable, "-m", "selection_proto", "serve", "--tls-cert", str(cert)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "--tls-cert and --tls-key go together" in result.stderr
+
+
+def test_the_access_log_has_every_answer() -> None:
+    server = Server("--access-log")
+    try:
+        with server.connect() as sock:
+            sock.sendall(request("GET", "/health") + request("GET", "/nope"))
+            buf = bytearray()
+            assert read_response(sock, buf)[0] == 200 and read_response(sock, buf)[0] == 404
+        deadline = time.monotonic() + 10
+        while sum('"access"' in line for line in server.logs) < 2:
+            assert time.monotonic() < deadline, server.logs
+            time.sleep(0.05)
+        records = [json.loads(line) for line in server.logs if '"access"' in line]
+        assert [(r["method"], r["path"], r["status"]) for r in records] == [("GET", "/health", 200),
+                                                                           ("GET", "/nope", 404)]
+        assert all(r["ms"] >= 0 for r in records)
+    finally:
+        server.stop()

@@ -72,7 +72,8 @@ class HttpConnection:
     `closed` is true. `busy` tells whether a request is partly received or being answered."""
 
     def __init__(self, service: SelectionService, clock: Callable[[], float], *,
-                 defer_large: bool = False, auth_token: bytes | None = None) -> None:
+                 defer_large: bool = False, auth_token: bytes | None = None,
+                 access: Callable[[str, str, int, float], None] | None = None) -> None:
         """With `defer_large`, a JSON body over 256 KiB is not parsed here: it waits in
         `large_request` until the caller parses it (`handler.prepare_large_body`, pure, in any thread)
         and hands the result to `complete_large`, so that parsing megabytes does not hold up
@@ -80,6 +81,9 @@ class HttpConnection:
         (`OPEN_PATHS`) needs `Authorization: Bearer <token>`; others get 401 before their body is read."""
         self._service = service
         self._auth = None if auth_token is None else b"Bearer " + auth_token
+        # Told (method, path, status, seconds) of every answer: the transport's access log.
+        self._access = access
+        self._started = 0.0
         self._clock = clock
         self._defer_large = defer_large
         self.large_request: LargeRequest | None = None
@@ -178,6 +182,7 @@ class HttpConnection:
 
     def _begin(self, request: h11.Request) -> None:
         self._request = request
+        self._started = self._clock()
         self._body = []
         self._body_len = 0
         # h11 bounds only a header block that arrives in pieces; one that arrives whole is
@@ -286,6 +291,10 @@ class HttpConnection:
         except h11.LocalProtocolError:
             self.closed = True
             return
+        if self._access is not None and self._request is not None:
+            self._access(self._request.method.decode("ascii", "replace"),
+                         self._request.target.split(b"?", 1)[0].decode("ascii", "replace"),
+                         response.status, self._clock() - self._started)
         self._request = None
         if close or self._h11.our_state is h11.MUST_CLOSE:
             self.closed = True

@@ -45,7 +45,9 @@ class ServerConfig:
     def __init__(self, host: str = "127.0.0.1", port: int = 8092, max_connections: int = 1024,
                  keep_alive_timeout_secs: float = 5.0, request_timeout_secs: float = 30.0,
                  shutdown_timeout_secs: float = 10.0, ws_ping_interval_secs: float = 20.0,
-                 auth_token: bytes | None = None, tls: ssl.SSLContext | None = None) -> None:
+                 auth_token: bytes | None = None, tls: ssl.SSLContext | None = None,
+                 access_log: bool = False) -> None:
+        self.access_log = access_log  # log every answer (method, path, status, milliseconds)
         self.ws_ping_interval_secs = ws_ping_interval_secs
         self.tls = tls  # serve HTTPS and wss:// with this context
         self.auth_token = auth_token  # bearer token every route but the open ones needs
@@ -55,6 +57,10 @@ class ServerConfig:
         self.keep_alive_timeout_secs = keep_alive_timeout_secs
         self.request_timeout_secs = request_timeout_secs
         self.shutdown_timeout_secs = shutdown_timeout_secs
+
+
+def _access_log(method: str, path: str, status: int, seconds: float) -> None:
+    log("info", "access", method=method, path=path, status=status, ms=round(seconds * 1000, 3))
 
 
 class _Server:
@@ -108,7 +114,8 @@ class _Server:
                 except _GONE:
                     pass
                 return
-            conn = HttpConnection(self.service, self.clock, defer_large=True, auth_token=self.config.auth_token)
+            conn = HttpConnection(self.service, self.clock, defer_large=True, auth_token=self.config.auth_token,
+                                  access=_access_log if self.config.access_log else None)
             lock = anyio.Lock(fast_acquire=True)
             self.connections.add(conn)
             self._report_connections()
