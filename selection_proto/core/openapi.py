@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import attrs
 
@@ -64,29 +64,104 @@ def _component(cls: type, schemas: dict[str, Any]) -> None:
     schemas[cls.__name__] = schema
 
 
+_INT: Final = {"type": "integer"}
+_STR: Final = {"type": "string"}
+_LOAD: Final = {"type": "object", "properties": {n: _INT for n in (
+    "worker_id", "dp_rank", "potential_prefill_tokens", "potential_decode_blocks", "active_requests")}}
+# The answers' shapes (their members; 1.6.1's beside ours, docs/DECISIONS.md), by operation.
+_ANSWERS: Final[dict[str, dict[str, Any]]] = {
+    "StatusOk": {"type": "object", "properties": {"status": {"const": "ok"}}, "required": ["status"]},
+    "WorkerRecord": {"type": "object", "description": "A WorkerRequest's members, with lifecycle and reasons.",
+                     "properties": {"worker_id": _INT, "lifecycle": {"enum": ["incomplete", "schedulable",
+                                                                              "draining", "unschedulable"]},
+                                    "not_schedulable_reasons": {"type": "array", "items": _STR}},
+                     "required": ["worker_id", "lifecycle"]},
+    "ReadyResponse": {"type": "object", "properties": {
+        "ready": {"type": "boolean"}, "schedulable_workers": _INT, "recovered_from": _STR,
+        "details": {"type": "array", "items": _STR},
+        "workers": {"type": "array", "items": {"$ref": "#/components/schemas/WorkerRecord"}}}},
+    "SelectResponse": {"type": "object", "properties": {
+        **{n: _STR for n in ("selection_id", "reservation_id", "model_name", "tenant_id", "routing_group",
+                             "endpoint")},
+        **{n: _INT for n in ("worker_id", "dp_rank", "cached_tokens", "block_size", "effective_prefill_tokens",
+                             "potential_decode_blocks", "isl_tokens")},
+        "effective_overlap_blocks": {"type": "number"}, "track_prefill_tokens": {"type": "boolean"},
+        "sequence_hashes": {"type": "array", "items": _INT},
+        "overlap": {"type": "object", "properties": {
+            "longest_matched": _INT, "gpu": _INT, "cpu": _INT, "disk": _INT,
+            "dp": {"type": "object", "additionalProperties": _INT}}},
+        "worker_load": {"type": "object", "additionalProperties": _INT},
+        "candidates": {"type": "array", "items": {"type": "object"}},
+        "excluded": {"type": "array", "items": {"type": "object"}}},
+        "required": ["model_name", "worker_id", "dp_rank", "endpoint"]},
+    "ReservationResponse": {"type": "object", "properties": {
+        **{n: _STR for n in ("reservation_id", "selection_id", "model_name", "tenant_id", "routing_group",
+                             "endpoint")}, "worker_id": _INT, "dp_rank": _INT}},
+    "Loads": {"type": "array", "items": {"type": "object", "properties": {
+        "model_name": _STR, "tenant_id": _STR, "routing_group": _STR, "loads": {"type": "array", "items": _LOAD},
+        "pending_count": _INT, "pending_isl_tokens": _INT}}},
+    "PotentialLoads": {"type": "array", "items": _LOAD},
+    "OverlapScoresResponse": {"type": "object", "properties": {
+        "block_size": _INT, "num_blocks": _INT, "workers": {"type": "array", "items": {"type": "object"}},
+        "freshness": {"type": "array", "items": {"type": "object"}}}},
+    "ApplyReport": {"type": "object", "properties": {
+        **{n: _INT for n in ("received", "applied", "failed", "dropped")},
+        "failures": {"type": "array", "items": {"type": "object", "properties": {"index": _INT, "error": _STR}}}}},
+    "Dump": {"type": "object", "description": "api.md §7: format, version, keys, workers, events."},
+    "OpenApi": {"type": "object"},
+}
+_ANSWER_OF: Final[dict[str, tuple[str, str]]] = {  # operation -> (schema, media type)
+    "health": ("StatusOk", "application/json"), "ready": ("ReadyResponse", "application/json"),
+    "upsert_worker": ("WorkerRecord", "application/json"), "patch_worker": ("WorkerRecord", "application/json"),
+    "delete_worker": ("WorkerRecord", "application/json"),
+    "select": ("SelectResponse", "application/json"), "select_and_reserve": ("SelectResponse", "application/json"),
+    "reserve": ("ReservationResponse", "application/json"),
+    "prefill_complete": ("StatusOk", "application/json"), "output_block": ("StatusOk", "application/json"),
+    "free": ("StatusOk", "application/json"), "loads": ("Loads", "application/json"),
+    "potential_loads": ("PotentialLoads", "application/json"),
+    "overlap_scores": ("OverlapScoresResponse", "application/json"),
+    "kv_events": ("ApplyReport", "application/json"), "dump": ("Dump", "application/json"),
+    "openapi": ("OpenApi", "application/json"),
+}
+# POST /kv_events: Dynamo JSON events (one, or an array), or one engine msgpack batch.
+_EVENTS: Final = {"oneOf": [{"type": "object", "description": "a RouterEvent or a bare KvCacheEvent"},
+                            {"type": "array", "items": {"type": "object"}}]}
+
+
 def document() -> dict[str, Any]:
     schemas: dict[str, Any] = {
         "ErrorResponse": {"type": "object", "properties": {"error": {"type": "string"}},
-                          "required": ["error"]}}
+                          "required": ["error"]}, **_ANSWERS}
     paths: dict[str, Any] = {}
     for route in ROUTES:
         params = [{"name": name[1:-1], "in": "path", "required": True, "schema": {"type": "string"}}
                   for name in route.template.split("/") if name.startswith("{")]
         params += [{"name": q, "in": "query", "required": False, "schema": {"type": "string"}}
                    for q in route.query]
-        op: dict[str, Any] = {"operationId": route.operation, "parameters": params, "responses": {}}
+        op: dict[str, Any] = {"operationId": route.operation, "summary": route.summary, "parameters": params,
+                              "responses": {}}
         if route.body_type is not None:
             _component(route.body_type, schemas)
             op["requestBody"] = {"required": True, "content": {"application/json": {
                 "schema": {"$ref": f"#/components/schemas/{route.body_type.__name__}"}}}}
         elif route.body:  # POST /kv_events: JSON events or an engine msgpack batch
             op["requestBody"] = {"required": True, "content": {
-                "application/json": {"schema": {}}, "application/msgpack": {"schema": {}}}}
+                "application/json": {"schema": _EVENTS},
+                "application/msgpack": {"schema": {"type": "string", "format": "binary",
+                                                   "description": "one engine KVEventBatch"}}}}
         for status in route.statuses:
             response: dict[str, Any] = {"description": str(status)}
             if status >= 400:
                 response["content"] = {"application/json": {
                     "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+            elif 200 <= status < 300 and route.operation == "metrics":
+                response["content"] = {"text/plain": {"schema": {"type": "string"}}}
+            elif 200 <= status < 300 and route.operation == "list_workers":
+                response["content"] = {"application/json": {"schema": {
+                    "type": "array", "items": {"$ref": "#/components/schemas/WorkerRecord"}}}}
+            elif 200 <= status < 300 and route.operation in _ANSWER_OF:
+                name, media = _ANSWER_OF[route.operation]
+                response["content"] = {media: {"schema": {"$ref": f"#/components/schemas/{name}"}}}
             op["responses"][str(status)] = response
         paths.setdefault(route.template, {})[route.method.lower()] = op
     return {"openapi": "3.1.0", "info": {"title": "selection-proto", "version": __version__},

@@ -36,40 +36,41 @@ class Route(NamedTuple):
     query: tuple[str, ...]  # the query names it reads
     statuses: tuple[int, ...]  # what it may answer
     rpc: str | None  # the JSON-RPC method name (transports.md §6.3)
+    summary: str = ""  # one line for the OpenAPI document
 
 
 _WRITE: Final = (400, 413, 415, 422)
 ROUTES: Final[tuple[Route, ...]] = (
-    Route("GET", "/health", "health", False, None, (), (200,), "health"),
-    Route("GET", "/ready", "ready", False, None, (), (200, 503), "ready"),
-    Route("GET", "/workers", "list_workers", False, None, KEY_QUERY, (200, 400), "workers.list"),
+    Route("GET", "/health", "health", False, None, (), (200,), "health", "Liveness: always ok."),
+    Route("GET", "/ready", "ready", False, None, (), (200, 503), "ready", "Readiness, with every worker record."),
+    Route("GET", "/workers", "list_workers", False, None, KEY_QUERY, (200, 400), "workers.list", "The worker catalog, filtered by key."),
     Route("POST", "/workers", "upsert_worker", True, WorkerRequest, (), (201, 400, 409, 413, 415, 422),
-          "workers.create"),
+          "workers.create", "Register or replace a worker."),
     Route("PATCH", "/workers/{worker_id}", "patch_worker", True, WorkerPatchRequest, (),
-          (200, 400, 404, 409, 413, 415, 422), "workers.update"),
-    Route("DELETE", "/workers/{worker_id}", "delete_worker", False, None, (), (200, 400, 404), "workers.delete"),
-    Route("POST", "/select", "select", True, SelectRequest, (), (200, 400, 413, 415, 422, 429, 503), "select"),
+          (200, 400, 404, 409, 413, 415, 422), "workers.update", "Change members of a worker's record."),
+    Route("DELETE", "/workers/{worker_id}", "delete_worker", False, None, (), (200, 400, 404), "workers.delete", "Make a worker unschedulable (a tombstone)."),
+    Route("POST", "/select", "select", True, SelectRequest, (), (200, 400, 413, 415, 422, 429, 503), "select", "Choose a worker for a prompt (a pending selection with selection_id)."),
     Route("POST", "/select_and_reserve", "select_and_reserve", True, SelectAndReserveRequest, (),
-          (200, 400, 409, 413, 415, 422, 429, 500, 503), "select_and_reserve"),
+          (200, 400, 409, 413, 415, 422, 429, 500, 503), "select_and_reserve", "Choose a worker and book the prompt on it."),
     Route("POST", "/reservations", "reserve", True, ReservationRequest, (),
-          (201, 400, 404, 409, 413, 415, 422, 429, 503), "reservations.create"),
+          (201, 400, 404, 409, 413, 415, 422, 429, 503), "reservations.create", "Book on a given worker, or book a pending selection."),
     Route("POST", "/reservations/{reservation_id}/prefill_complete", "prefill_complete", False, None, KEY_QUERY,
-          (200, 400, 404), "reservations.prefill_complete"),
+          (200, 400, 404), "reservations.prefill_complete", "A booking's prefill is done."),
     Route("POST", "/reservations/{reservation_id}/output_block", "output_block", True, OutputBlockRequest, (),
-          (200, 400, 404, 413, 415, 422), "reservations.output_block"),
+          (200, 400, 404, 413, 415, 422), "reservations.output_block", "One more decode block for a booking."),
     Route("DELETE", "/reservations/{reservation_id}", "free", False, None, KEY_QUERY, (200, 400, 404),
-          "reservations.free"),
-    Route("GET", "/loads", "loads", False, None, KEY_QUERY, (200, 400), "loads"),
+          "reservations.free", "End a booking."),
+    Route("GET", "/loads", "loads", False, None, KEY_QUERY, (200, 400), "loads", "Each key's per-rank load and queue."),
     Route("POST", "/potential_loads", "potential_loads", True, PotentialLoadsRequest, (),
-          (200, 400, 413, 415, 422, 503), "potential_loads"),
+          (200, 400, 413, 415, 422, 503), "potential_loads", "What each rank's load would be with a prompt."),
     Route("POST", "/overlap_scores", "overlap_scores", True, OverlapScoresRequest, (),
-          (200, 400, 413, 415, 422, 503), "overlap_scores"),
+          (200, 400, 413, 415, 422, 503), "overlap_scores", "Cached blocks per rank and tier for a prompt."),
     Route("POST", "/kv_events", "kv_events", True, None, EVENT_QUERY, (200, 400, 404, 409, 413, 415, 422),
-          "kv_events"),
-    Route("GET", "/kv_events", "kv_events_stream", False, None, PUSH_QUERY, (101, 400, 426), None),
-    Route("GET", "/metrics", "metrics", False, None, (), (200,), "metrics"),
-    Route("GET", "/openapi.json", "openapi", False, None, (), (200,), "openapi"),
-    Route("GET", "/dump", "dump", False, None, KEY_QUERY, (200, 400), "dump"),
+          "kv_events", "Apply KV events (Dynamo JSON, or an engine msgpack batch)."),
+    Route("GET", "/kv_events", "kv_events_stream", False, None, PUSH_QUERY, (101, 400, 426), None, "Push KV events over a WebSocket."),
+    Route("GET", "/metrics", "metrics", False, None, (), (200,), "metrics", "Prometheus metrics."),
+    Route("GET", "/openapi.json", "openapi", False, None, (), (200,), "openapi", "This document."),
+    Route("GET", "/dump", "dump", False, None, KEY_QUERY, (200, 400), "dump", "A replayable snapshot of catalog and index."),
 )
 
 _BOOKING_ACTIONS: Final = ("prefill_complete", "output_block")
