@@ -331,7 +331,10 @@ def _h_openapi(service: SelectionService, param: str | None, query: str, body: B
 
 def _h_dump(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
     params = parse_query(query, KEY_QUERY)
-    return json_response(200, service.dump(params.get("model_name"), params.get("tenant_id")))
+    # Hundreds of thousands of small containers, none of them garbage: the cyclic collector's
+    # passes over the index while they are built took 3/4 of the time (1.5 s -> 0.4 s at 200k blocks).
+    with jsonio.gc_paused():
+        return json_response(200, service.dump(params.get("model_name"), params.get("tenant_id")))
 
 
 # route operation (routes.ROUTES) -> its handler
