@@ -3,7 +3,8 @@
     python bench/gc_pause.py [--blocks 1000000]
 
 Builds the index through `handle` (one-block stores, 1,000 per request), then times
-`gc.collect()` twice and counts the objects the collector tracks (docs/INVARIANTS.md)."""
+`gc.collect()` twice and counts the objects the collector tracks (docs/INVARIANTS.md), then
+times a dump with the collector on and `GET /dump` (docs/PERFORMANCE.md)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,13 @@ def main() -> None:
         started = time.perf_counter()
         gc.collect()
         print(f"one full gc.collect(): {(time.perf_counter() - started) * 1000:.0f} ms")
+    started = time.perf_counter()
+    service.dump()
+    print(f"service.dump() with the collector on: {(time.perf_counter() - started) * 1000:.0f} ms")
+    started = time.perf_counter()
+    status = service.handle("GET", "/dump", "", [], b"", now=3.0).status
+    print(f"GET /dump through handle (collector paused while it builds): "
+          f"{(time.perf_counter() - started) * 1000:.0f} ms, status {status}")
 
 
 if __name__ == "__main__":
