@@ -484,3 +484,44 @@ def test_a_predicted_side_index_beside_real_events_as_1_6_1(reference_python: st
         ref.wait(timeout=30)
         for pub in pubs.values():
             pub.close(linger=0)
+
+
+@pytest.mark.parametrize("keep", [10, 3])
+def test_engine_replay_recovers_as_1_6_1(reference_python: str, keep: int) -> None:
+    """Issue 13: one engine stand-in (PUB + ROUTER, vLLM framing) feeds both services; batches 1-4
+    are lost on the wire. With the engine keeping 10 batches both recover them all; keeping 3,
+    both apply what it still has (3-5) and go on without 1 and 2."""
+    from tests.test_engine_replay import Engine
+
+    engine = Engine(keep=keep)
+    ref, ref_port = start_reference(reference_python)
+    server = Server(mode="subscribe")
+    try:
+        services = (Http(server.port, "routing_group"), Http(ref_port, "routing_group"))
+        for service in services:
+            assert service.call("POST", "/workers", {
+                "worker_id": 1, "model_name": "m", "endpoint": "http://w1", "block_size": 4,
+                "kv_events_endpoint": engine.endpoint, "replay_endpoint": engine.replay_endpoint})[0] == 201
+
+        def held(service: Http) -> list[int]:
+            return [seq for seq in range(6) if device_rows(service, list(range(4 * seq, 4 * seq + 4)))]
+
+        engine.publish(0, send=False)
+        deadline = time.monotonic() + 30
+        while not all(held(s) == [0] for s in services):  # ZMQ's slow joiners: resend 0 until both have it
+            assert time.monotonic() < deadline, [held(s) for s in services]
+            engine.pub.send_multipart([b"", (0).to_bytes(8, "big"), engine.buffer[-1][1]])
+            time.sleep(0.1)
+        for seq in range(1, 5):
+            engine.publish(seq, send=False)
+        engine.publish(5)
+        expected = [0, 1, 2, 3, 4, 5] if keep == 10 else [0, 3, 4, 5]
+        deadline = time.monotonic() + 30
+        while not all(held(s) == expected for s in services):
+            assert time.monotonic() < deadline, [held(s) for s in services]
+            time.sleep(0.1)
+    finally:
+        server.stop()
+        ref.terminate()
+        ref.wait(timeout=30)
+        engine.close()
