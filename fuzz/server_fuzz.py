@@ -31,12 +31,17 @@ FIELDS = ["worker_id", "model_name", "tenant_id", "routing_group", "endpoint", "
           "data_parallel_start_rank", "kv_events_endpoint", "kv_events_endpoints", "taints", "topology_domains",
           "router_temperature", "pinned_worker", "allowed_worker_ids", "priority_jump", "max_num_batched_tokens",
           "expected_output_tokens", "router_config_override", "event", "event_id", "data", "stored", "removed",
-          "parent_hash", "blocks", "block_hash", "tokens_hash", "dp_rank", "cleared", "storage_tier", "explain"]
+          "parent_hash", "blocks", "block_hash", "tokens_hash", "dp_rank", "cleared", "storage_tier", "explain",
+          # 1.6.1's members (issues 13 and 14)
+          "session_id", "session_context", "cache_salt", "advisory", "is_eagle", "mm_routing_info",
+          "routing_token_ids", "block_mm_infos", "mm_objects", "mm_hash", "offsets", "decay_fraction",
+          "replay_endpoint"]
 PATHS = ["/health", "/ready", "/workers", "/workers/1", "/workers/" + HUGE, "/workers/%ED%A0%80", "/workers/+1",
          "/select", "/select_and_reserve", "/reservations", "/reservations/r1/prefill_complete", "/reservations/r1",
          "/reservations/%ff", "/loads", "/potential_loads", "/overlap_scores", "/kv_events", "/metrics",
-         "/openapi.json", "/dump", "/nope", "//", "/workers/"]
-QUERY_KEYS = ["model_name", "tenant_id", "routing_group", "worker_id", "dp_rank", "framing", "ack"]
+         "/openapi.json", "/dump", "/nope", "//", "/workers/", "/reservations/r1/output_block",
+         "/reservations/%ED%A0%80/output_block", "/reservations/" + HUGE + "/output_block"]
+QUERY_KEYS = ["model_name", "tenant_id", "routing_group", "worker_id", "dp_rank", "framing", "ack", "resume"]
 QUERY_VALUES = ["1", HUGE, "%ED%A0%80", "%ff", "%", "seq", "raw", "true", "x", "", "-1", "18446744073709551616"]
 HOSTS = [b"host: x\r\n", b"", b"host: \xff\xfe\r\n", b"host: a..b\r\n", b"host: [::1]:80\r\n", b"host: x\r\nhost: y\r\n",
          b"host: " + b"h" * 300 + b"\r\n"]
@@ -140,7 +145,8 @@ class Gen:
 class Target:
     def __init__(self, mode: str) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "selection_proto", "serve", "--port", "0", "--kv-events",
-                                      mode, "--request-timeout-secs", "1", "--keep-alive-timeout-secs", "1"],
+                                      mode, "--request-timeout-secs", "1", "--keep-alive-timeout-secs", "1",
+                                      "--session-affinity-ttl-secs", "5"],
                                      stderr=subprocess.PIPE, text=True)
         assert self.proc.stderr is not None
         self.port = int(json.loads(self.proc.stderr.readline())["url"].rsplit(":", 1)[1])
