@@ -388,7 +388,7 @@ def _service_and_backend(args: argparse.Namespace, env: Mapping[str, str]) -> tu
     _warn_unknown_env(env)
     rng = random.Random(seed) if seed is not None else random.Random()
     try:
-        service = SelectionService(settings, rng, _tracking_key(args, env))
+        service = SelectionService(settings, rng, _tracking_key(args, env), log_decisions=level == "debug")
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     restore = _transport_value(args, env, "restore", TRANSPORT["restore"], str)

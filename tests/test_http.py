@@ -611,3 +611,34 @@ def test_the_access_log_has_every_answer() -> None:
         assert all(r["ms"] >= 0 for r in records)
     finally:
         server.stop()
+
+
+def test_debug_logs_every_decision() -> None:
+    from tests.interop.test_services import Http
+
+    server = Server("--log-level", "debug")
+    try:
+        service = Http(server.port, "tenant_id")
+        for wid in (1, 2):
+            assert service.call("POST", "/workers", {"worker_id": wid, "model_name": "m", "endpoint": f"http://w{wid}",
+                                                     "block_size": 4})[0] == 201
+        chosen = service.call("POST", "/select_and_reserve", {"model_name": "m", "reservation_id": "r",
+                                                              "token_ids": list(range(9))})[1]
+        deadline = time.monotonic() + 10
+        while not any('"selection"' in line for line in server.logs):
+            assert time.monotonic() < deadline, server.logs
+            time.sleep(0.05)
+        record = next(json.loads(line) for line in server.logs if '"selection"' in line)
+        assert record["level"] == "debug" and record["worker_id"] == chosen["worker_id"]
+        assert (record["candidates"], record["booked"], record["isl_tokens"]) == (2, "r", 9)
+    finally:
+        server.stop()
+    quiet = Server()  # at info level the core makes no decision notices at all
+    try:
+        assert Http(quiet.port, "tenant_id").call("POST", "/workers", {
+            "worker_id": 1, "endpoint": "http://w1", "block_size": 4})[0] == 201
+        assert Http(quiet.port, "tenant_id").call("POST", "/select", {"token_ids": [1, 2, 3, 4]})[0] == 200
+        time.sleep(0.2)
+        assert not any('"selection"' in line for line in quiet.logs)
+    finally:
+        quiet.stop()

@@ -65,6 +65,7 @@ class Notice:
 
     event: str
     fields: tuple[tuple[str, object], ...]
+    level: str = "info"  # "debug" for the per-request decisions (`log_decisions`)
 
 
 OutputEvent = SelectionReady | SubscribeKvEvents | UnsubscribeKvEvents | CloseEventStream | InternalError | Notice

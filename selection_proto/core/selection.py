@@ -41,7 +41,7 @@ from .errors import (
 from .index import Rank
 from .limits import Limits
 from .metrics import Metrics
-from .outputs import OutputEvent, SelectionReady
+from .outputs import Notice, OutputEvent, SelectionReady
 from .pending import MISSING, PendingSelection, PendingSelections, entry_size
 from .pool import Key, Pool, key_label
 from .prompt import PromptHashes
@@ -78,7 +78,7 @@ class Selector:
     """Selections, bookings and the admission queue of every pool."""
 
     __slots__ = ("_settings", "_rng", "_metrics", "_limits", "_catalog", "_pools", "_tickets",
-                 "_outbox", "_internal_error", "_dispatching", "stopping", "pending")
+                 "_outbox", "_internal_error", "_dispatching", "stopping", "pending", "log_decisions")
 
     def __init__(self, settings: Settings, rng: random.Random, metrics: Metrics, limits: Limits,
                  catalog: Catalog, pools: Mapping[Key, Pool], tickets: Tickets,
@@ -94,6 +94,7 @@ class Selector:
         self._internal_error = internal_error
         self._dispatching = False
         self.stopping = False  # set by the service's shutdown: no new selections or bookings
+        self.log_decisions = False  # a debug notice for every choice (`--log-level debug`)
         self.pending = PendingSelections(settings.selection_cache_ttl_secs,
                                          settings.selection_cache_max_entries,
                                          settings.selection_cache_max_bytes)
@@ -272,6 +273,12 @@ class Selector:
                 now, entry_size(pool.key, req.selection_id, prompt, req.lora_name, session)), now)
         self._metrics.selected(pool.key, chosen.cached / prompt.isl if prompt.isl > 0 else None,
                                chosen.device < max(c.device for c in scored))
+        if self.log_decisions:
+            self._outbox.append(Notice("selection", (
+                ("model_name", req.model_name), ("tenant_id", req.tenant_id), ("worker_id", chosen.rank[0]),
+                ("dp_rank", chosen.rank[1]), ("logit", chosen.logit), ("cached_tokens", chosen.cached),
+                ("isl_tokens", prompt.isl), ("candidates", len(scored)), ("excluded", len(sel.excluded)),
+                ("booked", sel.rid), ("session", sel.session)), "debug"))
         record = self._catalog[chosen.rank[0]].request
         bs = pool.block_size
         device, host, disk = sel.found

@@ -70,8 +70,9 @@ class SelectionService:
     may be read (by tests, for inspection); only the service writes them."""
 
     def __init__(self, settings: Settings | None = None, rng: random.Random | None = None,
-                 tracking_key: bytes | None = None) -> None:
-        """`tracking_key`: the 32-byte provider key of `router_tracking_hash=keyed-xxh3-v1`."""
+                 tracking_key: bytes | None = None, log_decisions: bool = False) -> None:
+        """`tracking_key`: the 32-byte provider key of `router_tracking_hash=keyed-xxh3-v1`;
+        `log_decisions`: a debug `Notice` output for every choice made."""
         self.settings = s = settings if settings is not None else Settings()
         self.rng = rng if rng is not None else random.Random(0)
         self.metrics = Metrics()
@@ -90,6 +91,7 @@ class SelectionService:
         self._streams = Streams(self._pools, self._outbox)
         self._selector = Selector(s, self.rng, self.metrics, self.limits, self.catalog, self._pools,
                                   tickets, self._outbox, self.internal_error)
+        self._selector.log_decisions = log_decisions
         self._workers = Workers(s, self.metrics, self.limits, self.budget, self.catalog, self._pools,
                                 self._streams, self._selector, self._outbox)
         self._ingest = Ingest(s, self.metrics, self.limits, self.budget, self.catalog, self._pools,

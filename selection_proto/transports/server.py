@@ -197,7 +197,7 @@ class _Server:
 
     async def _deliver(self, out: OutputEvent) -> None:
         if isinstance(out, Notice):
-            log("info", out.event, **dict(out.fields))
+            log(out.level, out.event, **dict(out.fields))
         elif isinstance(out, InternalError):
             log_internal_error(out.where, out.detail)
         elif isinstance(out, SelectionReady):

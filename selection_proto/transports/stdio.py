@@ -47,7 +47,7 @@ async def serve_stdio(service: SelectionService) -> None:
         while (event := service.next_output()) is not None:
             try:
                 if isinstance(event, Notice):
-                    log("info", event.event, **dict(event.fields))
+                    log(event.level, event.event, **dict(event.fields))
                 elif isinstance(event, InternalError):
                     log_internal_error(event.where, event.detail)
                 elif isinstance(event, SelectionReady):
