@@ -186,10 +186,10 @@ def test_cli_usage_errors_and_help() -> None:
 def test_dynamo_names_for_settings() -> None:
     """1.6.1's environment variables and flags set our settings; ours win; `--threads` is accepted;
     a variable for a feature we lack stops the start instead of being ignored."""
-    from selection_proto import cli
+    from selection_proto import cli, config
 
     def settings(*args: str, **env: str) -> Any:
-        return cli.settings_from(cli._build_parser().parse_args(["serve", *args]), env)
+        return config.settings_from(cli._build_parser().parse_args(["serve", *args]), env)
 
     assert settings(DYN_ROUTER_TEMPERATURE="0.5").temperature == 0.5
     assert settings(DYN_ROUTER_TEMPERATURE="0.5", SELECTION_PROTO_TEMPERATURE="0.25").temperature == 0.25
@@ -197,17 +197,17 @@ def test_dynamo_names_for_settings() -> None:
     assert settings(DYN_OVERLAP_SCORE_WEIGHT="2").overlap_score_weight == 2.0
     assert settings("--no-router-assume-kv-reuse").assume_kv_reuse is False
     assert settings("--threads", "8", "--session-affinity-ttl-secs", "1.5").session_affinity_ttl_secs == 1.5
-    with pytest.raises(cli.UsageError, match="DYN_ROUTER_QUEUE_THRESHOLD: must be greater than 0"):
+    with pytest.raises(config.UsageError, match="DYN_ROUTER_QUEUE_THRESHOLD: must be greater than 0"):
         settings(DYN_ROUTER_QUEUE_THRESHOLD="0")
     assert settings(DYN_ROUTER_USE_KV_EVENTS="false", DYN_ROUTER_TTL_SECS="3").kv_events == "approximate"
     assert settings(DYN_ROUTER_USE_KV_EVENTS="false", SELECTION_PROTO_KV_EVENTS="push").kv_events == "push"
-    with pytest.raises(cli.UsageError, match="requires use_kv_events=false"):
+    with pytest.raises(config.UsageError, match="requires use_kv_events=false"):
         settings(DYN_ROUTER_APPROXIMATE_CACHE_POLICY="lru")
-    with pytest.raises(cli.UsageError, match="router_predicted_ttl_secs requires use_kv_events=true"):
+    with pytest.raises(config.UsageError, match="router_predicted_ttl_secs requires use_kv_events=true"):
         settings(DYN_ROUTER_USE_KV_EVENTS="0", DYN_ROUTER_PREDICTED_TTL_SECS="3")
-    with pytest.raises(cli.UsageError, match="DYN_ROUTER_TRACK_OUTPUT_BLOCKS: not supported yet"):
+    with pytest.raises(config.UsageError, match="DYN_ROUTER_TRACK_OUTPUT_BLOCKS: not supported yet"):
         settings(DYN_ROUTER_TRACK_OUTPUT_BLOCKS="true")
-    with pytest.raises(cli.UsageError, match="--session-affinity-ttl-secs: must be between 1 and 31536000"):
+    with pytest.raises(config.UsageError, match="--session-affinity-ttl-secs: must be between 1 and 31536000"):
         settings("--session-affinity-ttl-secs", "0")
 
 

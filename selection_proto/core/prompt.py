@@ -85,18 +85,20 @@ def _from_tokens(req: Any, block_size: int, limit: int, tracking: KeyedTracking 
     return PromptHashes(blocks, seqs, len(tokens))
 
 
+def _required(req: Any, names: tuple[str, ...]) -> None:
+    """The members a prompt given as hashes needs, checked in order."""
+    for name in names:
+        if getattr(req, name) is None:
+            raise BadRequest(f"{name} is required without token_ids")
+
+
 def selection_prompt(req: Any, block_size: int, limit: int, tracking: KeyedTracking | None = None
                      ) -> PromptHashes:
     """The prompt of a selection (`select`, `select_and_reserve`, scores, potential loads)."""
     prompt = _from_tokens(req, block_size, limit, tracking)
     if prompt is not None:
         return prompt
-    if req.block_hashes is None:
-        raise BadRequest("block_hashes is required without token_ids")
-    if req.sequence_hashes is None:
-        raise BadRequest("sequence_hashes is required without token_ids")
-    if req.isl_tokens is None:
-        raise BadRequest("isl_tokens is required without token_ids")
+    _required(req, ("block_hashes", "sequence_hashes", "isl_tokens"))
     if req.isl_tokens <= 0:
         raise BadRequest("isl_tokens must be greater than 0")
     if len(req.block_hashes) != len(req.sequence_hashes):
@@ -111,9 +113,6 @@ def booking_prompt(req: Any, block_size: int, limit: int, tracking: KeyedTrackin
     prompt = _from_tokens(req, block_size, limit, tracking)
     if prompt is not None:
         return prompt
-    if req.sequence_hashes is None:
-        raise BadRequest("sequence_hashes is required without token_ids")
-    if req.isl_tokens is None:
-        raise BadRequest("isl_tokens is required without token_ids")
+    _required(req, ("sequence_hashes", "isl_tokens"))
     # Block hashes, when sent, say what the booking predicts cached (approximate mode).
     return PromptHashes(list(req.block_hashes or ()), list(req.sequence_hashes), req.isl_tokens)
