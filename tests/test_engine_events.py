@@ -77,7 +77,7 @@ def test_bigram_eagle_tokens_and_byte_hashes(c: Client) -> None:
     tree = c.service.pools[("m", "default")].index.device
     expected = block_hashes(list(range(1, 10)), 4, is_eagle=True)
     nodes = {id(n): n for n in tree.lookup[(1, 0)].values()}.values()
-    assert sorted(h for n in nodes for h in n.locs) == sorted(expected)
+    assert sorted(h for n in nodes for h in n.local_hashes()) == sorted(expected)
 
 
 def test_dropped_events_are_counted_by_reason(c: Client) -> None:

@@ -7,7 +7,8 @@ from typing import Any
 from conftest import Client, load_vectors, worker
 
 from selection_proto.core.events import decode_json_events
-from selection_proto.core.index import DeviceTree, IndexEventError, KeyIndex
+from selection_proto.core.index import DeviceTree, IndexEventError
+from selection_proto.core.tiers import KeyIndex
 
 
 def _apply(tree: DeviceTree, event: Any) -> bool | str:

@@ -1,14 +1,17 @@
-"""The per-key prefix index: Dynamo's RadixTree for the device tier plus lower tiers (core.md §7).
+"""The device tier's prefix index: Dynamo's RadixTree, compressed (core.md §7.1).
 
-The device tree follows core.md §7.1 step by step, because several observable answers depend on
-where edges are split and which engine hash a node recorded. Edges keep their local and engine
-hashes in two parallel lists so that matching a query is a C-level slice comparison.
+The tree follows core.md §7.1 step by step, because several observable answers depend on where
+edges are split and which engine hash a node recorded. An edge keeps its local and engine hashes
+packed in two u64 arrays (8 bytes a block, no per-block objects), so that a block costs about what
+it costs in the reference: its packed hashes and one entry in its rank's lookup table.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Sequence
-from typing import Final
+from itertools import chain
+from typing import TYPE_CHECKING, Final, cast
 
 __all__ = [
     "BLOCK_NOT_FOUND",
@@ -16,8 +19,6 @@ __all__ = [
     "PARENT_NOT_FOUND",
     "DeviceTree",
     "IndexEventError",
-    "KeyIndex",
-    "LowerTier",
     "Rank",
     "TIERS",
     "LOWER_TIERS",
@@ -48,105 +49,208 @@ INVALID_BLOCK_SEQUENCE: Final = IndexEventError(
 )
 
 
-class _Node:
-    __slots__ = ("locs", "engs", "pos", "full", "part", "children", "internal")
+if TYPE_CHECKING:
+    _Packed = array[int]
+else:
+    _Packed = array
 
-    def __init__(self, locs: list[int], engs: list[int], full: set[Rank]) -> None:
-        self.locs = locs
-        self.engs = engs
-        self.pos: dict[int, int] = {h: i for i, h in enumerate(engs)}
+
+class _Node(_Packed):
+    """One edge, packed: engine and local hash of each block side by side in one u64 array
+    (`[e0, l0, e1, l1, ...]`), with the ranks that cover all of it (an interned frozenset, shared
+    by most nodes) and those that cover a prefix of it (`part`, usually none).
+
+    Being its own packed array, a node is one object for the cyclic collector (two for an inner
+    node) and holds no per-block objects."""
+
+    __slots__ = ("full", "part", "children", "internal", "pos")
+
+    def __new__(cls, blocks: Iterable[int], full: frozenset[Rank]) -> _Node:
+        return cast("_Node", super().__new__(cls, "Q", blocks))  # typeshed's array.__new__ is not Self
+
+    def __init__(self, blocks: Iterable[int], full: frozenset[Rank]) -> None:
         self.full = full
-        self.part: dict[Rank, int] = {}
-        self.children: dict[int, _Node] = {}
+        self.part: dict[Rank, int] | None = None
+        self.children: dict[int, _Node] | None = None
         self.internal = False
+        self.pos: dict[int, int] | None = None  # engine hash -> last place; built on first use
+
+    @property
+    def size(self) -> int:
+        return len(self) >> 1
+
+    def local_hashes(self, start: int = 0, stop: int | None = None) -> list[int]:
+        stop = self.size if stop is None else stop
+        return self[2 * start + 1 : 2 * stop : 2].tolist()
+
+    def engine_hashes(self, start: int = 0, stop: int | None = None) -> list[int]:
+        stop = self.size if stop is None else stop
+        return self[2 * start : 2 * stop : 2].tolist()
 
     def covers(self, r: Rank, i: int) -> bool:
         if r in self.full:
             return True
-        k = self.part.get(r)
+        part = self.part
+        if not part:
+            return False
+        k = part.get(r)
         return k is not None and i < k
 
     def cutoff(self, r: Rank) -> int:
         if r in self.full:
-            return len(self.locs)
-        return self.part.get(r, 0)
+            return len(self) >> 1
+        part = self.part
+        return part.get(r, 0) if part else 0
 
     def live(self) -> bool:
         return bool(self.full) or bool(self.part)
 
+    def position(self, h: int) -> int | None:
+        """Where engine hash `h` sits: its last place on the edge, unless a split moved a copy of
+        it to the tail (Dynamo's lookup then names the tail's block). Most stores name the edge's
+        last block; any other question builds the node's position table once."""
+        pos = self.pos
+        if pos is not None:
+            return pos.get(h)
+        end = (len(self) >> 1) - 1
+        if self[2 * end] == h:
+            return end
+        if end == 0:
+            return None
+        pos = self.pos = dict(zip(self[0::2], range(end + 1), strict=True))
+        return pos.get(h)
 
-def _new_node(blocks: Sequence[Block], r: Rank) -> _Node:
-    return _Node([b[1] for b in blocks], [b[0] for b in blocks], {r})
+
+class _RankSets:
+    """Interned coverage sets: a node holds one of a few shared frozensets instead of its own set.
+    Transitions are cached; the caches are dropped when they grow past a bound (sharing is only an
+    economy, never needed for correctness)."""
+
+    __slots__ = ("added", "removed")
+
+    _BOUND: Final = 4096
+
+    def __init__(self) -> None:
+        self.added: dict[tuple[frozenset[Rank], Rank], frozenset[Rank]] = {}
+        self.removed: dict[tuple[frozenset[Rank], Rank], frozenset[Rank]] = {}
+
+    def add(self, s: frozenset[Rank], r: Rank) -> frozenset[Rank]:
+        if r in s:
+            return s
+        t = self.added.get((s, r))
+        if t is None:
+            if len(self.added) >= self._BOUND:
+                self.added.clear()
+            t = self.added[(s, r)] = s | {r}
+        return t
+
+    def discard(self, s: frozenset[Rank], r: Rank) -> frozenset[Rank]:
+        if r not in s:
+            return s
+        t = self.removed.get((s, r))
+        if t is None:
+            if len(self.removed) >= self._BOUND:
+                self.removed.clear()
+            t = self.removed[(s, r)] = s - {r}
+        return t
+
+
+_NOBODY: Final[frozenset[Rank]] = frozenset()
 
 
 class DeviceTree:
     """Compressed radix tree over local hashes with per-rank coverage (core.md §7.1)."""
 
-    __slots__ = ("root", "lookup")
+    __slots__ = ("root", "lookup", "sets")
 
     def __init__(self) -> None:
-        self.root = _Node([], [], set())
+        self.root = _Node((), _NOBODY)
         self.root.internal = True
         self.lookup: dict[Rank, dict[int, _Node]] = {}
+        self.sets = _RankSets()
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def _new_node(self, blocks: Sequence[Block], r: Rank) -> _Node:
+        return _Node(chain.from_iterable(blocks), self.sets.add(_NOBODY, r))
 
     def _point(self, r: Rank, blocks: Sequence[Block], n: _Node) -> None:
         table = self.lookup[r]
         for b in blocks:
             table[b[0]] = n
 
-    @staticmethod
-    def _promote(n: _Node, r: Rank) -> None:
-        n.part.pop(r, None)
-        n.full.add(r)
+    def _promote(self, n: _Node, r: Rank) -> None:
+        if n.part:
+            n.part.pop(r, None)
+        n.full = self.sets.add(n.full, r)
 
     def _cover_prefix(self, n: _Node, r: Rank, k: int) -> None:
         if k == 0:
             return
-        if k >= len(n.locs):
+        if k >= n.size:
             self._promote(n, r)
             return
         if r in n.full:
             return
-        n.part[r] = max(n.part.get(r, 0), k)
+        part = n.part
+        if part is None:
+            part = n.part = {}
+        part[r] = max(part.get(r, 0), k)
 
     def _append(self, n: _Node, r: Rank, blocks: Sequence[Block]) -> None:
-        old = len(n.locs)
-        for s in list(n.full):
-            if s != r:
-                n.full.discard(s)
-                n.part[s] = old
+        old = n.size
+        others = [s for s in n.full if s != r]
+        if others:
+            part = n.part
+            if part is None:
+                part = n.part = {}
+            for s in others:
+                part[s] = old
+        n.full = _NOBODY
         self._promote(n, r)
-        for j, b in enumerate(blocks):
-            n.locs.append(b[1])
-            n.engs.append(b[0])
-            n.pos[b[0]] = old + j
+        n.extend(chain.from_iterable(blocks))
+        pos = n.pos
+        if pos is not None:
+            for j, b in enumerate(blocks):
+                pos[b[0]] = old + j
 
-    def _split(self, n: _Node, k: int) -> None:
-        s = _Node(n.locs[k:], n.engs[k:], set(n.full))
+    def _split(self, n: _Node, k: int) -> dict[int, _Node]:
+        """Cut `n` after `k` blocks; the tail becomes its only child. Returns `n`'s children."""
+        s = _Node(n[2 * k :], n.full)
         s.children = n.children
         s.internal = n.internal
-        for r, c in list(n.part.items()):
-            if c >= k:
-                del n.part[r]
-                n.full.add(r)
-                if c - k > 0:
-                    s.part[r] = c - k
-        del n.locs[k:]
-        del n.engs[k:]
-        for h in s.engs:
-            n.pos.pop(h, None)
-        n.children = {s.locs[0]: s}
+        full = n.full
+        if n.part:
+            for r, c in list(n.part.items()):
+                if c >= k:
+                    del n.part[r]
+                    full = self.sets.add(full, r)
+                    if c - k > 0:
+                        if s.part is None:
+                            s.part = {}
+                        s.part[r] = c - k
+        n.full = full
+        del n[2 * k :]
+        tail = s.engine_hashes()
+        head_pos = n.pos
+        if head_pos is None and not set(tail).isdisjoint(n[0::2]):
+            head_pos = dict(zip(n[0::2], range(k), strict=True))
+        if head_pos is not None:  # the tail's hashes are the tail's, even where the head repeats one
+            for h in tail:
+                head_pos.pop(h, None)
+        n.pos = head_pos
+        kids = n.children = {s[1]: s}
         n.internal = True
         for r in s.full:
             table = self.lookup.setdefault(r, {})
-            for h in s.engs:
+            for h in tail:
                 table[h] = s
-        for r, c in s.part.items():
-            table = self.lookup.setdefault(r, {})
-            for h in s.engs[:c]:
-                table[h] = s
+        if s.part:
+            for r, c in s.part.items():
+                table = self.lookup.setdefault(r, {})
+                for h in tail[:c]:
+                    table[h] = s
+        return kids
 
     # -- operations ----------------------------------------------------------------------------
 
@@ -164,13 +268,13 @@ class DeviceTree:
             n = table.get(parent_hash)
             if n is None:
                 raise PARENT_NOT_FOUND
-            p = n.pos.get(parent_hash)
+            p = n.position(parent_hash)
             if p is None:
                 raise PARENT_NOT_FOUND
             if not n.covers(r, p):
                 del table[parent_hash]
                 raise PARENT_NOT_FOUND
-            tail_len = len(n.locs) - p - 1
+            tail_len = n.size - p - 1
             nb = len(blocks)
             if nb <= tail_len and _equal(n, p + 1, blocks, nb):
                 self._cover_prefix(n, r, p + 1 + nb)
@@ -180,7 +284,7 @@ class DeviceTree:
                 self._append(n, r, blocks[tail_len:])
                 self._point(r, blocks, n)
                 return
-            if n.engs[-1] != parent_hash:
+            if n[-2] != parent_hash:
                 self._split(n, p + 1)
             cur = n
         else:
@@ -188,40 +292,46 @@ class DeviceTree:
         root = self.root
         rest: Sequence[Block] = blocks
         while rest:
-            c = cur.children.get(rest[0][1])
-            if c is not None and not c.live():
-                del cur.children[rest[0][1]]
-                c = None
+            children = cur.children
+            c = None
+            if children:
+                c = children.get(rest[0][1])
+                if c is not None and not c.live():
+                    del children[rest[0][1]]
+                    c = None
             if c is None:
-                if cur is not root and not cur.internal and cur.covers(r, len(cur.locs) - 1):
+                if cur is not root and not cur.internal and cur.covers(r, cur.size - 1):
                     self._append(cur, r, rest)
                     self._point(r, rest, cur)
                 else:
-                    m = _new_node(rest, r)
+                    m = self._new_node(rest, r)
+                    if cur.children is None:
+                        cur.children = {}
                     cur.children[rest[0][1]] = m
                     cur.internal = True
                     self._point(r, rest, m)
                 break
-            limit = min(len(c.locs), len(rest))
+            edge = c.size
+            limit = min(edge, len(rest))
             k = 0
-            while k < limit and c.locs[k] == rest[k][1]:
+            while k < limit and c[2 * k + 1] == rest[k][1]:
                 k += 1
-            if k < len(c.locs):
+            if k < edge:
                 if k == len(rest):
                     self._cover_prefix(c, r, k)
                     self._point(r, rest, c)
                     break
-                self._split(c, k)
+                kids = self._split(c, k)
                 self._promote(c, r)
                 self._point(r, rest[:k], c)
-                t = _new_node(rest[k:], r)
-                c.children[rest[k][1]] = t
+                t = self._new_node(rest[k:], r)
+                kids[rest[k][1]] = t
                 c.internal = True
                 self._point(r, rest[k:], t)
                 break
             self._promote(c, r)
-            self._point(r, rest[: len(c.locs)], c)
-            rest = rest[len(c.locs) :]
+            self._point(r, rest[:edge], c)
+            rest = rest[edge:]
             cur = c
 
     def remove(self, r: Rank, hashes: Sequence[int]) -> None:
@@ -239,35 +349,38 @@ class DeviceTree:
                 if h not in scrubbed:
                     err = err or BLOCK_NOT_FOUND
                 continue
-            p = n.pos.get(h)
+            p = n.position(h)
             if p is None:
                 table[h] = n
                 err = err or BLOCK_NOT_FOUND
                 continue
+            cc = n.cutoff(r)
             low, low_hash = p, h
-            if n.covers(r, p):
+            if p < cc:
                 while i < total:
                     g = hashes[i]
                     if table.get(g) is not n:
                         break
-                    pg = n.pos.get(g)
-                    if pg is None or not n.covers(r, pg):
+                    pg = n.position(g)
+                    if pg is None or pg >= cc:
                         break
                     if pg < low:
                         low, low_hash = pg, g
                     i += 1
-            cc = n.cutoff(r)
             if low >= cc:
                 stale = [low_hash]
             else:
-                stale = n.engs[low:cc]
-                n.full.discard(r)
+                stale = n.engine_hashes(low, cc)
+                n.full = self.sets.discard(n.full, r)
                 if low == 0:
-                    n.part.pop(r, None)
+                    if n.part:
+                        n.part.pop(r, None)
                 else:
+                    if n.part is None:
+                        n.part = {}
                     n.part[r] = low
             if not n.full:
-                n.children = {}
+                n.children = None
             for s in stale:
                 table.pop(s, None)
                 scrubbed.add(s)
@@ -283,10 +396,11 @@ class DeviceTree:
             if id(n) in seen:
                 continue
             seen.add(id(n))
-            n.full.discard(r)
-            n.part.pop(r, None)
+            n.full = self.sets.discard(n.full, r)
+            if n.part:
+                n.part.pop(r, None)
             if not n.full:
-                n.children = {}
+                n.children = None
 
     def size(self, r: Rank) -> int:
         table = self.lookup.get(r)
@@ -302,42 +416,48 @@ class DeviceTree:
         if not q:
             return scores, last
         qlen = len(q)
-        n = self.root.children.get(q[0])
+        children = self.root.children
+        n = children.get(q[0]) if children else None
         at = 0
         depth = 0
         active: set[Rank] | None = None
         prev: int | None = None
         while n is not None and at < qlen:
-            locs = n.locs
-            limit = min(len(locs), qlen - at)
-            if locs[:limit] == q[at : at + limit]:
-                m = limit
+            size = len(n) >> 1
+            limit = min(size, qlen - at)
+            if limit == 1:
+                m = 1  # the child was found by this block's hash
             else:
-                m = 0
-                while m < limit and locs[m] == q[at + m]:
-                    m += 1
-            if m == 0:
-                break
+                edge = n[1 : 2 * limit : 2].tolist()
+                if edge == q[at : at + limit]:
+                    m = limit
+                else:
+                    m = 1
+                    while m < limit and edge[m] == q[at + m]:
+                        m += 1
             if active is None:
                 active = set(n.full)
-                for r, k in n.part.items():
-                    s = k if k < m else m
-                    if s > 0:
-                        scores[r] = s
-                        last[r] = n.engs[s - 1]
+                if n.part:
+                    for r, k in n.part.items():
+                        s = k if k < m else m
+                        if s > 0:
+                            scores[r] = s
+                            last[r] = n[2 * s - 2]
             else:
                 full = n.full
+                part = n.part
                 for r in [r for r in active if r not in full]:
-                    s = min(n.part.get(r, 0), m)
+                    s = min(part.get(r, 0) if part else 0, m)
                     scores[r] = depth + s
-                    last[r] = n.engs[s - 1] if s > 0 else prev
+                    last[r] = n[2 * s - 2] if s > 0 else prev
                     active.discard(r)
             depth += m
-            prev = n.engs[m - 1]
-            if not active or m < len(locs) or depth == qlen:
+            prev = n[2 * m - 2]
+            if not active or m < size or depth == qlen:
                 break
             at += m
-            n = n.children.get(q[at])
+            children = n.children
+            n = children.get(q[at]) if children else None
         if active:
             for r in active:
                 scores[r] = depth
@@ -348,7 +468,7 @@ class DeviceTree:
         """Stores that rebuild every reachable answer, breadth first (core.md §7.5)."""
         out: list[tuple[Rank, int | None, list[Block]]] = []
         queue: list[tuple[_Node, int | None, set[Rank] | None]] = [
-            (c, None, None) for c in self.root.children.values()
+            (c, None, None) for c in (self.root.children or {}).values()
         ]
         head = 0
         while head < len(queue):
@@ -357,149 +477,18 @@ class DeviceTree:
             if not n.live():
                 continue
             full = sorted(r for r in n.full if reach is None or r in reach)
-            part = sorted((r, k) for r, k in n.part.items() if reach is None or r in reach)
-            blocks = list(zip(n.engs, n.locs, strict=False))
+            part = sorted((r, k) for r, k in (n.part or {}).items() if reach is None or r in reach)
+            blocks = list(zip(n.engine_hashes(), n.local_hashes(), strict=True))
             for r in full:
                 out.append((r, ph, blocks))
             for r, k in part:
                 out.append((r, ph, blocks[:k]))
-            if full:
+            if full and n.children:
                 reach_next = set(full)
-                queue.extend((c, n.engs[-1], reach_next) for c in n.children.values())
+                queue.extend((c, n[-2], reach_next) for c in n.children.values())
         return out
 
 
 def _equal(n: _Node, start: int, blocks: Sequence[Block], count: int) -> bool:
     """Whether blocks[:count] equal the node's edge from `start`, local and engine hashes alike."""
-    locs, engs = n.locs, n.engs
-    for j in range(count):
-        b = blocks[j]
-        if locs[start + j] != b[1] or engs[start + j] != b[0]:
-            return False
-    return True
-
-
-class LowerTier:
-    """Continuation edges for host-pinned, disk or external blocks (core.md §7.2)."""
-
-    __slots__ = ("edges", "owned")
-
-    def __init__(self) -> None:
-        # (parent engine hash or None, local hash) -> [child engine hash, owners]
-        self.edges: dict[tuple[int | None, int], tuple[int, set[Rank]]] = {}
-        self.owned: dict[Rank, dict[int, tuple[int | None, int]]] = {}
-
-    def store(self, r: Rank, parent_hash: int | None, blocks: Sequence[Block]) -> None:
-        owned = self.owned.setdefault(r, {})
-        cur = parent_hash
-        for engine, local in blocks:
-            key = (cur, local)
-            mine = owned.get(engine)
-            if mine is not None and mine != key:
-                break
-            edge = self.edges.get(key)
-            if edge is not None and edge[0] != engine:
-                break
-            if edge is None:
-                edge = (engine, set())
-                self.edges[key] = edge
-            edge[1].add(r)
-            owned[engine] = key
-            cur = engine
-
-    def _release(self, r: Rank, key: tuple[int | None, int]) -> None:
-        edge = self.edges.get(key)
-        if edge is None:
-            return
-        edge[1].discard(r)
-        if not edge[1]:
-            del self.edges[key]
-
-    def remove(self, r: Rank, hashes: Iterable[int]) -> None:
-        owned = self.owned.get(r)
-        if not owned:
-            return
-        for h in hashes:
-            key = owned.pop(h, None)
-            if key is not None:
-                self._release(r, key)
-
-    def clear(self, r: Rank) -> None:
-        owned = self.owned.pop(r, None)
-        if not owned:
-            return
-        for key in owned.values():
-            self._release(r, key)
-
-    def size(self, r: Rank) -> int:
-        owned = self.owned.get(r)
-        return len(owned) if owned else 0
-
-    def total_size(self) -> int:
-        return sum(len(o) for o in self.owned.values())
-
-
-class KeyIndex:
-    """One key's index: the device tree and the three lower tiers."""
-
-    __slots__ = ("device", "lower")
-
-    def __init__(self) -> None:
-        self.device = DeviceTree()
-        self.lower: dict[str, LowerTier] = {t: LowerTier() for t in LOWER_TIERS}
-
-    def rank_size(self, r: Rank) -> int:
-        """Blocks the rank holds in every tier."""
-        return self.device.size(r) + sum(tier.size(r) for tier in self.lower.values())
-
-    def drop_rank(self, r: Rank) -> None:
-        self.device.clear(r)
-        for tier in self.lower.values():
-            tier.clear(r)
-
-    def tiered(
-        self, q: Sequence[int]
-    ) -> tuple[dict[Rank, int], dict[str, dict[Rank, int]]]:
-        """Device prefix per rank and lower-tier extension blocks beyond it (core.md §7.3)."""
-        device, last = self.device.find(q)
-        hits: dict[str, dict[Rank, int]] = {}
-        cont: dict[Rank, tuple[int, int | None]] | None = None
-        qlen = len(q)
-        for name in LOWER_TIERS:
-            tier = self.lower[name]
-            edges = tier.edges
-            if not edges:
-                hits[name] = {}
-                continue
-            if cont is None:
-                cont = {r: (device[r], last[r]) for r in device}
-            if q:
-                first = edges.get((None, q[0]))
-                if first is not None:
-                    for r in sorted(first[1]):
-                        cont.setdefault(r, (0, None))
-            tier_hits: dict[Rank, int] = {}
-            for r, (start, cur) in cont.items():
-                p = start
-                while p < qlen:
-                    edge = edges.get((cur, q[p]))
-                    if edge is None or r not in edge[1]:
-                        break
-                    cur = edge[0]
-                    p += 1
-                if p > start:
-                    tier_hits[r] = p - start
-                    cont[r] = (p, cur)
-            hits[name] = tier_hits
-        return device, hits
-
-    def dump(self) -> list[tuple[str, Rank, int | None, list[Block]]]:
-        out: list[tuple[str, Rank, int | None, list[Block]]] = [
-            ("device", r, ph, blocks) for r, ph, blocks in self.device.dump()
-        ]
-        for name in LOWER_TIERS:
-            tier = self.lower[name]
-            for r in sorted(tier.owned):
-                for h, (parent, local) in tier.owned[r].items():
-                    out.append((name, r, parent, [(h, local)]))
-        return out
+    return n[2 * start : 2 * (start + count)].tolist() == list(chain.from_iterable(blocks[:count]))

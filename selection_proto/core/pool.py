@@ -12,10 +12,11 @@ from .admission import AdmissionQueue
 from .budget import StateBudget
 from .engine import NamespaceMemory
 from .freshness import RankFreshness
-from .index import DeviceTree, KeyIndex, Rank
+from .index import DeviceTree, Rank
 from .predictions import Predictions
 from .sessions import SessionTable
 from .settings import Settings
+from .tiers import KeyIndex
 from .tracker import Booking, Tracker
 
 __all__ = ["Key", "Pool", "key_label"]

@@ -11,8 +11,8 @@ from .catalog import dp_range
 from .codec import from_json
 from .errors import ShapeError, Unprocessable
 from .events import KvEvent, decode_json_events
-from .index import KeyIndex
 from .pool import Key
+from .tiers import KeyIndex
 from .types import WorkerCatalogRecord, WorkerRequest
 
 __all__ = ["FORMAT", "RestorePlan", "dump_of", "parse_dump", "parse_peer_index"]
