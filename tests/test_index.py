@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 from conftest import Client, load_vectors, worker
@@ -93,3 +94,63 @@ def test_dump_rebuilds_the_same_answers() -> None:
         for query in case["queries"]:
             assert rebuilt.find(query["block_hashes"])[0] == {
                 r: s for r, s in tree.find(query["block_hashes"])[0].items()}
+
+
+def _tracked() -> int:
+    gc.collect()
+    return len(gc.get_objects())
+
+
+def test_evicted_prefixes_leave_nothing_behind() -> None:
+    """Unique prompts stored and evicted, over and over: the tree returns to empty, with no garbage
+    left for the cyclic collector (every unlink breaks the child's back-reference)."""
+    tree = DeviceTree()
+    r, other = (1, 0), (2, 0)
+    before = _tracked()
+    for round_ in range(3):
+        base = round_ * 10**6
+        chains = [[(base + 1000 * c + i, base + 1000 * c + i) for i in range(4)] for c in range(500)]
+        for c, chain in enumerate(chains):
+            tree.store(r, None, chain[:2])
+            tree.store(r, chain[1][0], chain[2:])  # an appended edge
+            tree.store(other, None, [*chain[:2], (base + 1000 * c + 9, 9)])  # splits it
+        tree.remove(r, [h for chain in chains for h, _ in chain])
+        tree.clear(other)
+        assert tree.root.children == {} and tree.total_size() == 0
+        assert tree.find([base + 1, base + 2])[0] == {}
+        del chains, chain
+    gc.disable()
+    try:
+        assert gc.collect() == 0  # nothing cyclic was left to collect
+    finally:
+        gc.enable()
+    assert _tracked() - before < 50
+
+
+def test_a_one_block_node_is_one_object_for_the_collector() -> None:
+    """The cyclic collector's full pass walks every tracked object; the index adds one per node
+    (docs/INVARIANTS.md: the stall a large index caused)."""
+    tree = DeviceTree()
+    before = _tracked()
+    for i in range(10_000):
+        tree.store((1, 0), None, [(i, i)])
+    assert _tracked() - before < 10_000 + 50
+    assert tree.find([5])[0] == {(1, 0): 1}
+
+
+def test_a_dropped_subtree_is_freed_without_the_cyclic_collector() -> None:
+    tree = DeviceTree()
+    r = (1, 0)
+    tree.store(r, None, [(1, 1), (2, 2), (3, 3), (4, 4)])
+    tree.store(r, 2, [(5, 5)])  # splits after block 2
+    tree.store(r, 3, [(6, 6)])  # splits the tail after block 3: a subtree two levels deep
+    gc.collect()
+    gc.disable()
+    try:
+        tree.remove(r, [1])  # the root's edge loses its only rank: its subtree goes
+        assert tree.find([1, 2, 3])[0] == {}
+        tree.remove(r, [3, 4, 5, 6])
+        assert tree.total_size() == 0 and tree.root.children == {}
+        assert gc.collect() == 0
+    finally:
+        gc.enable()

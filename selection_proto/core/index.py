@@ -63,15 +63,19 @@ class _Node(_Packed):
     Being its own packed array, a node is one object for the cyclic collector (two for an inner
     node) and holds no per-block objects."""
 
-    __slots__ = ("full", "part", "children", "internal", "pos")
+    __slots__ = ("full", "part", "children", "parent", "internal", "pos")
 
-    def __new__(cls, blocks: Iterable[int], full: frozenset[Rank]) -> _Node:
+    def __new__(cls, blocks: Iterable[int], full: frozenset[Rank], parent: _Node | None) -> _Node:
         return cast("_Node", super().__new__(cls, "Q", blocks))  # typeshed's array.__new__ is not Self
 
-    def __init__(self, blocks: Iterable[int], full: frozenset[Rank]) -> None:
+    def __init__(self, blocks: Iterable[int], full: frozenset[Rank], parent: _Node | None) -> None:
         self.full = full
         self.part: dict[Rank, int] | None = None
         self.children: dict[int, _Node] | None = None
+        # A node that no rank covers leaves its parent at once (or unique prefixes, stored and
+        # evicted, would pile up there); every unlink breaks this back-reference, so no garbage
+        # is ever cyclic.
+        self.parent = parent
         self.internal = False
         self.pos: dict[int, int] | None = None  # engine hash -> last place; built on first use
 
@@ -164,15 +168,34 @@ class DeviceTree:
     __slots__ = ("root", "lookup", "sets")
 
     def __init__(self) -> None:
-        self.root = _Node((), _NOBODY)
+        self.root = _Node((), _NOBODY, None)
         self.root.internal = True
         self.lookup: dict[Rank, dict[int, _Node]] = {}
         self.sets = _RankSets()
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _new_node(self, blocks: Sequence[Block], r: Rank) -> _Node:
-        return _Node(chain.from_iterable(blocks), self.sets.add(_NOBODY, r))
+    def _new_node(self, blocks: Sequence[Block], r: Rank, parent: _Node) -> _Node:
+        return _Node(chain.from_iterable(blocks), self.sets.add(_NOBODY, r), parent)
+
+    @staticmethod
+    def _prune(n: _Node) -> None:
+        """After a rank's cover shrank: a node no rank covers whole loses its subtree (no rank can
+        reach it), and a node nobody covers at all leaves its parent."""
+        if not n.full and n.children:
+            stack = list(n.children.values())
+            n.children = None
+            while stack:  # break each back-reference, so the subtree is freed by reference counts
+                c = stack.pop()
+                c.parent = None
+                if c.children:
+                    stack.extend(c.children.values())
+                    c.children = None
+        if not n.live() and n.parent is not None:
+            siblings = n.parent.children
+            if siblings is not None and siblings.get(n[1]) is n:
+                del siblings[n[1]]
+            n.parent = None
 
     def _point(self, r: Rank, blocks: Sequence[Block], n: _Node) -> None:
         table = self.lookup[r]
@@ -216,8 +239,11 @@ class DeviceTree:
 
     def _split(self, n: _Node, k: int) -> dict[int, _Node]:
         """Cut `n` after `k` blocks; the tail becomes its only child. Returns `n`'s children."""
-        s = _Node(n[2 * k :], n.full)
+        s = _Node(n[2 * k :], n.full, n)
         s.children = n.children
+        if s.children:
+            for child in s.children.values():
+                child.parent = s
         s.internal = n.internal
         full = n.full
         if n.part:
@@ -293,18 +319,16 @@ class DeviceTree:
         rest: Sequence[Block] = blocks
         while rest:
             children = cur.children
-            c = None
-            if children:
-                c = children.get(rest[0][1])
-                if c is not None and not c.live():
-                    del children[rest[0][1]]
-                    c = None
+            c = children.get(rest[0][1]) if children else None
+            if c is not None and not c.live():  # a tail no rank kept when its edge was split
+                self._prune(c)
+                c = None
             if c is None:
                 if cur is not root and not cur.internal and cur.covers(r, cur.size - 1):
                     self._append(cur, r, rest)
                     self._point(r, rest, cur)
                 else:
-                    m = self._new_node(rest, r)
+                    m = self._new_node(rest, r, cur)
                     if cur.children is None:
                         cur.children = {}
                     cur.children[rest[0][1]] = m
@@ -324,7 +348,7 @@ class DeviceTree:
                 kids = self._split(c, k)
                 self._promote(c, r)
                 self._point(r, rest[:k], c)
-                t = self._new_node(rest[k:], r)
+                t = self._new_node(rest[k:], r, c)
                 kids[rest[k][1]] = t
                 c.internal = True
                 self._point(r, rest[k:], t)
@@ -379,8 +403,7 @@ class DeviceTree:
                     if n.part is None:
                         n.part = {}
                     n.part[r] = low
-            if not n.full:
-                n.children = None
+            self._prune(n)
             for s in stale:
                 table.pop(s, None)
                 scrubbed.add(s)
@@ -399,8 +422,7 @@ class DeviceTree:
             n.full = self.sets.discard(n.full, r)
             if n.part:
                 n.part.pop(r, None)
-            if not n.full:
-                n.children = None
+            self._prune(n)
 
     def size(self, r: Rank) -> int:
         table = self.lookup.get(r)
