@@ -3,6 +3,8 @@ freshness, state budget, tracker, route table."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from selection_proto import WorkerRequest
@@ -278,3 +280,21 @@ def test_a_slice_ends_at_its_event_or_block_budget() -> None:
     assert slice_end(removes, 0, 3, 10_000) == 3
     huge = [KvEvent(worker_id=None, dp_rank=None, tier="device", event_id=None, kind="removed", block_hashes=tuple(range(1000)))]
     assert slice_end(huge, 0, 1024, 250) == 1  # one event over the budget still goes alone
+
+
+def test_a_value_built_with_the_collector_paused_skips_the_young_passes() -> None:
+    """Otherwise the first young collection after the pause walks all of it while holding the GIL
+    (85 ms for 8 MB of events: docs/INVARIANTS.md); a deployer's own `gc.freeze()` stays."""
+    gc.collect()
+    with jsonio.gc_paused():
+        built = [[i] for i in range(50_000)]
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert any(o is built for o in gc.get_objects(generation=2))
+    kept = [[i] for i in range(1_000)]
+    gc.freeze()
+    try:
+        with jsonio.gc_paused():
+            built = [[i] for i in range(1_000)]
+        assert gc.get_freeze_count() >= len(kept)
+    finally:
+        gc.unfreeze()

@@ -251,6 +251,11 @@ def gc_paused() -> Iterator[None]:
     try:
         yield
     finally:
+        if gc.get_freeze_count() == 0:  # (a deployer's own `gc.freeze()` is left alone)
+            # What was built goes to the oldest generation, where only full passes look at it:
+            # the first young pass after the pause walked all of it, 85 ms for 8 MB of events.
+            gc.freeze()
+            gc.unfreeze()
         gc.enable()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import ssl
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -57,6 +58,9 @@ class ServerConfig:
         self.keep_alive_timeout_secs = keep_alive_timeout_secs
         self.request_timeout_secs = request_timeout_secs
         self.shutdown_timeout_secs = shutdown_timeout_secs
+
+
+GIL_SWITCH_INTERVAL_SECS = 0.001
 
 
 def _access_log(method: str, path: str, status: int, seconds: float) -> None:
@@ -395,6 +399,10 @@ async def serve(service: SelectionService, config: ServerConfig,
                 ready: Callable[[str, int], None] | None = None) -> None:
     """Listen until SIGTERM or SIGINT, then drain (transports.md §9)."""
     server = _Server(service, config)
+    # Large bodies are decoded in worker threads; a thread in C code keeps the GIL for up to the
+    # switch interval (5 ms by default) each time the loop wants it back, several times per
+    # answer. 1 ms took /health's p99 under an 8 MB WebSocket message from 64 to 27 ms.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_SECS)
     try:
         listener = await anyio.create_tcp_listener(local_host=config.host, local_port=config.port,
                                                    reuse_port=False)
