@@ -92,6 +92,15 @@ def _build_parser() -> _Parser:
                        help="log every answer: method, path, status, milliseconds")
     serve.add_argument("--indexer-peer-timeout-secs", default=None, metavar="SECONDS",
                        help="how long one peer may take to answer (default 10)")
+    serve.add_argument("--snapshot", default=None, metavar="PATH",
+                       help="restore this /dump file at start when it exists, and write it "
+                            "atomically every --snapshot-interval-secs and at shutdown")
+    serve.add_argument("--snapshot-interval-secs", default=None, metavar="SECONDS",
+                       help="seconds between snapshots, written by a forked child (default 60; "
+                            "0: only at shutdown)")
+    serve.add_argument("--drain-delay-secs", default=None, metavar="SECONDS",
+                       help="on SIGTERM, keep serving this long with /ready and /readyz answering "
+                            "503 (a load balancer's time to stop sending), then drain (default 0)")
     _add_settings(serve)
     stdio = sub.add_parser("stdio", help="JSON-RPC 2.0 lines on stdin/stdout")
     _add_settings(stdio)
@@ -182,21 +191,33 @@ def _service_and_backend(args: argparse.Namespace, env: Mapping[str, str]) -> tu
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     restore = transport_value(args, env, "restore", TRANSPORT["restore"], str)
+    snapshot = transport_value(args, env, "snapshot", TRANSPORT["snapshot"], str) \
+        if args.command == "serve" else None
+    if restore is not None and snapshot is not None:
+        raise UsageError("--restore and --snapshot go separately: --snapshot restores its own file")
     if restore is not None:
-        from .core import jsonio
-        from .core.errors import SelectionError
-
-        try:
-            with open(restore, "rb") as fh:
-                # The same reader as every request: a dump holds what the API would accept.
-                service.restore(jsonio.loads(fh.read()), now=0.0)
-        except jsonio.JSONSyntaxError as exc:
-            raise UsageError(f"--restore {restore}: invalid JSON: {exc.detail}") from None
-        except (OSError, ValueError) as exc:
-            raise UsageError(f"--restore {restore}: {exc}") from None
-        except SelectionError as exc:
-            raise UsageError(f"--restore {restore}: {exc.message}") from None
+        _restore(service, restore, "--restore")
+    elif snapshot is not None and os.path.exists(snapshot):
+        # A snapshot that does not read is an error, not an empty start: the catalog it holds
+        # would be lost without a word. Move the file aside to start empty.
+        _restore(service, snapshot, "--snapshot")
     return service, backend
+
+
+def _restore(service: SelectionService, path: str, flag: str) -> None:
+    from .core import jsonio
+    from .core.errors import SelectionError
+
+    try:
+        with open(path, "rb") as fh:
+            # The same reader as every request: a dump holds what the API would accept.
+            service.restore(jsonio.loads(fh.read()), now=0.0)
+    except jsonio.JSONSyntaxError as exc:
+        raise UsageError(f"{flag} {path}: invalid JSON: {exc.detail}") from None
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{flag} {path}: {exc}") from None
+    except SelectionError as exc:
+        raise UsageError(f"{flag} {path}: {exc.message}") from None
 
 
 def _tracking_key(args: argparse.Namespace, env: Mapping[str, str]) -> bytes | None:
@@ -269,10 +290,16 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     for name, value in timeouts.items():
         if not (value > 0 and math.isfinite(value)):  # NaN fails both
             raise UsageError(f"{flag_name(name)}: must be a finite number greater than 0, not {value}")
+    pauses = {name: transport_value(args, env, name, TRANSPORT[name], float) for name in (
+        "snapshot_interval_secs", "drain_delay_secs")}
+    for name, value in pauses.items():
+        if not (value >= 0 and math.isfinite(value)):
+            raise UsageError(f"{flag_name(name)}: must be a finite number of at least 0, not {value}")
     config = ServerConfig(host=transport_value(args, env, "host", TRANSPORT["host"], str), port=port,
                           max_connections=max_connections, auth_token=_auth_token(args, env),
                           tls=_tls_context(args, env), access_log=flag_on(args, env, "access_log"),
-                          **timeouts)
+                          snapshot=transport_value(args, env, "snapshot", TRANSPORT["snapshot"], str),
+                          **timeouts, **pauses)
     import anyio
 
     peers = transport_value(args, env, "indexer_peers", TRANSPORT["indexer_peers"], str)

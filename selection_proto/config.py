@@ -131,7 +131,8 @@ TRANSPORT: Final[Mapping[str, Any]] = {
     "request_timeout_secs": 30.0, "shutdown_timeout_secs": 10.0, "ws_ping_interval_secs": 20.0,
     "backend": "asyncio", "log_level": "info", "log_format": "json", "random_state": None, "restore": None, "indexer_peers": None,
     "indexer_peer_timeout_secs": 10.0, "router_tracking_key_file": None, "auth_token_file": None,
-    "tls_cert": None, "tls_key": None, "access_log": None,
+    "tls_cert": None, "tls_key": None, "access_log": None, "snapshot": None, "snapshot_interval_secs": 60.0,
+    "drain_delay_secs": 0.0,
 }
 
 

@@ -64,7 +64,7 @@ def _reason(status: int) -> bytes:
 
 
 # Routes anyone may read, with or without `--auth-token-file`: probes, scrapes, the API's shape.
-OPEN_PATHS: Final = (b"/health", b"/ready", b"/metrics", b"/openapi.json")
+OPEN_PATHS: Final = (b"/health", b"/ready", b"/readyz", b"/metrics", b"/openapi.json")
 
 
 class HttpConnection:

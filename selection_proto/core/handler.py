@@ -33,6 +33,7 @@ from .routes import (
     media_type,
     route_of,
 )
+from .selection import SHUTTING_DOWN
 from .types import (
     OutputBlockRequest,
     OverlapScoresRequest,
@@ -160,6 +161,12 @@ def _ok(value: Any, status: int = 200) -> Response:
 
 
 def _h_health(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+    return _ok(service.health())
+
+
+def _h_readyz(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+    if not service.serving():
+        return error_response(503, SHUTTING_DOWN)
     return _ok(service.health())
 
 
@@ -344,6 +351,7 @@ def _h_dump(service: SelectionService, param: str | None, query: str, body: Body
 _HANDLERS: Final[dict[str, Callable[..., Response | Pending]]] = {
     "health": _h_health,
     "ready": _h_ready,
+    "readyz": _h_readyz,
     "list_workers": _h_workers_get,
     "upsert_worker": _h_workers_post,
     "patch_worker": _h_worker_patch,

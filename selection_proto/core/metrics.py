@@ -20,6 +20,8 @@ __all__ = [
     "PROCESS_START",
     "REQUEST_DURATION",
     "KV_REPLAYS",
+    "SNAPSHOTS",
+    "SNAPSHOT_LAST_SUCCESS",
     "SUBSCRIPTION_FAILURES",
     "WS_CLOSES",
     "WS_MESSAGES",
@@ -46,6 +48,8 @@ PROCESS_CPU: Final = "process_cpu_seconds_total"
 PROCESS_FDS: Final = "process_open_fds"
 PROCESS_START: Final = "process_start_time_seconds"
 JSONRPC_MESSAGES: Final = "selection_proto_jsonrpc_messages_total"
+SNAPSHOTS: Final = "selection_proto_snapshots_total"
+SNAPSHOT_LAST_SUCCESS: Final = "selection_proto_snapshot_last_success_timestamp_seconds"
 
 # name -> (type, help, label names, histogram bounds)
 FAMILIES: Final[Mapping[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]]] = {
@@ -104,6 +108,9 @@ FAMILIES: Final[Mapping[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]
     PROCESS_CPU: ("counter", "CPU time of the serving process (user and system).", (), ()),
     PROCESS_FDS: ("gauge", "Open file descriptors of the serving process.", (), ()),
     PROCESS_START: ("gauge", "When the serving process started, in seconds since the epoch.", (), ()),
+    SNAPSHOTS: ("counter", "Snapshots written (--snapshot), by result: ok or failed.", ("result",), ()),
+    SNAPSHOT_LAST_SUCCESS: ("gauge", "When the last snapshot was written, in seconds since the epoch.",
+                            (), ()),
     "selection_proto_rank_active_requests": ("gauge", "Live bookings per rank.", _RANK_LABELS, ()),
     "selection_proto_rank_prefill_tokens": ("gauge", "Booked prefill tokens per rank.", _RANK_LABELS, ()),
     "selection_proto_rank_decode_blocks": ("gauge", "Active decode blocks per rank.", _RANK_LABELS, ()),

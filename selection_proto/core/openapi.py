@@ -112,6 +112,7 @@ _ANSWERS: Final[dict[str, dict[str, Any]]] = {
 }
 _ANSWER_OF: Final[dict[str, tuple[str, str]]] = {  # operation -> (schema, media type)
     "health": ("StatusOk", "application/json"), "ready": ("ReadyResponse", "application/json"),
+    "readyz": ("StatusOk", "application/json"),
     "upsert_worker": ("WorkerRecord", "application/json"), "patch_worker": ("WorkerRecord", "application/json"),
     "delete_worker": ("WorkerRecord", "application/json"),
     "select": ("SelectResponse", "application/json"), "select_and_reserve": ("SelectResponse", "application/json"),

@@ -43,6 +43,8 @@ _WRITE: Final = (400, 413, 415, 422)
 ROUTES: Final[tuple[Route, ...]] = (
     Route("GET", "/health", "health", False, None, (), (200,), "health", "Liveness: always ok."),
     Route("GET", "/ready", "ready", False, None, (), (200, 503), "ready", "Readiness, with every worker record."),
+    Route("GET", "/readyz", "readyz", False, None, (), (200, 503), "readyz",
+          "Process readiness: ok unless draining or shutting down, with or without workers."),
     Route("GET", "/workers", "list_workers", False, None, KEY_QUERY, (200, 400), "workers.list", "The worker catalog, filtered by key."),
     Route("POST", "/workers", "upsert_worker", True, WorkerRequest, (), (201, 400, 409, 413, 415, 422),
           "workers.create", "Register or replace a worker."),

@@ -98,6 +98,7 @@ class SelectionService:
                               tickets, self._outbox)
         self._now = -math.inf
         self._shutting_down = False
+        self._draining = False  # marked not ready, still serving (`begin_drain`)
         self.recovered_from: str | None = None  # the peer this service started from (`recover`)
 
     @property
@@ -152,6 +153,12 @@ class SelectionService:
             deadlines.append(self._now)
         return min(deadlines) if deadlines else None
 
+    def begin_drain(self, *, now: float) -> None:
+        """Answer `/ready` and `/readyz` 503 while serving as before, so that load balancers stop
+        sending before `begin_shutdown` (transports.md §9, `--drain-delay-secs`)."""
+        self._advance(now)
+        self._draining = True
+
     def begin_shutdown(self, *, now: float) -> None:
         """Stop taking work: accepted events are applied and answered, push streams get close 1001,
         queued selections 503, and later selections and bookings 503."""
@@ -168,6 +175,10 @@ class SelectionService:
         """Liveness: always `{"status": "ok"}`."""
         return StatusOk()
 
+    def serving(self) -> bool:
+        """`/readyz`: the process takes traffic (not draining, not shutting down), workers or not."""
+        return not (self._draining or self._shutting_down)
+
     def ready(self, *, now: float) -> ReadyResponse:
         """Readiness (core.md §6.8) with every record in (model, tenant, worker) order."""
         ready, count = self.readiness(now=now)
@@ -182,7 +193,7 @@ class SelectionService:
         """(ready, schedulable workers): `ready()` without building the worker list."""
         self._advance(now)
         count = self.catalog.schedulable
-        return count > 0 and not self._shutting_down, count
+        return count > 0 and self.serving(), count
 
     def records_json(self, model_name: str | None = None, tenant_id: str | None = None) -> list[bytes]:
         """The JSON of each record in (model, tenant, worker) order, as `to_json` encodes it."""

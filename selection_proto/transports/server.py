@@ -26,6 +26,7 @@ from ..core.wire import error_response
 from .logs import log, log_internal_error
 from .process import ProcessMetrics
 from .pump import CHUNK, flush, receive
+from .snapshots import Snapshots
 from .subscriber import Subscriptions
 
 __all__ = ["ServerConfig", "serve"]
@@ -47,7 +48,11 @@ class ServerConfig:
                  keep_alive_timeout_secs: float = 5.0, request_timeout_secs: float = 30.0,
                  shutdown_timeout_secs: float = 10.0, ws_ping_interval_secs: float = 20.0,
                  auth_token: bytes | None = None, tls: ssl.SSLContext | None = None,
-                 access_log: bool = False) -> None:
+                 access_log: bool = False, snapshot: str | None = None,
+                 snapshot_interval_secs: float = 60.0, drain_delay_secs: float = 0.0) -> None:
+        self.drain_delay_secs = drain_delay_secs  # serve, marked not ready, before draining
+        self.snapshot = snapshot  # write the dump here periodically and at shutdown
+        self.snapshot_interval_secs = snapshot_interval_secs  # 0: only at shutdown
         self.access_log = access_log  # log every answer (method, path, status, milliseconds)
         self.ws_ping_interval_secs = ws_ping_interval_secs
         self.tls = tls  # serve HTTPS and wss:// with this context
@@ -81,6 +86,8 @@ class _Server:
         self.woken: set[HttpConnection] = set()  # readers cancelled by `pump`, not by a deadline
         self.wake = anyio.Event()
         self.timer_target = float("inf")
+        self.snapshots = Snapshots(service, config.snapshot, config.snapshot_interval_secs) \
+            if config.snapshot is not None else None
         self.ws_sessions: dict[int, tuple[PushSession, anyio.abc.ByteStream, anyio.Lock]] = {}
         self.handshakes = 0  # TLS handshakes under way (they count against max_connections)
         self.ws_count = 0
@@ -243,6 +250,8 @@ class _Server:
         while True:
             if self.clock() - reported >= 1.0:
                 process.report()
+                if self.snapshots is not None:
+                    self.snapshots.tick()
                 reported = self.clock()
             deadline = self.service.next_deadline()
             delay = 1.0 if deadline is None else min(1.0, max(0.0, deadline - self.clock()))
@@ -447,11 +456,17 @@ async def serve(service: SelectionService, config: ServerConfig,
             # The watcher must end inside this block: trio refuses a receiver used after it.
             async with anyio.create_task_group() as watch:
                 watch.start_soon(second_signal)
+                if config.drain_delay_secs > 0:  # a load balancer's time to see /readyz fail
+                    service.begin_drain(now=time.monotonic())
+                    log("info", "draining", seconds=config.drain_delay_secs)
+                    await anyio.sleep(config.drain_delay_secs)
                 await _drain(server, service, config, accept_scope)
                 watch.cancel_scope.cancel()
         tg.cancel_scope.cancel()
     if forced:
         raise RuntimeError("a second signal arrived during the graceful shutdown")
+    if server.snapshots is not None:
+        server.snapshots.final()
     log("info", "stopped")
 
 

@@ -1,0 +1,136 @@
+"""Snapshots of one instance (`--snapshot PATH`): the `/dump` document, written atomically (a
+temporary file beside PATH, fsync, rename) every `--snapshot-interval-secs` and at shutdown, and
+read back at start by the command line (`cli._restore`).
+
+A periodic snapshot is written by a forked child from its copy of the process's memory, as Redis's
+BGSAVE does: the event loop only pays for the fork (page tables, milliseconds), never for the dump
+itself, which takes seconds for a million indexed blocks. Where `os.fork` does not exist the dump
+runs on the loop with the collector paused."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from ..core import jsonio
+from ..core.metrics import SNAPSHOT_LAST_SUCCESS, SNAPSHOTS
+from ..core.service import SelectionService
+from .logs import log
+
+__all__ = ["Snapshots", "write_snapshot"]
+
+
+def write_snapshot(service: SelectionService, path: str) -> int:
+    """Write the service's dump to `path` atomically; returns its size in bytes."""
+    with jsonio.gc_paused():
+        data = jsonio.dumps(service.dump())
+    folder = os.path.dirname(os.path.abspath(path))
+    temporary = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(temporary, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        raise
+    try:  # the rename itself survives a power loss once the folder is synced
+        descriptor = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return len(data)
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
+    return len(data)
+
+
+class Snapshots:
+    """The periodic snapshot: `tick` (from the server's timer, at least once a second) reaps a
+    finished child and forks the next when one is due; `final` writes the last one at shutdown."""
+
+    def __init__(self, service: SelectionService, path: str, interval_secs: float) -> None:
+        self._service = service
+        self.path = path
+        self.interval_secs = interval_secs  # 0: only at shutdown
+        self._child: int | None = None
+        self._child_started = 0.0
+        self._child_errors = -1  # the read end of the pipe a failing child says why on
+        self._due = time.monotonic() + interval_secs
+
+    def tick(self) -> None:
+        if self._child is not None:
+            self._reap(block=False)
+        if self._child is None and self.interval_secs > 0 and time.monotonic() >= self._due:
+            self._due = time.monotonic() + self.interval_secs
+            self._start()
+
+    def final(self) -> None:
+        """The snapshot at shutdown, on this thread: the loop has nothing left to serve."""
+        if self._child is not None:
+            self._reap(block=True)
+        started = time.monotonic()
+        try:
+            size = write_snapshot(self._service, self.path)
+        except Exception as exc:  # noqa: BLE001 - reported; shutting down goes on
+            self._failed(f"{type(exc).__name__}: {exc}")
+            return
+        self._written(started, size)
+
+    def _start(self) -> None:
+        if not hasattr(os, "fork"):  # pragma: no cover - not on Linux or macOS
+            self.final()
+            return
+        self._child_started = time.monotonic()
+        errors, says = os.pipe()
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            os.close(errors)
+            os.close(says)
+            self._failed(f"fork: {exc.strerror or exc}")
+            return
+        if pid == 0:  # the child: write, then leave without running the parent's exit handlers
+            code = 1
+            try:
+                write_snapshot(self._service, self.path)
+                code = 0
+            except BaseException as exc:  # noqa: BLE001 - the parent reports it
+                os.write(says, f"{type(exc).__name__}: {exc}".encode()[:4096])
+            finally:
+                os._exit(code)
+        os.close(says)
+        self._child, self._child_errors = pid, errors
+
+    def _reap(self, *, block: bool) -> None:
+        assert self._child is not None
+        try:
+            pid, status = os.waitpid(self._child, 0 if block else os.WNOHANG)
+        except ChildProcessError:
+            pid, status = self._child, 1 << 8
+        if pid == 0:
+            return  # still writing
+        self._child = None
+        with os.fdopen(self._child_errors, "rb") as pipe:  # the child has ended: this cannot block
+            reason = pipe.read().decode(errors="replace")
+        code = os.waitstatus_to_exitcode(status)
+        if code == 0:
+            self._written(self._child_started, os.path.getsize(self.path))
+        else:
+            self._failed(reason or f"the snapshot process ended with {code}")
+
+    def _written(self, started: float, size: int) -> None:
+        self._service.observe(SNAPSHOTS, ("ok",), 1.0)
+        self._service.observe(SNAPSHOT_LAST_SUCCESS, (), time.time())
+        log("info", "snapshot written", path=self.path, bytes=size,
+            seconds=round(time.monotonic() - started, 3))
+
+    def _failed(self, error: str) -> None:
+        self._service.observe(SNAPSHOTS, ("failed",), 1.0)
+        log("error", "snapshot failed", path=self.path, error=error)
