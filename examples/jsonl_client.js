@@ -1,15 +1,33 @@
 // A non-Python router driving `selection-proto stdio` over JSON lines (JSON-RPC 2.0).
-// Usage: node examples/jsonl_client.js [python]
+// Usage: node examples/jsonl_client.js [python]   (default: the active virtualenv's, else python3)
 "use strict";
 const { spawn } = require("child_process");
+const path = require("path");
 const readline = require("readline");
 
-const python = process.argv[2] || "python3";
+const python = process.argv[2] ||
+  (process.env.VIRTUAL_ENV ? path.join(process.env.VIRTUAL_ENV, "bin", "python") : "python3");
 const child = spawn(python, ["-m", "selection_proto", "stdio", "--kv-events", "push"], {
   stdio: ["pipe", "pipe", "inherit"],
 });
 const waiting = new Map();
 let nextId = 1;
+let finished = false;
+
+// The service ending before we are done is a failure, whatever its exit code says.
+child.on("error", (err) => {
+  console.error(`cannot start ${python}: ${err.message}`);
+  process.exit(1);
+});
+child.on("exit", (code, signal) => {
+  if (!finished || code !== 0) {
+    console.error(`selection-proto stdio ended (code ${code}, signal ${signal})`);
+    process.exit(code ? code : 1);
+  }
+  process.exit(0);
+});
+
+child.stdin.on("error", () => {});  // EPIPE once the service has died: its exit says why
 
 readline.createInterface({ input: child.stdout }).on("line", (line) => {
   const message = JSON.parse(line);
@@ -31,6 +49,6 @@ function call(method, params) {
   const missing = await call("workers.delete", { worker_id: 99 });
   await call("reservations.free", { reservation_id: "js-1" });
   console.log(JSON.stringify({ worker_id: picked.result.worker_id, error_code: missing.error.code }));
-  child.stdin.end();
-  child.on("exit", (code) => process.exit(code));
+  finished = true;
+  child.stdin.end();  // EOF: the service answers what is in flight and exits 0
 })();
