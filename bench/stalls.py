@@ -2,8 +2,8 @@
 another connection sends, over and over, one of the heaviest requests a client may send
 (docs/INVARIANTS.md, "No single request stalls everyone"; goal: p99 under 50 ms).
 
-    python bench/stalls.py [--scenarios ws_events,delete_bookings,ready,select_1m,post_events]
-        [--seconds 5] [--bookings 100000] [--workers 100000]
+    python bench/stalls.py [--scenarios ws_events,delete_bookings,ready,select_1m,post_events,snapshot]
+        [--seconds 5] [--bookings 100000] [--workers 100000] [--blocks 200000]
 
 Each scenario starts its own `selection-proto serve --kv-events push` and prepares its state
 first (bookings through pipelined `POST /reservations`, workers through `--restore`).
@@ -243,8 +243,34 @@ def scenario_select_1m(opts: argparse.Namespace) -> dict[str, float]:
         proc.wait()
 
 
+def scenario_snapshot(opts: argparse.Namespace) -> dict[str, float]:
+    """Periodic snapshots (`--snapshot`, every second) of --blocks indexed blocks, restored at
+    start from that same file; the heavy part is waiting for the next one to be written."""
+    folder = tempfile.mkdtemp()
+    path = os.path.join(folder, "state.json")
+    with open(path, "w") as fh:
+        json.dump({"format": "selection-proto-dump/1", "keys": [], "workers": [worker(1)], "events": [
+            {"worker_id": 1, "event": {"event_id": i, "data": {"stored": {"parent_hash": None, "blocks": [
+                {"block_hash": i, "tokens_hash": i}]}}}} for i in range(opts.blocks)]}, fh)
+    proc, port = start(["--snapshot", path, "--snapshot-interval-secs", "1"])
+    try:
+        def heavy(conn: Conn) -> None:
+            before = os.stat(path).st_mtime_ns
+            while os.stat(path).st_mtime_ns == before:
+                time.sleep(0.05)
+
+        return measure(port, heavy, opts.seconds)
+    finally:
+        proc.terminate()
+        proc.wait()
+        for name in os.listdir(folder):
+            os.unlink(os.path.join(folder, name))
+        os.rmdir(folder)
+
+
 SCENARIOS = {"ws_events": scenario_ws_events, "delete_bookings": scenario_delete_bookings,
-             "ready": scenario_ready, "select_1m": scenario_select_1m, "post_events": scenario_post_events}
+             "ready": scenario_ready, "select_1m": scenario_select_1m, "post_events": scenario_post_events,
+             "snapshot": scenario_snapshot}
 
 
 def main() -> None:
@@ -253,6 +279,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--bookings", type=int, default=100_000)
     parser.add_argument("--workers", type=int, default=100_000)
+    parser.add_argument("--blocks", type=int, default=200_000)
     opts = parser.parse_args()
     print(f"{'scenario':<16} {'heavy n':>7} {'heavy ms':>9} {'probes':>7} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7}")
     for name in opts.scenarios.split(","):
