@@ -17,7 +17,7 @@ from wsproto import WSConnection
 
 from ..core.metrics import LIMIT_REJECTIONS, REQUEST_DURATION
 from ..core.responses import Pending
-from ..core.routes import MAX_BODY, ParsedBody, is_json, match, media_type, route_of
+from ..core.routes import MAX_BODY, MSGPACK_TYPES, ParsedBody, is_json, match, media_type, route_of
 from ..core.service import SelectionService
 from ..core.wire import Response, error_response
 from .ws import check_handshake, server_handshake
@@ -43,9 +43,13 @@ class LargeRequest(NamedTuple):
 
 
 def _takes_json(method: str, path: str, headers: list[tuple[str, str]]) -> bool:
+    """A body `handler.prepare_large_body` can read: JSON, or msgpack but an engine batch."""
     matched = match(path)
     route = route_of(method, matched[0]) if matched is not None else None
-    return route is not None and route.body and is_json(media_type(headers))
+    if route is None or not route.body:
+        return False
+    media = media_type(headers)
+    return is_json(media) or (media in MSGPACK_TYPES and route.operation != "kv_events")
 
 
 class Upgrade(NamedTuple):

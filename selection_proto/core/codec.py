@@ -121,6 +121,8 @@ def describe(value: Any) -> str:
         return "string " + json.dumps(value, ensure_ascii=False)
     if isinstance(value, (list, tuple, array)):
         return "sequence"
+    if isinstance(value, bytes):
+        return "byte array"
     if isinstance(value, Mapping):
         return "map"
     return f"value of type {type(value).__name__}"
@@ -153,9 +155,18 @@ def _check_int(kind: tuple[Any, ...], value: Any, path: str) -> int:
 def _check_int_array(kind: tuple[Any, ...], value: Any, path: str, ctx: ShapeContext) -> Any:
     """Integer arrays: u32 become array('I'), i64 become a list of u64 (bit-for-bit reinterpreted),
     u64 a list. The C-level conversion validates the range; bools are looked for separately."""
+    name = kind[1]
+    if name == "u32" and type(value) is bytes:  # msgpack `bin`: little-endian u32, no per-item objects
+        if len(value) % 4:
+            raise shape_error(path, f"invalid length {len(value)}: a bin of little-endian u32 takes a "
+                                    "multiple of 4 bytes")
+        packed = array("I")
+        packed.frombytes(value)
+        if not _LOW_BYTE_FIRST:  # pragma: no cover - big-endian hosts only
+            packed.byteswap()
+        return packed
     if not isinstance(value, (list, tuple, array)):
         raise _invalid_type(path, value, "a sequence")
-    name = kind[1]
     try:
         if name == "u32":
             packed = pack_tokens(value)

@@ -78,6 +78,15 @@ class InvalidJson(BadRequest):
         self.detail = detail
 
 
+class InvalidMsgpack(BadRequest):
+    """A `Content-Type: application/msgpack` body that is not one msgpack value of JSON's kinds
+    (docs/DECISIONS.md, "Binary prompts"); `detail` says why."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"Failed to parse the request body as msgpack: {detail}")
+        self.detail = detail
+
+
 class ShapeError(Unprocessable):
     """JSON of the wrong shape for its type (api.md §2.3); `detail` is `<path>: <reason>`, or the
     reason alone at the root."""

@@ -9,11 +9,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
+import msgpack
+
 from . import jsonio
 from .codec import FloatForInteger, ShapeContext, from_json
 from .errors import (
     BadRequest,
     InvalidJson,
+    InvalidMsgpack,
     MethodNotAllowed,
     NotFound,
     SelectionError,
@@ -73,6 +76,30 @@ def _parse_json(body: bytes) -> tuple[Any, bool]:
         return jsonio.loads_with_hints(body)
     except jsonio.JSONSyntaxError as exc:
         raise InvalidJson(exc.detail) from None
+
+
+def _string_keys(pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
+    if not all(type(k) is str for k, _ in pairs):
+        raise ValueError("map keys must be strings")
+    return dict(pairs)
+
+
+def _no_extensions(code: int, data: bytes) -> Any:
+    raise ValueError(f"extension type {code} is not accepted")
+
+
+def parse_msgpack(raw: bytes) -> ParsedBody:
+    """A msgpack request body, read as its JSON twin would be: maps with string keys, arrays,
+    strings, numbers, booleans, nil; and `bin` where a u32 array is expected (`token_ids` as
+    little-endian u32: no per-token objects). Its integers are exact, so `exact` is the value."""
+    try:
+        value = msgpack.unpackb(raw, raw=False, strict_map_key=True, object_pairs_hook=_string_keys,
+                                ext_hook=_no_extensions, timestamp=0)
+    except msgpack.StackError:
+        raise InvalidMsgpack("nested too deeply") from None
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise InvalidMsgpack(str(exc) or type(exc).__name__) from None
+    return ParsedBody(value, True, len(raw), lambda: value)
 
 
 Body = bytes | ParsedBody
@@ -146,9 +173,11 @@ def _dispatch(service: SelectionService, method: str, matched: tuple[str, str | 
     assert route is not None
     if route.body:
         media = media_type(headers)
-        if route.operation == "kv_events" and media in MSGPACK_TYPES and isinstance(body, bytes):
-            return _h_engine_batch(service, query, body, now)
-        if not is_json(media):
+        if media in MSGPACK_TYPES and isinstance(body, bytes):
+            if route.operation == "kv_events":
+                return _h_engine_batch(service, query, body, now)
+            body = parse_msgpack(body)
+        elif not is_json(media) and not isinstance(body, ParsedBody):
             raise UnsupportedMediaType("Expected request with `Content-Type: application/json`")
     response = _HANDLERS[route.operation](service, param, query, body, now)
     if head and isinstance(response, Response):
@@ -295,9 +324,16 @@ def _parse_events_large(raw: bytes) -> tuple[Any, bool] | None:
         return None
 
 
-def prepare_large_body(path: str, raw: bytes) -> ParsedBody | None:
-    """A large JSON body parsed, and for `POST /kv_events` its events decoded, as `handle` would;
-    None when it is not JSON (then `handle` reports it). Pure: for a worker thread."""
+def prepare_large_body(path: str, raw: bytes, media: str | None = None) -> ParsedBody | None:
+    """A large JSON (or, `media` says, msgpack) body parsed, and for `POST /kv_events` its events
+    decoded, as `handle` would; None when it does not parse (then `handle` reports it). Pure: for
+    a worker thread."""
+    if media in MSGPACK_TYPES:
+        try:
+            with jsonio.gc_paused():
+                return parse_msgpack(raw)
+        except InvalidMsgpack:
+            return None
     parsed = _parse_events_large(raw) if path == "/kv_events" else jsonio.parse_large(raw)
     if parsed is None:
         return None

@@ -124,6 +124,8 @@ _ANSWER_OF: Final[dict[str, tuple[str, str]]] = {  # operation -> (schema, media
     "kv_events": ("ApplyReport", "application/json"), "dump": ("Dump", "application/json"),
     "openapi": ("OpenApi", "application/json"),
 }
+_MSGPACK_BODY: Final = ("The JSON body's members as one msgpack map (string keys; no extension "
+                        "types). A u32 array such as token_ids may be a bin of little-endian u32.")
 # POST /kv_events: Dynamo JSON events (one, or an array), or one engine msgpack batch.
 _EVENTS: Final = {"oneOf": [{"type": "object", "description": "a RouterEvent or a bare KvCacheEvent"},
                             {"type": "array", "items": {"type": "object"}}]}
@@ -143,8 +145,12 @@ def document() -> dict[str, Any]:
                               "responses": {}}
         if route.body_type is not None:
             _component(route.body_type, schemas)
-            op["requestBody"] = {"required": True, "content": {"application/json": {
-                "schema": {"$ref": f"#/components/schemas/{route.body_type.__name__}"}}}}
+            ref = {"$ref": f"#/components/schemas/{route.body_type.__name__}"}
+            # The same members in msgpack; a u32 array (`token_ids`) may also be a `bin` of
+            # little-endian u32 (docs/DECISIONS.md, "Binary prompts").
+            op["requestBody"] = {"required": True, "content": {
+                "application/json": {"schema": ref},
+                "application/msgpack": {"schema": {**ref, "description": _MSGPACK_BODY}}}}
         elif route.body:  # POST /kv_events: JSON events or an engine msgpack batch
             op["requestBody"] = {"required": True, "content": {
                 "application/json": {"schema": _EVENTS},

@@ -20,6 +20,7 @@ from ..adapters.ws import PushSession
 from ..core.handler import prepare_large_body
 from ..core.metrics import CONNECTIONS, INTERNAL_ERRORS, LIMIT_REJECTIONS
 from ..core.outputs import CloseEventStream, InternalError, Notice, OutputEvent, SelectionReady
+from ..core.routes import media_type
 from ..core.service import SelectionService
 from ..core.streams import decode_or_error
 from ..core.wire import error_response
@@ -312,7 +313,8 @@ class _Server:
                     break
                 # Megabytes of JSON are parsed in a worker thread while others are served.
                 large = conn.large_request
-                conn.complete_large(await anyio.to_thread.run_sync(prepare_large_body, large.path, large.body))
+                conn.complete_large(await anyio.to_thread.run_sync(
+                    prepare_large_body, large.path, large.body, media_type(large.headers)))
             if conn.pending_ticket is not None:
                 self.waiting[conn.pending_ticket] = (conn, stream, lock)
             if conn.upgrade is not None:
