@@ -298,3 +298,23 @@ def test_a_value_built_with_the_collector_paused_skips_the_young_passes() -> Non
         assert gc.get_freeze_count() >= len(kept)
     finally:
         gc.unfreeze()
+
+
+def test_ready_and_workers_bodies_are_kept_until_the_catalog_changes() -> None:
+    import random
+
+    from selection_proto import SelectionService, Settings
+
+    service = SelectionService(Settings(kv_events="push"), random.Random(0))
+    service.upsert_worker(WorkerRequest(worker_id=1, endpoint="http://w1", block_size=4), now=1.0)
+    first = service.handle("GET", "/ready", "", [], b"", now=2.0).body
+    assert service.handle("GET", "/ready", "", [], b"", now=3.0).body is first  # no fresh copy
+    workers = service.handle("GET", "/workers", "", [], b"", now=3.0).body
+    assert service.handle("GET", "/ready", "", [], b"", now=3.0).body is first  # both kept
+    service.upsert_worker(WorkerRequest(worker_id=2, endpoint="http://w2", block_size=4), now=4.0)
+    again = service.handle("GET", "/ready", "", [], b"", now=5.0).body
+    assert again != first and b'"worker_id":2' in again
+    listed = service.handle("GET", "/workers", "", [], b"", now=5.0).body
+    assert listed != workers and b'"worker_id":2' in listed
+    service.delete_worker(2, now=6.0)
+    assert b'"unschedulable"' in service.handle("GET", "/ready", "", [], b"", now=7.0).body

@@ -18,6 +18,7 @@ __all__ = [
     "RECONCILE",
     "TOPOLOGY_PREFIX",
     "Catalog",
+    "frame",
     "dp_range",
     "effective_taints",
     "endpoint_failure",
@@ -185,6 +186,8 @@ class Catalog:
         self._ids_by_key: dict[tuple[str, str], set[int]] = {}
         self._tombstones: OrderedDict[int, None] = OrderedDict()
         self.schedulable = 0
+        self._version = 0  # moves with every record written or forgotten
+        self._spliced: dict[tuple[bytes, bytes], tuple[int, bytes]] = {}
 
     def __bool__(self) -> bool:
         return bool(self._records)
@@ -219,6 +222,20 @@ class Catalog:
             if tenant_id is None or t == tenant_id:
                 out.append(cached[wid])
         return out
+
+    def spliced(self, head: bytes, tail: bytes) -> bytes:
+        """`head`, every record's JSON in order and comma-separated, `tail`: the body of `/ready`
+        or of an unfiltered `/workers`. Kept until the catalog changes, so that a probe asking
+        again gets the same bytes instead of a fresh copy of tens of megabytes (with 100k
+        workers, the copy's page faults alone held the event loop 60-130 ms)."""
+        kept = self._spliced.get((head, tail))
+        if kept is not None and kept[0] == self._version:
+            return kept[1]
+        body = b",".join(frame(head, self.records_json(), tail))
+        if len(self._spliced) >= 2:  # /ready and /workers; a head that changes replaces the old
+            self._spliced.clear()
+        self._spliced[(head, tail)] = (self._version, body)
+        return body
 
     def others_in_key(self, key: tuple[str, str], worker_id: int) -> set[int]:
         """The other non-deleted records of `key`."""
@@ -270,6 +287,7 @@ class Catalog:
         self._budget.record_bytes += len(data) - len(self._json.get(wid, b""))
         self._json[wid] = data
         self._records[wid] = record
+        self._version += 1
 
     def _forget(self, worker_id: int) -> None:
         old = self._records.pop(worker_id)
@@ -277,3 +295,13 @@ class Catalog:
             self.schedulable -= 1
         del self._order[bisect.bisect_left(self._order, (*old.key, worker_id))]
         self._budget.record_bytes -= len(self._json.pop(worker_id))
+        self._version += 1
+
+
+def frame(head: bytes, items: list[bytes], tail: bytes) -> list[bytes]:
+    """`items` with `head` glued to the first and `tail` to the last, for one `b",".join`."""
+    if not items:
+        return [head + tail]
+    items[0] = head + items[0]
+    items[-1] = items[-1] + tail
+    return items

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 import msgpack
 
 from . import jsonio
+from .catalog import frame
 from .codec import FloatForInteger, ShapeContext, from_json
 from .errors import (
     BadRequest,
@@ -209,23 +210,16 @@ def _h_ready(service: SelectionService, param: str | None, query: str, body: Bod
     if details:
         head += b'"details":' + jsonio.dumps(details) + b","
     head += b'"workers":['
-    payload = b",".join(_framed(head, service.records_json(), b"]}"))
-    return raw_json_response(200 if ready else 503, payload)
-
-
-def _framed(head: bytes, items: list[bytes], tail: bytes) -> list[bytes]:
-    """`items` with `head` glued to the first and `tail` to the last, for one `b",".join`."""
-    if not items:
-        return [head + tail]
-    items[0] = head + items[0]
-    items[-1] = items[-1] + tail
-    return items
+    return raw_json_response(200 if ready else 503, service.catalog.spliced(head, b"]}"))
 
 
 def _h_workers_get(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
     params = parse_query(query, KEY_QUERY)
-    records = service.records_json(params.get("model_name"), params.get("tenant_id"))
-    return raw_json_response(200, b",".join(_framed(b"[", records, b"]")))
+    model_name, tenant_id = params.get("model_name"), params.get("tenant_id")
+    if model_name is None and tenant_id is None:
+        return raw_json_response(200, service.catalog.spliced(b"[", b"]"))
+    records = service.records_json(model_name, tenant_id)
+    return raw_json_response(200, b",".join(frame(b"[", records, b"]")))
 
 
 def _h_workers_post(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
