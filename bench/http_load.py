@@ -4,6 +4,9 @@ server answering `200 {}` (the ceiling of h11 on anyio).
 
     python bench/http_load.py [--reference-python /path/to/venv/bin/python] [--seconds 5] [--servers ours,bare_h11] [--rounds 3]
         [--compare-tree /path/to/worktree-of-an-earlier-commit]
+
+The row `ours_msgpack` is our server again, sent `application/msgpack` bodies whose `token_ids`
+is a bin of little-endian u32 (docs/DECISIONS.md, "Binary prompts").
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 import re
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -56,15 +60,26 @@ def register(port: int, tenant_field: str) -> None:
                                 "kv_events_endpoint": f"tcp://127.0.0.1:{41000 + w}"})
 
 
-def wrk(port: int, tokens: int, connections: int, seconds: int) -> float:
-    body = json.dumps({"model_name": "m", "token_ids": prompts(tokens, 1)[0]})
+def wrk(port: int, tokens: int, connections: int, seconds: int, msgpack_bin: bool = False) -> float:
+    import msgpack
+
+    token_ids = prompts(tokens, 1)[0]
+    if msgpack_bin:
+        media = "application/msgpack"
+        body = msgpack.packb({"model_name": "m", "token_ids": struct.pack(f"<{len(token_ids)}I", *token_ids)})
+    else:
+        media = "application/json"
+        body = json.dumps({"model_name": "m", "token_ids": token_ids}).encode()
+    with tempfile.NamedTemporaryFile("wb", suffix=".body", delete=False) as data:
+        data.write(body)
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
-        script.write('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-                     f"wrk.body = {json.dumps(body)}\n")
+        script.write(f'wrk.method = "POST"\nwrk.headers["Content-Type"] = "{media}"\n'
+                     f'local f = io.open("{data.name}", "rb")\nwrk.body = f:read("*all")\nf:close()\n')
     out = subprocess.run(["wrk", "-t", str(min(connections, 2)), "-c", str(connections), "-d", f"{seconds}s",
                           "-s", script.name, f"http://127.0.0.1:{port}/select"],
                          capture_output=True, text=True, check=True).stdout
     os.unlink(script.name)
+    os.unlink(data.name)
     match = re.search(r"Requests/sec:\s+([\d.]+)", out)
     errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     if errors:
@@ -83,7 +98,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reference-python", default=os.environ.get("REFERENCE_PYTHON"))
     parser.add_argument("--seconds", type=int, default=5)
-    parser.add_argument("--servers", default="ours,reference,bare_h11",
+    parser.add_argument("--servers", default="ours,ours_msgpack,reference,bare_h11",
                         help="comma-separated subset to measure (ours is always measured)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="measure every server this many times, alternating; report medians")
@@ -96,6 +111,8 @@ def main() -> None:
     servers: list[tuple[str, list[str], dict[str, str] | None, str | None]] = [
         ("ours", [sys.executable, "-m", "selection_proto", "serve", "--kv-events", "push",
                   "--log-level", "warning", "--port"], None, "tenant_id"),
+        ("ours_msgpack", [sys.executable, "-m", "selection_proto", "serve", "--kv-events", "push",
+                          "--log-level", "warning", "--port"], None, "tenant_id"),
         ("bare_h11", [sys.executable, os.path.join(HERE, "bare_h11.py")], None, None),
     ]
     for tree in args.compare_tree:
@@ -114,7 +131,7 @@ def main() -> None:
                     register(port, tenant_field)
                 for tokens in (1024, 16384):
                     for connections in (1, 8, 64):
-                        rate = wrk(port, tokens, connections, args.seconds)
+                        rate = wrk(port, tokens, connections, args.seconds, msgpack_bin=name == "ours_msgpack")
                         samples.setdefault(name, {}).setdefault((tokens, connections), []).append(rate)
             finally:
                 proc.terminate()
