@@ -4,8 +4,11 @@ freshness, state budget, tracker, route table."""
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from selection_proto import WorkerRequest
 from selection_proto.core import jsonio
@@ -318,3 +321,34 @@ def test_ready_and_workers_bodies_are_kept_until_the_catalog_changes() -> None:
     assert listed != workers and b'"worker_id":2' in listed
     service.delete_worker(2, now=6.0)
     assert b'"unschedulable"' in service.handle("GET", "/ready", "", [], b"", now=7.0).body
+
+
+_U64S = st.one_of(st.integers(0, 2**64 - 1), st.sampled_from([-1, 2**64, True, 1.0, None, "7"]))
+_BLOCK = st.dictionaries(st.sampled_from(["block_hash", "tokens_hash", "mm_extra_info"]), _U64S)
+_VALID_BLOCK = st.fixed_dictionaries({"block_hash": st.integers(0, 2**64 - 1), "tokens_hash": st.integers(0, 2**64 - 1)},
+                                     optional={"mm_extra_info": _U64S})
+_STORED = st.one_of(
+    st.fixed_dictionaries({"blocks": st.lists(st.one_of(_VALID_BLOCK, _VALID_BLOCK, _VALID_BLOCK, _BLOCK, _U64S),
+                                              max_size=4)},
+                          optional={"parent_hash": _U64S, "start_position": _U64S, "other": _U64S}),
+    st.dictionaries(st.sampled_from(["parent_hash", "start_position", "blocks", "other"]),
+                    st.one_of(_U64S, st.lists(st.one_of(_BLOCK, _U64S), max_size=4))))
+
+
+@given(_STORED)
+def test_the_quick_read_of_a_store_is_the_typed_read(inner: dict[str, Any]) -> None:
+    """`POST /kv_events` reads the usual store without a typed object per block; where it cannot,
+    the typed path answers. Both must give the same event, and every error stays the typed one's."""
+    from selection_proto.core.errors import SelectionError
+    from selection_proto.core.events import KvEvent, decode_json_events
+    from selection_proto.core.events import _stored_fast as quick
+
+    event = {"event_id": 1, "data": {"stored": inner}}
+    try:
+        typed = decode_json_events(event)
+    except SelectionError:
+        assert quick(inner) is None
+        return
+    fast = quick(inner)
+    assert fast is None or [KvEvent(worker_id=None, dp_rank=None, tier="device", event_id=1, kind="stored",
+                                    parent_hash=fast[0], blocks=fast[1])] == typed

@@ -7,7 +7,21 @@ from typing import Any, Literal
 
 import attrs
 
-from .codec import ARRAY, ENUM, OBJECT, TYPED, U32, U64, ShapeContext, describe, from_json, join, shape_error
+from .codec import (
+    ARRAY,
+    ENUM,
+    OBJECT,
+    TYPED,
+    U32,
+    U32_MAX,
+    U64,
+    U64_MAX,
+    ShapeContext,
+    describe,
+    from_json,
+    join,
+    shape_error,
+)
 from .errors import BadRequest
 from .index import TIERS
 from .types import member
@@ -54,8 +68,39 @@ class _Removed:
 _VARIANTS = "one of `stored`, `removed`, `cleared`"
 
 
-def _decode_data(value: Any, path: str, ctx: ShapeContext) -> _Stored | _Removed | None:
-    """None means `cleared`."""
+_Blocks = tuple[tuple[int, int], ...]
+
+
+def _stored_fast(inner: Any) -> tuple[int | None, _Blocks] | None:
+    """The usual stored event read without a typed object per block: `parent_hash` a u64 or null,
+    `start_position` absent, null or a u32, `blocks` a list of maps whose `block_hash` and
+    `tokens_hash` are u64 (other members ignored, as the typed path ignores them). Anything else
+    is None, and the typed path then names what is wrong, with the same texts."""
+    if type(inner) is not dict:
+        return None
+    parent = inner.get("parent_hash")
+    if parent is not None and (type(parent) is not int or not 0 <= parent <= U64_MAX):
+        return None
+    start = inner.get("start_position")
+    if start is not None and (type(start) is not int or not 0 <= start <= U32_MAX):
+        return None
+    raw = inner.get("blocks")
+    if type(raw) is not list:
+        return None
+    blocks = []
+    for b in raw:
+        if type(b) is not dict:
+            return None
+        engine, local = b.get("block_hash"), b.get("tokens_hash")
+        if type(engine) is not int or type(local) is not int or not (
+                0 <= engine <= U64_MAX and 0 <= local <= U64_MAX):
+            return None
+        blocks.append((engine, local))
+    return parent, tuple(blocks)
+
+
+def _decode_data(value: Any, path: str, ctx: ShapeContext) -> tuple[int | None, _Blocks] | _Removed | None:
+    """A store as (parent hash, blocks), a `_Removed`, or None for `cleared`."""
     if isinstance(value, str):
         if value == "cleared":
             return None
@@ -63,7 +108,11 @@ def _decode_data(value: Any, path: str, ctx: ShapeContext) -> _Stored | _Removed
     if isinstance(value, Mapping) and len(value) == 1:
         (name, inner), = value.items()
         if name == "stored":
-            return from_json(_Stored, inner, join(path, "stored"), ctx)
+            fast = _stored_fast(inner)
+            if fast is not None:
+                return fast
+            typed = from_json(_Stored, inner, join(path, "stored"), ctx)
+            return typed.parent_hash, tuple((b.block_hash, b.tokens_hash) for b in typed.blocks)
         if name == "removed":
             return from_json(_Removed, inner, join(path, "removed"), ctx)
         if name == "cleared":
@@ -93,10 +142,9 @@ def _decode_cache_event(obj: Any, path: str, worker_id: int | None, tier: str,
     if data is None:
         return KvEvent(worker_id=worker_id, dp_rank=head.dp_rank, tier=tier, event_id=head.event_id,
                      kind="cleared")
-    if isinstance(data, _Stored):
+    if isinstance(data, tuple):
         return KvEvent(worker_id=worker_id, dp_rank=head.dp_rank, tier=tier, event_id=head.event_id,
-                     kind="stored", parent_hash=data.parent_hash,
-                     blocks=tuple((b.block_hash, b.tokens_hash) for b in data.blocks))
+                     kind="stored", parent_hash=data[0], blocks=data[1])
     return KvEvent(worker_id=worker_id, dp_rank=head.dp_rank, tier=tier, event_id=head.event_id,
                  kind="removed", block_hashes=tuple(data.block_hashes))
 
