@@ -176,7 +176,7 @@ class DeviceTree:
     # -- helpers -------------------------------------------------------------------------------
 
     def _new_node(self, blocks: Sequence[Block], r: Rank, parent: _Node) -> _Node:
-        return _Node(chain.from_iterable(blocks), self.sets.add(_NOBODY, r), parent)
+        return _Node(list(chain.from_iterable(blocks)), self.sets.add(_NOBODY, r), parent)  # sized exactly
 
     @staticmethod
     def _prune(n: _Node) -> None:
