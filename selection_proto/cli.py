@@ -9,13 +9,14 @@ import os
 import random
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any, NoReturn
+from typing import Any, Final, NoReturn
 
 from ._version import __version__
 from .config import (
     DYNAMO_ENV,
     DYNAMO_FLAGS,
     SETTING_FIELDS,
+    SETTING_HELP,
     TRANSPORT,
     UsageError,
     env_name,
@@ -40,12 +41,16 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_settings(command: argparse.ArgumentParser) -> None:
-    command.add_argument("--backend", default=None, help="asyncio (default) or trio")
-    command.add_argument("--log-level", default=None, help="debug, info, warning, error")
-    command.add_argument("--log-format", default=None, help="json (default: one object a line) or text")
-    command.add_argument("--random-state", default=None, help="seed of the random generator")
-    command.add_argument("--config", default=None, help="TOML file of settings")
-    command.add_argument("--restore", default=None, metavar="PATH", help="replay a /dump file at start")
+    command.add_argument("--backend", default=None, help="asyncio (default) or trio; env SELECTION_PROTO_BACKEND")
+    command.add_argument("--log-level", default=None, help="debug, info (default), warning, error; "
+                                                           "env SELECTION_PROTO_LOG_LEVEL")
+    command.add_argument("--log-format", default=None, help="json (default: one object a line) or text; "
+                                                            "env SELECTION_PROTO_LOG_FORMAT")
+    command.add_argument("--random-state", default=None, help="seed of the random generator (default: "
+                                                              "fresh); env SELECTION_PROTO_RANDOM_STATE")
+    command.add_argument("--config", default=None, help="TOML file of settings; env SELECTION_PROTO_CONFIG")
+    command.add_argument("--restore", default=None, metavar="PATH",
+                         help="replay a /dump file at start; env SELECTION_PROTO_RESTORE")
     command.add_argument("--print-config", action="store_true",
                          help="print the effective settings with where each came from, and exit")
     command.add_argument("--router-tracking-key-file", default=None, metavar="PATH",
@@ -54,12 +59,13 @@ def _add_settings(command: argparse.ArgumentParser) -> None:
     command.add_argument("--threads", default=None, metavar="N",
                          help="accepted for Dynamo's CLI and ignored: one event loop serves all")
     for field in SETTING_FIELDS:
-        kind, _ = kind_of(field)
+        kind, choices = kind_of(field)
         names = [flag_name(field.name), *([DYNAMO_FLAGS[field.name]] if field.name in DYNAMO_FLAGS else [])]
         envs = ", ".join((env_name(field.name), *DYNAMO_ENV.get(field.name, ())))
         default = "none" if field.default is None else str(field.default).lower() if kind == "bool" \
             else str(field.default)
-        help_text = f"default {default}; env {envs}"
+        listed = f"; one of {', '.join(choices)}" if choices else ""
+        help_text = f"{SETTING_HELP[field.name]} (default {default}{listed}; env {envs})"
         if kind == "bool":
             command.add_argument(*names, dest=field.name, default=None, help=help_text,
                                  action=argparse.BooleanOptionalAction)
@@ -67,40 +73,44 @@ def _add_settings(command: argparse.ArgumentParser) -> None:
             command.add_argument(*names, dest=field.name, default=None, metavar="VALUE", help=help_text)
 
 
+# `serve`'s own options: (setting, metavar, what it does); the default and the variable are added.
+_SERVE_OPTIONS: Final = (
+    ("host", "ADDRESS", "listen address"),
+    ("port", "PORT", "listen port, 1-65535 (0: any free port)"),
+    ("max_connections", "N", "open connections at most, WebSockets included"),
+    ("keep_alive_timeout_secs", "SECONDS", "close a connection idle this long"),
+    ("request_timeout_secs", "SECONDS", "a request must arrive, and its answer leave, within this"),
+    ("shutdown_timeout_secs", "SECONDS", "on SIGTERM, wait this long for answers in flight"),
+    ("ws_ping_interval_secs", "SECONDS", "ping idle WebSockets this often"),
+    ("indexer_peers", "URL[,URL...]", "start from the first of these peers whose /dump restores "
+                                      "(1.6.1's format too)"),
+    ("indexer_peer_timeout_secs", "SECONDS", "how long one peer may take to answer"),
+    ("auth_token_file", "PATH", "every route but /health, /ready, /readyz, /metrics and /openapi.json "
+                                "then needs 'Authorization: Bearer <the file's token>'"),
+    ("tls_cert", "PATH", "serve HTTPS and wss:// with this certificate chain (PEM), with --tls-key"),
+    ("tls_key", "PATH", "the private key of --tls-cert (PEM)"),
+    ("access_log", None, "log every answer: method, path, status, milliseconds"),
+    ("snapshot", "PATH", "restore this /dump file at start when it exists, and write it atomically "
+                         "every --snapshot-interval-secs and at shutdown"),
+    ("snapshot_interval_secs", "SECONDS", "seconds between snapshots, written by a forked child "
+                                          "(0: only at shutdown)"),
+    ("drain_delay_secs", "SECONDS", "on SIGTERM, keep serving this long with /ready and /readyz "
+                                    "answering 503 (a load balancer's time to stop sending), then drain"),
+)
+
+
 def _build_parser() -> _Parser:
     parser = _Parser(prog=PROG, description="KV-cache-aware worker selection service.")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     serve = sub.add_parser("serve", help="HTTP API on host:port")
-    serve.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
-    serve.add_argument("--port", default=None, help="0 = any free port (default 8092)")
-    serve.add_argument("--max-connections", default=None)
-    serve.add_argument("--keep-alive-timeout-secs", default=None)
-    serve.add_argument("--request-timeout-secs", default=None)
-    serve.add_argument("--shutdown-timeout-secs", default=None)
-    serve.add_argument("--ws-ping-interval-secs", default=None)
-    serve.add_argument("--indexer-peers", default=None, metavar="URL[,URL...]",
-                       help="start from the first of these peers whose /dump restores (1.6.1's "
-                            "format too); env SELECTION_PROTO_INDEXER_PEERS")
-    serve.add_argument("--auth-token-file", default=None, metavar="PATH",
-                       help="every route but /health, /ready, /metrics and /openapi.json then needs "
-                            "'Authorization: Bearer <the file's token>'")
-    serve.add_argument("--tls-cert", default=None, metavar="PATH", help="serve HTTPS and wss:// with this "
-                                                                         "certificate chain (PEM), with --tls-key")
-    serve.add_argument("--tls-key", default=None, metavar="PATH", help="the private key of --tls-cert (PEM)")
-    serve.add_argument("--access-log", default=None, action="store_const", const="true",
-                       help="log every answer: method, path, status, milliseconds")
-    serve.add_argument("--indexer-peer-timeout-secs", default=None, metavar="SECONDS",
-                       help="how long one peer may take to answer (default 10)")
-    serve.add_argument("--snapshot", default=None, metavar="PATH",
-                       help="restore this /dump file at start when it exists, and write it "
-                            "atomically every --snapshot-interval-secs and at shutdown")
-    serve.add_argument("--snapshot-interval-secs", default=None, metavar="SECONDS",
-                       help="seconds between snapshots, written by a forked child (default 60; "
-                            "0: only at shutdown)")
-    serve.add_argument("--drain-delay-secs", default=None, metavar="SECONDS",
-                       help="on SIGTERM, keep serving this long with /ready and /readyz answering "
-                            "503 (a load balancer's time to stop sending), then drain (default 0)")
+    for name, metavar, text in _SERVE_OPTIONS:
+        default = TRANSPORT[name]
+        shown = "none" if default is None else str(default).lower() if isinstance(default, bool) else default
+        extra: dict[str, Any] = {"action": "store_const", "const": "true"} if name == "access_log" else {
+            "metavar": metavar}
+        serve.add_argument(flag_name(name), default=None, dest=name, **extra,
+                           help=f"{text} (default {shown}; env {env_name(name)})")
     _add_settings(serve)
     stdio = sub.add_parser("stdio", help="JSON-RPC 2.0 lines on stdin/stdout")
     _add_settings(stdio)

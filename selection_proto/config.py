@@ -113,6 +113,54 @@ DYNAMO_ENV: Final[Mapping[str, tuple[str, ...]]] = {
 }
 
 
+# What each setting does, for `--help` (core.md §3 has the whole story of each).
+SETTING_HELP: Final[Mapping[str, str]] = {
+    "kv_events": "where KV events come from: subscribe to engines, push to /kv_events, off, or "
+                 "approximate (booked prompts count as cached)",
+    "overlap_score_credit": "how much a cached block lowers a rank's prefill cost, 0-1",
+    "overlap_score_credit_decay": "how fast that credit fades with the rank's load",
+    "prefill_load_scale": "weight of prefill tokens in the cost",
+    "overlap_score_weight": "Dynamo's older weight of cached blocks (sets the two above when they are not)",
+    "decode_active_request_weight": "weight of each active request in the decode cost",
+    "host_cache_hit_weight": "a host-memory block's worth against a device block",
+    "disk_cache_hit_weight": "a disk or external block's worth against a device block",
+    "temperature": "softmax temperature of the choice (0: the lowest cost wins)",
+    "track_active_blocks": "count booked decode blocks as load",
+    "assume_kv_reuse": "a booked prompt's blocks count as cached on its rank until events say otherwise",
+    "track_prefill_tokens": "count booked prefill tokens as load",
+    "queue_threshold": "queue selections when every rank is loaded past this share (none: never queue)",
+    "queue_policy": "order of queued selections",
+    "queue_timeout_secs": "a queued selection is answered 503 after this long",
+    "queue_max_pending": "queued selections at most per key",
+    "active_request_expiry_secs": "a booking nobody frees ends after this long",
+    "active_decode_blocks_threshold": "skip ranks with more active decode blocks than this share",
+    "active_prefill_tokens_threshold": "skip ranks with more booked prefill tokens than this",
+    "active_prefill_tokens_threshold_frac": "the same, as a share of max_num_batched_tokens",
+    "zmq_endpoints": "accept tcp:// and ipc:// KV event endpoints",
+    "max_keys": "model/tenant keys at most",
+    "max_workers_per_key": "workers at most per key",
+    "max_dp_size": "data-parallel ranks at most per worker",
+    "max_tombstones": "deleted workers remembered at most",
+    "max_reservations_per_key": "bookings at most per key",
+    "max_prompt_tokens": "tokens at most in one prompt",
+    "max_id_length": "characters at most in a name or id",
+    "max_subscriptions": "outbound KV event subscriptions at most",
+    "max_record_bytes": "JSON bytes at most of one worker record",
+    "max_state_bytes": "estimated bytes at most of the index, bookings and catalog (507 past it)",
+    "max_events_per_step": "KV events applied at most between two looks at other work",
+    "router_ttl_secs": "kv_events=approximate: how long a booked prompt counts as cached",
+    "predicted_ttl_secs": "with real events, keep a predicted index of booked prompts this long",
+    "router_tracking_hash": "the hash of tracked prompts' sequence hashes",
+    "router_tracking_key_id": "the key id of keyed-xxh3-v1",
+    "session_affinity_ttl_secs": "keep a session on its rank this long after its last release "
+                                 "(none: off)",
+    "max_sessions_per_key": "session bindings at most per key",
+    "selection_cache_ttl_secs": "a pending selection waits this long for its booking",
+    "selection_cache_max_entries": "pending selections at most",
+    "selection_cache_max_bytes": "bytes at most of pending selections",
+}
+
+
 # Dynamo's flags for our settings (`--no-…` too, for booleans).
 DYNAMO_FLAGS: Final[Mapping[str, str]] = {"assume_kv_reuse": "--router-assume-kv-reuse"}
 

@@ -642,3 +642,23 @@ def test_debug_logs_every_decision() -> None:
         assert not any('"selection"' in line for line in quiet.logs)
     finally:
         quiet.stop()
+
+
+def test_help_describes_every_option_with_its_default_and_variable() -> None:
+    """`serve --help`: each option says what it does, its default (and choices) and its variable."""
+    from selection_proto import cli
+
+    parser = cli._build_parser()
+    serve = next(a for a in parser._actions if a.dest == "command").choices["serve"]  # type: ignore[union-attr]
+    undescribed = []
+    for action in serve._actions:
+        if action.dest in ("help", "print_config", "threads"):
+            continue  # nothing to default: show help, print the settings, Dynamo's ignored flag
+        text = " ".join((action.help or "").split())
+        if "env SELECTION_PROTO_" not in text or text.startswith("default"):
+            undescribed.append(action.option_strings[0])
+    assert undescribed == []
+    text = " ".join(serve.format_help().split())
+    assert "--queue-policy VALUE order of queued selections (default fcfs; one of fcfs, lcfs, wspt; env" in text
+    assert "--snapshot-interval-secs SECONDS seconds between snapshots" in text
+    assert "(default 60.0; env SELECTION_PROTO_SNAPSHOT_INTERVAL_SECS)" in text
