@@ -149,12 +149,32 @@ def engine_batch(data: bytes) -> None:
         assert service.dump() == before
 
 
+_MSGPACK_ROUTES: Final = (("POST", "/select"), ("POST", "/select_and_reserve"), ("POST", "/workers"),
+                          ("PATCH", "/workers/1"), ("POST", "/reservations"), ("POST", "/overlap_scores"),
+                          ("POST", "/potential_loads"), ("POST", "/reservations/r/output_block"))
+
+
+def msgpack_body(data: bytes) -> None:
+    """Arbitrary bytes as an `application/msgpack` body of a JSON route (the first byte picks
+    the route): an answer with a spec status, an `error` on failure, and nothing changed by one."""
+    service = fresh_service()
+    method, path = _MSGPACK_ROUTES[data[0] % len(_MSGPACK_ROUTES)] if data else _MSGPACK_ROUTES[0]
+    before = service.dump(), service.handle("GET", "/loads", "", [], b"", now=1.0).body
+    status, _, body = service.handle(method, path, "", [("content-type", "application/msgpack")], data[1:],
+                                     now=1.0)
+    assert status in ALLOWED_STATUSES
+    if status >= 400:
+        assert "error" in json.loads(body)
+        assert (service.dump(), service.handle("GET", "/loads", "", [], b"", now=1.0).body) == before
+
+
 TARGETS: dict[str, Callable[[bytes], None]] = {
     "http": http_stream,
     "jsonl": jsonl_stream,
     "ws": ws_stream,
     "json_events": json_events,
     "engine_batch": engine_batch,
+    "msgpack_body": msgpack_body,
 }
 
 
@@ -174,6 +194,12 @@ def seeds(target: str) -> list[bytes]:
     if target == "ws":
         text = b'{"event_id":1,"data":"cleared"}'
         return [b"\x81" + bytes([0x80 | len(text)]) + b"\x00\x00\x00\x00" + text + b"\x89\x80\x00\x00\x00\x00"]
+    if target == "msgpack_body":
+        prompt = {"model_name": "default", "token_ids": b"".join(i.to_bytes(4, "little") for i in range(12)),
+                  "reservation_id": "r"}
+        return [b"\x00" + msgpack.packb({"model_name": "default", "token_ids": list(range(12))}),
+                b"\x01" + msgpack.packb(prompt),
+                b"\x02" + msgpack.packb({"worker_id": 3, "endpoint": "http://w3", "block_size": 4})]
     if target == "json_events":
         return [json.dumps([{"worker_id": 1, "event": {"event_id": 1, "data": {"stored": {"parent_hash": None,
                 "blocks": [{"block_hash": 5, "tokens_hash": 6}]}}}}]).encode()]
