@@ -60,8 +60,7 @@ class Snapshots:
         self.path = path
         self.interval_secs = interval_secs  # 0: only at shutdown
         self._child: int | None = None
-        self._child_started = 0.0
-        self._child_errors = -1  # the read end of the pipe a failing child says why on
+        self._child_says = -1  # the read end of the pipe the child reports on: its seconds, or why it failed
         self._due = time.monotonic() + interval_secs
 
     def tick(self) -> None:
@@ -81,13 +80,12 @@ class Snapshots:
         except Exception as exc:  # noqa: BLE001 - reported; shutting down goes on
             self._failed(f"{type(exc).__name__}: {exc}")
             return
-        self._written(started, size)
+        self._written(time.monotonic() - started, size)
 
     def _start(self) -> None:
         if not hasattr(os, "fork"):  # pragma: no cover - not on Linux or macOS
             self.final()
             return
-        self._child_started = time.monotonic()
         errors, says = os.pipe()
         try:
             pid = os.fork()
@@ -99,14 +97,16 @@ class Snapshots:
         if pid == 0:  # the child: write, then leave without running the parent's exit handlers
             code = 1
             try:
+                started = time.monotonic()
                 write_snapshot(self._service, self.path)
+                os.write(says, f"{time.monotonic() - started:.3f}".encode())
                 code = 0
             except BaseException as exc:  # noqa: BLE001 - the parent reports it
                 os.write(says, f"{type(exc).__name__}: {exc}".encode()[:4096])
             finally:
                 os._exit(code)
         os.close(says)
-        self._child, self._child_errors = pid, errors
+        self._child, self._child_says = pid, errors
 
     def _reap(self, *, block: bool) -> None:
         assert self._child is not None
@@ -117,19 +117,18 @@ class Snapshots:
         if pid == 0:
             return  # still writing
         self._child = None
-        with os.fdopen(self._child_errors, "rb") as pipe:  # the child has ended: this cannot block
-            reason = pipe.read().decode(errors="replace")
+        with os.fdopen(self._child_says, "rb") as pipe:  # the child has ended: this cannot block
+            said = pipe.read().decode(errors="replace")
         code = os.waitstatus_to_exitcode(status)
         if code == 0:
-            self._written(self._child_started, os.path.getsize(self.path))
+            self._written(float(said or 0.0), os.path.getsize(self.path))
         else:
-            self._failed(reason or f"the snapshot process ended with {code}")
+            self._failed(said or f"the snapshot process ended with {code}")
 
-    def _written(self, started: float, size: int) -> None:
+    def _written(self, seconds: float, size: int) -> None:
         self._service.observe(SNAPSHOTS, ("ok",), 1.0)
         self._service.observe(SNAPSHOT_LAST_SUCCESS, (), time.time())
-        log("info", "snapshot written", path=self.path, bytes=size,
-            seconds=round(time.monotonic() - started, 3))
+        log("info", "snapshot written", path=self.path, bytes=size, seconds=round(seconds, 3))
 
     def _failed(self, error: str) -> None:
         self._service.observe(SNAPSHOTS, ("failed",), 1.0)
