@@ -94,19 +94,24 @@ class Snapshots:
             os.close(says)
             self._failed(f"fork: {exc.strerror or exc}")
             return
-        if pid == 0:  # the child: write, then leave without running the parent's exit handlers
-            code = 1
-            try:
-                started = time.monotonic()
-                write_snapshot(self._service, self.path)
-                os.write(says, f"{time.monotonic() - started:.3f}".encode())
-                code = 0
-            except BaseException as exc:  # noqa: BLE001 - the parent reports it
-                os.write(says, f"{type(exc).__name__}: {exc}".encode()[:4096])
-            finally:
-                os._exit(code)
+        if pid == 0:
+            self._child_main(says)
         os.close(says)
         self._child, self._child_says = pid, errors
+
+    def _child_main(self, says: int) -> None:
+        """The forked child: write, report on `says`, and leave without running the parent's
+        exit handlers."""
+        code = 1
+        try:
+            started = time.monotonic()
+            write_snapshot(self._service, self.path)
+            os.write(says, f"{time.monotonic() - started:.3f}".encode())
+            code = 0
+        except BaseException as exc:  # noqa: BLE001 - the parent reports it
+            os.write(says, f"{type(exc).__name__}: {exc}".encode()[:4096])
+        finally:
+            os._exit(code)
 
     def _reap(self, *, block: bool) -> None:
         assert self._child is not None
