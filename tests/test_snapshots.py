@@ -115,3 +115,29 @@ def test_readyz_is_ok_without_workers_and_the_drain_delay_keeps_serving() -> Non
         assert any('"event":"draining"' in line for line in s.logs)
     finally:
         s.stop()
+
+
+def test_a_connection_closes_at_once_while_a_snapshot_is_being_written(tmp_path: Path) -> None:
+    """The forked child closes what it inherited: a connection the server closes ends for its
+    client then, not when the child's dump of a large index is done."""
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps({"format": "selection-proto-dump/1", "keys": [], "workers": [WORKER],
+                                "events": events(1, 300_000)}))
+    s = Server("--snapshot", str(path), "--snapshot-interval-secs", "1")
+    try:
+        with s.connect() as sock:
+            sock.sendall(request("GET", "/health"))
+            read_response(sock, bytearray())
+            children = Path(f"/proc/{s.proc.pid}/task/{s.proc.pid}/children")
+            deadline = time.monotonic() + 30  # until a snapshot child forked after this connection
+            while not children.read_text().split() and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert children.read_text().split(), "no snapshot child appeared"
+            sock.sendall(request("GET", "/health", headers="connection: close\r\n"))
+            started = time.monotonic()
+            status, _, _ = read_response(sock, bytearray())
+            sock.settimeout(10)
+            assert status == 200 and sock.recv(10) == b""
+            assert time.monotonic() - started < 0.5
+    finally:
+        assert s.stop() == 0

@@ -1,9 +1,10 @@
 """The device tier's prefix index: Dynamo's RadixTree, compressed (core.md §7.1).
 
 The tree follows core.md §7.1 step by step, because several observable answers depend on where
-edges are split and which engine hash a node recorded. An edge keeps its local and engine hashes
-packed in two u64 arrays (8 bytes a block, no per-block objects), so that a block costs about what
-it costs in the reference: its packed hashes and one entry in its rank's lookup table.
+edges are split and which engine hash a node recorded. An edge keeps its blocks' engine and local
+hashes side by side in one u64 array (16 bytes a block, no per-block objects), so that a block
+costs about what it costs in the reference: its packed hashes and one entry in its rank's lookup
+table.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ from .logs import log
 
 __all__ = ["Snapshots", "write_snapshot"]
 
+_MAX_FD = os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 65536
+
 
 def write_snapshot(service: SelectionService, path: str) -> int:
     """Write the service's dump to `path` atomically; returns its size in bytes."""
@@ -104,6 +106,10 @@ class Snapshots:
         exit handlers."""
         code = 1
         try:
+            # The parent's sockets stay open while any process holds them: a connection the
+            # parent closes must not wait for this child's dump to end, nor the port for its exit.
+            os.closerange(3, says)
+            os.closerange(says + 1, _MAX_FD)
             started = time.monotonic()
             write_snapshot(self._service, self.path)
             os.write(says, f"{time.monotonic() - started:.3f}".encode())
