@@ -319,8 +319,11 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         timeout = transport_value(args, env, "indexer_peer_timeout_secs", TRANSPORT["indexer_peer_timeout_secs"], float)
         if not timeout > 0 or timeout == float("inf"):
             raise UsageError("--indexer-peer-timeout-secs: must be a finite number greater than 0")
-        anyio.run(recover_from_peers, service, [p.strip() for p in peers.split(",") if p.strip()],
-                  timeout, backend=backend)
+        if service.catalog:  # restored from --restore or --snapshot: that state is kept
+            log("info", "peers_not_asked", detail="state restored from a file at start")
+        else:
+            anyio.run(recover_from_peers, service, [p.strip() for p in peers.split(",") if p.strip()],
+                      timeout, backend=backend)
     try:
         anyio.run(serve, service, config, backend=backend)
     except RuntimeError as exc:

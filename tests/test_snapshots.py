@@ -141,3 +141,16 @@ def test_a_connection_closes_at_once_while_a_snapshot_is_being_written(tmp_path:
             assert time.monotonic() - started < 0.5
     finally:
         assert s.stop() == 0
+
+
+def test_a_restored_snapshot_is_kept_and_peers_are_not_asked(tmp_path: Path) -> None:
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps({"format": "selection-proto-dump/1", "keys": [], "workers": [WORKER],
+                                "events": events(1, 3)}))
+    s = Server("--snapshot", str(path), "--indexer-peers", "http://127.0.0.1:9/")
+    try:
+        assert [w["worker_id"] for w in call(s, "GET", "/workers")[1]] == [1]
+        assert any('"peers_not_asked"' in line for line in s.logs)
+        assert not any("peer_recovery_failed" in line or "no_reachable_peers" in line for line in s.logs)
+    finally:
+        assert s.stop() == 0
