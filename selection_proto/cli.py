@@ -7,9 +7,11 @@ import argparse
 import math
 import os
 import random
+import secrets
+import socket
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any, Final, NoReturn
+from typing import TYPE_CHECKING, Any, Final, NoReturn
 
 from ._version import __version__
 from .config import (
@@ -30,9 +32,13 @@ from .config import (
 )
 from .core.service import SelectionService
 
+if TYPE_CHECKING:
+    from .transports.server import LedgerOptions
+
 __all__ = ["main"]
 
 PROG = "selection-proto"
+PROCESS_INDEX: Final = "SELECTION_PROTO_PROCESS_INDEX"  # set by --processes in each process it starts
 
 
 class _Parser(argparse.ArgumentParser):
@@ -96,6 +102,18 @@ _SERVE_OPTIONS: Final = (
                                           "(0: only at shutdown)"),
     ("drain_delay_secs", "SECONDS", "on SIGTERM, keep serving this long with /ready and /readyz "
                                     "answering 503 (a load balancer's time to stop sending), then drain"),
+    ("ledger", "URL", "share bookings and the catalog with other replicas through this Valkey/Redis: "
+                      "redis://HOST:PORT/DB, rediss://..., unix:///PATH?db=N (docs/REPLICATION.md)"),
+    ("ledger_scope", "NAME", "replicas with the same ledger and scope share state"),
+    ("admission", "MODE", "advisory: book locally, write to the ledger after answering; strict: answer a "
+                          "booking once the ledger confirms no replica booked that rank meanwhile"),
+    ("ledger_failure", "MODE", "while the ledger is unreachable, open: serve from local state (catalog "
+                               "writes 503); closed: bookings and /ready 503"),
+    ("ledger_batch", "N", "changes written to the ledger in one script call, at most"),
+    ("ledger_outbox_max", "N", "own changes queued while the ledger is unreachable; then bookings 503"),
+    ("ledger_feed_max", "N", "entries the ledger's feed keeps (approximately); a reader further behind "
+                             "loads a snapshot"),
+    ("processes", "N", "serve from N processes on one port (SO_REUSEPORT); N > 1 needs --ledger"),
 )
 
 
@@ -305,7 +323,12 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     for name, value in pauses.items():
         if not (value >= 0 and math.isfinite(value)):
             raise UsageError(f"{flag_name(name)}: must be a finite number of at least 0, not {value}")
-    config = ServerConfig(host=transport_value(args, env, "host", TRANSPORT["host"], str), port=port,
+    processes = transport_value(args, env, "processes", TRANSPORT["processes"], int)
+    ledger = _ledger(args, env, service, processes)
+    host = transport_value(args, env, "host", TRANSPORT["host"], str)
+    if processes > 1:
+        return _supervise(args, host, port, processes)
+    config = ServerConfig(host=host, port=port, ledger=ledger, reuse_port=PROCESS_INDEX in env,
                           max_connections=max_connections, auth_token=_auth_token(args, env),
                           tls=_tls_context(args, env), access_log=flag_on(args, env, "access_log"),
                           snapshot=transport_value(args, env, "snapshot", TRANSPORT["snapshot"], str),
@@ -334,11 +357,100 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     return 0
 
 
+def _ledger(args: argparse.Namespace, env: Mapping[str, str], service: SelectionService,
+            processes: int) -> LedgerOptions | None:
+    """The ledger's options, checked, with the service sharing through it; None without --ledger."""
+    url = transport_value(args, env, "ledger", TRANSPORT["ledger"], str)
+    if not 1 <= processes <= 64:
+        raise UsageError(f"--processes: must be between 1 and 64, not {processes}")
+    if url is None:
+        if processes > 1:
+            raise UsageError("--processes above 1 needs --ledger: processes share bookings through it")
+        return None
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise UsageError(f"--ledger: expected redis://, rediss:// or unix:// URL, not {url!r}")
+    if processes > 1 and transport_value(args, env, "snapshot", None, str) is not None:
+        raise UsageError("--snapshot with --processes above 1: the ledger holds the shared state")
+    values = {}
+    for name, choices in (("admission", ("advisory", "strict")), ("ledger_failure", ("open", "closed"))):
+        values[name] = transport_value(args, env, name, TRANSPORT[name], str)
+        if values[name] not in choices:
+            raise UsageError(f"{flag_name(name)}: invalid choice {values[name]!r} (choose from {', '.join(choices)})")
+    counts = {name: transport_value(args, env, name, TRANSPORT[name], int)
+              for name in ("ledger_batch", "ledger_outbox_max", "ledger_feed_max")}
+    for name, value in counts.items():
+        if not 1 <= value <= 1 << 40:
+            raise UsageError(f"{flag_name(name)}: must be a positive integer, not {value}")
+    scope = transport_value(args, env, "ledger_scope", TRANSPORT["ledger_scope"], str)
+    if not scope or len(scope) > 128 or any(c in scope for c in "{}") or not scope.isprintable():
+        raise UsageError(f"--ledger-scope: expected 1-128 printable characters without braces, not {scope!r}")
+    from .core.journal import LedgerSettings
+
+    origin = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
+    from .transports.server import LedgerOptions
+
+    service.share(LedgerSettings(admission=values["admission"],
+                                 failure=values["ledger_failure"],
+                                 outbox_max=counts["ledger_outbox_max"]), origin)
+    return LedgerOptions(url, scope, counts["ledger_batch"], counts["ledger_feed_max"])
+
+
+def _supervise(args: argparse.Namespace, host: str, port: int, processes: int) -> int:
+    """Run `processes` copies of this `serve` on one port (SO_REUSEPORT) until SIGTERM or SIGINT,
+    which each gets; one that dies is started again after a second."""
+    import signal
+    import subprocess
+    import time
+
+    from .transports.logs import log
+
+    holder = None
+    if port == 0:  # choose the port once; a bound socket that never listens keeps it ours
+        holder = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        holder.bind((host, 0))
+        port = holder.getsockname()[1]
+    command = [sys.executable, "-m", "selection_proto", *args.argv, "--processes", "1", "--port", str(port)]
+    children: dict[int, subprocess.Popen[bytes]] = {}
+    stopping: list[int] = []
+
+    def start(index: int) -> None:
+        children[index] = subprocess.Popen(command, env={**os.environ, PROCESS_INDEX: str(index)})
+
+    def stop(signum: int, frame: object) -> None:
+        stopping.append(signum)
+        for child in children.values():
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    for index in range(processes):
+        start(index)
+    log("info", "processes", count=processes, port=port)
+    while True:
+        time.sleep(0.1)
+        if stopping:
+            if all(child.poll() is not None for child in children.values()):
+                break
+            continue
+        for index, child in list(children.items()):
+            if child.poll() is not None:
+                log("warning", "process_exited", index=index, code=child.returncode, restart_in_secs=1)
+                time.sleep(1.0)
+                if not stopping:
+                    start(index)
+    if holder is not None:
+        holder.close()
+    return max((abs(c.returncode or 0) for c in children.values()), default=0) if len(stopping) > 1 else 0
+
+
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     parser = _build_parser()
     try:
         args = parser.parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)
         if args.command is None:
             raise UsageError("a command is required (serve, stdio, relay)")
         if args.command == "relay":

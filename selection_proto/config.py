@@ -180,7 +180,9 @@ TRANSPORT: Final[Mapping[str, Any]] = {
     "backend": "asyncio", "log_level": "info", "log_format": "json", "random_state": None, "restore": None, "indexer_peers": None,
     "indexer_peer_timeout_secs": 10.0, "router_tracking_key_file": None, "auth_token_file": None,
     "tls_cert": None, "tls_key": None, "access_log": None, "snapshot": None, "snapshot_interval_secs": 60.0,
-    "drain_delay_secs": 0.0,
+    "drain_delay_secs": 0.0, "ledger": None, "ledger_scope": "default", "admission": "advisory",
+    "ledger_failure": "open", "ledger_batch": 64, "ledger_outbox_max": 100_000, "ledger_feed_max": 1_000_000,
+    "processes": 1,
 }
 
 
@@ -188,7 +190,7 @@ TRANSPORT_KEYS: Final = tuple(TRANSPORT)
 
 
 # Our variables that are not settings (the test suite's, the config file's).
-_OTHER_ENV: Final = ("SELECTION_PROTO_CONFIG", "SELECTION_PROTO_VECTORS", "SELECTION_PROTO_REQUIRE_REFERENCE")
+_OTHER_ENV: Final = ("SELECTION_PROTO_CONFIG", "SELECTION_PROTO_PROCESS_INDEX", "SELECTION_PROTO_VECTORS", "SELECTION_PROTO_REQUIRE_REFERENCE")
 
 
 def config_file(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[dict[str, Any], str]:

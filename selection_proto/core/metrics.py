@@ -20,6 +20,10 @@ __all__ = [
     "PROCESS_START",
     "REQUEST_DURATION",
     "KV_REPLAYS",
+    "LEDGER_CONNECTED",
+    "LEDGER_EVENTS",
+    "LEDGER_FLUSH",
+    "LEDGER_OUTBOX",
     "SNAPSHOTS",
     "SNAPSHOT_LAST_SUCCESS",
     "SUBSCRIPTION_FAILURES",
@@ -50,6 +54,10 @@ PROCESS_START: Final = "process_start_time_seconds"
 JSONRPC_MESSAGES: Final = "selection_proto_jsonrpc_messages_total"
 SNAPSHOTS: Final = "selection_proto_snapshots_total"
 SNAPSHOT_LAST_SUCCESS: Final = "selection_proto_snapshot_last_success_timestamp_seconds"
+LEDGER_CONNECTED: Final = "selection_proto_ledger_connected"
+LEDGER_OUTBOX: Final = "selection_proto_ledger_outbox_depth"
+LEDGER_EVENTS: Final = "selection_proto_ledger_events_total"
+LEDGER_FLUSH: Final = "selection_proto_ledger_write_seconds"
 
 # name -> (type, help, label names, histogram bounds)
 FAMILIES: Final[Mapping[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]]] = {
@@ -111,6 +119,11 @@ FAMILIES: Final[Mapping[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]
     SNAPSHOTS: ("counter", "Snapshots written (--snapshot), by result: ok or failed.", ("result",), ()),
     SNAPSHOT_LAST_SUCCESS: ("gauge", "When the last snapshot was written, in seconds since the epoch.",
                             (), ()),
+    LEDGER_CONNECTED: ("gauge", "1 while the booking ledger (--ledger) is reachable.", (), ()),
+    LEDGER_OUTBOX: ("gauge", "Own changes waiting to be written to the ledger.", (), ()),
+    LEDGER_EVENTS: ("counter", "Ledger events: snapshots, gaps, conflicts, tombstone hits, reseeds...",
+                    ("event",), ()),
+    LEDGER_FLUSH: ("histogram", "Time of one ledger write (a batch of changes).", (), _DURATION_BUCKETS),
     "selection_proto_rank_active_requests": ("gauge", "Live bookings per rank.", _RANK_LABELS, ()),
     "selection_proto_rank_prefill_tokens": ("gauge", "Booked prefill tokens per rank.", _RANK_LABELS, ()),
     "selection_proto_rank_decode_blocks": ("gauge", "Active decode blocks per rank.", _RANK_LABELS, ()),

@@ -18,7 +18,7 @@ class SelectionReady:
     applied in steps."""
 
     ticket: int
-    result: SelectResponse | ApplyReport | SelectionError
+    result: SelectResponse | ApplyReport | SelectionError | None  # None: an answer held for the ledger
     response: Response
 
 

@@ -66,6 +66,14 @@ class Pool:
             self._ranks = sorted(r for ranks in self.workers.values() for r in ranks)
         return self._ranks
 
+    def next_deadline(self, settings: Settings) -> float | None:
+        """The earliest booking expiry, queue timeout or prediction expiry of the pool."""
+        oldest = self.queue.oldest()
+        times = (self.tracker.next_expiry(settings.active_request_expiry_secs),
+                 None if oldest is None else oldest + settings.queue_timeout_secs,
+                 self.predictions.next_expiry() if self.predictions is not None else None)
+        return min((t for t in times if t is not None), default=None)
+
     def set_worker(self, worker_id: int, ranks: tuple[Rank, ...], taints: frozenset[str]) -> None:
         """A schedulable worker joined or changed: its ranks (added with `add_rank`) and taints."""
         self.workers[worker_id] = ranks

@@ -39,6 +39,7 @@ from .errors import (
     TooManyRequests,
 )
 from .index import Rank
+from .journal import Journal
 from .limits import Limits
 from .metrics import Metrics
 from .outputs import Notice, OutputEvent, SelectionReady
@@ -78,7 +79,8 @@ class Selector:
     """Selections, bookings and the admission queue of every pool."""
 
     __slots__ = ("_settings", "_rng", "_metrics", "_limits", "_catalog", "_pools", "_tickets",
-                 "_outbox", "_internal_error", "_dispatching", "stopping", "pending", "log_decisions")
+                 "_outbox", "_internal_error", "_dispatching", "stopping", "pending", "log_decisions",
+                 "journal")
 
     def __init__(self, settings: Settings, rng: random.Random, metrics: Metrics, limits: Limits,
                  catalog: Catalog, pools: Mapping[Key, Pool], tickets: Tickets,
@@ -95,6 +97,7 @@ class Selector:
         self._dispatching = False
         self.stopping = False  # set by the service's shutdown: no new selections or bookings
         self.log_decisions = False  # a debug notice for every choice (`--log-level debug`)
+        self.journal: Journal | None = None  # a shared ledger's (--ledger): bookings are journaled
         self.pending = PendingSelections(settings.selection_cache_ttl_secs,
                                          settings.selection_cache_max_entries,
                                          settings.selection_cache_max_bytes)
@@ -305,8 +308,8 @@ class Selector:
                 worker_load["total_kv_blocks"] = record.total_kv_blocks
         response = SelectResponse(
             selection_id=req.selection_id if req.selection_id is not None else sel.rid,
-            reservation_id=sel.rid, model_name=req.model_name,
-            tenant_id=req.tenant_id, worker_id=worker, dp_rank=chosen.rank[1],
+            reservation_id=sel.rid, model_name=req.model_name, tenant_id=req.tenant_id, worker_id=worker,
+            dp_rank=chosen.rank[1],
             endpoint=record.endpoint or "", effective_overlap_blocks=float(chosen.effective),
             cached_tokens=chosen.cached, block_size=bs, overlap=overlap,
             effective_prefill_tokens=max(0, prompt.isl - chosen.cached),
@@ -314,9 +317,7 @@ class Selector:
             sequence_hashes=None if booked is None else tuple(
                 h - (1 << 64) if h >= 1 << 63 else h for h in booked.blocks or prompt.seqs),
             isl_tokens=None if booked is None else prompt.isl,
-            track_prefill_tokens=None if booked is None else track,
-            worker_load=worker_load,
-        )
+            track_prefill_tokens=None if booked is None else track, worker_load=worker_load)
         if req.explain:
             response = attrs.evolve(response, candidates=explain(scored),
                                     excluded=tuple(Excluded(worker_id=r[0], dp_rank=r[1], reason=why)
@@ -431,12 +432,16 @@ class Selector:
                 raise duplicate(exc) from None
             raise
         self._limits.state_budget(f"booking {rid}")
+        if self.journal is not None:
+            self.journal.check_booking()
         blocks: list[int] | None = None
         if self._settings.track_active_blocks:
             blocks = list(prompt.seqs) if reuse else [self._rng.getrandbits(64) for _ in prompt.seqs]
         prefill = max(0, prompt.isl - cached) if track_prefill else 0
         booking = pool.tracker.book(rid, rank, blocks, prefill, expected_output_tokens, now)
         self._metrics.booking(pool.key, "booked")
+        if self.journal is not None:
+            self.journal.booked(pool.key, booking)
         if pool.predictions is not None:
             pool.predictions.record(rank, prompt.blocks, now)
         return booking
@@ -518,16 +523,25 @@ class Selector:
             raise BadRequest("decay_fraction must be between 0.0 and 1.0")
         pool = self._booked_in(rid, None, None)
         pool.tracker.add_output_block(rid, decay_fraction)
+        if self.journal is not None:
+            self.journal.progressed(pool.tracker.bookings[rid], decay_fraction)
         self._metrics.booking(pool.key, "output_block")
 
     def finish_booking(self, rid: str, model_name: str | None, tenant_id: str | None, now: float, *,
                        free: bool) -> Pool:
         """Prefill completion or free of a booking; its pool (both release load)."""
-        pool = self._booked_in(rid, model_name, tenant_id)
+        try:
+            pool = self._booked_in(rid, model_name, tenant_id)
+        except NotFound:
+            if free and self.journal is not None:
+                self.journal.free_unknown(rid)  # its booking may be on its way from a replica
+            raise
         if free:
             pool.free(rid, now)
         else:
             pool.tracker.prefill_complete(rid)
+        if self.journal is not None:
+            (self.journal.freed if free else self.journal.prefilled)(rid)
         self._metrics.booking(pool.key, "freed" if free else "prefill_complete")
         return pool
 

@@ -25,6 +25,8 @@ from .errors import Conflict, NotFound, NotReady, SelectionError, StreamError
 from .events import KvEvent
 from .handler import handle as handle_request
 from .ingest import Ingest
+from .journal import LedgerSettings
+from .ledger import Ledger
 from .limits import Limits
 from .metrics import Metrics
 from .outputs import InternalError, OutputEvent
@@ -87,10 +89,11 @@ class SelectionService:
         self.catalog = Catalog(self.budget, s.max_tombstones)
         self._pools: dict[Key, Pool] = {}
         self._outbox: deque[OutputEvent] = deque()
-        tickets = Tickets()
+        self._tickets = tickets = Tickets()
         self._streams = Streams(self._pools, self._outbox)
         self._selector = Selector(s, self.rng, self.metrics, self.limits, self.catalog, self._pools,
                                   tickets, self._outbox, self.internal_error)
+        self.ledger: Ledger | None = None  # the mirror of a ledger shared with replicas (`share`)
         self._selector.log_decisions = log_decisions
         self._workers = Workers(s, self.metrics, self.limits, self.budget, self.catalog, self._pools,
                                 self._streams, self._selector, self._outbox)
@@ -100,6 +103,14 @@ class SelectionService:
         self._shutting_down = False
         self._draining = False  # marked not ready, still serving (`begin_drain`)
         self.recovered_from: str | None = None  # the peer this service started from (`recover`)
+
+    def share(self, settings: LedgerSettings, origin: str) -> Ledger:
+        """Share bookings and catalog through a ledger (docs/REPLICATION.md), fed and drained by the transport."""
+        self.ledger = Ledger(settings, origin, pools=self._pools, catalog=self.catalog,
+                             selector=self._selector, metrics=self.metrics, tickets=self._tickets,
+                             outbox=self._outbox, upsert=self.upsert_worker, delete=self.delete_worker,
+                             rerun=lambda request, now: self.handle(*request, now=now))
+        return self.ledger
 
     @property
     def pools(self) -> Mapping[Key, Pool]:
@@ -115,8 +126,7 @@ class SelectionService:
         return self._now
 
     def next_output(self) -> OutputEvent | None:
-        """The next output event for the caller to act on (answers of queued selections, subscription
-        changes, stream closes, internal errors), or None."""
+        """The next output for the caller (held answers, subscription changes, closes, errors), or None."""
         return self._outbox.popleft() if self._outbox else None
 
     def tick(self, now: float) -> None:
@@ -137,18 +147,7 @@ class SelectionService:
     def next_deadline(self) -> float | None:
         """The earliest `now` at which `tick` has work: a booking expiry or a queue timeout, or at
         once while a request is applied in steps."""
-        s = self.settings
-        deadlines = []
-        for pool in self._pools.values():
-            expiry = pool.tracker.next_expiry(s.active_request_expiry_secs)
-            if expiry is not None:
-                deadlines.append(expiry)
-            oldest = pool.queue.oldest()
-            if oldest is not None:
-                deadlines.append(oldest + s.queue_timeout_secs)
-            expiry = pool.predictions.next_expiry() if pool.predictions is not None else None
-            if expiry is not None:
-                deadlines.append(expiry)
+        deadlines = [d for pool in self._pools.values() if (d := pool.next_deadline(self.settings)) is not None]
         if self._ingest.stepping:
             deadlines.append(self._now)
         return min(deadlines) if deadlines else None
@@ -186,14 +185,14 @@ class SelectionService:
                              recovered_from=self.recovered_from, details=tuple(self.ready_details()))
 
     def ready_details(self) -> list[str]:
-        """What `/ready` reports beside readiness: subscriptions that cannot reach their engine."""
-        return self._streams.failing()
+        """Beside readiness: subscriptions that cannot reach their engine, and the ledger's state."""
+        return self._streams.failing() + (self.ledger.details() if self.ledger is not None else [])
 
     def readiness(self, *, now: float) -> tuple[bool, int]:
         """(ready, schedulable workers): `ready()` without building the worker list."""
         self._advance(now)
         count = self.catalog.schedulable
-        return count > 0 and self.serving(), count
+        return count > 0 and self.serving() and (self.ledger is None or self.ledger.ready()), count
 
     def records_json(self, model_name: str | None = None, tenant_id: str | None = None) -> list[bytes]:
         """The JSON of each record in (model, tenant, worker) order, as `to_json` encodes it."""
@@ -343,9 +342,7 @@ class SelectionService:
     def stream_position(self, stream: int) -> int | None:
         """The last seq applied for the stream's rank (from any stream of it), for a sender that
         resumes where the index stands (`resume=true`); None when none was seen."""
-        source = self._streams.get(stream)
-        pool = self._pools.get(source.key) if source is not None else None
-        fresh = pool.fresh.get(source.rank) if source is not None and pool is not None else None
+        fresh = self._streams.freshness(stream)
         return fresh.last_seq if fresh is not None else None
 
     def close_event_stream(self, stream: int, *, now: float) -> None:
@@ -372,11 +369,9 @@ class SelectionService:
         """An outbound subscription could not connect or ended: its rank's index may be missing
         events from now on (stale) until a `cleared` or a continuous stream proves otherwise."""
         self.subscription_state(stream, False, now=now)
-        source = self._streams.get(stream)
+        source, fresh = self._streams.get(stream), self._streams.freshness(stream)
         if source is not None:
             source.failing = True
-        pool = self._pools.get(source.key) if source is not None else None
-        fresh = pool.fresh.get(source.rank) if source is not None and pool is not None else None
         if fresh is not None:
             fresh.stale = True
 
@@ -437,6 +432,8 @@ class SelectionService:
     def metrics_text(self, *, now: float) -> str:
         """The Prometheus text exposition (api.md §5)."""
         self._advance(now)
+        if self.ledger is not None:
+            self.ledger.report()
         return self.metrics.render(gauges(self.catalog.values(), self._pools, self.budget,
                                           self._selector.pending))
 
@@ -446,4 +443,8 @@ class SelectionService:
                body: bytes | ParsedBody, *, now: float) -> Response | Pending:
         """Answer one HTTP-shaped request with `Response(status, headers, body)`; never raises.
         `body` may be a `ParsedBody` when the caller has parsed the JSON already."""
-        return handle_request(self, method, path, query, headers, body, now)
+        if self.ledger is None:
+            return handle_request(self, method, path, query, headers, body, now)
+        request = (method, path, query, tuple(headers), body)
+        self.ledger.begin_request()
+        return self.ledger.held(request, handle_request(self, *request, now), now)

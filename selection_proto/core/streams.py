@@ -28,6 +28,7 @@ from .codec import ShapeContext
 from .engine import EngineBatch, InvalidBatch, decode_batch
 from .errors import InvalidJson, SelectionError, Unprocessable
 from .events import KvEvent, decode_json_events
+from .freshness import RankFreshness
 from .index import Rank
 from .outputs import CloseEventStream, Notice, OutputEvent, SubscribeKvEvents, UnsubscribeKvEvents
 from .pool import Key, Pool
@@ -85,6 +86,12 @@ class Streams:
 
     def get(self, sid: int) -> EventSource | None:
         return self._sources.get(sid)
+
+    def freshness(self, sid: int) -> RankFreshness | None:
+        """What the index knows of the stream's rank (None once the stream or its pool is gone)."""
+        source = self._sources.get(sid)
+        pool = self._pools.get(source.key) if source is not None else None
+        return pool.fresh.get(source.rank) if source is not None and pool is not None else None
 
     def failing(self) -> list[str]:
         """What `/ready` says of the subscriptions that cannot reach their engine."""

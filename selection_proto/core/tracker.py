@@ -58,7 +58,7 @@ class RankLoad:
 
 class Booking:
     __slots__ = ("rid", "rank", "blocks", "prefill_tokens", "prefill_done", "expected_output_tokens",
-                 "booked_at", "outputs", "output_weight", "lease")
+                 "booked_at", "outputs", "output_weight", "lease", "remote")
 
     def __init__(self, rid: str, rank: Rank, blocks: list[int] | None, prefill_tokens: int,
                  expected_output_tokens: int | None, booked_at: float) -> None:
@@ -72,6 +72,7 @@ class Booking:
         self.lease: Lease | None = None  # its hold on a session's binding (sessions.py)
         self.outputs = 0  # output blocks reported
         self.output_weight = 0.0  # their weight (a decay re-weighs them all)
+        self.remote = False  # made by another replica, mirrored from the ledger (ledger.py)
 
 
 class Tracker:
@@ -111,8 +112,11 @@ class Tracker:
             raise TooManyRequests(f"reservation limit reached for {self.label}: at most {self.limit} active")
 
     def book(self, rid: str, rank: Rank, blocks: list[int] | None, prefill_tokens: int,
-             expected_output_tokens: int | None, now: float) -> Booking:
-        self.check_can_book(rid)
+             expected_output_tokens: int | None, now: float, checked: bool = True) -> Booking:
+        """`checked=False`: a mirrored booking, which the ledger already took (only the id is
+        checked, by the caller)."""
+        if checked:
+            self.check_can_book(rid)
         load = self.loads[rank]
         booking = Booking(rid, rank, blocks, prefill_tokens, expected_output_tokens, now)
         self.bookings[rid] = booking

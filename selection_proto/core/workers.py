@@ -54,7 +54,9 @@ class Workers:
         self._selector = selector
 
     def _check(self, req: WorkerRequest) -> None:
-        """What refuses an upsert outright (400, 409): nothing has changed yet."""
+        """What refuses an upsert outright (400, 409, 503): nothing has changed yet."""
+        if self._selector.journal is not None:
+            self._selector.journal.check_catalog_write()
         for taint in req.taints:
             if taint.startswith(TOPOLOGY_PREFIX):
                 raise BadRequest(f"taint `{taint}` uses the reserved prefix dynamo.topology/; "
@@ -118,6 +120,8 @@ class Workers:
             else:
                 self._join(record, now)
         self._catalog.store(record, encoded)
+        if self._selector.journal is not None:
+            self._selector.journal.worker(req)
         self._outbox.append(Notice("worker_registered" if previous is None else "worker_replaced", (
             ("worker_id", req.worker_id), ("model_name", req.model_name), ("tenant_id", req.tenant_id),
             ("lifecycle", lifecycle), *((("was", previous.lifecycle),) if previous is not None else ()),
@@ -134,6 +138,10 @@ class Workers:
             raise NotFound(f"worker {worker_id} not found")
         if previous.lifecycle == "unschedulable":
             return previous
+        journal = self._selector.journal
+        if journal is not None:
+            journal.check_catalog_write()
+            journal.worker_deleted(worker_id)
         if previous.lifecycle == "schedulable":
             self._leave(previous, now)
             self._selector.dispatch(self._pools.get(previous.key), now)

@@ -24,13 +24,14 @@ from ..core.routes import media_type
 from ..core.service import SelectionService
 from ..core.streams import decode_or_error
 from ..core.wire import error_response
+from .ledger import LedgerLink
 from .logs import log, log_internal_error
 from .process import ProcessMetrics
 from .pump import CHUNK, flush, receive
 from .snapshots import Snapshots
 from .subscriber import Subscriptions
 
-__all__ = ["ServerConfig", "serve"]
+__all__ = ["LedgerOptions", "ServerConfig", "serve"]
 
 _GONE = (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
 # While a request waits in the queue its connection reads on only up to this many buffered bytes
@@ -44,13 +45,24 @@ ACCEPT_BACKOFF_START = 0.01
 ACCEPT_BACKOFF_MAX = 1.0
 
 
+@attrs.frozen
+class LedgerOptions:
+    url: str
+    scope: str = "default"
+    batch: int = 64
+    feed_max: int = 1_000_000
+
+
 class ServerConfig:
     def __init__(self, host: str = "127.0.0.1", port: int = 8092, max_connections: int = 1024,
                  keep_alive_timeout_secs: float = 5.0, request_timeout_secs: float = 30.0,
                  shutdown_timeout_secs: float = 10.0, ws_ping_interval_secs: float = 20.0,
                  auth_token: bytes | None = None, tls: ssl.SSLContext | None = None,
                  access_log: bool = False, snapshot: str | None = None,
-                 snapshot_interval_secs: float = 60.0, drain_delay_secs: float = 0.0) -> None:
+                 snapshot_interval_secs: float = 60.0, drain_delay_secs: float = 0.0,
+                 ledger: LedgerOptions | None = None, reuse_port: bool = False) -> None:
+        self.ledger = ledger  # share bookings and the catalog through this ledger (service.share first)
+        self.reuse_port = reuse_port  # several processes on one port (--processes)
         self.drain_delay_secs = drain_delay_secs  # serve, marked not ready, before draining
         self.snapshot = snapshot  # write the dump here periodically and at shutdown
         self.snapshot_interval_secs = snapshot_interval_secs  # 0: only at shutdown
@@ -93,6 +105,7 @@ class _Server:
         self.handshakes = 0  # TLS handshakes under way (they count against max_connections)
         self.ws_count = 0
         self.subscriptions: Subscriptions | None = None
+        self.ledger_link: LedgerLink | None = None
 
     def _report_connections(self) -> None:
         self.service.observe(CONNECTIONS, ("http",), float(len(self.connections)))
@@ -202,6 +215,8 @@ class _Server:
                 await self._deliver(out)
             except Exception:  # noqa: BLE001
                 self.service.internal_error("pump")
+        if self.ledger_link is not None:
+            self.ledger_link.poke()
         if wake_timer:
             deadline = self.service.next_deadline()
             if deadline is not None and deadline < self.timer_target:
@@ -416,7 +431,7 @@ async def serve(service: SelectionService, config: ServerConfig,
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_SECS)
     try:
         listener = await anyio.create_tcp_listener(local_host=config.host, local_port=config.port,
-                                                   reuse_port=False)
+                                                   reuse_port=config.reuse_port)
     except OSError as exc:
         raise RuntimeError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from exc
     port = listener.extra(anyio.abc.SocketAttribute.local_port)
@@ -440,6 +455,13 @@ async def serve(service: SelectionService, config: ServerConfig,
         tg.start_soon(run_accept)
         tg.start_soon(server.timer)
         server.subscriptions = Subscriptions(service, tg, server.pump)
+        if config.ledger is not None and service.ledger is not None:
+            options = config.ledger
+            server.ledger_link = LedgerLink(service, service.ledger, options.url, options.scope,
+                                            lease_secs=service.settings.active_request_expiry_secs,
+                                            batch=options.batch, feed_max=options.feed_max,
+                                            on_change=server.pump)
+            tg.start_soon(server.ledger_link.run)
         await server.pump()  # subscriptions of workers restored before the start
         forced = False
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -463,6 +485,8 @@ async def serve(service: SelectionService, config: ServerConfig,
                     log("info", "draining", seconds=config.drain_delay_secs)
                     await anyio.sleep(config.drain_delay_secs)
                 await _drain(server, service, config, accept_scope)
+                if server.ledger_link is not None:  # the last frees, written before we go
+                    await server.ledger_link.settle(config.shutdown_timeout_secs)
                 watch.cancel_scope.cancel()
         tg.cancel_scope.cancel()
     if forced:

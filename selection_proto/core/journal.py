@@ -1,0 +1,133 @@
+"""This replica's own changes for a shared booking ledger (docs/REPLICATION.md): each booking,
+prefill completion, output block, free and catalog write becomes a `LedgerOp`, queued in order for
+the transport to drain and write, as a connection's `data_to_send` is. `Ledger` (ledger.py) owns
+the journal and the mirror that applies other replicas' changes."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Final, Literal
+
+import attrs
+
+from . import jsonio
+from .errors import NotReady
+from .ledger_wire import (
+    ADD,
+    FREE,
+    PREFILL,
+    PROGRESS,
+    WORKER,
+    AddRecord,
+    encode_add,
+    encode_progress,
+    rank_key,
+)
+from .pool import Key
+from .tracker import Booking
+from .types import WorkerRequest
+
+__all__ = ["LEDGER_DOWN", "OUTBOX_FULL", "Journal", "LedgerOp", "LedgerSettings"]
+
+LEDGER_DOWN: Final = "ledger unavailable"
+OUTBOX_FULL: Final = "ledger outbox full"
+
+
+@attrs.frozen(kw_only=True)
+class LedgerSettings:
+    admission: Literal["advisory", "strict"] = "advisory"
+    failure: Literal["open", "closed"] = "open"
+    outbox_max: int = 100_000  # own changes queued while the ledger is away, at most
+    strict_tries: int = 3  # strict bookings retried after a conflict; then booked advisory
+
+
+class LedgerOp:
+    """One change for the ledger. `expect`: in strict admission, how many bookings this replica
+    had seen made on the rank (the ledger refuses the add if there are more); `hold`: the ticket
+    whose answer waits for it."""
+
+    __slots__ = ("kind", "ident", "body", "rank_key", "expect", "hold")
+
+    def __init__(self, kind: str, ident: str, body: bytes = b"", rank_key: bytes = b"",
+                 expect: int | None = None) -> None:
+        self.kind = kind
+        self.ident = ident
+        self.body = body
+        self.rank_key = rank_key
+        self.expect = expect
+        self.hold: int | None = None
+
+
+class Journal:
+    """This replica's changes, in the order made. Muted while the mirror applies others' changes."""
+
+    __slots__ = ("ops", "settings", "connected", "muted", "adds", "own", "sync", "in_request", "tries")
+
+    def __init__(self, settings: LedgerSettings) -> None:
+        self.ops: deque[LedgerOp] = deque()
+        self.settings = settings
+        self.connected = False
+        self.muted = False
+        self.adds: dict[bytes, int] = {}  # rank key -> bookings ever made on it, as the feed told
+        self.own: dict[bytes, set[int]] = {}  # rank key -> own confirmed adds the feed has not shown
+        self.sync: list[LedgerOp] = []  # ops the request being answered waits for
+        self.in_request = False
+        self.tries = 0  # of the strict booking being retried
+
+    def check_booking(self) -> None:
+        """Refuse a booking the ledger cannot take (closed mode while away, or a full outbox)."""
+        if not self.connected and self.settings.failure == "closed":
+            raise NotReady(LEDGER_DOWN)
+        if len(self.ops) >= self.settings.outbox_max:
+            raise NotReady(OUTBOX_FULL)
+
+    def check_catalog_write(self) -> None:
+        """Catalog writes need the ledger: a catalog changed on one replica alone would diverge."""
+        if not self.connected and not self.muted:
+            raise NotReady(f"{LEDGER_DOWN}: catalog writes need the ledger")
+
+    def _push(self, op: LedgerOp, sync: bool = False) -> None:
+        if self.muted:
+            return
+        self.ops.append(op)
+        if sync and self.in_request:
+            self.sync.append(op)
+
+    def booked(self, key: Key, booking: Booking) -> None:
+        rank = booking.rank
+        record = AddRecord(key[0], key[1], rank[0], rank[1], booking.prefill_tokens,
+                           booking.expected_output_tokens, booking.blocks)
+        rk = rank_key(key[0], key[1], rank[0], rank[1])
+        strict = (self.settings.admission == "strict" and self.connected and self.in_request
+                  and self.tries < self.settings.strict_tries)
+        expect = self.adds.get(rk, 0) + len(self.own.get(rk, ())) if strict else None
+        self._push(LedgerOp(ADD, booking.rid, encode_add(record), rk, expect), sync=strict)
+
+    def prefilled(self, rid: str) -> None:
+        self._push(LedgerOp(PREFILL, rid))
+
+    def progressed(self, booking: Booking, decay_fraction: float | None) -> None:
+        self._push(LedgerOp(PROGRESS, booking.rid, encode_progress(booking.outputs, decay_fraction)))
+
+    def freed(self, rid: str) -> None:
+        self._push(LedgerOp(FREE, rid))
+
+    def free_unknown(self, rid: str) -> None:
+        """A free of an id this replica has not seen: its booking may still be on its way from
+        another replica. Written through: the ledger frees it, or remembers the free."""
+        if self.connected:
+            self._push(LedgerOp(FREE, rid), sync=True)
+
+    def worker(self, req: WorkerRequest) -> None:
+        self._push(LedgerOp(WORKER, str(req.worker_id), jsonio.dumps(req.to_json())))
+
+    def worker_deleted(self, worker_id: int) -> None:
+        self._push(LedgerOp(WORKER, str(worker_id)))
+
+    def take(self, limit: int) -> list[LedgerOp]:
+        """Up to `limit` ops, oldest first, for one write; `requeue` them if it fails."""
+        ops = self.ops
+        return [ops.popleft() for _ in range(min(limit, len(ops)))]
+
+    def requeue(self, ops: list[LedgerOp]) -> None:
+        self.ops.extendleft(reversed(ops))

@@ -1,0 +1,389 @@
+"""Replicas sharing one booking ledger (docs/REPLICATION.md): the journal of this replica's changes,
+which the transport drains and writes like `data_to_send`, and the mirror that applies every
+replica's changes from the ledger's ordered feed with `now`.
+
+The tracker stays the one place load is counted; the ledger keeps it equal across replicas. Own
+changes are applied at once and journaled; other replicas' arrive as feed entries. A snapshot
+replaces the mirror whole (start, gap, reset). In strict admission a booking's answer is held
+until the ledger confirms no other replica booked that rank meanwhile; a conflict undoes it and
+selects again once the feed has caught up."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from . import jsonio
+from .admission import Tickets
+from .catalog import Catalog
+from .codec import from_json
+from .errors import SelectionError
+from .journal import LEDGER_DOWN, Journal, LedgerOp, LedgerSettings
+from .ledger_wire import (
+    ADD,
+    EXPIRE,
+    FREE,
+    PREFILL,
+    PROGRESS,
+    WORKER,
+    AddRecord,
+    FeedEntry,
+    LedgerSnapshot,
+    LedgerWireError,
+    Reply,
+    decode_add,
+    decode_entry,
+    decode_progress,
+    rank_key,
+)
+from .metrics import LEDGER_CONNECTED, LEDGER_EVENTS, LEDGER_OUTBOX, Metrics
+from .outputs import OutputEvent, SelectionReady
+from .pool import Key, Pool
+from .responses import Pending, StatusOk
+from .selection import Selector
+from .types import WorkerRequest
+from .wire import Response, error_response, json_response
+
+__all__ = ["Ledger"]
+
+Request = tuple[str, str, str, tuple[tuple[str, str], ...], Any]
+
+
+class _Hold:
+    __slots__ = ("ticket", "request", "result", "outstanding", "retry_after", "freed", "tries")
+
+    def __init__(self, ticket: int, request: Request, result: Response) -> None:
+        self.ticket = ticket
+        self.request = request
+        self.result = result
+        self.outstanding = 0
+        self.retry_after: int | None = None  # a conflict: select again once the feed reaches this
+        self.freed = False  # a written-through free found its booking
+        self.tries = 0
+
+
+class Ledger:
+    """The mirror of the shared ledger, and the answers held for it."""
+
+    def __init__(self, settings: LedgerSettings, origin: str, *, pools: Mapping[Key, Pool],
+                 catalog: Catalog, selector: Selector, metrics: Metrics, tickets: Tickets,
+                 outbox: deque[OutputEvent],
+                 upsert: Callable[..., object], delete: Callable[..., object],
+                 rerun: Callable[[Request, float], Response | Pending]) -> None:
+        self.settings = settings
+        self.origin = origin  # this incarnation's name in the feed
+        self.journal = Journal(settings)
+        self.epoch: str | None = None
+        self.n = 0  # the last feed entry applied
+        self.cursor = b"0-0"  # its id: where the feed is read on
+        self.synced = False  # a snapshot has been applied since the last connect
+        self.needs_snapshot = True  # a gap, a reset or a start: the transport loads one
+        self._pools = pools
+        self._catalog = catalog
+        self._selector = selector
+        self._metrics = metrics
+        self._tickets = tickets
+        self._outbox = outbox
+        self._upsert = upsert
+        self._delete = delete
+        self._rerun = rerun
+        self._holds: dict[int, _Hold] = {}
+        self._rerunning: _Hold | None = None
+        selector.journal = self.journal
+
+    # -- state for /ready and /metrics -------------------------------------------------------------
+
+    def ready(self) -> bool:
+        """Bookings may be made: synced, unless away in open mode (local state serves)."""
+        if self.settings.failure == "closed" and not self.journal.connected:
+            return False
+        return self.synced or (self.epoch is not None and not self.journal.connected)
+
+    def details(self) -> list[str]:
+        if not self.journal.connected:
+            return ["ledger: disconnected" if self.epoch is not None else "ledger: syncing"]
+        return [] if self.synced else ["ledger: syncing"]
+
+    def report(self) -> None:
+        self._metrics.record(LEDGER_CONNECTED, (), 1.0 if self.journal.connected else 0.0)
+        self._metrics.record(LEDGER_OUTBOX, (), float(len(self.journal.ops)))
+
+    def _count(self, event: str, n: int = 1) -> None:
+        self._metrics.record(LEDGER_EVENTS, (event,), float(n))
+
+    # -- requests: holding answers for the ledger -------------------------------------------------
+
+    def begin_request(self) -> None:
+        self.journal.in_request = True
+
+    def held(self, request: Request, result: Response | Pending, now: float) -> Response | Pending:
+        """The answer of a request: `result`, or a `Pending` when it waits for the ledger."""
+        journal = self.journal
+        journal.in_request = False
+        sync, journal.sync = journal.sync, []
+        hold = self._rerunning
+        if not sync:
+            if hold is not None:
+                self._answer(hold, result if isinstance(result, Response) else error_response(
+                    503, "strict admission: the retried selection was queued; retry the request"))
+            return result
+        assert isinstance(result, Response)
+        if hold is None:
+            hold = _Hold(self._tickets.issue(None), request, result)
+            self._holds[hold.ticket] = hold
+        hold.result, hold.retry_after, hold.outstanding = result, None, len(sync)
+        for op in sync:
+            op.hold = hold.ticket
+        return Pending(hold.ticket)
+
+    def _answer(self, hold: _Hold, response: Response) -> None:
+        self._holds.pop(hold.ticket, None)
+        self._outbox.append(SelectionReady(hold.ticket, None, response))
+
+    def _settle(self, hold: _Hold, now: float) -> None:
+        if hold.outstanding:
+            return
+        if hold.retry_after is not None:
+            if self.n >= hold.retry_after:
+                self._retry(hold, now)
+        elif hold.freed:
+            self._answer(hold, json_response(200, StatusOk().to_json()))
+        else:
+            self._answer(hold, hold.result)
+
+    def _retry(self, hold: _Hold, now: float) -> None:
+        """Select again on the view the feed has brought: the strict booking conflicted."""
+        hold.tries += 1
+        self._rerunning, self.journal.tries = hold, hold.tries
+        try:
+            self.begin_request()
+            self.held(hold.request, self._rerun(hold.request, now), now)
+        finally:
+            self._rerunning, self.journal.tries = None, 0
+
+    # -- the transport's inputs --------------------------------------------------------------------
+
+    def connected(self, up: bool, now: float) -> None:
+        """The transport reached the ledger, or lost it. Lost: held strict bookings stand as
+        advisory ones (open mode) or are undone and refused (closed mode)."""
+        journal = self.journal
+        if up == journal.connected:
+            return
+        journal.connected = up
+        if up:
+            return
+        self.synced = False
+        self.needs_snapshot = True
+        closed = self.settings.failure == "closed"
+        for op in list(journal.ops):
+            if op.kind == ADD and op.expect is not None:
+                op.expect = None
+                if closed:
+                    journal.ops.remove(op)
+                    self._retract(op.ident, now)
+        for hold in list(self._holds.values()):
+            if closed and hold.retry_after is None and not _is_free(hold):
+                self._answer(hold, error_response(503, LEDGER_DOWN))
+            else:
+                hold.outstanding, hold.retry_after = 0, None
+                self._settle(hold, now)
+        for op in journal.ops:
+            op.hold = None
+
+    def results(self, ops: list[LedgerOp], replies: list[Reply], now: float) -> None:
+        """The ledger's reply to one write of `ops`."""
+        journal = self.journal
+        for op, reply in zip(ops, replies, strict=True):
+            word = reply.word
+            if op.kind == ADD:
+                if word == "ok" and reply.n > self.n:
+                    journal.own.setdefault(op.rank_key, set()).add(reply.n)
+                elif word in ("freed", "dup", "conflict"):
+                    # freed: a free reached the ledger first; dup: another replica booked this id.
+                    self._retract(op.ident, now)
+                    self._count({"freed": "tombstone_hit", "dup": "duplicate", "conflict": "conflict"}[word])
+                    if word == "dup":
+                        self.needs_snapshot = True  # theirs is the booking: load it
+            hold = self._holds.get(op.hold) if op.hold is not None else None
+            if hold is None:
+                continue
+            hold.outstanding -= 1
+            if word == "conflict":
+                hold.retry_after = reply.n
+            elif op.kind == FREE and word == "ok":
+                hold.freed = True
+            self._settle(hold, now)
+
+    def apply(self, entries: Iterable[tuple[Any, Any]], now: float) -> None:
+        """Feed entries as `XREAD` gives them, in order. A jump in sequence numbers (the feed was
+        trimmed under this reader) stops here and asks for a snapshot."""
+        for entry_id, fields in entries:
+            if self.needs_snapshot:
+                return
+            try:
+                entry = decode_entry(entry_id, fields)
+            except LedgerWireError:
+                self._count("bad_entry")
+                continue
+            if entry.n <= self.n:
+                continue  # already in the snapshot
+            if entry.n != self.n + 1:
+                self._count("gap")
+                self.needs_snapshot = True
+                return
+            self.n, self.cursor = entry.n, entry.entry_id
+            try:
+                self._apply(entry, now)
+            except LedgerWireError:
+                self._count("bad_entry")
+        for hold in list(self._holds.values()):
+            if hold.retry_after is not None and not hold.outstanding:
+                self._settle(hold, now)
+
+    def _apply(self, entry: FeedEntry, now: float) -> None:
+        kind, rid = entry.kind, entry.ident
+        mine = entry.origin == self.origin
+        if kind == WORKER:  # every replica applies every catalog change in feed order, its own too
+            self._worker(rid, entry.body, now)
+            return
+        if kind == ADD:
+            record = decode_add(entry.body)
+            rk = rank_key(record.model_name, record.tenant_id, record.worker_id, record.dp_rank)
+            journal = self.journal
+            journal.adds[rk] = journal.adds.get(rk, 0) + 1
+            if mine:
+                journal.own.get(rk, set()).discard(entry.n)
+            else:
+                self._book(rid, record, now)
+            return
+        if mine and kind != EXPIRE:
+            return
+        pool = self._pool_of(rid)
+        if pool is None:
+            return
+        if kind == FREE or kind == EXPIRE:
+            pool.free(rid, now)
+            self._count("expired" if kind == EXPIRE else "freed")
+            self._selector.dispatch(pool, now)
+        elif kind == PREFILL:
+            pool.tracker.prefill_complete(rid)
+            self._selector.dispatch(pool, now)
+        elif kind == PROGRESS:
+            self._progress(pool, rid, entry.body)
+
+    def _worker(self, ident: str, body: bytes, now: float) -> None:
+        try:
+            worker_id = int(ident)
+            req = from_json(WorkerRequest, jsonio.loads(body)) if body else None
+        except (ValueError, SelectionError):
+            raise LedgerWireError("worker: expected a worker id and its record") from None
+        journal = self.journal
+        journal.muted = True
+        try:
+            record = self._catalog.get(worker_id)
+            live = record is not None and record.lifecycle != "unschedulable"
+            if req is None and live:
+                self._delete(worker_id, now=now)
+            elif req is not None and not (live and record is not None and record.request == req):
+                self._upsert(req, now=now)
+        except SelectionError:
+            self._count("catalog_refused")  # a limit of this replica's: counted, not fatal
+        finally:
+            journal.muted = False
+
+    def _book(self, rid: str, record: AddRecord, now: float) -> None:
+        pool = self._pools.get((record.model_name, record.tenant_id))
+        rank = (record.worker_id, record.dp_rank)
+        if pool is None or rank not in pool.tracker.loads or self._pool_of(rid) is not None:
+            self._count("dropped")  # a rank this catalog does not have (yet), or a known id
+            return
+        booking = pool.tracker.book(rid, rank, record.blocks, record.prefill_tokens,
+                                    record.expected_output_tokens, now, checked=False)
+        booking.remote = True
+
+    def _progress(self, pool: Pool, rid: str, body: bytes) -> None:
+        outputs, decay = decode_progress(body)
+        booking = pool.tracker.bookings[rid]
+        while booking.outputs < outputs:  # absolute: a repeated or late entry changes nothing
+            pool.tracker.add_output_block(rid, decay)
+
+    def _pool_of(self, rid: str) -> Pool | None:
+        for pool in self._pools.values():
+            if rid in pool.tracker.bookings:
+                return pool
+        return None
+
+    def _retract(self, rid: str, now: float) -> None:
+        """Undo a booking of this replica's that the ledger did not take."""
+        pool = self._pool_of(rid)
+        if pool is not None:
+            pool.free(rid, now)
+            self._selector.dispatch(pool, now)
+
+    # -- snapshots and resets ----------------------------------------------------------------------
+
+    def load(self, snap: LedgerSnapshot, now: float) -> None:
+        """Replace the mirror with the ledger's state (start, gap, reconnect). Own changes still in
+        the journal stand; they reach the ledger next."""
+        self.epoch, self.n, self.cursor = snap.epoch, snap.n, snap.cursor
+        journal = self.journal
+        journal.adds, journal.own = dict(snap.adds), {}
+        for ident, body in sorted(snap.workers.items()):
+            try:
+                self._worker(ident, body, now)
+            except LedgerWireError:
+                self._count("bad_entry")
+        for record in self._catalog.values():  # workers the ledger lacks: this replica's to give
+            if record.lifecycle != "unschedulable" and str(record.worker_id) not in snap.workers:
+                journal.worker(record.request)
+        queued = {op.ident for op in journal.ops if op.kind in (ADD, FREE)}
+        for pool in self._pools.values():
+            gone = [rid for rid in pool.tracker.bookings if rid not in snap.bookings and rid not in queued]
+            for rid in gone:
+                pool.free(rid, now)
+        for rid, body in snap.bookings.items():
+            try:
+                if rid not in queued and self._pool_of(rid) is None:
+                    self._book(rid, decode_add(body), now)
+                holder = self._pool_of(rid)
+                if holder is None:
+                    continue
+                if rid in snap.prefilled:
+                    holder.tracker.prefill_complete(rid)
+                if rid in snap.progress:
+                    self._progress(holder, rid, snap.progress[rid])
+            except LedgerWireError:
+                self._count("bad_entry")
+        for pool in self._pools.values():
+            self._selector.dispatch(pool, now)
+        self.synced, self.needs_snapshot = True, False
+        self._count("snapshot")
+
+    def reseed(self) -> None:
+        """The ledger came back empty (its epoch changed): give it again what this replica knows
+        first-hand, its own bookings and the catalog, ahead of what is queued."""
+        journal = self.journal
+        queued = {op.ident for op in journal.ops if op.kind == ADD}
+        pending = list(journal.ops)
+        journal.ops.clear()
+        for record in sorted(self._catalog.values(), key=lambda r: r.worker_id):
+            if record.lifecycle != "unschedulable":
+                journal.worker(record.request)
+        for key, pool in sorted(self._pools.items()):
+            for booking in pool.tracker.bookings.values():
+                if booking.remote or booking.rid in queued:
+                    continue
+                journal.booked(key, booking)
+                if booking.prefill_done:
+                    journal.prefilled(booking.rid)
+                if booking.outputs:
+                    journal.progressed(booking, None)
+        journal.ops.extend(pending)
+        self.epoch = None
+        self.needs_snapshot = True
+        self._count("reseed")
+
+
+def _is_free(hold: _Hold) -> bool:
+    return hold.request[0] == "DELETE"

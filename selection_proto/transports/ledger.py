@@ -1,0 +1,288 @@
+"""The booking ledger on Valkey/Redis (docs/REPLICATION.md): the one module that talks to it.
+
+Three loops share one `Ledger` mirror, all on the event loop; each Redis call runs in a worker
+thread through redis-py's blocking client, which works the same under asyncio and trio:
+
+- the writer takes a snapshot when the mirror asks for one, writes the journal in batches through
+  one script call, and runs the reaper (leases on the server's clock) about once a second;
+- the reader follows the feed with `XREAD BLOCK` on a connection of its own;
+- the supervisor reconnects with backoff and tells the core when the ledger is reachable.
+
+Every key of a scope shares one hash tag, `sp:{scope}:…`, so each script touches one slot."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any, Final
+
+import anyio
+
+from ..core.ledger import Ledger
+from ..core.ledger_wire import LedgerWireError, decode_replies, decode_snapshot
+from ..core.metrics import LEDGER_FLUSH
+from ..core.service import SelectionService
+from .logs import log
+
+__all__ = ["LedgerLink", "open_client"]
+
+BACKOFF_START: Final = 0.05
+BACKOFF_MAX: Final = 2.0
+READ_BLOCK_MS: Final = 1000  # a reader's wait for new entries; also how late it notices a cancel
+READ_COUNT: Final = 1000
+REAP_INTERVAL_SECS: Final = 1.0
+REAP_LIMIT: Final = 1000
+TOMBSTONE_MS: Final = 600_000  # a free that came before its add is remembered this long
+SOCKET_TIMEOUT_SECS: Final = 5.0
+_KEYS: Final = ("res", "pre", "out", "deadline", "tomb", "adds", "workers", "epoch", "seq", "feed", "last")
+
+# Every script checks the epoch first: a ledger that came back empty is noticed on the next write.
+_PRELUDE: Final = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function emit(origin, kind, ident, body)
+  local n = redis.call('INCR', KEYS[9])
+  local id = redis.call('XADD', KEYS[10], 'MAXLEN', '~', ARGV[5], '*',
+                        'n', n, 'o', origin, 'k', kind, 'i', ident, 'b', body)
+  redis.call('SET', KEYS[11], id)
+  return n
+end
+"""
+
+INIT: Final = """
+if redis.call('EXISTS', KEYS[8]) == 0 then redis.call('SET', KEYS[8], ARGV[1]) end
+return redis.call('GET', KEYS[8])
+"""
+
+# ARGV: epoch, origin, lease ms, tombstone ms, feed length, then (kind, id, body, rank key, expect)*
+BATCH: Final = "if redis.call('GET', KEYS[8]) ~= ARGV[1] then return {'epoch'} end" + _PRELUDE + """
+redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
+local origin, lease, tomb = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local out = {}
+for i = 6, #ARGV, 5 do
+  local kind, ident, body, rk, expect = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]
+  local r
+  if kind == 'add' then
+    local held = redis.call('HGET', KEYS[1], ident)
+    if redis.call('ZSCORE', KEYS[5], ident) then r = 'freed'
+    elseif held == body then r = 'ok 0'
+    elseif held then r = 'dup'
+    elseif expect ~= '' and tonumber(redis.call('HGET', KEYS[6], rk) or '0') ~= tonumber(expect) then
+      r = 'conflict ' .. (redis.call('GET', KEYS[9]) or '0')
+    else
+      redis.call('HSET', KEYS[1], ident, body)
+      redis.call('ZADD', KEYS[4], now + lease, ident)
+      redis.call('HINCRBY', KEYS[6], rk, 1)
+      r = 'ok ' .. emit(origin, kind, ident, body)
+    end
+  elseif kind == 'prefill' or kind == 'progress' then
+    if redis.call('HEXISTS', KEYS[1], ident) == 0 then r = 'missing'
+    else
+      redis.call('HSET', kind == 'prefill' and KEYS[2] or KEYS[3], ident, body)
+      r = 'ok ' .. emit(origin, kind, ident, body)
+    end
+  elseif kind == 'free' then
+    if redis.call('HDEL', KEYS[1], ident) == 1 then
+      redis.call('HDEL', KEYS[2], ident)
+      redis.call('HDEL', KEYS[3], ident)
+      redis.call('ZREM', KEYS[4], ident)
+      r = 'ok ' .. emit(origin, kind, ident, body)
+    else
+      redis.call('ZADD', KEYS[5], 'NX', now + tomb, ident)
+      r = 'tombstoned'
+    end
+  elseif kind == 'worker' then
+    redis.call('HSET', KEYS[7], ident, body)
+    r = 'ok ' .. emit(origin, kind, ident, body)
+  else
+    return redis.error_reply('unknown op ' .. kind)
+  end
+  out[#out + 1] = r
+end
+return out
+"""
+
+# ARGV: epoch, origin, limit, -, feed length
+REAP: Final = "if redis.call('GET', KEYS[8]) ~= ARGV[1] then return -1 end" + _PRELUDE + """
+local due = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now, 'LIMIT', 0, tonumber(ARGV[3]))
+for _, ident in ipairs(due) do
+  redis.call('ZREM', KEYS[4], ident)
+  redis.call('HDEL', KEYS[1], ident)
+  redis.call('HDEL', KEYS[2], ident)
+  redis.call('HDEL', KEYS[3], ident)
+  emit(ARGV[2], 'expire', ident, '')
+end
+return #due
+"""
+
+SNAPSHOT: Final = """
+return {redis.call('GET', KEYS[8]), redis.call('GET', KEYS[9]), redis.call('GET', KEYS[11]),
+        redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2]), redis.call('HGETALL', KEYS[3]),
+        redis.call('HGETALL', KEYS[6]), redis.call('HGETALL', KEYS[7])}
+"""
+
+
+def open_client(url: str, timeout: float = SOCKET_TIMEOUT_SECS) -> Any:
+    """A redis-py client for `redis://`, `rediss://` or `unix://` URLs (its URL rules)."""
+    try:
+        import redis
+    except ImportError:
+        raise RuntimeError("--ledger needs the redis package: pip install 'selection-proto[ledger]'") from None
+    return redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
+                                decode_responses=False, health_check_interval=0)
+
+
+class LedgerLink:
+    """Keeps one service's `Ledger` in step with the shared ledger at `url`."""
+
+    def __init__(self, service: SelectionService, ledger: Ledger, url: str, scope: str, *,
+                 lease_secs: float, batch: int = 64, feed_max: int = 1_000_000,
+                 on_change: Callable[[], Awaitable[None]] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.service = service
+        self.ledger = ledger
+        self.url = url
+        self.keys = [f"sp:{{{scope}}}:{name}" for name in _KEYS]
+        self.feed = self.keys[9]
+        self.lease_ms = max(1, int(lease_secs * 1000)) if math.isfinite(lease_secs) else 1 << 50
+        self.batch = batch
+        self.feed_max = feed_max
+        self.on_change = on_change
+        self.clock = clock
+        self.wake = anyio.Event()
+        self.snapshot_loaded = anyio.Event()
+        self.epoch = ""
+        self.held_writes = False  # a test's hand on the writer: ops stay queued while True
+
+    def poke(self) -> None:
+        """Something may be queued for the ledger: let the writer look."""
+        if self.ledger.journal.ops or self.ledger.needs_snapshot:
+            self.wake.set()
+
+    async def settle(self, timeout: float) -> None:
+        """Wait (at most `timeout`) until what is queued is written, while the ledger is reachable."""
+        journal = self.ledger.journal
+        with anyio.move_on_after(timeout):
+            while journal.ops and journal.connected:
+                self.wake.set()
+                await anyio.sleep(0.005)
+
+    async def _changed(self) -> None:
+        if self.on_change is not None:
+            await self.on_change()
+
+    async def run(self) -> None:
+        """Until cancelled: connect, sync, follow; on any failure, tell the core and retry."""
+        delay = BACKOFF_START
+        while True:
+            started = self.clock()
+            try:
+                await self._session()
+            except Exception as exc:  # noqa: BLE001 - every failure of the ledger is a reconnect
+                log("warning", "ledger_unavailable", url=_redacted(self.url), detail=_reason(exc),
+                    retry_in_secs=delay)
+            self.ledger.connected(False, self.clock())
+            await self._changed()
+            if self.clock() - started > 10 * BACKOFF_MAX:
+                delay = BACKOFF_START  # it was up a while: this is a new outage
+            await anyio.sleep(delay)
+            delay = min(BACKOFF_MAX, delay * 2)
+
+    async def _session(self) -> None:
+        writer, reader = open_client(self.url), open_client(self.url, SOCKET_TIMEOUT_SECS + READ_BLOCK_MS / 1000)
+        try:
+            scripts = {name: writer.register_script(text) for name, text in
+                       (("init", INIT), ("batch", BATCH), ("reap", REAP), ("snapshot", SNAPSHOT))}
+            await self._init(scripts)
+            self.ledger.connected(True, self.clock())
+            log("info", "ledger_connected", url=_redacted(self.url), origin=self.ledger.origin)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._read, reader)
+                await self._write(scripts)
+        finally:
+            writer.close()
+            reader.close()
+
+    async def _init(self, scripts: dict[str, Any]) -> None:
+        fresh = self.ledger.origin + ":" + str(time.time_ns())
+        epoch = (await _call(scripts["init"], self.keys, [fresh])).decode()
+        if self.ledger.epoch is not None and epoch != self.ledger.epoch:
+            log("warning", "ledger_reset", detail="the ledger's epoch changed: giving it our own state again")
+            self.ledger.reseed()
+        self.epoch = epoch
+
+    async def _write(self, scripts: dict[str, Any]) -> None:
+        ledger, journal = self.ledger, self.ledger.journal
+        next_reap = self.clock()
+        while True:
+            if ledger.needs_snapshot:
+                raw = await _call(scripts["snapshot"], self.keys, [])
+                ledger.load(decode_snapshot(raw), self.clock())
+                self.snapshot_loaded.set()
+                await self._changed()
+            if journal.ops and not self.held_writes:
+                await self._flush(scripts)
+                continue
+            if self.clock() >= next_reap:
+                await _call(scripts["reap"], self.keys, [self.epoch, ledger.origin, REAP_LIMIT, "", self.feed_max])
+                next_reap = self.clock() + REAP_INTERVAL_SECS
+            with anyio.move_on_after(max(0.0, next_reap - self.clock())):
+                await self.wake.wait()
+            self.wake = anyio.Event()
+
+    async def _flush(self, scripts: dict[str, Any]) -> None:
+        journal = self.ledger.journal
+        ops = journal.take(self.batch)
+        args: list[Any] = [self.epoch, self.ledger.origin, self.lease_ms, TOMBSTONE_MS, self.feed_max]
+        for op in ops:
+            args += (op.kind, op.ident, op.body, op.rank_key, "" if op.expect is None else op.expect)
+        started = self.clock()
+        try:
+            raw = await _call(scripts["batch"], self.keys, args)
+            replies = decode_replies(raw, len(ops))
+        except BaseException:
+            journal.requeue(ops)  # written or not, the ops are idempotent: they go again
+            raise
+        self.service.observe(LEDGER_FLUSH, (), self.clock() - started)
+        if replies is None:
+            journal.requeue(ops)
+            self.ledger.reseed()
+            await self._init(scripts)
+            return
+        self.ledger.results(ops, replies, self.clock())
+        await self._changed()
+
+    async def _read(self, reader: Any) -> None:
+        ledger = self.ledger
+        while True:
+            if ledger.needs_snapshot:
+                self.wake.set()
+                self.snapshot_loaded = anyio.Event()
+                await self.snapshot_loaded.wait()
+            found = await anyio.to_thread.run_sync(
+                partial(reader.xread, {self.feed: ledger.cursor}, count=READ_COUNT, block=READ_BLOCK_MS),
+                abandon_on_cancel=True)
+            if found:
+                ledger.apply(found[0][1], self.clock())
+                await self._changed()
+
+
+async def _call(script: Any, keys: list[str], args: list[Any]) -> Any:
+    return await anyio.to_thread.run_sync(partial(script, keys=keys, args=args), abandon_on_cancel=True)
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(_reason(e) for e in exc.exceptions)
+    if isinstance(exc, LedgerWireError):
+        return f"unexpected answer: {exc}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _redacted(url: str) -> str:
+    """The URL without its password, for logs."""
+    scheme, sep, rest = url.partition("://")
+    credentials, at, host = rest.rpartition("@")
+    return f"{scheme}{sep}{'***@' if at else ''}{host}" if sep else url
