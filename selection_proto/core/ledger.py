@@ -34,6 +34,7 @@ from .ledger_wire import (
     Reply,
     decode_add,
     decode_entry,
+    entry_number,
     decode_progress,
     rank_key,
 )
@@ -157,8 +158,7 @@ class Ledger:
         hold.tries += 1
         self._rerunning, self.journal.tries = hold, hold.tries
         try:
-            self.begin_request()
-            self.held(hold.request, self._rerun(hold.request, now), now)
+            self._rerun(hold.request, now)  # through `handle`, whose `held` answers or holds again
         finally:
             self._rerunning, self.journal.tries = None, 0
 
@@ -222,19 +222,19 @@ class Ledger:
             if self.needs_snapshot:
                 return
             try:
-                entry = decode_entry(entry_id, fields)
+                n = entry_number(entry_id, fields)
             except LedgerWireError:
-                self._count("bad_entry")
+                self._count("bad_entry")  # without its number it cannot even be ordered
                 continue
-            if entry.n <= self.n:
+            if n <= self.n:
                 continue  # already in the snapshot
-            if entry.n != self.n + 1:
+            if n != self.n + 1:
                 self._count("gap")
                 self.needs_snapshot = True
                 return
-            self.n, self.cursor = entry.n, entry.entry_id
+            self.n, self.cursor = n, entry_id
             try:
-                self._apply(entry, now)
+                self._apply(decode_entry(entry_id, fields), now)
             except LedgerWireError:
                 self._count("bad_entry")
         for hold in list(self._holds.values()):
@@ -257,8 +257,8 @@ class Ledger:
             else:
                 self._book(rid, record, now)
             return
-        if mine and kind != EXPIRE:
-            return
+        # Own frees, prefills and progress are applied again: each is idempotent, and a free
+        # written through for a booking this replica had not seen yet is applied only here.
         pool = self._pool_of(rid)
         if pool is None:
             return

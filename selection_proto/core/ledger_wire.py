@@ -15,7 +15,7 @@ import msgpack
 
 __all__ = ["ADD", "EXPIRE", "FREE", "KINDS", "PREFILL", "PROGRESS", "WORKER", "AddRecord", "FeedEntry",
            "LedgerSnapshot", "LedgerWireError", "Reply", "decode_add", "decode_entry", "decode_progress",
-           "decode_replies", "decode_snapshot", "encode_add", "encode_progress", "rank_key"]
+           "decode_replies", "decode_snapshot", "encode_add", "entry_number", "encode_progress", "rank_key"]
 
 ADD: Final = "add"
 PREFILL: Final = "prefill"
@@ -134,11 +134,17 @@ def _count(value: Any, what: str) -> int:
     raise LedgerWireError(f"{what}: expected a count")
 
 
-def decode_entry(entry_id: Any, fields: Any) -> FeedEntry:
-    """One feed entry as `XREAD` returns it: its id and a map of its fields."""
+def entry_number(entry_id: Any, fields: Any) -> int:
+    """A feed entry's sequence number, read before the rest: an entry whose body does not read
+    still takes its place in the order."""
     if not isinstance(entry_id, bytes) or not isinstance(fields, dict):
         raise LedgerWireError("entry: expected an id and a map of fields")
-    n = _count(fields.get(b"n"), "entry.n")
+    return _count(fields.get(b"n"), "entry.n")
+
+
+def decode_entry(entry_id: Any, fields: Any) -> FeedEntry:
+    """One feed entry as `XREAD` returns it: its id and a map of its fields."""
+    n = entry_number(entry_id, fields)
     kind = _text(fields.get(b"k"), "entry.k")
     if kind not in KINDS:
         raise LedgerWireError(f"entry.k: unknown kind {kind[:40]!r}")

@@ -155,6 +155,8 @@ class LedgerLink:
         self.snapshot_loaded = anyio.Event()
         self.epoch = ""
         self.held_writes = False  # a test's hand on the writer: ops stay queued while True
+        self.held_reads = False  # and on the reader: the feed is not read while True
+        self.parked = False  # the reader is waiting for held_reads to clear
 
     def poke(self) -> None:
         """Something may be queued for the ledger: let the writer look."""
@@ -261,6 +263,10 @@ class LedgerLink:
                 self.wake.set()
                 self.snapshot_loaded = anyio.Event()
                 await self.snapshot_loaded.wait()
+            while self.held_reads:
+                self.parked = True
+                await anyio.sleep(0.005)
+            self.parked = False
             found = await anyio.to_thread.run_sync(
                 partial(reader.xread, {self.feed: ledger.cursor}, count=READ_COUNT, block=READ_BLOCK_MS),
                 abandon_on_cancel=True)

@@ -1,0 +1,276 @@
+"""Replicas sharing one booking ledger on a real Valkey/Redis server (docs/REPLICATION.md), run
+in-process: each replica is a `SelectionService` with its own `LedgerLink` in one anyio loop."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from ledger_server import LedgerServer
+from replicas import WORKER, park, replicas, settled, unpark, until
+
+from selection_proto.core.journal import LedgerSettings
+
+PROMPT = {"model_name": "m", "token_ids": list(range(16))}
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> Iterator[LedgerServer]:
+    server = LedgerServer(tmp_path).start()
+    yield server
+    server.kill()
+
+
+def run(test: Any, *args: Any) -> None:
+    anyio.run(test, *args, backend="asyncio")
+
+
+async def _two_workers(r: Any) -> None:
+    for worker_id in (1, 2):
+        await r.ok("POST", "/workers", {**WORKER, "worker_id": worker_id}, status=201)
+
+
+def test_bookings_and_the_catalog_converge_and_any_replica_frees_any_booking(ledger: LedgerServer) -> None:
+    async def main() -> None:
+        async with replicas(2, ledger.url) as (a, b):
+            await _two_workers(a)
+            await until(lambda: sorted(w.worker_id for w in b.service.list_workers()) == [1, 2])
+            booked = await a.ok("POST", "/select_and_reserve", {**PROMPT, "reservation_id": "r1"})
+            await until(lambda: b.loads().get(booked["worker_id"], (0,))[0] == 1)
+            assert b.loads() == a.loads()
+            assert a.loads()[booked["worker_id"]] == (1, 16, 4)
+            await b.ok("POST", "/reservations/r1/prefill_complete")
+            await until(lambda: a.loads()[booked["worker_id"]] == (1, 0, 4))
+            await b.ok("DELETE", "/reservations/r1")
+            await until(lambda: a.loads()[booked["worker_id"]] == (0, 0, 0))
+            # The catalog: a delete on B removes the worker on A too.
+            await b.ok("DELETE", "/workers/2")
+            await until(lambda: [w.lifecycle for w in a.service.list_workers()] == ["schedulable", "unschedulable"])
+            await settled([a, b])
+            assert a.loads() == b.loads() == {1: (0, 0, 0)}
+
+    run(main)
+
+
+def test_a_free_that_arrives_before_its_booking_leaves_no_phantom(ledger: LedgerServer) -> None:
+    async def main() -> None:
+        async with replicas(2, ledger.url) as (a, b):
+            await _two_workers(a)
+            await settled([a, b])
+            a.link.held_writes = True  # A's booking has not reached the ledger yet
+            await a.ok("POST", "/reservations", {**PROMPT, "worker_id": 1, "reservation_id": "early"}, status=201)
+            status, body = await b.call("DELETE", "/reservations/early")
+            assert (status, body) == (404, {"error": "reservation early not found"})  # written through
+            assert ledger.client().zscore("sp:{t}:tomb", "early") is not None
+            a.link.held_writes = False
+            a.link.poke()
+            await until(lambda: a.loads()[1][0] == 0)  # the ledger refused it: A took it back
+            await settled([a, b])
+            assert a.loads() == b.loads() == {1: (0, 0, 0), 2: (0, 0, 0)}
+            assert ledger.client().hlen("sp:{t}:res") == 0
+
+    run(main)
+
+
+def test_a_written_through_free_of_a_booking_in_flight_answers_200(ledger: LedgerServer) -> None:
+    async def main() -> None:
+        async with replicas(2, ledger.url) as (a, b):
+            await _two_workers(a)
+            await settled([a, b])
+            await park([b], via=a)  # B will not have seen the booking
+            await a.ok("POST", "/reservations", {**PROMPT, "worker_id": 2, "reservation_id": "x"}, status=201)
+            await until(lambda: ledger.client().hexists("sp:{t}:res", "x"))
+            assert await b.call("DELETE", "/reservations/x") == (200, {"status": "ok"})
+            unpark([b])
+            await settled([a, b])
+            assert a.loads() == b.loads() == {1: (0, 0, 0), 2: (0, 0, 0)}
+
+    run(main)
+
+
+def test_a_batch_written_twice_is_counted_once(ledger: LedgerServer) -> None:
+    async def main() -> None:
+        async with replicas(2, ledger.url) as (a, b):
+            await _two_workers(a)
+            await settled([a, b])
+            a.link.held_writes = True
+            await a.ok("POST", "/reservations", {**PROMPT, "worker_id": 1, "reservation_id": "d"}, status=201)
+            ops = a.ledger.journal.take(10)
+            a.ledger.journal.requeue(ops)
+            a.ledger.journal.requeue(list(ops))  # a retry after a timeout: the same ops again
+            a.link.held_writes = False
+            a.link.poke()
+            await settled([a, b])
+            assert a.loads()[1] == b.loads()[1] == (1, 16, 4)
+            feed = ledger.client().xrange("sp:{t}:feed")
+            assert [f[1][b"k"] for f in feed].count(b"add") == 1
+
+    run(main)
+
+
+def test_strict_admission_spreads_a_burst_that_advisory_piles_on_one_worker(ledger: LedgerServer) -> None:
+    """Three replicas select the same prompt on the same view at once, four rounds, starting with
+    one worker less loaded than the others."""
+    async def burst(admission: str, scope: str) -> list[dict[int, int]]:
+        settings = LedgerSettings(admission=admission)  # type: ignore[arg-type]
+        rounds = []
+        async with replicas(3, ledger.url, scope, settings, prefill_load_scale=1.0) as group:
+            for worker_id in (1, 2, 3, 4):
+                await group[0].ok("POST", "/workers", {**WORKER, "worker_id": worker_id}, status=201)
+            for worker_id in (1, 2, 3):  # worker 4 is the one least loaded
+                await group[0].ok("POST", "/reservations", {**PROMPT, "worker_id": worker_id,
+                                                            "reservation_id": f"pre{worker_id}"}, status=201)
+            await settled(group)
+            for round_ in range(4):
+                answers = [r.send("POST", "/select_and_reserve", {**PROMPT, "reservation_id": f"{r.ledger.origin}-{round_}"})
+                           for r in group]
+                bodies = [await r.answer(a) if isinstance(a, int) else a for r, a in zip(group, answers, strict=True)]
+                assert all(status == 200 for status, _ in bodies), bodies
+                await settled(group)
+                rounds.append({w: load[0] for w, load in group[0].loads().items()})
+                assert all(r.loads() == group[0].loads() for r in group)
+        return rounds
+
+    async def main() -> None:
+        strict = await burst("strict", "strict")
+        for loads in strict:
+            assert max(loads.values()) - min(loads.values()) <= 1, strict
+        advisory = await burst("advisory", "advisory")
+        assert advisory[0][4] == 3  # the same stale view, three times: the herd
+
+    run(main)
+
+
+def test_a_ledger_restarted_from_its_log_keeps_every_booking(ledger: LedgerServer) -> None:
+    async def main() -> None:
+        async with replicas(2, ledger.url) as (a, b):
+            await _two_workers(a)
+            for i in range(5):
+                await a.ok("POST", "/reservations", {**PROMPT, "worker_id": 1 + i % 2, "reservation_id": f"k{i}"}, status=201)
+            await settled([a, b])
+            before = a.loads()
+            ledger.kill()
+            await until(lambda: not a.ledger.journal.connected and not b.ledger.journal.connected)
+            ledger.start()
+            await settled([a, b])
+            assert a.loads() == b.loads() == before
+            assert ledger.client().hlen("sp:{t}:res") == 5
+            assert a.ledger.journal.connected
+
+    run(main)
+
+
+def test_a_ledger_that_came_back_empty_is_given_each_replicas_own_state(ledger: LedgerServer) -> None:
+    async def main() -> None:
+        async with replicas(2, ledger.url) as (a, b):
+            await _two_workers(a)
+            await settled([a, b])  # B learns of the workers through the feed
+            await a.ok("POST", "/reservations", {**PROMPT, "worker_id": 1, "reservation_id": "ra"}, status=201)
+            await b.ok("POST", "/reservations", {**PROMPT, "worker_id": 2, "reservation_id": "rb"}, status=201)
+            await settled([a, b])
+            ledger.wipe()
+            ledger.start()
+            await a.ok("POST", "/reservations", {**PROMPT, "worker_id": 2, "reservation_id": "rc"}, status=201)
+            await settled([a, b], timeout=10)
+            assert a.loads() == b.loads() == {1: (1, 16, 4), 2: (2, 32, 4)}
+            client = ledger.client()
+            assert sorted(client.hkeys("sp:{t}:res")) == [b"ra", b"rb", b"rc"]
+            assert sorted(client.hkeys("sp:{t}:workers")) == [b"1", b"2"]
+            await b.ok("DELETE", "/reservations/ra")
+            await a.ok("DELETE", "/reservations/rb")
+            await a.ok("DELETE", "/reservations/rc")
+            await settled([a, b])
+            assert a.loads() == b.loads() == {1: (0, 0, 0), 2: (0, 0, 0)}
+
+    run(main)
+
+
+@pytest.mark.parametrize("failure", ["open", "closed"])
+def test_an_outage_of_the_ledger(ledger: LedgerServer, failure: str) -> None:
+    async def main() -> None:
+        async with replicas(2, ledger.url, ledger=LedgerSettings(failure=failure)) as (a, b):  # type: ignore[arg-type]
+            await _two_workers(a)
+            await settled([a, b])
+            ledger.stop()
+            await until(lambda: not a.ledger.journal.connected)
+            status, body = await a.call("POST", "/workers", {**WORKER, "worker_id": 3})
+            assert (status, body["error"]) == (503, "ledger unavailable: catalog writes need the ledger")
+            status, body = await a.call("POST", "/select_and_reserve", {**PROMPT, "reservation_id": "out"})
+            ready = a.service.ready(now=0.0)
+            if failure == "closed":
+                assert (status, body) == (503, {"error": "ledger unavailable"})
+                assert not ready.ready and ready.details == ("ledger: disconnected",)
+            else:
+                assert status == 200  # served from local state, queued for the ledger
+                assert ready.ready and ready.details == ("ledger: disconnected",)
+            ledger.start()
+            await settled([a, b])
+            expected = 1 if failure == "open" else 0
+            assert sum(v[0] for v in a.loads().values()) == sum(v[0] for v in b.loads().values()) == expected
+            assert [w.worker_id for w in b.service.list_workers()] == [1, 2]
+
+    run(main)
+
+
+def test_a_reader_whose_feed_was_trimmed_loads_a_snapshot(ledger: LedgerServer) -> None:
+    async def main() -> None:
+        async with replicas(2, ledger.url) as (a, b):
+            await _two_workers(a)
+            await settled([a, b])
+            await park([a], via=b)
+            for i in range(40):
+                await b.ok("POST", "/reservations", {**PROMPT, "worker_id": 1, "reservation_id": f"t{i}"}, status=201)
+            await settled([b])
+            ledger.client().xtrim("sp:{t}:feed", maxlen=3, approximate=False)
+            snapshots = a.service.metrics.value("selection_proto_ledger_events_total", ("snapshot",))
+            unpark([a])
+            await settled([a, b])
+            assert a.service.metrics.value("selection_proto_ledger_events_total", ("gap",)) == 1
+            assert a.service.metrics.value("selection_proto_ledger_events_total", ("snapshot",)) == snapshots + 1
+            assert a.loads() == b.loads() and a.loads()[1][0] == 40
+
+    run(main)
+
+
+def test_a_lease_ends_on_the_ledger_clock_and_every_mirror_drops_it(ledger: LedgerServer) -> None:
+    async def main() -> None:
+        async with replicas(2, ledger.url, active_request_expiry_secs=0.5) as (a, b):
+            await _two_workers(a)
+            await park([a, b], via=a)
+            await a.ok("POST", "/reservations", {**PROMPT, "worker_id": 1, "reservation_id": "lease"}, status=201)
+            await until(lambda: ledger.client().hexists("sp:{t}:res", "lease"))
+            await until(lambda: not ledger.client().hexists("sp:{t}:res", "lease"), timeout=5)
+            expired = [f for f in ledger.client().xrange("sp:{t}:feed") if f[1][b"k"] == b"expire"]
+            assert len(expired) == 1  # two reapers, one expiry
+            unpark([a, b])
+            await settled([a, b])
+            assert a.loads()[1] == b.loads()[1] == (0, 0, 0)
+
+    run(main)
+
+
+def test_a_booking_made_on_a_worker_the_mirror_lacks_is_dropped_and_counted(ledger: LedgerServer) -> None:
+    async def main() -> None:
+        async with replicas(1, ledger.url) as (a,):
+            await _two_workers(a)
+            await settled([a])
+            from selection_proto.core.ledger_wire import AddRecord, encode_add, rank_key
+
+            body = encode_add(AddRecord("m", "default", 9, 0, 4, None, [1, 2]))
+            client = ledger.client()
+            n = client.incr("sp:{t}:seq")
+            client.xadd("sp:{t}:feed", {"n": n, "o": "elsewhere", "k": "add", "i": "ghost", "b": body})
+            n = client.incr("sp:{t}:seq")
+            client.xadd("sp:{t}:feed", {"n": n, "o": "elsewhere", "k": "nonsense", "i": "x", "b": b""})
+            client.set("sp:{t}:last", client.xrevrange("sp:{t}:feed", count=1)[0][0])
+            await until(lambda: a.ledger.n == n)
+            events = a.service.metrics.value
+            assert events("selection_proto_ledger_events_total", ("dropped",)) == 1
+            assert events("selection_proto_ledger_events_total", ("bad_entry",)) == 1
+            assert a.ledger.journal.adds[rank_key("m", "default", 9, 0)] == 1
+            assert a.loads() == {1: (0, 0, 0), 2: (0, 0, 0)}
+
+    run(main)
