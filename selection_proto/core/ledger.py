@@ -34,8 +34,8 @@ from .ledger_wire import (
     Reply,
     decode_add,
     decode_entry,
-    entry_number,
     decode_progress,
+    entry_number,
     rank_key,
 )
 from .metrics import LEDGER_CONNECTED, LEDGER_EVENTS, LEDGER_OUTBOX, Metrics
