@@ -75,6 +75,26 @@ def test_a_free_that_arrives_before_its_booking_leaves_no_phantom(ledger: Ledger
     run(main)
 
 
+def test_an_early_free_answers_200_when_its_booking_reaches_the_ledger_within_the_grace(
+        ledger: LedgerServer) -> None:
+    async def main() -> None:
+        async with replicas(2, ledger.url) as (a, b):
+            await _two_workers(a)
+            await settled([a, b])
+            a.link.held_writes = True
+            await a.ok("POST", "/reservations", {**PROMPT, "worker_id": 1, "reservation_id": "soon"}, status=201)
+            ticket = b.send("DELETE", "/reservations/soon")
+            assert isinstance(ticket, int)  # held: the ledger does not know the id yet
+            await until(lambda: ledger.client().zscore("sp:{t}:tomb", "soon") is not None)
+            a.link.held_writes = False
+            a.link.poke()
+            assert await b.answer(ticket) == (200, {"status": "ok"})
+            await settled([a, b])
+            assert a.loads() == b.loads() == {1: (0, 0, 0), 2: (0, 0, 0)}
+
+    run(main)
+
+
 def test_a_written_through_free_of_a_booking_in_flight_answers_200(ledger: LedgerServer) -> None:
     async def main() -> None:
         async with replicas(2, ledger.url) as (a, b):

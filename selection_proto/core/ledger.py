@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Final
 
 from . import jsonio
 from .admission import Tickets
@@ -46,13 +46,17 @@ from .selection import Selector
 from .types import WorkerRequest
 from .wire import Response, error_response, json_response
 
+# A free of an id no replica has written yet waits this long for the booking to reach the ledger:
+# a client may free on one replica right after another answered its booking (advisory admission).
+FREE_GRACE_SECS: Final = 0.5
+
 __all__ = ["Ledger"]
 
 Request = tuple[str, str, str, tuple[tuple[str, str], ...], Any]
 
 
 class _Hold:
-    __slots__ = ("ticket", "request", "result", "outstanding", "retry_after", "freed", "tries")
+    __slots__ = ("ticket", "request", "result", "outstanding", "retry_after", "freed", "tries", "grace")
 
     def __init__(self, ticket: int, request: Request, result: Response) -> None:
         self.ticket = ticket
@@ -62,6 +66,7 @@ class _Hold:
         self.retry_after: int | None = None  # a conflict: select again once the feed reaches this
         self.freed = False  # a written-through free found its booking
         self.tries = 0
+        self.grace: float | None = None  # a free the ledger remembered: until when its booking may come
 
 
 class Ledger:
@@ -90,6 +95,7 @@ class Ledger:
         self._delete = delete
         self._rerun = rerun
         self._holds: dict[int, _Hold] = {}
+        self._frees: dict[str, _Hold] = {}  # rid -> a free waiting for its booking (FREE_GRACE_SECS)
         self._rerunning: _Hold | None = None
         selector.journal = self.journal
 
@@ -143,7 +149,7 @@ class Ledger:
         self._outbox.append(SelectionReady(hold.ticket, None, response))
 
     def _settle(self, hold: _Hold, now: float) -> None:
-        if hold.outstanding:
+        if hold.outstanding or hold.grace is not None:
             return
         if hold.retry_after is not None:
             if self.n >= hold.retry_after:
@@ -161,6 +167,18 @@ class Ledger:
             self._rerun(hold.request, now)  # through `handle`, whose `held` answers or holds again
         finally:
             self._rerunning, self.journal.tries = None, 0
+
+    def next_deadline(self) -> float | None:
+        """When `tick` has a held free to answer 404."""
+        return min((h.grace for h in self._frees.values() if h.grace is not None), default=None)
+
+    def tick(self, now: float) -> None:
+        """Answer the frees whose booking did not come within FREE_GRACE_SECS: 404, as unknown."""
+        for rid, hold in list(self._frees.items()):
+            if hold.grace is not None and hold.grace <= now:
+                del self._frees[rid]
+                hold.grace = None
+                self._settle(hold, now)
 
     # -- the transport's inputs --------------------------------------------------------------------
 
@@ -186,8 +204,9 @@ class Ledger:
             if closed and hold.retry_after is None and not _is_free(hold):
                 self._answer(hold, error_response(503, LEDGER_DOWN))
             else:
-                hold.outstanding, hold.retry_after = 0, None
+                hold.outstanding, hold.retry_after, hold.grace = 0, None, None
                 self._settle(hold, now)
+        self._frees.clear()
         for op in journal.ops:
             op.hold = None
 
@@ -213,6 +232,10 @@ class Ledger:
                 hold.retry_after = reply.n
             elif op.kind == FREE and word == "ok":
                 hold.freed = True
+            elif op.kind == FREE and word == "tombstoned" and self.journal.connected:
+                # Unknown to the ledger: its booking may still be in another replica's journal.
+                hold.grace = now + FREE_GRACE_SECS
+                self._frees[op.ident] = hold
             self._settle(hold, now)
 
     def apply(self, entries: Iterable[tuple[Any, Any]], now: float) -> None:
@@ -257,6 +280,10 @@ class Ledger:
             else:
                 self._book(rid, record, now)
             return
+        waiting = self._frees.pop(rid, None) if kind == FREE else None
+        if waiting is not None:  # the booking it waited for reached the ledger, and was freed
+            waiting.freed, waiting.grace = True, None
+            self._settle(waiting, now)
         # Own frees, prefills and progress are applied again: each is idempotent, and a free
         # written through for a booking this replica had not seen yet is applied only here.
         pool = self._pool_of(rid)

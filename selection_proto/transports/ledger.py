@@ -66,7 +66,9 @@ for i = 6, #ARGV, 5 do
   local r
   if kind == 'add' then
     local held = redis.call('HGET', KEYS[1], ident)
-    if redis.call('ZSCORE', KEYS[5], ident) then r = 'freed'
+    if redis.call('ZSCORE', KEYS[5], ident) then
+      r = 'freed'
+      emit(origin, 'free', ident, '')  -- a replica holding the early free answers it now
     elseif held == body then r = 'ok 0'
     elseif held then r = 'dup'
     elseif expect ~= '' and tonumber(redis.call('HGET', KEYS[6], rk) or '0') ~= tonumber(expect) then
@@ -178,13 +180,16 @@ class LedgerLink:
     async def run(self) -> None:
         """Until cancelled: connect, sync, follow; on any failure, tell the core and retry."""
         delay = BACKOFF_START
+        failures = 0
         while True:
             started = self.clock()
             try:
                 await self._session()
             except Exception as exc:  # noqa: BLE001 - every failure of the ledger is a reconnect
-                log("warning", "ledger_unavailable", url=_redacted(self.url), detail=_reason(exc),
-                    retry_in_secs=delay)
+                failures = 1 if self.clock() - started > 10 * BACKOFF_MAX else failures + 1
+                # The first failure of an outage is a warning; its retries are debug lines.
+                log("warning" if failures == 1 else "debug", "ledger_unavailable", url=_redacted(self.url),
+                    detail=_reason(exc), retry_in_secs=delay)
             self.ledger.connected(False, self.clock())
             await self._changed()
             if self.clock() - started > 10 * BACKOFF_MAX:
@@ -230,7 +235,10 @@ class LedgerLink:
             if self.clock() >= next_reap:
                 await _call(scripts["reap"], self.keys, [self.epoch, ledger.origin, REAP_LIMIT, "", self.feed_max])
                 next_reap = self.clock() + REAP_INTERVAL_SECS
-            with anyio.move_on_after(max(0.0, next_reap - self.clock())):
+            ledger.tick(self.clock())
+            await self._changed()
+            due = min(next_reap, ledger.next_deadline() or math.inf)
+            with anyio.move_on_after(max(0.0, due - self.clock())):
                 await self.wake.wait()
             self.wake = anyio.Event()
 

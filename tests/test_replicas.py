@@ -1,0 +1,186 @@
+"""Replicas as real `selection-proto serve --ledger` processes on one real redis-server: a replica
+killed with SIGKILL and started again, readiness while the ledger is away, many clients spread
+over replicas, and `--processes` on one port."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ledger_server import LedgerServer
+from test_http import Server, read_response, request
+from test_snapshots import call
+
+WORKER = {"model_name": "m", "endpoint": "http://w", "block_size": 4}
+PROMPT = {"model_name": "m", "token_ids": list(range(16))}
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> Iterator[LedgerServer]:
+    server = LedgerServer(tmp_path).start()
+    yield server
+    server.kill()
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def loads(server: Server) -> list[tuple[int, int, int]]:
+    """(worker, active requests, prefill tokens) of model m."""
+    status, body = call(server, "GET", "/loads")
+    assert status == 200
+    return [(w["worker_id"], w["active_requests"], w["potential_prefill_tokens"])
+            for key in body for w in key["loads"]]
+
+
+def test_a_replica_killed_and_started_again_loses_and_double_counts_nothing(ledger: LedgerServer) -> None:
+    a, b = Server("--ledger", ledger.url), Server("--ledger", ledger.url)
+    again = None
+    try:
+        for worker_id in (1, 2):
+            assert call(a, "POST", "/workers", {**WORKER, "worker_id": worker_id})[0] == 201
+        wait_for(lambda: len(call(b, "GET", "/workers")[1]) == 2)
+        for i in range(10):
+            status, _ = call(a, "POST", "/reservations", {**PROMPT, "worker_id": 1 + i % 2, "reservation_id": f"r{i}"})
+            assert status == 201
+        wait_for(lambda: loads(b) == [(1, 5, 80), (2, 5, 80)])
+        a.proc.send_signal(signal.SIGKILL)
+        a.proc.wait(5)
+        assert loads(b) == [(1, 5, 80), (2, 5, 80)]
+        again = Server("--ledger", ledger.url)
+        wait_for(lambda: call(again, "GET", "/ready")[0] == 200)
+        assert loads(again) == loads(b) == [(1, 5, 80), (2, 5, 80)]
+        for i in range(10):  # through the other replica, half of them
+            assert call(b if i % 2 else again, "DELETE", f"/reservations/r{i}")[0] == 200
+        wait_for(lambda: loads(again) == loads(b) == [(1, 0, 0), (2, 0, 0)])
+    finally:
+        for server in (a, b, again):
+            if server is not None:
+                server.stop()
+
+
+def test_ready_waits_for_the_ledger_and_bookings_wait_in_closed_mode(tmp_path: Path) -> None:
+    ledger = LedgerServer(tmp_path)
+    url = ledger.url  # nothing listens there yet
+    s = Server("--ledger", url, "--ledger-failure", "closed")
+    try:
+        status, body = call(s, "GET", "/ready")
+        assert status == 503 and body["details"] == ["ledger: syncing"]
+        status, body = call(s, "POST", "/workers", {**WORKER, "worker_id": 1})
+        assert (status, body) == (503, {"error": "ledger unavailable: catalog writes need the ledger"})
+        assert call(s, "GET", "/health")[0] == 200
+        ledger.start()
+        wait_for(lambda: "\nselection_proto_ledger_connected 1.0\n" in call(s, "GET", "/metrics")[1])
+        status, body = call(s, "POST", "/workers", {**WORKER, "worker_id": 1})
+        assert status == 201, (body, s.logs)
+        wait_for(lambda: call(s, "GET", "/ready")[0] == 200)
+        ledger.stop()
+        wait_for(lambda: call(s, "GET", "/ready")[0] == 503)
+        status, body = call(s, "POST", "/select_and_reserve", PROMPT)
+        assert (status, body) == (503, {"error": "ledger unavailable"})
+        assert call(s, "GET", "/ready")[1]["details"] == ["ledger: disconnected"]
+    finally:
+        s.stop()
+        ledger.kill()
+    assert any('"ledger_unavailable"' in line for line in s.logs)
+
+
+def test_sixty_four_clients_over_two_replicas_leave_every_load_at_zero(ledger: LedgerServer) -> None:
+    a, b = Server("--ledger", ledger.url), Server("--ledger", ledger.url)
+    try:
+        for worker_id in (1, 2, 3):
+            assert call(a, "POST", "/workers", {**WORKER, "worker_id": worker_id})[0] == 201
+        wait_for(lambda: len(call(b, "GET", "/workers")[1]) == 3)
+        failures: list[Any] = []
+
+        def client(index: int) -> None:
+            try:
+                for round_ in range(5):
+                    rid = f"c{index}-{round_}"
+                    book, free = (a, b) if (index + round_) % 2 else (b, a)  # booked on one, freed on the other
+                    with book.connect() as sock:
+                        sock.sendall(request("POST", "/select_and_reserve", {**PROMPT, "reservation_id": rid}))
+                        status, _, _ = read_response(sock, bytearray())
+                    assert status == 200
+                    with free.connect() as sock:
+                        sock.sendall(request("DELETE", f"/reservations/{rid}"))
+                        status, _, body = read_response(sock, bytearray())
+                    assert status == 200, body
+            except Exception as exc:  # noqa: BLE001 - reported by the main thread
+                failures.append(exc)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(64)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert failures == []
+        zero = [(1, 0, 0), (2, 0, 0), (3, 0, 0)]
+        wait_for(lambda: loads(a) == loads(b) == zero)
+        assert ledger.client().hlen("sp:{default}:res") == 0
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_processes_share_one_port_and_one_ledger(ledger: LedgerServer) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "selection_proto", "serve", "--port", "0", "--kv-events", "push",
+                             "--ledger", ledger.url, "--processes", "2"],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    logs: list[str] = []
+
+    def drain() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            logs.append(line)
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        wait_for(lambda: sum('"event":"ledger_connected"' in line for line in logs) == 2, 30)
+        ports = {re.search(r":(\d+)\"", line).group(1) for line in logs if '"event":"listening"' in line}  # type: ignore[union-attr]
+        assert len(ports) == 1
+        server = Server.__new__(Server)
+        server.port = int(ports.pop())
+        assert call(server, "POST", "/workers", {**WORKER, "worker_id": 1})[0] == 201
+        wait_for(lambda: all(len(call(server, "GET", "/workers")[1]) == 1 for _ in range(10)))
+        origins = set()
+        for i in range(40):  # new connections land on either process
+            status, body = call(server, "POST", "/select_and_reserve", {**PROMPT, "reservation_id": f"p{i}"})
+            assert status == 200, body
+        wait_for(lambda: ledger.client().hlen("sp:{default}:res") == 40)
+        for _, fields in ledger.client().xrange("sp:{default}:feed"):
+            if fields[b"k"] == b"add":
+                origins.add(fields[b"o"])
+        assert len(origins) == 2  # both processes booked
+        for i in range(40):
+            assert call(server, "DELETE", f"/reservations/p{i}")[0] == 200
+        wait_for(lambda: ledger.client().hlen("sp:{default}:res") == 0)
+        for _ in range(6):  # whichever process answers, it agrees
+            assert json.loads(json.dumps(loads(server))) == [[1, 0, 0]] or loads(server) == [(1, 0, 0)]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    assert sum('"event":"stopped"' in line for line in logs) == 2
+
+
+def test_processes_need_a_ledger() -> None:
+    done = subprocess.run([sys.executable, "-m", "selection_proto", "serve", "--processes", "2"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2
+    assert "--processes above 1 needs --ledger" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "selection_proto", "serve", "--ledger", "http://x"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and "--ledger: expected redis://" in done.stderr
