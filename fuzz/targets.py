@@ -17,6 +17,15 @@ from selection_proto.adapters.jsonl import JsonRpcSession
 from selection_proto.adapters.ws import PushSession, server_handshake
 from selection_proto.core.engine import InvalidBatch, decode_batch
 from selection_proto.core.errors import SelectionError, StreamError
+from selection_proto.core.journal import LedgerSettings
+from selection_proto.core.ledger_wire import (
+    KINDS,
+    AddRecord,
+    LedgerWireError,
+    decode_replies,
+    decode_snapshot,
+    encode_add,
+)
 
 __all__ = ["SPLITTERS", "TARGETS", "fresh_service", "seeds"]
 
@@ -168,6 +177,37 @@ def msgpack_body(data: bytes) -> None:
         assert (service.dump(), service.handle("GET", "/loads", "", [], b"", now=1.0).body) == before
 
 
+_EMPTY_SNAPSHOT: Final = [b"e", b"0", None, [], [], [], [], []]
+
+
+def ledger_feed(data: bytes) -> None:
+    """Arbitrary bytes as what a shared ledger answers: feed entries (a msgpack list of [id, fields]
+    pairs, and one entry whose body is the bytes), a script's replies and a snapshot. The readers
+    raise only LedgerWireError; the mirror never raises, and its service answers afterwards."""
+    service = fresh_service()
+    ledger = service.share(LedgerSettings(), "me")
+    ledger.connected(True, 1.0)
+    ledger.load(decode_snapshot(_EMPTY_SNAPSHOT), 1.0)
+    try:
+        value = msgpack.unpackb(data, raw=True, strict_map_key=False)
+    except (ValueError, msgpack.UnpackException, TypeError):
+        value = None
+    entries = [tuple(v) for v in value if isinstance(v, list) and len(v) == 2] if isinstance(value, list) else []
+    kind = sorted(KINDS)[data[0] % len(KINDS)].encode() if data else b"add"
+    entries.append((b"1-0", {b"n": b"1", b"o": b"other", b"k": kind, b"i": data[1:9], b"b": data}))
+    ledger.apply(entries, 2.0)
+    for raw in (value, [value], data):
+        try:
+            decode_replies(raw, 1)
+        except LedgerWireError:
+            pass
+        try:
+            decode_snapshot(raw)
+        except LedgerWireError:
+            pass
+    assert service.handle("GET", "/loads", "", [], b"", now=3.0).status == 200
+
+
 TARGETS: dict[str, Callable[[bytes], None]] = {
     "http": http_stream,
     "jsonl": jsonl_stream,
@@ -175,6 +215,7 @@ TARGETS: dict[str, Callable[[bytes], None]] = {
     "json_events": json_events,
     "engine_batch": engine_batch,
     "msgpack_body": msgpack_body,
+    "ledger_feed": ledger_feed,
 }
 
 
@@ -194,6 +235,11 @@ def seeds(target: str) -> list[bytes]:
     if target == "ws":
         text = b'{"event_id":1,"data":"cleared"}'
         return [b"\x81" + bytes([0x80 | len(text)]) + b"\x00\x00\x00\x00" + text + b"\x89\x80\x00\x00\x00\x00"]
+    if target == "ledger_feed":
+        add = encode_add(AddRecord("default", "default", 1, 0, 4, None, [1, 2]))
+        return [msgpack.packb([[b"1-0", {b"n": b"1", b"o": b"x", b"k": b"add", b"i": b"r", b"b": add}],
+                               [b"2-0", {b"n": b"2", b"o": b"x", b"k": b"free", b"i": b"r", b"b": b""}]]),
+                b"\x00" + add, msgpack.packb([b"ok 1", b"conflict 3"])]
     if target == "msgpack_body":
         prompt = {"model_name": "default", "token_ids": b"".join(i.to_bytes(4, "little") for i in range(12)),
                   "reservation_id": "r"}

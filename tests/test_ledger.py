@@ -3,15 +3,20 @@ in-process: each replica is a `SelectionService` with its own `LedgerLink` in on
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
+from conftest import Client
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from ledger_server import LedgerServer
 from replicas import WORKER, park, replicas, settled, unpark, until
 
+from selection_proto import SelectionService, Settings
 from selection_proto.core.journal import LedgerSettings
 
 PROMPT = {"model_name": "m", "token_ids": list(range(16))}
@@ -33,7 +38,9 @@ async def _two_workers(r: Any) -> None:
         await r.ok("POST", "/workers", {**WORKER, "worker_id": worker_id}, status=201)
 
 
-def test_bookings_and_the_catalog_converge_and_any_replica_frees_any_booking(ledger: LedgerServer) -> None:
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_bookings_and_the_catalog_converge_and_any_replica_frees_any_booking(ledger: LedgerServer,
+                                                                              backend: str) -> None:
     async def main() -> None:
         async with replicas(2, ledger.url) as (a, b):
             await _two_workers(a)
@@ -52,7 +59,7 @@ def test_bookings_and_the_catalog_converge_and_any_replica_frees_any_booking(led
             await settled([a, b])
             assert a.loads() == b.loads() == {1: (0, 0, 0)}
 
-    run(main)
+    anyio.run(main, backend=backend)
 
 
 def test_a_free_that_arrives_before_its_booking_leaves_no_phantom(ledger: LedgerServer) -> None:
@@ -292,5 +299,57 @@ def test_a_booking_made_on_a_worker_the_mirror_lacks_is_dropped_and_counted(ledg
             assert events("selection_proto_ledger_events_total", ("bad_entry",)) == 1
             assert a.ledger.journal.adds[rank_key("m", "default", 9, 0)] == 1
             assert a.loads() == {1: (0, 0, 0), 2: (0, 0, 0)}
+
+    run(main)
+
+
+# -- random operations over replicas end where one process would -----------------------------------
+
+_SCOPES = itertools.count()  # a fresh scope of the shared ledger for each example
+_OPS = st.lists(st.tuples(st.sampled_from(["book", "prefill", "output", "free"]), st.integers(0, 2),
+                          st.integers(0, 5), st.integers(1, 2), st.integers(1, 3), st.booleans()),
+                max_size=25)
+
+
+@pytest.fixture(scope="module")
+def shared_ledger(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LedgerServer]:
+    server = LedgerServer(tmp_path_factory.mktemp("ledger")).start()
+    yield server
+    server.kill()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=_OPS)
+def test_random_operations_over_replicas_end_in_the_loads_of_one_process(
+        shared_ledger: LedgerServer, ops: list[tuple[str, int, int, int, int, bool]]) -> None:
+    """Each op goes to one of three replicas, mostly one at a time, sometimes several before the
+    ledger has them (`burst`). One process applying the ops that succeeded, in order, is the model."""
+    model = Client(SelectionService(Settings(kv_events="push")))
+
+    async def main() -> None:
+        async with replicas(3, shared_ledger.url, f"p{next(_SCOPES)}") as group:
+            for worker_id in (1, 2):
+                await group[0].ok("POST", "/workers", {**WORKER, "worker_id": worker_id}, status=201)
+                model.ok("POST", "/workers", {**WORKER, "worker_id": worker_id}, status=201)
+            await settled(group)
+            for kind, replica, rid_number, worker_id, blocks, burst in ops:
+                rid = f"r{rid_number}"
+                method, path, body = {
+                    "book": ("POST", "/reservations", {"model_name": "m", "token_ids": list(range(4 * blocks)),
+                                                       "worker_id": worker_id, "reservation_id": rid}),
+                    "prefill": ("POST", f"/reservations/{rid}/prefill_complete", None),
+                    "output": ("POST", f"/reservations/{rid}/output_block", {}),
+                    "free": ("DELETE", f"/reservations/{rid}", None),
+                }[kind]
+                status, _ = await group[replica].call(method, path, body)
+                if status < 300:
+                    model.ok(method, path, body, status=status)
+                if not burst:
+                    await settled(group)
+            await settled(group)
+            expected = {rank[0]: (load.requests, load.prefill_tokens, load.decode_blocks())
+                        for pool in model.service.pools.values() for rank, load in pool.tracker.loads.items()}
+            for replica in group:
+                assert replica.loads() == expected
 
     run(main)
