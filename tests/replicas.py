@@ -71,7 +71,8 @@ class Replica:
                 for rank, load in pool.tracker.loads.items()}
 
     def synced(self) -> bool:
-        return self.ledger.synced and not self.ledger.journal.ops and self.ledger.journal.connected
+        journal = self.ledger.journal
+        return self.ledger.synced and not journal.ops and not self.link.writing and journal.connected
 
     def start(self, tg: anyio.abc.TaskGroup) -> None:
         self.scope = anyio.CancelScope()

@@ -4,6 +4,7 @@ in-process: each replica is a `SelectionService` with its own `LedgerLink` in on
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from replicas import WORKER, park, replicas, settled, unpark, until
 
 from selection_proto import SelectionService, Settings
 from selection_proto.core.journal import LedgerSettings
+from selection_proto.core.ledger import FREE_GRACE_SECS
 
 PROMPT = {"model_name": "m", "token_ids": list(range(16))}
 
@@ -62,22 +64,26 @@ def test_bookings_and_the_catalog_converge_and_any_replica_frees_any_booking(led
     anyio.run(main, backend=backend)
 
 
-def test_a_free_that_arrives_before_its_booking_leaves_no_phantom(ledger: LedgerServer) -> None:
+def test_a_free_long_before_its_booking_is_answered_404_and_then_forgotten(ledger: LedgerServer) -> None:
+    """A free of an id the ledger has not seen is remembered for FREE_GRACE_SECS only: a booking
+    that arrives later (its replica was cut off) stands, as the 404 said."""
     async def main() -> None:
         async with replicas(2, ledger.url) as (a, b):
             await _two_workers(a)
             await settled([a, b])
             a.link.held_writes = True  # A's booking has not reached the ledger yet
             await a.ok("POST", "/reservations", {**PROMPT, "worker_id": 1, "reservation_id": "early"}, status=201)
+            started = time.monotonic()
             status, body = await b.call("DELETE", "/reservations/early")
-            assert (status, body) == (404, {"error": "reservation early not found"})  # written through
-            assert ledger.client().zscore("sp:{t}:tomb", "early") is not None
+            assert (status, body) == (404, {"error": "reservation early not found"})
+            assert time.monotonic() - started >= FREE_GRACE_SECS
             a.link.held_writes = False
             a.link.poke()
-            await until(lambda: a.loads()[1][0] == 0)  # the ledger refused it: A took it back
+            await settled([a, b])
+            assert a.loads()[1] == b.loads()[1] == (1, 16, 4)
+            await b.ok("DELETE", "/reservations/early")
             await settled([a, b])
             assert a.loads() == b.loads() == {1: (0, 0, 0), 2: (0, 0, 0)}
-            assert ledger.client().hlen("sp:{t}:res") == 0
 
     run(main)
 
@@ -323,7 +329,8 @@ def shared_ledger(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LedgerSe
 def test_random_operations_over_replicas_end_in_the_loads_of_one_process(
         shared_ledger: LedgerServer, ops: list[tuple[str, int, int, int, int, bool]]) -> None:
     """Each op goes to one of three replicas, mostly one at a time, sometimes several before the
-    ledger has them (`burst`). One process applying the ops that succeeded, in order, is the model."""
+    ledger has them (`burst`). One process applying the ops that succeeded, in order, is the model:
+    the loads every replica ends with are the model's."""
     model = Client(SelectionService(Settings(kv_events="push")))
 
     async def main() -> None:
@@ -341,9 +348,15 @@ def test_random_operations_over_replicas_end_in_the_loads_of_one_process(
                     "output": ("POST", f"/reservations/{rid}/output_block", {}),
                     "free": ("DELETE", f"/reservations/{rid}", None),
                 }[kind]
+                live = any(rid in pool.tracker.bookings for pool in model.service.pools.values())
+                if kind == "book" and live:
+                    continue  # ids are unique while live (as in Dynamo): not a case to replay
                 status, _ = await group[replica].call(method, path, body)
                 if status < 300:
-                    model.ok(method, path, body, status=status)
+                    got, _ = model.call(method, path, body)
+                    # A replica may act on a booking another one has just freed (a burst): the
+                    # ledger's order then makes it a no-op, and the model has nothing to do.
+                    assert got == status or (got == 404 and kind != "book")
                 if not burst:
                     await settled(group)
             await settled(group)

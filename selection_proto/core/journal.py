@@ -61,7 +61,8 @@ class LedgerOp:
 class Journal:
     """This replica's changes, in the order made. Muted while the mirror applies others' changes."""
 
-    __slots__ = ("ops", "settings", "connected", "muted", "adds", "own", "sync", "in_request", "tries")
+    __slots__ = ("ops", "settings", "connected", "muted", "adds", "own", "sync", "in_request", "tries",
+                 "through")
 
     def __init__(self, settings: LedgerSettings) -> None:
         self.ops: deque[LedgerOp] = deque()
@@ -73,6 +74,7 @@ class Journal:
         self.sync: list[LedgerOp] = []  # ops the request being answered waits for
         self.in_request = False
         self.tries = 0  # of the strict booking being retried
+        self.through: set[str] = set()  # ids freed by `free_unknown`: their feed entry applies here too
 
     def check_booking(self) -> None:
         """Refuse a booking the ledger cannot take (closed mode while away, or a full outbox)."""
@@ -116,6 +118,7 @@ class Journal:
         """A free of an id this replica has not seen: its booking may still be on its way from
         another replica. Written through: the ledger frees it, or remembers the free."""
         if self.connected:
+            self.through.add(rid)
             self._push(LedgerOp(FREE, rid), sync=True)
 
     def worker(self, req: WorkerRequest) -> None:

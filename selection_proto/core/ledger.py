@@ -50,7 +50,7 @@ from .wire import Response, error_response, json_response
 # a client may free on one replica right after another answered its booking (advisory admission).
 FREE_GRACE_SECS: Final = 0.5
 
-__all__ = ["Ledger"]
+__all__ = ["FREE_GRACE_SECS", "Ledger"]
 
 Request = tuple[str, str, str, tuple[tuple[str, str], ...], Any]
 
@@ -224,6 +224,8 @@ class Ledger:
                     self._count({"freed": "tombstone_hit", "dup": "duplicate", "conflict": "conflict"}[word])
                     if word == "dup":
                         self.needs_snapshot = True  # theirs is the booking: load it
+            elif op.kind == FREE and word != "ok":
+                journal.through.discard(op.ident)  # no entry of it will follow
             hold = self._holds.get(op.hold) if op.hold is not None else None
             if hold is None:
                 continue
@@ -232,7 +234,7 @@ class Ledger:
                 hold.retry_after = reply.n
             elif op.kind == FREE and word == "ok":
                 hold.freed = True
-            elif op.kind == FREE and word == "tombstoned" and self.journal.connected:
+            elif op.kind == FREE and word == "tombstoned" and journal.connected:
                 # Unknown to the ledger: its booking may still be in another replica's journal.
                 hold.grace = now + FREE_GRACE_SECS
                 self._frees[op.ident] = hold
@@ -284,8 +286,9 @@ class Ledger:
         if waiting is not None:  # the booking it waited for reached the ledger, and was freed
             waiting.freed, waiting.grace = True, None
             self._settle(waiting, now)
-        # Own frees, prefills and progress are applied again: each is idempotent, and a free
-        # written through for a booking this replica had not seen yet is applied only here.
+        if mine and kind != EXPIRE and not (kind == FREE and rid in self.journal.through):
+            return  # applied when made (an id may be booked again since: its echo must not touch it)
+        self.journal.through.discard(rid)  # a written-through free is applied here, from the feed
         pool = self._pool_of(rid)
         if pool is None:
             return

@@ -20,7 +20,7 @@ from typing import Any, Final
 
 import anyio
 
-from ..core.ledger import Ledger
+from ..core.ledger import FREE_GRACE_SECS, Ledger
 from ..core.ledger_wire import LedgerWireError, decode_replies, decode_snapshot
 from ..core.metrics import LEDGER_FLUSH
 from ..core.service import SelectionService
@@ -34,7 +34,10 @@ READ_BLOCK_MS: Final = 1000  # a reader's wait for new entries; also how late it
 READ_COUNT: Final = 1000
 REAP_INTERVAL_SECS: Final = 1.0
 REAP_LIMIT: Final = 1000
-TOMBSTONE_MS: Final = 600_000  # a free that came before its add is remembered this long
+# A free that came before its booking is remembered as long as the freeing replica holds its
+# answer, no longer: the remembered free starts on the server before the hold starts here, so it
+# always ends first, and a booking it refused was always answered 200 to the free.
+TOMBSTONE_MS: Final = int(FREE_GRACE_SECS * 1000)
 SOCKET_TIMEOUT_SECS: Final = 5.0
 _KEYS: Final = ("res", "pre", "out", "deadline", "tomb", "adds", "workers", "epoch", "seq", "feed", "last")
 
@@ -159,6 +162,7 @@ class LedgerLink:
         self.held_writes = False  # a test's hand on the writer: ops stay queued while True
         self.held_reads = False  # and on the reader: the feed is not read while True
         self.parked = False  # the reader is waiting for held_reads to clear
+        self.writing = False  # a batch is on its way: taken from the journal, not yet answered
 
     def poke(self) -> None:
         """Something may be queued for the ledger: let the writer look."""
@@ -169,7 +173,7 @@ class LedgerLink:
         """Wait (at most `timeout`) until what is queued is written, while the ledger is reachable."""
         journal = self.ledger.journal
         with anyio.move_on_after(timeout):
-            while journal.ops and journal.connected:
+            while (journal.ops or self.writing) and journal.connected:
                 self.wake.set()
                 await anyio.sleep(0.005)
 
@@ -249,12 +253,15 @@ class LedgerLink:
         for op in ops:
             args += (op.kind, op.ident, op.body, op.rank_key, "" if op.expect is None else op.expect)
         started = self.clock()
+        self.writing = True
         try:
             raw = await _call(scripts["batch"], self.keys, args)
             replies = decode_replies(raw, len(ops))
         except BaseException:
             journal.requeue(ops)  # written or not, the ops are idempotent: they go again
             raise
+        finally:
+            self.writing = False
         self.service.observe(LEDGER_FLUSH, (), self.clock() - started)
         if replies is None:
             journal.requeue(ops)
