@@ -134,7 +134,8 @@ def _build_parser() -> _Parser:
     _add_settings(stdio)
     relay = sub.add_parser("relay", help="forward an engine's ZMQ KV events over one WebSocket")
     relay.add_argument("--zmq", required=True, help="the engine's ZMQ PUB endpoint (tcp:// or ipc://)")
-    relay.add_argument("--to", required=True, help="ws://SELECTOR:8092/kv_events")
+    relay.add_argument("--to", required=True, action="append",
+                       help="ws://SELECTOR:8092/kv_events; once per replica to feed each (--ledger)")
     relay.add_argument("--worker-id", required=True, type=int)
     relay.add_argument("--dp-rank", default=0, type=int)
     relay.add_argument("--topic", default="", help="ZMQ topic prefix (default: all)")
@@ -161,8 +162,9 @@ def _relay(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     _check_backend(backend)
     if not args.zmq.startswith(("tcp://", "ipc://")):
         raise UsageError(f"--zmq: expected a tcp:// or ipc:// endpoint, not {args.zmq!r}")
-    if not args.to.startswith(("ws://", "wss://")):
-        raise UsageError(f"--to: expected a ws:// or wss:// URL, not {args.to!r}")
+    for to in args.to:
+        if not to.startswith(("ws://", "wss://")):
+            raise UsageError(f"--to: expected a ws:// or wss:// URL, not {to!r}")
     if args.buffer < 1:
         raise UsageError("--buffer: must be at least 1")
     try:

@@ -16,9 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 from ledger_server import LedgerServer
 from test_http import Server, read_response, request
 from test_snapshots import call
+from test_subscriptions import device_blocks, free_port, http, vllm_batch
+from test_subscriptions import wait_for as subscriptions_wait
 
 WORKER = {"model_name": "m", "endpoint": "http://w", "block_size": 4}
 PROMPT = {"model_name": "m", "token_ids": list(range(16))}
@@ -31,10 +34,10 @@ def ledger(tmp_path: Path) -> Iterator[LedgerServer]:
     server.kill()
 
 
-def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0, logs: list[str] | None = None) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
-        assert time.monotonic() < deadline, "timed out"
+        assert time.monotonic() < deadline, "timed out" + "".join(logs or ())
         time.sleep(0.02)
 
 
@@ -149,7 +152,7 @@ def test_processes_share_one_port_and_one_ledger(ledger: LedgerServer) -> None:
 
     threading.Thread(target=drain, daemon=True).start()
     try:
-        wait_for(lambda: sum('"event":"ledger_connected"' in line for line in logs) == 2, 30)
+        wait_for(lambda: sum('"event":"ledger_connected"' in line for line in logs) == 2, 30, logs)
         ports = {re.search(r":(\d+)\"", line).group(1) for line in logs if '"event":"listening"' in line}  # type: ignore[union-attr]
         assert len(ports) == 1
         server = Server.__new__(Server)
@@ -184,3 +187,69 @@ def test_processes_need_a_ledger() -> None:
     done = subprocess.run([sys.executable, "-m", "selection_proto", "serve", "--ledger", "http://x"],
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 2 and "--ledger: expected redis://" in done.stderr
+
+
+def blocks(server: Server) -> dict[int, int]:
+    """Device blocks per worker of the test prompt; none while the replica has no worker yet."""
+    status, _ = call(server, "GET", "/ready")
+    return device_blocks(server.port) if status == 200 else {}
+
+
+def test_every_replica_subscribes_to_the_engines_the_shared_catalog_names(ledger: LedgerServer) -> None:
+    zport = free_port()
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{zport}")
+    a = Server("--ledger", ledger.url, mode="subscribe")
+    b = Server("--ledger", ledger.url, mode="subscribe")
+    try:
+        wait_for(lambda: all(call(s, "GET", "/readyz")[0] == 200 for s in (a, b)))
+        wait_for(lambda: "\nselection_proto_ledger_connected 1.0\n" in call(a, "GET", "/metrics")[1])
+        status, _ = http(a.port, "POST", "/workers", {"worker_id": 1, "endpoint": "http://w1", "block_size": 4,
+                                                      "kv_events_endpoint": f"tcp://127.0.0.1:{zport}"})
+        assert status == 201
+        seq = iter(range(1, 1000))
+
+        def publish() -> None:  # PUB/SUB drops messages until each subscriber has joined
+            pub.send_multipart([b"", next(seq).to_bytes(8, "big"), vllm_batch([11, 12], list(range(1, 9)))])
+
+        assert subscriptions_wait(lambda: blocks(a) == blocks(b) == {1: 2}, step=publish)
+        assert http(b.port, "DELETE", "/workers/1")[0] == 200  # and they follow a delete made on B
+        wait_for(lambda: [w["lifecycle"] for w in call(a, "GET", "/workers")[1]] == ["unschedulable"])
+    finally:
+        a.stop()
+        b.stop()
+        pub.close(linger=0)
+
+
+def test_one_relay_feeds_every_replica(ledger: LedgerServer) -> None:
+    zport = free_port()
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{zport}")
+    a, b = Server("--ledger", ledger.url), Server("--ledger", ledger.url)
+    relay = None
+    try:
+        wait_for(lambda: "\nselection_proto_ledger_connected 1.0\n" in call(a, "GET", "/metrics")[1])
+        assert http(a.port, "POST", "/workers", {"worker_id": 3, "endpoint": "http://w3", "block_size": 4})[0] == 201
+        wait_for(lambda: len(call(b, "GET", "/workers")[1]) == 1)
+        relay = subprocess.Popen(
+            [sys.executable, "-m", "selection_proto", "relay", "--zmq", f"tcp://127.0.0.1:{zport}",
+             "--to", f"ws://127.0.0.1:{a.port}/kv_events", "--to", f"ws://127.0.0.1:{b.port}/kv_events",
+             "--worker-id", "3"], stderr=subprocess.PIPE, text=True)
+        seq = iter(range(1, 10_000))
+
+        def publish() -> None:
+            pub.send_multipart([b"kv", next(seq).to_bytes(8, "big"), vllm_batch([31, 32], list(range(1, 9)))])
+
+        assert subscriptions_wait(lambda: blocks(a) == blocks(b) == {3: 2}, step=publish)
+        relay.send_signal(signal.SIGTERM)
+        assert relay.wait(timeout=15) == 0
+        assert relay.stderr is not None
+        stopped = [json.loads(line) for line in relay.stderr.read().splitlines() if '"relay_stopped"' in line]
+        assert sorted(r["to"].split(":")[2].split("/")[0] for r in stopped) == sorted([str(a.port), str(b.port)])
+        assert all(r["forwarded"] >= 1 and r["dropped_overflow"] == 0 for r in stopped)
+    finally:
+        if relay is not None and relay.poll() is None:
+            relay.kill()
+        a.stop()
+        b.stop()
+        pub.close(linger=0)

@@ -33,11 +33,18 @@ def log(level: str, event: str, **fields: Any) -> None:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
         pairs = " ".join(f"{k}={v if isinstance(v, (int, float)) and not isinstance(v, bool) else _quoted(v)}"
                          for k, v in fields.items())
-        print(f"{stamp} {level:<7} {event} {pairs}".rstrip(), file=sys.stderr, flush=True)
+        _write(f"{stamp} {level:<7} {event} {pairs}".rstrip())
         return
     record = {"ts": round(now, 3), "level": level, "event": event, **fields}
     # `default=str`: a log line never raises, whatever a caller passes.
-    print(json.dumps(record, separators=(",", ":"), default=str), file=sys.stderr, flush=True)
+    _write(json.dumps(record, separators=(",", ":"), default=str))
+
+
+def _write(line: str) -> None:
+    """The line and its newline in one write: `--processes` share one stderr, and `print` writes
+    the newline apart, so two processes' lines could run into one."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _quoted(value: Any) -> str:

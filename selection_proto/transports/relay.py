@@ -96,14 +96,15 @@ class Relay:
         self.buffer = deque([*messages, *kept])
         self.buffer_bytes = sum(len(m) for m in self.buffer)
 
-    def report(self, event: str = "relay_counters") -> None:
-        log("info", event, **self.counters)
+    def report_to(self, target: str, event: str = "relay_counters") -> None:
+        log("info", event, to=target, **self.counters)
 
 
-async def _zmq_loop(relay: Relay, endpoint: str, topic: bytes) -> None:
+async def _zmq_loop(relays: list[Relay], endpoint: str, topic: bytes) -> None:
     async for messages in zmq_batches(endpoint, topic):
         for frames in messages:
-            relay.offer(frames)
+            for relay in relays:
+                relay.offer(frames)
 
 
 async def _read(stream: anyio.abc.ByteStream, client: ForwardingClient, lock: anyio.Lock,
@@ -180,18 +181,23 @@ async def _ws_loop(relay: Relay, to: str, worker_id: int, dp_rank: int, replay: 
         await anyio.sleep(delays())
 
 
-async def run_relay(zmq_endpoint: str, to: str, worker_id: int, dp_rank: int, topic: str,
+async def run_relay(zmq_endpoint: str, to: str | list[str], worker_id: int, dp_rank: int, topic: str,
                     buffer_messages: int, replay: str | None = None) -> None:
-    relay = Relay(buffer_messages)
-    log("info", "relay", zmq=zmq_endpoint, to=to, worker_id=worker_id, dp_rank=dp_rank)
+    """Forward to each service of `to` (every replica of a fleet sharing a ledger needs the
+    events): one buffer, connection and resume point each, so a slow one holds up no other."""
+    targets = [to] if isinstance(to, str) else to
+    relays = [Relay(buffer_messages) for _ in targets]
+    log("info", "relay", zmq=zmq_endpoint, to=",".join(targets), worker_id=worker_id, dp_rank=dp_rank)
     async with anyio.create_task_group() as tg:
-        tg.start_soon(_zmq_loop, relay, zmq_endpoint, topic.encode())
-        tg.start_soon(_ws_loop, relay, to, worker_id, dp_rank, replay)
+        tg.start_soon(_zmq_loop, relays, zmq_endpoint, topic.encode())
+        for relay, target in zip(relays, targets, strict=True):
+            tg.start_soon(_ws_loop, relay, target, worker_id, dp_rank, replay)
 
         async def reporter() -> None:
             while True:
                 await anyio.sleep(REPORT_EVERY)
-                relay.report()
+                for relay, target in zip(relays, targets, strict=True):
+                    relay.report_to(target)
 
         tg.start_soon(reporter)
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -199,6 +205,7 @@ async def run_relay(zmq_endpoint: str, to: str, worker_id: int, dp_rank: int, to
                 log("info", "shutdown", signal=signal.Signals(signum).name)
                 break
         tg.cancel_scope.cancel()
-    relay.report("relay_stopped")
+    for relay, target in zip(relays, targets, strict=True):
+        relay.report_to(target, "relay_stopped")
 
 
