@@ -113,7 +113,11 @@ _SERVE_OPTIONS: Final = (
     ("ledger_outbox_max", "N", "own changes queued while the ledger is unreachable; then bookings 503"),
     ("ledger_feed_max", "N", "entries the ledger's feed keeps (approximately); a reader further behind "
                              "loads a snapshot"),
+    ("ledger_free_grace_secs", "SECONDS", "a free of an id no replica has written yet waits this long "
+                                          "for its booking (200 when it comes), then answers 404"),
     ("processes", "N", "serve from N processes on one port (SO_REUSEPORT); N > 1 needs --ledger"),
+    ("advertise_url", "URL", "where peers reach this replica for /dump at their start (registered in "
+                             "the ledger; default: the listening address unless it is a wildcard)"),
 )
 
 
@@ -338,6 +342,12 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     import anyio
 
     peers = transport_value(args, env, "indexer_peers", TRANSPORT["indexer_peers"], str)
+    if ledger is not None and not peers and not service.catalog:
+        from .transports.ledger import registry_peers
+
+        # A replica starts warm: its index from a live peer's /dump (its catalog and bookings
+        # come from the ledger); the server listens only once that is done.
+        peers = ",".join(registry_peers(ledger.url, ledger.scope))
     if peers:
         from .transports.peers import recover_from_peers
 
@@ -347,8 +357,12 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         if service.catalog:  # restored from --restore or --snapshot: that state is kept
             log("info", "peers_not_asked", detail="state restored from a file at start")
         else:
+            if service.ledger is not None:
+                service.ledger.journal.muted = True  # the peer's catalog is the ledger's already
             anyio.run(recover_from_peers, service, [p.strip() for p in peers.split(",") if p.strip()],
                       timeout, backend=backend)
+            if service.ledger is not None:
+                service.ledger.journal.muted = False
     try:
         anyio.run(serve, service, config, backend=backend)
     except RuntimeError as exc:
@@ -383,6 +397,9 @@ def _ledger(args: argparse.Namespace, env: Mapping[str, str], service: Selection
     for name, value in counts.items():
         if not 1 <= value <= 1 << 40:
             raise UsageError(f"{flag_name(name)}: must be a positive integer, not {value}")
+    grace = transport_value(args, env, "ledger_free_grace_secs", TRANSPORT["ledger_free_grace_secs"], float)
+    if not 0 < grace <= 600:  # NaN fails too
+        raise UsageError(f"--ledger-free-grace-secs: must be above 0 and at most 600, not {grace}")
     scope = transport_value(args, env, "ledger_scope", TRANSPORT["ledger_scope"], str)
     if not scope or len(scope) > 128 or any(c in scope for c in "{}") or not scope.isprintable():
         raise UsageError(f"--ledger-scope: expected 1-128 printable characters without braces, not {scope!r}")
@@ -393,8 +410,11 @@ def _ledger(args: argparse.Namespace, env: Mapping[str, str], service: Selection
 
     service.share(LedgerSettings(admission=values["admission"],
                                  failure=values["ledger_failure"],
-                                 outbox_max=counts["ledger_outbox_max"]), origin)
-    return LedgerOptions(url, scope, counts["ledger_batch"], counts["ledger_feed_max"])
+                                 outbox_max=counts["ledger_outbox_max"], free_grace_secs=grace), origin)
+    advertise = transport_value(args, env, "advertise_url", TRANSPORT["advertise_url"], str)
+    if advertise is not None and not advertise.startswith("http://"):
+        raise UsageError(f"--advertise-url: expected an http:// URL, not {advertise!r}")
+    return LedgerOptions(url, scope, counts["ledger_batch"], counts["ledger_feed_max"], advertise)
 
 
 def _supervise(args: argparse.Namespace, host: str, port: int, processes: int) -> int:

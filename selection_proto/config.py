@@ -182,7 +182,7 @@ TRANSPORT: Final[Mapping[str, Any]] = {
     "tls_cert": None, "tls_key": None, "access_log": None, "snapshot": None, "snapshot_interval_secs": 60.0,
     "drain_delay_secs": 0.0, "ledger": None, "ledger_scope": "default", "admission": "advisory",
     "ledger_failure": "open", "ledger_batch": 64, "ledger_outbox_max": 100_000, "ledger_feed_max": 1_000_000,
-    "processes": 1,
+    "processes": 1, "advertise_url": None, "ledger_free_grace_secs": 2.0,
 }
 
 

@@ -112,7 +112,8 @@ async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
 @asynccontextmanager
 async def replicas(count: int, url: str, scope: str = "t", ledger: LedgerSettings | None = None,
                    **settings: Any) -> AsyncIterator[list[Replica]]:
-    group = [Replica(chr(ord("a") + i), url, scope, ledger or LedgerSettings(), **settings)
+    # A short grace for frees of unknown ids: the tests make many; production keeps 2 s.
+    group = [Replica(chr(ord("a") + i), url, scope, ledger or LedgerSettings(free_grace_secs=0.3), **settings)
              for i in range(count)]
     async with anyio.create_task_group() as tg:
         for replica in group:

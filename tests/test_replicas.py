@@ -23,6 +23,8 @@ from test_snapshots import call
 from test_subscriptions import device_blocks, free_port, http, vllm_batch
 from test_subscriptions import wait_for as subscriptions_wait
 
+from selection_proto import block_hashes
+
 WORKER = {"model_name": "m", "endpoint": "http://w", "block_size": 4}
 PROMPT = {"model_name": "m", "token_ids": list(range(16))}
 
@@ -253,3 +255,26 @@ def test_one_relay_feeds_every_replica(ledger: LedgerServer) -> None:
         a.stop()
         b.stop()
         pub.close(linger=0)
+
+
+def test_a_starting_replica_fills_its_index_from_a_registered_peer(ledger: LedgerServer) -> None:
+    a = Server("--ledger", ledger.url)
+    b = None
+    try:
+        wait_for(lambda: "\nselection_proto_ledger_connected 1.0\n" in call(a, "GET", "/metrics")[1])
+        assert http(a.port, "POST", "/workers", {"worker_id": 1, "endpoint": "http://w1", "block_size": 4})[0] == 201
+        stored = [{"worker_id": 1, "event": {"event_id": 1, "data": {"stored": {"parent_hash": None, "blocks": [
+            {"block_hash": 11, "tokens_hash": block_hashes(list(range(1, 5)), 4)[0]},
+            {"block_hash": 12, "tokens_hash": block_hashes(list(range(1, 9)), 4)[1]}]}}}}]
+        assert http(a.port, "POST", "/kv_events", stored)[0] == 200
+        assert device_blocks(a.port) == {1: 2}
+        wait_for(lambda: ledger.client().hlen("sp:{default}:replicas") == 1)
+        b = Server("--ledger", ledger.url)
+        assert call(b, "GET", "/ready")[1]["recovered_from"] == f"http://127.0.0.1:{a.port}"
+        assert device_blocks(b.port) == {1: 2}
+        assert [w["worker_id"] for w in call(b, "GET", "/workers")[1]] == [1]
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
+    assert ledger.client().hlen("sp:{default}:replicas") == 0  # each unregistered at its stop

@@ -39,6 +39,9 @@ class LedgerSettings:
     failure: Literal["open", "closed"] = "open"
     outbox_max: int = 100_000  # own changes queued while the ledger is away, at most
     strict_tries: int = 3  # strict bookings retried after a conflict; then booked advisory
+    # A free of an id no replica has written yet waits this long for the booking to reach the
+    # ledger: a client may free on one replica right after another answered its booking.
+    free_grace_secs: float = 2.0
 
 
 class LedgerOp:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Final
+from typing import Any
 
 from . import jsonio
 from .admission import Tickets
@@ -46,11 +46,7 @@ from .selection import Selector
 from .types import WorkerRequest
 from .wire import Response, error_response, json_response
 
-# A free of an id no replica has written yet waits this long for the booking to reach the ledger:
-# a client may free on one replica right after another answered its booking (advisory admission).
-FREE_GRACE_SECS: Final = 0.5
-
-__all__ = ["FREE_GRACE_SECS", "Ledger"]
+__all__ = ["Ledger"]
 
 Request = tuple[str, str, str, tuple[tuple[str, str], ...], Any]
 
@@ -95,7 +91,7 @@ class Ledger:
         self._delete = delete
         self._rerun = rerun
         self._holds: dict[int, _Hold] = {}
-        self._frees: dict[str, _Hold] = {}  # rid -> a free waiting for its booking (FREE_GRACE_SECS)
+        self._frees: dict[str, _Hold] = {}  # rid -> a free waiting for its booking (free_grace_secs)
         self._rerunning: _Hold | None = None
         selector.journal = self.journal
 
@@ -173,7 +169,7 @@ class Ledger:
         return min((h.grace for h in self._frees.values() if h.grace is not None), default=None)
 
     def tick(self, now: float) -> None:
-        """Answer the frees whose booking did not come within FREE_GRACE_SECS: 404, as unknown."""
+        """Answer the frees whose booking did not come within `free_grace_secs`: 404, as unknown."""
         for rid, hold in list(self._frees.items()):
             if hold.grace is not None and hold.grace <= now:
                 del self._frees[rid]
@@ -236,7 +232,7 @@ class Ledger:
                 hold.freed = True
             elif op.kind == FREE and word == "tombstoned" and journal.connected:
                 # Unknown to the ledger: its booking may still be in another replica's journal.
-                hold.grace = now + FREE_GRACE_SECS
+                hold.grace = now + self.settings.free_grace_secs
                 self._frees[op.ident] = hold
             self._settle(hold, now)
 

@@ -12,6 +12,7 @@ Every key of a scope shares one hash tag, `sp:{scope}:…`, so each script touch
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -20,13 +21,13 @@ from typing import Any, Final
 
 import anyio
 
-from ..core.ledger import FREE_GRACE_SECS, Ledger
+from ..core.ledger import Ledger
 from ..core.ledger_wire import LedgerWireError, decode_replies, decode_snapshot
 from ..core.metrics import LEDGER_FLUSH
 from ..core.service import SelectionService
 from .logs import log
 
-__all__ = ["LedgerLink", "open_client"]
+__all__ = ["LedgerLink", "open_client", "registry_peers"]
 
 BACKOFF_START: Final = 0.05
 BACKOFF_MAX: Final = 2.0
@@ -34,12 +35,11 @@ READ_BLOCK_MS: Final = 1000  # a reader's wait for new entries; also how late it
 READ_COUNT: Final = 1000
 REAP_INTERVAL_SECS: Final = 1.0
 REAP_LIMIT: Final = 1000
-# A free that came before its booking is remembered as long as the freeing replica holds its
-# answer, no longer: the remembered free starts on the server before the hold starts here, so it
-# always ends first, and a booking it refused was always answered 200 to the free.
-TOMBSTONE_MS: Final = int(FREE_GRACE_SECS * 1000)
 SOCKET_TIMEOUT_SECS: Final = 5.0
-_KEYS: Final = ("res", "pre", "out", "deadline", "tomb", "adds", "workers", "epoch", "seq", "feed", "last")
+_KEYS: Final = ("res", "pre", "out", "deadline", "tomb", "adds", "workers", "epoch", "seq", "feed", "last",
+                 "replicas")
+REPLICA_FRESH_SECS: Final = 10.0  # a registered replica not seen for longer is not asked for /dump
+REPLICA_FORGET_SECS: Final = 300.0  # and is removed from the registry
 
 # Every script checks the epoch first: a ledger that came back empty is noticed on the next write.
 _PRELUDE: Final = """
@@ -159,6 +159,7 @@ class LedgerLink:
         self.wake = anyio.Event()
         self.snapshot_loaded = anyio.Event()
         self.epoch = ""
+        self.advertise: str | None = None  # this replica's URL for peers' /dump, in the registry
         self.held_writes = False  # a test's hand on the writer: ops stay queued while True
         self.held_reads = False  # and on the reader: the feed is not read while True
         self.parked = False  # the reader is waiting for held_reads to clear
@@ -238,6 +239,7 @@ class LedgerLink:
                 continue
             if self.clock() >= next_reap:
                 await _call(scripts["reap"], self.keys, [self.epoch, ledger.origin, REAP_LIMIT, "", self.feed_max])
+                await self._register(scripts["reap"].registered_client)
                 next_reap = self.clock() + REAP_INTERVAL_SECS
             ledger.tick(self.clock())
             await self._changed()
@@ -249,7 +251,11 @@ class LedgerLink:
     async def _flush(self, scripts: dict[str, Any]) -> None:
         journal = self.ledger.journal
         ops = journal.take(self.batch)
-        args: list[Any] = [self.epoch, self.ledger.origin, self.lease_ms, TOMBSTONE_MS, self.feed_max]
+        # A free that came before its booking is remembered as long as the freeing replica holds
+        # its answer, no longer: the memory starts on the server before the hold starts here, so
+        # it always ends first, and a booking it refused was always answered 200 to the free.
+        tombstone_ms = int(self.ledger.settings.free_grace_secs * 1000)
+        args: list[Any] = [self.epoch, self.ledger.origin, self.lease_ms, tombstone_ms, self.feed_max]
         for op in ops:
             args += (op.kind, op.ident, op.body, op.rank_key, "" if op.expect is None else op.expect)
         started = self.clock()
@@ -271,6 +277,29 @@ class LedgerLink:
         self.ledger.results(ops, replies, self.clock())
         await self._changed()
 
+    async def _register(self, client: Any) -> None:
+        """Say where this replica answers (for a starting peer's /dump); forget long-gone ones."""
+        registry, now = self.keys[11], time.time()
+        if self.advertise is not None:
+            record = json.dumps({"url": self.advertise, "seen": now})
+            await anyio.to_thread.run_sync(client.hset, registry, self.ledger.origin, record)
+        entries = await anyio.to_thread.run_sync(client.hgetall, registry)
+        gone = [origin for origin, seen in _registered(entries) if now - seen > REPLICA_FORGET_SECS]
+        if gone:
+            await anyio.to_thread.run_sync(partial(client.hdel, registry, *gone))
+
+    async def unregister(self) -> None:
+        """A clean stop: peers stop asking this replica at once."""
+        if self.advertise is None:
+            return
+        client = open_client(self.url, 1.0)
+        try:
+            await anyio.to_thread.run_sync(client.hdel, self.keys[11], self.ledger.origin)
+        except Exception:  # noqa: BLE001, S110 - the registry forgets it after REPLICA_FORGET_SECS anyway
+            pass
+        finally:
+            client.close()
+
     async def _read(self, reader: Any) -> None:
         ledger = self.ledger
         while True:
@@ -288,6 +317,40 @@ class LedgerLink:
             if found:
                 ledger.apply(found[0][1], self.clock())
                 await self._changed()
+
+
+def _registered(entries: dict[bytes, bytes]) -> list[tuple[bytes, float]]:
+    """(origin, last seen) of each readable registry entry; an entry that does not read is old."""
+    out = []
+    for origin, raw in entries.items():
+        try:
+            seen = json.loads(raw)["seen"]
+        except (ValueError, KeyError, TypeError):
+            seen = 0.0
+        out.append((origin, seen if isinstance(seen, (int, float)) else 0.0))
+    return out
+
+
+def registry_peers(url: str, scope: str, timeout: float = 2.0) -> list[str]:
+    """The URLs of replicas seen lately in the scope's registry, most recent first (empty when
+    the ledger cannot be read: a start then goes on without a peer)."""
+    client = open_client(url, timeout)
+    try:
+        entries = client.hgetall(f"sp:{{{scope}}}:replicas")
+    except Exception as exc:  # noqa: BLE001 - no ledger yet: nothing to warm from
+        log("warning", "registry_unreadable", url=_redacted(url), detail=_reason(exc))
+        return []
+    finally:
+        client.close()
+    now, found = time.time(), []
+    for _, raw in entries.items():
+        try:
+            record = json.loads(raw)
+            if now - record["seen"] <= REPLICA_FRESH_SECS and isinstance(record["url"], str):
+                found.append((record["seen"], record["url"]))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return [peer for _, peer in sorted(found, reverse=True)]
 
 
 async def _call(script: Any, keys: list[str], args: list[Any]) -> Any:

@@ -51,6 +51,7 @@ class LedgerOptions:
     scope: str = "default"
     batch: int = 64
     feed_max: int = 1_000_000
+    advertise_url: str | None = None  # this replica's URL for peers; default: the listening one
 
 
 class ServerConfig:
@@ -461,6 +462,9 @@ async def serve(service: SelectionService, config: ServerConfig,
                                             lease_secs=service.settings.active_request_expiry_secs,
                                             batch=options.batch, feed_max=options.feed_max,
                                             on_change=server.pump)
+            wildcard = config.host in ("0.0.0.0", "::", "")  # noqa: S104 - compared, not bound
+            server.ledger_link.advertise = options.advertise_url or (
+                None if wildcard else f"{scheme}://{host}:{port}")
             tg.start_soon(server.ledger_link.run)
         await server.pump()  # subscriptions of workers restored before the start
         forced = False
@@ -487,6 +491,7 @@ async def serve(service: SelectionService, config: ServerConfig,
                 await _drain(server, service, config, accept_scope)
                 if server.ledger_link is not None:  # the last frees, written before we go
                     await server.ledger_link.settle(config.shutdown_timeout_secs)
+                    await server.ledger_link.unregister()
                 watch.cancel_scope.cancel()
         tg.cancel_scope.cancel()
     if forced:
