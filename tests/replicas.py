@@ -31,12 +31,21 @@ class Replica:
                                on_change=self._drain)
         self.answers: dict[int, tuple[int, Any]] = {}
         self.scope = anyio.CancelScope()
+        self.changed = anyio.Event()  # set each time the link reported a change
 
     async def _drain(self) -> None:
         while (out := self.service.next_output()) is not None:
             if isinstance(out, SelectionReady):
                 status, _, body = out.response
                 self.answers[out.ticket] = (status, json.loads(body) if body else None)
+        self.changed.set()
+        self.changed = anyio.Event()
+
+    async def wait(self, condition: Callable[[], bool], timeout: float = 5.0) -> None:
+        """Until `condition` holds, looking again at each change the link reports (no polling)."""
+        with anyio.fail_after(timeout):
+            while not condition():
+                await self.changed.wait()
 
     def send(self, method: str, path: str, body: Any = None) -> tuple[int, Any] | int:
         """The answer, or the ticket of an answer held for the ledger."""
@@ -56,7 +65,7 @@ class Replica:
         return answer
 
     async def answer(self, ticket: int, timeout: float = 5.0) -> tuple[int, Any]:
-        await until(lambda: ticket in self.answers, timeout)
+        await self.wait(lambda: ticket in self.answers, timeout)
         return self.answers.pop(ticket)
 
     async def ok(self, method: str, path: str, body: Any = None, status: int = 200) -> Any:
