@@ -6,7 +6,9 @@ server answering `200 {}` (the ceiling of h11 on anyio).
         [--compare-tree /path/to/worktree-of-an-earlier-commit]
 
 The row `ours_msgpack` is our server again, sent `application/msgpack` bodies whose `token_ids`
-is a bin of little-endian u32 (docs/DECISIONS.md, "Binary prompts").
+is a bin of little-endian u32 (docs/DECISIONS.md, "Binary prompts"). `ours_ledger` is one process
+sharing bookings through a redis-server ledger, `ours_processes2` two processes on one port
+(`--processes 2`) sharing it (docs/REPLICATION.md); pass them in `--servers`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
 from workload import BLOCK_SIZE, WORKERS, prompts  # noqa: E402
@@ -120,12 +123,23 @@ def main() -> None:
     if args.reference_python:
         servers.insert(1, ("reference", [args.reference_python, "-m", "dynamo.select_service", "--port"],
                            {**os.environ, "RUST_LOG": "warn", "DYN_LOG": "warn"}, "routing_group"))
+    ledger = None
+    if wanted & {"ours_ledger", "ours_processes2"}:
+        sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+        from ledger_server import LedgerServer
+
+        ledger = LedgerServer(Path(tempfile.mkdtemp()), persistent=False).start()
+        for name, extra in (("ours_ledger", []), ("ours_processes2", ["--processes", "2"])):
+            servers.insert(1, (name, [*servers[0][1][:-1], "--ledger", ledger.url, *extra, "--port"], None,
+                               "tenant_id"))
     for _ in range(args.rounds):
         for name, cmd, env, tenant_field in servers:
             if name not in wanted:
                 continue
             port = free_port()
             proc = start(cmd + [str(port)], port, env)
+            if ledger is not None and name in ("ours_ledger", "ours_processes2"):
+                time.sleep(1.0)  # connected to the ledger (catalog writes need it)
             try:
                 if tenant_field is not None:
                     register(port, tenant_field)
@@ -136,6 +150,8 @@ def main() -> None:
             finally:
                 proc.terminate()
                 proc.wait(timeout=30)
+    if ledger is not None:
+        ledger.kill()
     rows = {name: {case: statistics.median(rates) for case, rates in cases.items()}
             for name, cases in samples.items()}
     widths = {n: max(12, len(n) + 2) for n in rows}
