@@ -217,3 +217,14 @@ def test_the_codec_reads_what_it_writes_and_refuses_the_rest() -> None:
     assert decode_snapshot([b"e", None, None, [], [], [], [], []]).cursor == b"0-0"
     with pytest.raises(LedgerWireError):
         decode_snapshot([b"e", b"1", b"1-0", [b"odd"], [], [], [], []])
+
+
+def test_a_refused_bookings_free_from_the_feed_before_the_reply_still_answers_200() -> None:
+    """The feed and the replies come on two connections: the free that a refused booking's
+    replica caused can be applied before the reply that told this replica to wait for it."""
+    service, mirror = replica()
+    held = send(service, "DELETE", "/reservations/raced")
+    ops = mirror.journal.take(10)
+    mirror.apply([entry(1, "free", "raced", origin=b"the-booking-replica")], 1.0)
+    mirror.results(ops, [Reply("tombstoned", 0)], 1.0)
+    assert answers(service) == {held.ticket: (200, {"status": "ok"})}

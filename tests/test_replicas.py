@@ -132,7 +132,7 @@ def test_sixty_four_clients_over_two_replicas_leave_every_load_at_zero(ledger: L
             thread.start()
         for thread in threads:
             thread.join(60)
-        assert failures == []
+        assert failures == [], [line for line in a.logs + b.logs if "ledger" in line]
         zero = [(1, 0, 0), (2, 0, 0), (3, 0, 0)]
         wait_for(lambda: loads(a) == loads(b) == zero)
         assert ledger.client().hlen("sp:{default}:res") == 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Final
 
 from . import jsonio
 from .admission import Tickets
@@ -47,6 +47,8 @@ from .types import WorkerRequest
 from .wire import Response, error_response, json_response
 
 __all__ = ["Ledger"]
+
+RECENT_FREES: Final = 65_536
 
 Request = tuple[str, str, str, tuple[tuple[str, str], ...], Any]
 
@@ -92,6 +94,9 @@ class Ledger:
         self._rerun = rerun
         self._holds: dict[int, _Hold] = {}
         self._frees: dict[str, _Hold] = {}  # rid -> a free waiting for its booking (free_grace_secs)
+        # Ids the feed freed lately: the feed may bring a refused booking's free before the reply
+        # that made this replica wait for it.
+        self._fed_frees: dict[str, None] = {}
         self._rerunning: _Hold | None = None
         selector.journal = self.journal
 
@@ -230,6 +235,8 @@ class Ledger:
                 hold.retry_after = reply.n
             elif op.kind == FREE and word == "ok":
                 hold.freed = True
+            elif op.kind == FREE and word == "tombstoned" and op.ident in self._fed_frees:
+                hold.freed = True  # its booking came, was refused, and its free is already applied
             elif op.kind == FREE and word == "tombstoned" and journal.connected:
                 # Unknown to the ledger: its booking may still be in another replica's journal.
                 hold.grace = now + self.settings.free_grace_secs
@@ -279,6 +286,10 @@ class Ledger:
                 self._book(rid, record, now)
             return
         waiting = self._frees.pop(rid, None) if kind == FREE else None
+        if kind == FREE:
+            self._fed_frees[rid] = None
+            if len(self._fed_frees) > RECENT_FREES:
+                del self._fed_frees[next(iter(self._fed_frees))]
         if waiting is not None:  # the booking it waited for reached the ledger, and was freed
             waiting.freed, waiting.grace = True, None
             self._settle(waiting, now)

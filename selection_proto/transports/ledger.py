@@ -1,7 +1,6 @@
 """The booking ledger on Valkey/Redis (docs/REPLICATION.md): the one module that talks to it.
 
-Three loops share one `Ledger` mirror, all on the event loop; each Redis call runs in a worker
-thread through redis-py's blocking client, which works the same under asyncio and trio:
+Three loops share one `Ledger` mirror, all on the event loop, through redis-py (`_Client`):
 
 - the writer takes a snapshot when the mirror asks for one, writes the journal in batches through
   one script call, and runs the reaper (leases on the server's clock) about once a second;
@@ -20,6 +19,7 @@ from functools import partial
 from typing import Any, Final
 
 import anyio
+import sniffio
 
 from ..core.ledger import Ledger
 from ..core.ledger_wire import LedgerWireError, decode_replies, decode_snapshot
@@ -203,43 +203,42 @@ class LedgerLink:
             delay = min(BACKOFF_MAX, delay * 2)
 
     async def _session(self) -> None:
-        writer, reader = open_client(self.url), open_client(self.url, SOCKET_TIMEOUT_SECS + READ_BLOCK_MS / 1000)
+        writer, reader = _Client(self.url), _Client(self.url, SOCKET_TIMEOUT_SECS + READ_BLOCK_MS / 1000)
         try:
-            scripts = {name: writer.register_script(text) for name, text in
-                       (("init", INIT), ("batch", BATCH), ("reap", REAP), ("snapshot", SNAPSHOT))}
-            await self._init(scripts)
+            await self._init(writer)
             self.ledger.connected(True, self.clock())
             log("info", "ledger_connected", url=_redacted(self.url), origin=self.ledger.origin)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._read, reader)
-                await self._write(scripts)
+                await self._write(writer)
         finally:
-            writer.close()
-            reader.close()
+            with anyio.CancelScope(shield=True):
+                await writer.close()
+                await reader.close()
 
-    async def _init(self, scripts: dict[str, Any]) -> None:
+    async def _init(self, writer: _Client) -> None:
         fresh = self.ledger.origin + ":" + str(time.time_ns())
-        epoch = (await _call(scripts["init"], self.keys, [fresh])).decode()
+        epoch = (await writer.script("init", self.keys, [fresh])).decode()
         if self.ledger.epoch is not None and epoch != self.ledger.epoch:
             log("warning", "ledger_reset", detail="the ledger's epoch changed: giving it our own state again")
             self.ledger.reseed()
         self.epoch = epoch
 
-    async def _write(self, scripts: dict[str, Any]) -> None:
+    async def _write(self, writer: _Client) -> None:
         ledger, journal = self.ledger, self.ledger.journal
         next_reap = self.clock()
         while True:
             if ledger.needs_snapshot:
-                raw = await _call(scripts["snapshot"], self.keys, [])
+                raw = await writer.script("snapshot", self.keys, [])
                 ledger.load(decode_snapshot(raw), self.clock())
                 self.snapshot_loaded.set()
                 await self._changed()
             if journal.ops and not self.held_writes:
-                await self._flush(scripts)
+                await self._flush(writer)
                 continue
             if self.clock() >= next_reap:
-                await _call(scripts["reap"], self.keys, [self.epoch, ledger.origin, REAP_LIMIT, "", self.feed_max])
-                await self._register(scripts["reap"].registered_client)
+                await writer.script("reap", self.keys, [self.epoch, ledger.origin, REAP_LIMIT, "", self.feed_max])
+                await self._register(writer)
                 next_reap = self.clock() + REAP_INTERVAL_SECS
             ledger.tick(self.clock())
             await self._changed()
@@ -248,7 +247,7 @@ class LedgerLink:
                 await self.wake.wait()
             self.wake = anyio.Event()
 
-    async def _flush(self, scripts: dict[str, Any]) -> None:
+    async def _flush(self, writer: _Client) -> None:
         journal = self.ledger.journal
         ops = journal.take(self.batch)
         # A free that came before its booking is remembered as long as the freeing replica holds
@@ -261,7 +260,7 @@ class LedgerLink:
         started = self.clock()
         self.writing = True
         try:
-            raw = await _call(scripts["batch"], self.keys, args)
+            raw = await writer.script("batch", self.keys, args)
             replies = decode_replies(raw, len(ops))
         except BaseException:
             journal.requeue(ops)  # written or not, the ops are idempotent: they go again
@@ -272,35 +271,35 @@ class LedgerLink:
         if replies is None:
             journal.requeue(ops)
             self.ledger.reseed()
-            await self._init(scripts)
+            await self._init(writer)
             return
         self.ledger.results(ops, replies, self.clock())
         await self._changed()
 
-    async def _register(self, client: Any) -> None:
+    async def _register(self, writer: _Client) -> None:
         """Say where this replica answers (for a starting peer's /dump); forget long-gone ones."""
         registry, now = self.keys[11], time.time()
         if self.advertise is not None:
             record = json.dumps({"url": self.advertise, "seen": now})
-            await anyio.to_thread.run_sync(client.hset, registry, self.ledger.origin, record)
-        entries = await anyio.to_thread.run_sync(client.hgetall, registry)
+            await writer.call("hset", registry, self.ledger.origin, record)
+        entries = await writer.call("hgetall", registry)
         gone = [origin for origin, seen in _registered(entries) if now - seen > REPLICA_FORGET_SECS]
         if gone:
-            await anyio.to_thread.run_sync(partial(client.hdel, registry, *gone))
+            await writer.call("hdel", registry, *gone)
 
     async def unregister(self) -> None:
         """A clean stop: peers stop asking this replica at once."""
         if self.advertise is None:
             return
-        client = open_client(self.url, 1.0)
+        client = _Client(self.url, 1.0)
         try:
-            await anyio.to_thread.run_sync(client.hdel, self.keys[11], self.ledger.origin)
+            await client.call("hdel", self.keys[11], self.ledger.origin)
         except Exception:  # noqa: BLE001, S110 - the registry forgets it after REPLICA_FORGET_SECS anyway
             pass
         finally:
-            client.close()
+            await client.close()
 
-    async def _read(self, reader: Any) -> None:
+    async def _read(self, reader: _Client) -> None:
         ledger = self.ledger
         while True:
             if ledger.needs_snapshot:
@@ -311,9 +310,7 @@ class LedgerLink:
                 self.parked = True
                 await anyio.sleep(0.005)
             self.parked = False
-            found = await anyio.to_thread.run_sync(
-                partial(reader.xread, {self.feed: ledger.cursor}, count=READ_COUNT, block=READ_BLOCK_MS),
-                abandon_on_cancel=True)
+            found = await reader.call("xread", {self.feed: ledger.cursor}, count=READ_COUNT, block=READ_BLOCK_MS)
             if found:
                 ledger.apply(found[0][1], self.clock())
                 await self._changed()
@@ -353,8 +350,42 @@ def registry_peers(url: str, scope: str, timeout: float = 2.0) -> list[str]:
     return [peer for _, peer in sorted(found, reverse=True)]
 
 
-async def _call(script: Any, keys: list[str], args: list[Any]) -> Any:
-    return await anyio.to_thread.run_sync(partial(script, keys=keys, args=args), abandon_on_cancel=True)
+_SCRIPTS: Final = {"init": INIT, "batch": BATCH, "reap": REAP, "snapshot": SNAPSHOT}
+
+
+class _Client:
+    """One connection's worth of redis-py, as the event loop allows: its asyncio client under
+    asyncio, its blocking client in worker threads under trio (redis-py has no trio client).
+    A thread hop costs about 110 µs here; a script call over a unix socket about 30."""
+
+    def __init__(self, url: str, timeout: float = SOCKET_TIMEOUT_SECS) -> None:
+        self.native = sniffio.current_async_library() == "asyncio"
+        if self.native:
+            import redis.asyncio
+
+            self.redis: Any = redis.asyncio.Redis.from_url(
+                url, socket_timeout=timeout, socket_connect_timeout=timeout, health_check_interval=0)
+        else:
+            self.redis = open_client(url, timeout)
+        self.scripts = {name: self.redis.register_script(text) for name, text in _SCRIPTS.items()}
+
+    async def script(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        if self.native:
+            return await self.scripts[name](keys=keys, args=args)
+        return await anyio.to_thread.run_sync(partial(self.scripts[name], keys=keys, args=args),
+                                              abandon_on_cancel=True)
+
+    async def call(self, command: str, *args: Any, **kwargs: Any) -> Any:
+        method = getattr(self.redis, command)
+        if self.native:
+            return await method(*args, **kwargs)
+        return await anyio.to_thread.run_sync(partial(method, *args, **kwargs), abandon_on_cancel=True)
+
+    async def close(self) -> None:
+        if self.native:
+            await self.redis.aclose()
+        else:
+            self.redis.close()
 
 
 def _reason(exc: BaseException) -> str:
