@@ -11,6 +11,7 @@ Every key of a scope shares one hash tag, `sp:{scope}:…`, so each script touch
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
@@ -19,7 +20,6 @@ from functools import partial
 from typing import Any, Final
 
 import anyio
-import sniffio
 
 from ..core.ledger import Ledger
 from ..core.ledger_wire import LedgerWireError, decode_replies, decode_snapshot
@@ -350,6 +350,15 @@ def registry_peers(url: str, scope: str, timeout: float = 2.0) -> list[str]:
     return [peer for _, peer in sorted(found, reverse=True)]
 
 
+def _on_asyncio() -> bool:
+    """Whether anyio runs on asyncio here (trio runs no asyncio loop)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 _SCRIPTS: Final = {"init": INIT, "batch": BATCH, "reap": REAP, "snapshot": SNAPSHOT}
 
 
@@ -359,7 +368,7 @@ class _Client:
     A thread hop costs about 110 µs here; a script call over a unix socket about 30."""
 
     def __init__(self, url: str, timeout: float = SOCKET_TIMEOUT_SECS) -> None:
-        self.native = sniffio.current_async_library() == "asyncio"
+        self.native = _on_asyncio()
         if self.native:
             import redis.asyncio
 
