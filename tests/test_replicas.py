@@ -278,3 +278,18 @@ def test_a_starting_replica_fills_its_index_from_a_registered_peer(ledger: Ledge
         if b is not None:
             b.stop()
     assert ledger.client().hlen("sp:{default}:replicas") == 0  # each unregistered at its stop
+
+
+def test_a_trio_replica_and_an_asyncio_replica_share_bookings(ledger: LedgerServer) -> None:
+    a, b = Server("--ledger", ledger.url, "--backend", "trio"), Server("--ledger", ledger.url)
+    try:
+        wait_for(lambda: "\nselection_proto_ledger_connected 1.0\n" in call(a, "GET", "/metrics")[1])
+        assert call(a, "POST", "/workers", {**WORKER, "worker_id": 1})[0] == 201
+        wait_for(lambda: len(call(b, "GET", "/workers")[1]) == 1)
+        assert call(b, "POST", "/select_and_reserve", {**PROMPT, "reservation_id": "t"})[0] == 200
+        wait_for(lambda: loads(a) == [(1, 1, 16)])
+        assert call(a, "DELETE", "/reservations/t")[0] == 200
+        wait_for(lambda: loads(b) == [(1, 0, 0)])
+    finally:
+        a.stop()
+        b.stop()
