@@ -39,6 +39,7 @@ __all__ = ["main"]
 
 PROG = "selection-proto"
 PROCESS_INDEX: Final = "SELECTION_PROTO_PROCESS_INDEX"  # set by --processes in each process it starts
+SUPERVISOR: Final = "SELECTION_PROTO_SUPERVISOR_PID"  # and the supervisor's pid
 
 
 class _Parser(argparse.ArgumentParser):
@@ -334,7 +335,9 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     host = transport_value(args, env, "host", TRANSPORT["host"], str)
     if processes > 1:
         return _supervise(args, host, port, processes)
+    supervisor = env.get(SUPERVISOR)
     config = ServerConfig(host=host, port=port, ledger=ledger, reuse_port=PROCESS_INDEX in env,
+                          supervisor_pid=int(supervisor) if supervisor and supervisor.isdigit() else None,
                           max_connections=max_connections, auth_token=_auth_token(args, env),
                           tls=_tls_context(args, env), access_log=flag_on(args, env, "access_log"),
                           snapshot=transport_value(args, env, "snapshot", TRANSPORT["snapshot"], str),
@@ -437,7 +440,10 @@ def _supervise(args: argparse.Namespace, host: str, port: int, processes: int) -
     stopping: list[int] = []
 
     def start(index: int) -> None:
-        children[index] = subprocess.Popen(command, env={**os.environ, PROCESS_INDEX: str(index)})
+        # A session of its own: a terminal's Ctrl-C reaches the supervisor, which passes it on
+        # once (twice would force the shutdown); each process stops when the supervisor dies.
+        children[index] = subprocess.Popen(command, env={**os.environ, PROCESS_INDEX: str(index),
+                                                          SUPERVISOR: str(os.getpid())}, start_new_session=True)
 
     def stop(signum: int, frame: object) -> None:
         stopping.append(signum)

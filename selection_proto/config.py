@@ -190,7 +190,7 @@ TRANSPORT_KEYS: Final = tuple(TRANSPORT)
 
 
 # Our variables that are not settings (the test suite's, the config file's).
-_OTHER_ENV: Final = ("SELECTION_PROTO_CONFIG", "SELECTION_PROTO_PROCESS_INDEX", "SELECTION_PROTO_VECTORS", "SELECTION_PROTO_REQUIRE_REFERENCE")
+_OTHER_ENV: Final = ("SELECTION_PROTO_CONFIG", "SELECTION_PROTO_PROCESS_INDEX", "SELECTION_PROTO_SUPERVISOR_PID", "SELECTION_PROTO_VECTORS", "SELECTION_PROTO_REQUIRE_REFERENCE")
 
 
 def config_file(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[dict[str, Any], str]:

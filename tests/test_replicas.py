@@ -5,6 +5,7 @@ over replicas, and `--processes` on one port."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -144,7 +145,7 @@ def test_sixty_four_clients_over_two_replicas_leave_every_load_at_zero(ledger: L
 def test_processes_share_one_port_and_one_ledger(ledger: LedgerServer) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "selection_proto", "serve", "--port", "0", "--kv-events", "push",
                              "--ledger", ledger.url, "--processes", "2"],
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True)
     logs: list[str] = []
 
     def drain() -> None:
@@ -176,8 +177,8 @@ def test_processes_share_one_port_and_one_ledger(ledger: LedgerServer) -> None:
         for _ in range(6):  # whichever process answers, it agrees
             assert json.loads(json.dumps(loads(server))) == [[1, 0, 0]] or loads(server) == [(1, 0, 0)]
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(20) == 0
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole foreground group
+        assert proc.wait(20) == 0  # passed on once, not forced by a second one
     assert sum('"event":"stopped"' in line for line in logs) == 2
 
 
@@ -293,3 +294,36 @@ def test_a_trio_replica_and_an_asyncio_replica_share_bookings(ledger: LedgerServ
     finally:
         a.stop()
         b.stop()
+
+
+def test_processes_stop_with_their_supervisor(ledger: LedgerServer) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "selection_proto", "serve", "--port", "0", "--kv-events", "push",
+                             "--ledger", ledger.url, "--processes", "2"],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    logs: list[str] = []
+
+    def drain() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            logs.append(line)
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        wait_for(lambda: sum('"event":"ledger_connected"' in line for line in logs) == 2, 30, logs)
+        children = [int(pid) for pid in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+        assert len(children) == 2
+        proc.send_signal(signal.SIGKILL)  # no forwarding now: each process notices on its own
+        proc.wait(5)
+
+        def gone(pid: int) -> bool:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+            return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+        wait_for(lambda: all(gone(pid) for pid in children), 15, logs)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert sum('"event":"supervisor_gone"' in line for line in logs) == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import ssl
 import sys
@@ -61,7 +62,9 @@ class ServerConfig:
                  auth_token: bytes | None = None, tls: ssl.SSLContext | None = None,
                  access_log: bool = False, snapshot: str | None = None,
                  snapshot_interval_secs: float = 60.0, drain_delay_secs: float = 0.0,
-                 ledger: LedgerOptions | None = None, reuse_port: bool = False) -> None:
+                 ledger: LedgerOptions | None = None, reuse_port: bool = False,
+                 supervisor_pid: int | None = None) -> None:
+        self.supervisor_pid = supervisor_pid  # --processes: stop when this parent is gone
         self.ledger = ledger  # share bookings and the catalog through this ledger (service.share first)
         self.reuse_port = reuse_port  # several processes on one port (--processes)
         self.drain_delay_secs = drain_delay_secs  # serve, marked not ready, before draining
@@ -267,6 +270,11 @@ class _Server:
         while True:
             if self.clock() - reported >= 1.0:
                 process.report()
+                supervisor = self.config.supervisor_pid
+                if supervisor is not None and os.getppid() != supervisor:
+                    log("warning", "supervisor_gone", pid=supervisor)
+                    os.kill(os.getpid(), signal.SIGTERM)  # the graceful path, as an operator's signal
+                    self.config.supervisor_pid = None
                 if self.snapshots is not None:
                     self.snapshots.tick()
                 reported = self.clock()
