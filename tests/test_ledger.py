@@ -59,6 +59,10 @@ def test_bookings_and_the_catalog_converge_and_any_replica_frees_any_booking(led
             await until(lambda: [w.lifecycle for w in a.service.list_workers()] == ["schedulable", "unschedulable"])
             await settled([a, b])
             assert a.loads() == b.loads() == {1: (0, 0, 0)}
+            text = b.service.metrics_text(now=0.0)
+            lag = float(text.split("\nselection_proto_ledger_feed_lag_seconds ")[1].split()[0])
+            assert 0.0 <= lag < 5.0  # how far behind the feed B read, by the wall clock
+            assert "\nselection_proto_ledger_connected 1.0\n" in text
 
     anyio.run(main, backend=backend)
 

@@ -22,6 +22,7 @@ __all__ = [
     "KV_REPLAYS",
     "LEDGER_CONNECTED",
     "LEDGER_EVENTS",
+    "LEDGER_FEED_LAG",
     "LEDGER_FLUSH",
     "LEDGER_OUTBOX",
     "SNAPSHOTS",
@@ -58,6 +59,7 @@ LEDGER_CONNECTED: Final = "selection_proto_ledger_connected"
 LEDGER_OUTBOX: Final = "selection_proto_ledger_outbox_depth"
 LEDGER_EVENTS: Final = "selection_proto_ledger_events_total"
 LEDGER_FLUSH: Final = "selection_proto_ledger_write_seconds"
+LEDGER_FEED_LAG: Final = "selection_proto_ledger_feed_lag_seconds"
 
 # name -> (type, help, label names, histogram bounds)
 FAMILIES: Final[Mapping[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]]] = {
@@ -123,6 +125,8 @@ FAMILIES: Final[Mapping[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]
     LEDGER_OUTBOX: ("gauge", "Own changes waiting to be written to the ledger.", (), ()),
     LEDGER_EVENTS: ("counter", "Ledger events: snapshots, gaps, conflicts, tombstone hits, reseeds...",
                     ("event",), ()),
+    LEDGER_FEED_LAG: ("gauge", "Wall time now minus the ledger's time of the last feed entry read "
+                               "(clocks of ledger and replica agreeing).", (), ()),
     LEDGER_FLUSH: ("histogram", "Time of one ledger write (a batch of changes).", (), _DURATION_BUCKETS),
     "selection_proto_rank_active_requests": ("gauge", "Live bookings per rank.", _RANK_LABELS, ()),
     "selection_proto_rank_prefill_tokens": ("gauge", "Booked prefill tokens per rank.", _RANK_LABELS, ()),

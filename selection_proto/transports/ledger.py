@@ -23,7 +23,7 @@ import anyio
 
 from ..core.ledger import Ledger
 from ..core.ledger_wire import LedgerWireError, decode_replies, decode_snapshot
-from ..core.metrics import LEDGER_FLUSH
+from ..core.metrics import LEDGER_FEED_LAG, LEDGER_FLUSH
 from ..core.service import SelectionService
 from .logs import log
 
@@ -312,7 +312,11 @@ class LedgerLink:
             self.parked = False
             found = await reader.call("xread", {self.feed: ledger.cursor}, count=READ_COUNT, block=READ_BLOCK_MS)
             if found:
-                ledger.apply(found[0][1], self.clock())
+                entries = found[0][1]
+                ledger.apply(entries, self.clock())
+                millis, _, _ = entries[-1][0].partition(b"-")  # an entry id is the ledger's ms, then a count
+                if millis.isdigit():
+                    self.service.observe(LEDGER_FEED_LAG, (), max(0.0, time.time() - int(millis) / 1000))
                 await self._changed()
 
 
