@@ -4,6 +4,7 @@ in-process: each replica is a `SelectionService` with its own `LedgerLink` in on
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -367,5 +368,45 @@ def test_random_operations_over_replicas_end_in_the_loads_of_one_process(
                         for pool in model.service.pools.values() for rank, load in pool.tracker.loads.items()}
             for replica in group:
                 assert replica.loads() == expected
+
+    run(main)
+
+
+def test_a_free_on_its_way_does_not_free_the_same_id_booked_again_elsewhere(ledger: LedgerServer) -> None:
+    """A books and frees r (both still in its journal); B books r anew and reaches the ledger
+    first. A's free names A's booking: B's stays (found by the property test)."""
+    async def main() -> None:
+        async with replicas(2, ledger.url) as (a, b):
+            await _two_workers(a)
+            await settled([a, b])
+            a.link.held_writes = True
+            await a.ok("POST", "/reservations", {**PROMPT, "worker_id": 1, "reservation_id": "r"}, status=201)
+            await a.ok("DELETE", "/reservations/r")
+            await b.ok("POST", "/reservations", {**PROMPT, "worker_id": 1, "reservation_id": "r"}, status=201)
+            await settled([b])
+            a.link.held_writes = False
+            a.link.poke()
+            await settled([a, b])
+            assert a.loads()[1] == b.loads()[1] == (1, 16, 4)
+            assert ledger.client().hget("sp:{t}:owner", "r") == b.ledger.origin.encode()
+
+    run(main)
+
+
+def test_output_blocks_reported_on_two_replicas_at_once_add_up(ledger: LedgerServer) -> None:
+    async def main() -> None:
+        async with replicas(2, ledger.url) as (a, b):
+            await _two_workers(a)
+            await settled([a, b])
+            await a.ok("POST", "/reservations", {**PROMPT, "worker_id": 1, "reservation_id": "o"}, status=201)
+            await settled([a, b])
+            await park([a, b], via=a)  # neither sees the other's report before making its own
+            await a.ok("POST", "/reservations/o/output_block", {})
+            await b.ok("POST", "/reservations/o/output_block", {})
+            await b.ok("POST", "/reservations/o/output_block", {})
+            unpark([a, b])
+            await settled([a, b])
+            assert a.loads()[1] == b.loads()[1] == (1, 16, 4 + 3)
+            assert json.loads(ledger.client().hget("sp:{t}:out", "o")) == {a.ledger.origin: 1, b.ledger.origin: 2}
 
     run(main)

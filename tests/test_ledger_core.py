@@ -32,7 +32,7 @@ from selection_proto.core.responses import Pending
 
 HEADERS = [("content-type", "application/json")]
 PROMPT = {"model_name": "m", "token_ids": list(range(16))}
-EMPTY = LedgerSnapshot("e", 0, b"0-0", {}, set(), {}, {}, {})
+EMPTY = LedgerSnapshot("e", 0, b"0-0", {}, set(), {}, {}, {}, {})
 
 
 def replica(**ledger: Any) -> tuple[SelectionService, Ledger]:
@@ -74,7 +74,7 @@ def test_a_strict_booking_waits_for_the_ledger_and_a_conflict_selects_again() ->
     held = send(service, "POST", "/select_and_reserve", {**PROMPT, "reservation_id": "s1"})
     assert isinstance(held, Pending)
     ops = mirror.journal.take(10)
-    assert [(op.kind, op.expect) for op in ops] == [("add", 0)]
+    assert [(op.kind, op.count) for op in ops] == [("add", 0)]
     # Another replica booked that rank first (the ledger's n is 7): undone, then selected again
     # once the feed has brought that booking.
     first = decode_add(ops[0].body)
@@ -83,7 +83,7 @@ def test_a_strict_booking_waits_for_the_ledger_and_a_conflict_selects_again() ->
     theirs = encode_add(AddRecord("m", "default", first.worker_id, 0, 16, None, [9, 10, 11, 12]))
     mirror.apply([entry(1, "add", "theirs", theirs)], 1.0)
     retry = mirror.journal.take(10)
-    assert [(op.kind, op.expect) for op in retry] == [("add", 0)]  # the other worker, unbooked
+    assert [(op.kind, op.count) for op in retry] == [("add", 0)]  # the other worker, unbooked
     assert decode_add(retry[0].body).worker_id != first.worker_id
     mirror.results(retry, [Reply("ok", 2)], 1.0)
     (status, body), = answers(service).values()
@@ -96,10 +96,10 @@ def test_after_three_conflicts_a_strict_booking_is_made_advisory() -> None:
     assert isinstance(send(service, "POST", "/select_and_reserve", {**PROMPT, "reservation_id": "s"}), Pending)
     for _ in range(3):
         ops = mirror.journal.take(10)
-        assert ops[0].expect is not None
+        assert ops[0].count is not None
         mirror.results(ops, [Reply("conflict", 0)], 1.0)  # the feed is already there: at once again
     last = mirror.journal.take(10)
-    assert [(op.kind, op.expect) for op in last] == [("add", None)]
+    assert [(op.kind, op.count) for op in last] == [("add", None)]
     assert [status for status, _ in answers(service).values()] == [200]
 
 
@@ -114,7 +114,7 @@ def test_held_strict_bookings_when_the_ledger_goes_away(failure: str) -> None:
         assert sum(active(service).values()) == 0 and not mirror.journal.ops
     else:
         assert status == 200 and sum(active(service).values()) == 1
-        assert [(op.kind, op.expect, op.hold) for op in mirror.journal.ops] == [("add", None, None)]
+        assert [(op.kind, op.count, op.hold) for op in mirror.journal.ops] == [("add", None, None)]
     ready = service.ready(now=2.0)
     assert (ready.ready, ready.details) == (failure == "open", ("ledger: disconnected",))
 
@@ -139,8 +139,8 @@ def test_a_snapshot_replaces_the_mirror_but_keeps_what_is_queued() -> None:
         "e", 40, b"40-0",
         {"x": encode_add(AddRecord("m", "default", 2, 0, 8, None, [1, 2])),
          "y": encode_add(AddRecord("m", "default", 1, 0, 8, None, None))},
-        {"x"}, {"y": encode_progress(2, None)}, {rank_key("m", "default", 2, 0): 5},
-        {"3": b"not json"})
+        {"x"}, {"y": b"{\"other\": 2}"}, {rank_key("m", "default", 2, 0): 5},
+        {"3": b"not json"}, {"x": "other", "y": "other"})
     mirror.load(snapshot, 3.0)
     loads = {rank[0]: (load.requests, load.prefill_tokens, load.decode_blocks())
              for pool in service.pools.values() for rank, load in pool.tracker.loads.items()}
@@ -165,7 +165,7 @@ def test_a_deleted_worker_in_a_snapshot_is_deleted_here_and_a_reset_gives_back_o
     assert [(op.kind, op.ident) for op in mirror.journal.ops] == [
         ("worker", "1"), ("worker", "2"), ("add", "r"), ("prefill", "r")]  # not theirs
     assert mirror.needs_snapshot and mirror.epoch is None
-    mirror.load(LedgerSnapshot("e2", 0, b"0-0", {}, set(), {}, {}, {"1": b""}), 3.0)
+    mirror.load(LedgerSnapshot("e2", 0, b"0-0", {}, set(), {}, {}, {"1": b""}, {}), 3.0)
     assert service.catalog.get(1).lifecycle == "unschedulable"
     assert active(service) == {2: 1}  # its own booking, on its way again; theirs is not in the ledger
 
@@ -214,9 +214,9 @@ def test_the_codec_reads_what_it_writes_and_refuses_the_rest() -> None:
         decode_entry(b"1-0", {b"n": b"1", b"o": b"o", b"k": b"zap", b"i": b"x", b"b": b""})
     with pytest.raises(LedgerWireError):
         decode_entry(b"1-0", {b"n": b"-1", b"o": b"o", b"k": b"free", b"i": b"x", b"b": b""})
-    assert decode_snapshot([b"e", None, None, [], [], [], [], []]).cursor == b"0-0"
+    assert decode_snapshot([b"e", None, None, [], [], [], [], [], [b"r", b"a"]]).owners == {"r": "a"}
     with pytest.raises(LedgerWireError):
-        decode_snapshot([b"e", b"1", b"1-0", [b"odd"], [], [], [], []])
+        decode_snapshot([b"e", b"1", b"1-0", [b"odd"], [], [], [], [], []])
 
 
 def test_a_refused_bookings_free_from_the_feed_before_the_reply_still_answers_200() -> None:

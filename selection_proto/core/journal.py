@@ -45,31 +45,32 @@ class LedgerSettings:
 
 
 class LedgerOp:
-    """One change for the ledger. `expect`: in strict admission, how many bookings this replica
-    had seen made on the rank (the ledger refuses the add if there are more); `hold`: the ticket
-    whose answer waits for it."""
+    """One change for the ledger. `count`: for a strict booking, how many bookings this replica
+    had seen made on the rank (the ledger refuses the add if there are more); for output blocks,
+    how many this replica has reported for the booking. `hold`: the ticket whose answer waits."""
 
-    __slots__ = ("kind", "ident", "body", "rank_key", "expect", "hold")
+    __slots__ = ("kind", "ident", "body", "rank_key", "count", "hold")
 
     def __init__(self, kind: str, ident: str, body: bytes = b"", rank_key: bytes = b"",
-                 expect: int | None = None) -> None:
+                 count: int | None = None) -> None:
         self.kind = kind
         self.ident = ident
         self.body = body
         self.rank_key = rank_key
-        self.expect = expect
+        self.count = count
         self.hold: int | None = None
 
 
 class Journal:
     """This replica's changes, in the order made. Muted while the mirror applies others' changes."""
 
-    __slots__ = ("ops", "settings", "connected", "muted", "adds", "own", "sync", "in_request", "tries",
+    __slots__ = ("ops", "settings", "origin", "connected", "muted", "adds", "own", "sync", "in_request", "tries",
                  "through")
 
-    def __init__(self, settings: LedgerSettings) -> None:
+    def __init__(self, settings: LedgerSettings, origin: str) -> None:
         self.ops: deque[LedgerOp] = deque()
         self.settings = settings
+        self.origin = origin
         self.connected = False
         self.muted = False
         self.adds: dict[bytes, int] = {}  # rank key -> bookings ever made on it, as the feed told
@@ -105,17 +106,27 @@ class Journal:
         rk = rank_key(key[0], key[1], rank[0], rank[1])
         strict = (self.settings.admission == "strict" and self.connected and self.in_request
                   and self.tries < self.settings.strict_tries)
-        expect = self.adds.get(rk, 0) + len(self.own.get(rk, ())) if strict else None
-        self._push(LedgerOp(ADD, booking.rid, encode_add(record), rk, expect), sync=strict)
+        seen = self.adds.get(rk, 0) + len(self.own.get(rk, ())) if strict else None
+        self._push(LedgerOp(ADD, booking.rid, encode_add(record), rk, seen), sync=strict)
 
     def prefilled(self, rid: str) -> None:
         self._push(LedgerOp(PREFILL, rid))
 
-    def progressed(self, booking: Booking, decay_fraction: float | None) -> None:
-        self._push(LedgerOp(PROGRESS, booking.rid, encode_progress(booking.outputs, decay_fraction)))
+    def progressed(self, booking: Booking, decay_fraction: float | None, again: bool = False) -> None:
+        """One more output block reported here (`again`: the count so far, once more). Each
+        replica's count is absolute and the ledger keeps them apart: two replicas reporting
+        blocks of one booking at once add up, and a repeated report changes nothing."""
+        counts = booking.outputs_by if booking.outputs_by is not None else {}
+        booking.outputs_by = counts
+        if not again:
+            counts[self.origin] = counts.get(self.origin, 0) + 1
+        count = counts.get(self.origin, 0)
+        self._push(LedgerOp(PROGRESS, booking.rid, encode_progress(count, decay_fraction), count=count))
 
-    def freed(self, rid: str) -> None:
-        self._push(LedgerOp(FREE, rid))
+    def freed(self, booking: Booking) -> None:
+        """A free names the booking's replica: the ledger ignores it for another booking that
+        reuses the id meanwhile (the free was on its way while that one was made)."""
+        self._push(LedgerOp(FREE, booking.rid, (booking.owner or self.origin).encode()))
 
     def free_unknown(self, rid: str) -> None:
         """A free of an id this replica has not seen: its booking may still be on its way from

@@ -33,6 +33,7 @@ from .ledger_wire import (
     LedgerWireError,
     Reply,
     decode_add,
+    decode_counts,
     decode_entry,
     decode_progress,
     entry_number,
@@ -77,7 +78,7 @@ class Ledger:
                  rerun: Callable[[Request, float], Response | Pending]) -> None:
         self.settings = settings
         self.origin = origin  # this incarnation's name in the feed
-        self.journal = Journal(settings)
+        self.journal = Journal(settings, origin)
         self.epoch: str | None = None
         self.n = 0  # the last feed entry applied
         self.cursor = b"0-0"  # its id: where the feed is read on
@@ -196,8 +197,8 @@ class Ledger:
         self.needs_snapshot = True
         closed = self.settings.failure == "closed"
         for op in list(journal.ops):
-            if op.kind == ADD and op.expect is not None:
-                op.expect = None
+            if op.kind == ADD and op.count is not None:
+                op.count = None
                 if closed:
                     journal.ops.remove(op)
                     self._retract(op.ident, now)
@@ -283,7 +284,7 @@ class Ledger:
             if mine:
                 journal.own.get(rk, set()).discard(entry.n)
             else:
-                self._book(rid, record, now)
+                self._book(rid, record, entry.origin, now)
             return
         waiting = self._frees.pop(rid, None) if kind == FREE else None
         if kind == FREE:
@@ -307,7 +308,8 @@ class Ledger:
             pool.tracker.prefill_complete(rid)
             self._selector.dispatch(pool, now)
         elif kind == PROGRESS:
-            self._progress(pool, rid, entry.body)
+            outputs, decay = decode_progress(entry.body)
+            self._progress(pool, rid, entry.origin, outputs, decay)
 
     def _worker(self, ident: str, body: bytes, now: float) -> None:
         try:
@@ -329,7 +331,7 @@ class Ledger:
         finally:
             journal.muted = False
 
-    def _book(self, rid: str, record: AddRecord, now: float) -> None:
+    def _book(self, rid: str, record: AddRecord, owner: str, now: float) -> None:
         pool = self._pools.get((record.model_name, record.tenant_id))
         rank = (record.worker_id, record.dp_rank)
         if pool is None or rank not in pool.tracker.loads or self._pool_of(rid) is not None:
@@ -337,13 +339,17 @@ class Ledger:
             return
         booking = pool.tracker.book(rid, rank, record.blocks, record.prefill_tokens,
                                     record.expected_output_tokens, now, checked=False)
-        booking.remote = True
+        booking.owner = owner
 
-    def _progress(self, pool: Pool, rid: str, body: bytes) -> None:
-        outputs, decay = decode_progress(body)
+    def _progress(self, pool: Pool, rid: str, origin: str, outputs: int, decay: float | None) -> None:
+        """`origin` has reported `outputs` blocks of the booking: absolute, so a repeated or late
+        report changes nothing."""
         booking = pool.tracker.bookings[rid]
-        while booking.outputs < outputs:  # absolute: a repeated or late entry changes nothing
+        counts = booking.outputs_by if booking.outputs_by is not None else {}
+        booking.outputs_by = counts
+        while counts.get(origin, 0) < outputs:
             pool.tracker.add_output_block(rid, decay)
+            counts[origin] = counts.get(origin, 0) + 1
 
     def _pool_of(self, rid: str) -> Pool | None:
         for pool in self._pools.values():
@@ -382,14 +388,14 @@ class Ledger:
         for rid, body in snap.bookings.items():
             try:
                 if rid not in queued and self._pool_of(rid) is None:
-                    self._book(rid, decode_add(body), now)
+                    self._book(rid, decode_add(body), snap.owners.get(rid, ""), now)
                 holder = self._pool_of(rid)
                 if holder is None:
                     continue
                 if rid in snap.prefilled:
                     holder.tracker.prefill_complete(rid)
-                if rid in snap.progress:
-                    self._progress(holder, rid, snap.progress[rid])
+                for origin, outputs in decode_counts(snap.progress.get(rid, b"{}")).items():
+                    self._progress(holder, rid, origin, outputs, None)
             except LedgerWireError:
                 self._count("bad_entry")
         for pool in self._pools.values():
@@ -409,13 +415,13 @@ class Ledger:
                 journal.worker(record.request)
         for key, pool in sorted(self._pools.items()):
             for booking in pool.tracker.bookings.values():
-                if booking.remote or booking.rid in queued:
+                if booking.owner is not None or booking.rid in queued:
                     continue
                 journal.booked(key, booking)
                 if booking.prefill_done:
                     journal.prefilled(booking.rid)
-                if booking.outputs:
-                    journal.progressed(booking, None)
+                if booking.outputs_by and booking.outputs_by.get(self.origin):
+                    journal.progressed(booking, None, again=True)
         journal.ops.extend(pending)
         self.epoch = None
         self.needs_snapshot = True

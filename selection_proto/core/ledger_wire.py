@@ -13,8 +13,10 @@ from typing import Any, Final, NamedTuple
 
 import msgpack
 
+from . import jsonio
+
 __all__ = ["ADD", "EXPIRE", "FREE", "KINDS", "PREFILL", "PROGRESS", "WORKER", "AddRecord", "FeedEntry",
-           "LedgerSnapshot", "LedgerWireError", "Reply", "decode_add", "decode_entry", "decode_progress",
+           "LedgerSnapshot", "LedgerWireError", "Reply", "decode_add", "decode_counts", "decode_entry", "decode_progress",
            "decode_replies", "decode_snapshot", "encode_add", "entry_number", "encode_progress", "rank_key"]
 
 ADD: Final = "add"
@@ -25,7 +27,7 @@ EXPIRE: Final = "expire"  # written only by the ledger's reaper
 WORKER: Final = "worker"  # a catalog record (JSON) or, empty, a deletion
 KINDS: Final = frozenset((ADD, PREFILL, PROGRESS, FREE, EXPIRE, WORKER))
 # Replies of the batch script, one per op (a number follows "ok" and "conflict").
-REPLIES: Final = frozenset(("ok", "dup", "freed", "tombstoned", "missing", "conflict"))
+REPLIES: Final = frozenset(("ok", "dup", "freed", "tombstoned", "missing", "conflict", "stale"))
 MAX_ID_BYTES: Final = 4096
 _U64: Final = (1 << 64) - 1
 
@@ -66,9 +68,10 @@ class LedgerSnapshot(NamedTuple):
     cursor: bytes  # the last entry's id when the snapshot was taken
     bookings: dict[str, bytes]  # rid -> encoded AddRecord
     prefilled: set[str]
-    progress: dict[str, bytes]  # rid -> encoded progress
+    progress: dict[str, bytes]  # rid -> output blocks per replica that reported them (JSON)
     adds: dict[bytes, int]  # rank key -> adds ever made on it
     workers: dict[str, bytes]  # worker id -> record JSON, or b"" when deleted
+    owners: dict[str, str]  # rid -> the replica that made the booking
 
 
 def rank_key(model_name: str, tenant_id: str, worker_id: int, dp_rank: int) -> bytes:
@@ -113,6 +116,17 @@ def decode_progress(body: bytes) -> tuple[int, float | None]:
             and (v[1] is None or (type(v[1]) is float and 0.0 <= v[1] <= 1.0))):
         raise LedgerWireError("progress: expected [outputs >= 1, decay fraction or nil]")
     return v[0], v[1]
+
+
+def decode_counts(body: bytes) -> dict[str, int]:
+    """A booking's output blocks in a snapshot: a JSON object, replica -> blocks it reported."""
+    try:
+        value = jsonio.loads(body)
+    except jsonio.JSONSyntaxError:
+        raise LedgerWireError("out: not JSON") from None
+    if not isinstance(value, dict) or not all(_is_int(v, 0, _U64) for v in value.values()):
+        raise LedgerWireError("out: expected an object of counts")
+    return value
 
 
 def _text(value: Any, what: str) -> str:
@@ -179,20 +193,21 @@ def _pairs(raw: Any, what: str) -> dict[bytes, bytes]:
 
 def decode_snapshot(raw: Any) -> LedgerSnapshot:
     """The snapshot script's answer: epoch, seq, last entry id, then the hashes."""
-    if not isinstance(raw, list) or len(raw) != 8:
-        raise LedgerWireError("snapshot: expected 8 parts")
+    if not isinstance(raw, list) or len(raw) != 9:
+        raise LedgerWireError("snapshot: expected 9 parts")
     epoch = _text(raw[0], "snapshot.epoch")
     n = 0 if raw[1] is None else _count(raw[1], "snapshot.seq")
     cursor = b"0-0" if raw[2] is None else raw[2]
     if not isinstance(cursor, bytes):
         raise LedgerWireError("snapshot.last: expected an entry id")
     parts: Sequence[dict[bytes, bytes]] = [_pairs(part, name) for part, name in zip(
-        raw[3:], ("res", "pre", "out", "adds", "workers"), strict=True)]
-    res, pre, out, adds, workers = parts
+        raw[3:], ("res", "pre", "out", "adds", "workers", "owner"), strict=True)]
+    res, pre, out, adds, workers, owners = parts
     return LedgerSnapshot(
         epoch, n, cursor,
         {_text(k, "snapshot.res"): v for k, v in res.items()},
         {_text(k, "snapshot.pre") for k in pre},
         {_text(k, "snapshot.out"): v for k, v in out.items()},
         {k: _count(v, "snapshot.adds") for k, v in adds.items()},
-        {_text(k, "snapshot.workers"): v for k, v in workers.items()})
+        {_text(k, "snapshot.workers"): v for k, v in workers.items()},
+        {_text(k, "snapshot.owner"): _text(v, "snapshot.owner") for k, v in owners.items()})

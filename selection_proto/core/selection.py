@@ -537,11 +537,13 @@ class Selector:
                 self.journal.free_unknown(rid)  # its booking may be on its way from a replica
             raise
         if free:
-            pool.free(rid, now)
+            booking = pool.free(rid, now)
+            if self.journal is not None:
+                self.journal.freed(booking)
         else:
             pool.tracker.prefill_complete(rid)
-        if self.journal is not None:
-            (self.journal.freed if free else self.journal.prefilled)(rid)
+            if self.journal is not None:
+                self.journal.prefilled(rid)
         self._metrics.booking(pool.key, "freed" if free else "prefill_complete")
         return pool
 

@@ -58,7 +58,8 @@ class RankLoad:
 
 class Booking:
     __slots__ = ("rid", "rank", "blocks", "prefill_tokens", "prefill_done", "expected_output_tokens",
-                 "booked_at", "outputs", "output_weight", "lease", "remote")
+                 "booked_at", "outputs", "output_weight", "lease", "owner",
+                 "outputs_by")
 
     def __init__(self, rid: str, rank: Rank, blocks: list[int] | None, prefill_tokens: int,
                  expected_output_tokens: int | None, booked_at: float) -> None:
@@ -72,7 +73,8 @@ class Booking:
         self.lease: Lease | None = None  # its hold on a session's binding (sessions.py)
         self.outputs = 0  # output blocks reported
         self.output_weight = 0.0  # their weight (a decay re-weighs them all)
-        self.remote = False  # made by another replica, mirrored from the ledger (ledger.py)
+        self.owner: str | None = None  # the replica that made it, when not this one (ledger.py)
+        self.outputs_by: dict[str, int] | None = None  # output blocks per replica that reported them
 
 
 class Tracker:

@@ -37,7 +37,7 @@ REAP_INTERVAL_SECS: Final = 1.0
 REAP_LIMIT: Final = 1000
 SOCKET_TIMEOUT_SECS: Final = 5.0
 _KEYS: Final = ("res", "pre", "out", "deadline", "tomb", "adds", "workers", "epoch", "seq", "feed", "last",
-                 "replicas")
+                 "replicas", "owner")
 REPLICA_FRESH_SECS: Final = 10.0  # a registered replica not seen for longer is not asked for /dump
 REPLICA_FORGET_SECS: Final = 300.0  # and is removed from the registry
 
@@ -59,41 +59,51 @@ if redis.call('EXISTS', KEYS[8]) == 0 then redis.call('SET', KEYS[8], ARGV[1]) e
 return redis.call('GET', KEYS[8])
 """
 
-# ARGV: epoch, origin, lease ms, tombstone ms, feed length, then (kind, id, body, rank key, expect)*
+# ARGV: epoch, origin, lease ms, tombstone ms, feed length, then (kind, id, body, rank key, count)*
 BATCH: Final = "if redis.call('GET', KEYS[8]) ~= ARGV[1] then return {'epoch'} end" + _PRELUDE + """
 redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
 local origin, lease, tomb = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local out = {}
 for i = 6, #ARGV, 5 do
-  local kind, ident, body, rk, expect = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]
+  local kind, ident, body, rk, count = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]
   local r
   if kind == 'add' then
     local held = redis.call('HGET', KEYS[1], ident)
     if redis.call('ZSCORE', KEYS[5], ident) then
       r = 'freed'
       emit(origin, 'free', ident, '')  -- a replica holding the early free answers it now
-    elseif held == body then r = 'ok 0'
+    elseif held and redis.call('HGET', KEYS[13], ident) == origin then r = 'ok 0'  -- a retried write
     elseif held then r = 'dup'
-    elseif expect ~= '' and tonumber(redis.call('HGET', KEYS[6], rk) or '0') ~= tonumber(expect) then
+    elseif count ~= '' and tonumber(redis.call('HGET', KEYS[6], rk) or '0') ~= tonumber(count) then
       r = 'conflict ' .. (redis.call('GET', KEYS[9]) or '0')
     else
       redis.call('HSET', KEYS[1], ident, body)
+      redis.call('HSET', KEYS[13], ident, origin)
       redis.call('ZADD', KEYS[4], now + lease, ident)
       redis.call('HINCRBY', KEYS[6], rk, 1)
       r = 'ok ' .. emit(origin, kind, ident, body)
     end
   elseif kind == 'prefill' or kind == 'progress' then
     if redis.call('HEXISTS', KEYS[1], ident) == 0 then r = 'missing'
-    else
-      redis.call('HSET', kind == 'prefill' and KEYS[2] or KEYS[3], ident, body)
+    elseif kind == 'prefill' then
+      redis.call('HSET', KEYS[2], ident, body)
+      r = 'ok ' .. emit(origin, kind, ident, body)
+    else  -- output blocks per reporting replica, absolute each
+      local counts = cjson.decode(redis.call('HGET', KEYS[3], ident) or '{}')
+      if (counts[origin] or 0) < tonumber(count) then counts[origin] = tonumber(count) end
+      redis.call('HSET', KEYS[3], ident, cjson.encode(counts))
       r = 'ok ' .. emit(origin, kind, ident, body)
     end
   elseif kind == 'free' then
-    if redis.call('HDEL', KEYS[1], ident) == 1 then
+    -- body: the replica that made the booking freed ('' when unknown: a written-through free)
+    if body ~= '' and redis.call('HEXISTS', KEYS[1], ident) == 1 and redis.call('HGET', KEYS[13], ident) ~= body then
+      r = 'stale'  -- the id was booked again by another replica meanwhile: not this free's booking
+    elseif redis.call('HDEL', KEYS[1], ident) == 1 then
       redis.call('HDEL', KEYS[2], ident)
       redis.call('HDEL', KEYS[3], ident)
+      redis.call('HDEL', KEYS[13], ident)
       redis.call('ZREM', KEYS[4], ident)
-      r = 'ok ' .. emit(origin, kind, ident, body)
+      r = 'ok ' .. emit(origin, kind, ident, '')
     else
       redis.call('ZADD', KEYS[5], 'NX', now + tomb, ident)
       r = 'tombstoned'
@@ -117,6 +127,7 @@ for _, ident in ipairs(due) do
   redis.call('HDEL', KEYS[1], ident)
   redis.call('HDEL', KEYS[2], ident)
   redis.call('HDEL', KEYS[3], ident)
+  redis.call('HDEL', KEYS[13], ident)
   emit(ARGV[2], 'expire', ident, '')
 end
 return #due
@@ -125,7 +136,7 @@ return #due
 SNAPSHOT: Final = """
 return {redis.call('GET', KEYS[8]), redis.call('GET', KEYS[9]), redis.call('GET', KEYS[11]),
         redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2]), redis.call('HGETALL', KEYS[3]),
-        redis.call('HGETALL', KEYS[6]), redis.call('HGETALL', KEYS[7])}
+        redis.call('HGETALL', KEYS[6]), redis.call('HGETALL', KEYS[7]), redis.call('HGETALL', KEYS[13])}
 """
 
 
@@ -256,7 +267,7 @@ class LedgerLink:
         tombstone_ms = int(self.ledger.settings.free_grace_secs * 1000)
         args: list[Any] = [self.epoch, self.ledger.origin, self.lease_ms, tombstone_ms, self.feed_max]
         for op in ops:
-            args += (op.kind, op.ident, op.body, op.rank_key, "" if op.expect is None else op.expect)
+            args += (op.kind, op.ident, op.body, op.rank_key, "" if op.count is None else op.count)
         started = self.clock()
         self.writing = True
         try:
