@@ -109,8 +109,8 @@ class Journal:
         seen = self.adds.get(rk, 0) + len(self.own.get(rk, ())) if strict else None
         self._push(LedgerOp(ADD, booking.rid, encode_add(record), rk, seen), sync=strict)
 
-    def prefilled(self, rid: str) -> None:
-        self._push(LedgerOp(PREFILL, rid))
+    def prefilled(self, booking: Booking) -> None:
+        self._push(LedgerOp(PREFILL, booking.rid))
 
     def progressed(self, booking: Booking, decay_fraction: float | None, again: bool = False) -> None:
         """One more output block reported here (`again`: the count so far, once more). Each

@@ -419,7 +419,7 @@ class Ledger:
                     continue
                 journal.booked(key, booking)
                 if booking.prefill_done:
-                    journal.prefilled(booking.rid)
+                    journal.prefilled(booking)
                 if booking.outputs_by and booking.outputs_by.get(self.origin):
                     journal.progressed(booking, None, again=True)
         journal.ops.extend(pending)

@@ -536,14 +536,11 @@ class Selector:
             if free and self.journal is not None:
                 self.journal.free_unknown(rid)  # its booking may be on its way from a replica
             raise
-        if free:
-            booking = pool.free(rid, now)
-            if self.journal is not None:
-                self.journal.freed(booking)
-        else:
+        booking = pool.free(rid, now) if free else pool.tracker.bookings[rid]
+        if not free:
             pool.tracker.prefill_complete(rid)
-            if self.journal is not None:
-                self.journal.prefilled(rid)
+        if self.journal is not None:
+            (self.journal.freed if free else self.journal.prefilled)(booking)
         self._metrics.booking(pool.key, "freed" if free else "prefill_complete")
         return pool
 
