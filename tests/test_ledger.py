@@ -4,6 +4,7 @@ in-process: each replica is a `SelectionService` with its own `LedgerLink` in on
 from __future__ import annotations
 
 import itertools
+import os
 import json
 import time
 from collections.abc import Iterator
@@ -328,7 +329,9 @@ def shared_ledger(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LedgerSe
     server.kill()
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# 25 examples in the default suite; a soak: LEDGER_EXAMPLES=500 python -m pytest tests/test_ledger.py -k random
+@settings(max_examples=int(os.environ.get("LEDGER_EXAMPLES", "25")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=_OPS)
 def test_random_operations_over_replicas_end_in_the_loads_of_one_process(
         shared_ledger: LedgerServer, ops: list[tuple[str, int, int, int, int, bool]]) -> None:
