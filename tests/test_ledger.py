@@ -4,8 +4,8 @@ in-process: each replica is a `SelectionService` with its own `LedgerLink` in on
 from __future__ import annotations
 
 import itertools
-import os
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
