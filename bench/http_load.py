@@ -8,7 +8,8 @@ server answering `200 {}` (the ceiling of h11 on anyio).
 The row `ours_msgpack` is our server again, sent `application/msgpack` bodies whose `token_ids`
 is a bin of little-endian u32 (docs/DECISIONS.md, "Binary prompts"). `ours_ledger` is one process
 sharing bookings through a redis-server ledger, `ours_processes2` two processes on one port
-(`--processes 2`) sharing it (docs/REPLICATION.md); pass them in `--servers`.
+(`--processes 2`) sharing it (docs/REPLICATION.md), `ours_processes2_msgpack` the same sent msgpack
+bodies; pass them in `--servers`.
 """
 
 from __future__ import annotations
@@ -124,12 +125,13 @@ def main() -> None:
         servers.insert(1, ("reference", [args.reference_python, "-m", "dynamo.select_service", "--port"],
                            {**os.environ, "RUST_LOG": "warn", "DYN_LOG": "warn"}, "routing_group"))
     ledger = None
-    if wanted & {"ours_ledger", "ours_processes2"}:
+    if wanted & {"ours_ledger", "ours_processes2", "ours_processes2_msgpack"}:
         sys.path.insert(0, os.path.join(HERE, "..", "tests"))
         from ledger_server import LedgerServer
 
         ledger = LedgerServer(Path(tempfile.mkdtemp()), persistent=False).start()
-        for name, extra in (("ours_ledger", []), ("ours_processes2", ["--processes", "2"])):
+        for name, extra in (("ours_ledger", []), ("ours_processes2", ["--processes", "2"]),
+                            ("ours_processes2_msgpack", ["--processes", "2"])):
             servers.insert(1, (name, [*servers[0][1][:-1], "--ledger", ledger.url, *extra, "--port"], None,
                                "tenant_id"))
     for _ in range(args.rounds):
@@ -138,14 +140,14 @@ def main() -> None:
                 continue
             port = free_port()
             proc = start(cmd + [str(port)], port, env)
-            if ledger is not None and name in ("ours_ledger", "ours_processes2"):
+            if ledger is not None and name.startswith(("ours_ledger", "ours_processes2")):
                 time.sleep(1.0)  # connected to the ledger (catalog writes need it)
             try:
                 if tenant_field is not None:
                     register(port, tenant_field)
                 for tokens in (1024, 16384):
                     for connections in (1, 8, 64):
-                        rate = wrk(port, tokens, connections, args.seconds, msgpack_bin=name == "ours_msgpack")
+                        rate = wrk(port, tokens, connections, args.seconds, msgpack_bin=name.endswith("msgpack"))
                         samples.setdefault(name, {}).setdefault((tokens, connections), []).append(rate)
             finally:
                 proc.terminate()
