@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
+from ledger_server import LedgerServer
 
 from selection_proto import SelectionService, Settings
 
@@ -91,3 +92,11 @@ def stored(worker_id: int, event_id: int, blocks: list[tuple[int, int]], parent:
     if tier is not None:
         event["storage_tier"] = tier
     return event
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> Iterator[LedgerServer]:
+    """A real Valkey/Redis server of the test's own (tests/ledger_server.py)."""
+    server = LedgerServer(tmp_path).start()
+    yield server
+    server.kill()

@@ -8,7 +8,6 @@ import json
 import os
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -23,13 +22,6 @@ from selection_proto import SelectionService, Settings
 from selection_proto.core.journal import LedgerSettings
 
 PROMPT = {"model_name": "m", "token_ids": list(range(16))}
-
-
-@pytest.fixture
-def ledger(tmp_path: Path) -> Iterator[LedgerServer]:
-    server = LedgerServer(tmp_path).start()
-    yield server
-    server.kill()
 
 
 def run(test: Any, *args: Any) -> None:

@@ -12,11 +12,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
 import zmq
 from ledger_server import LedgerServer
 from test_http import Server, read_response, request
@@ -28,13 +27,6 @@ from selection_proto import block_hashes
 
 WORKER = {"model_name": "m", "endpoint": "http://w", "block_size": 4}
 PROMPT = {"model_name": "m", "token_ids": list(range(16))}
-
-
-@pytest.fixture
-def ledger(tmp_path: Path) -> Iterator[LedgerServer]:
-    server = LedgerServer(tmp_path).start()
-    yield server
-    server.kill()
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 10.0, logs: list[str] | None = None) -> None:
@@ -142,10 +134,11 @@ def test_sixty_four_clients_over_two_replicas_leave_every_load_at_zero(ledger: L
         b.stop()
 
 
-def test_processes_share_one_port_and_one_ledger(ledger: LedgerServer) -> None:
+def supervised(ledger: LedgerServer, **popen: Any) -> tuple[subprocess.Popen[str], list[str]]:
+    """`serve --processes 2` on a free port, once both processes reached the ledger; its log lines."""
     proc = subprocess.Popen([sys.executable, "-m", "selection_proto", "serve", "--port", "0", "--kv-events", "push",
                              "--ledger", ledger.url, "--processes", "2"],
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, **popen)
     logs: list[str] = []
 
     def drain() -> None:
@@ -154,8 +147,13 @@ def test_processes_share_one_port_and_one_ledger(ledger: LedgerServer) -> None:
             logs.append(line)
 
     threading.Thread(target=drain, daemon=True).start()
+    wait_for(lambda: sum('"event":"ledger_connected"' in line for line in logs) == 2, 30, logs)
+    return proc, logs
+
+
+def test_processes_share_one_port_and_one_ledger(ledger: LedgerServer) -> None:
+    proc, logs = supervised(ledger, start_new_session=True)
     try:
-        wait_for(lambda: sum('"event":"ledger_connected"' in line for line in logs) == 2, 30, logs)
         ports = {re.search(r":(\d+)\"", line).group(1) for line in logs if '"event":"listening"' in line}  # type: ignore[union-attr]
         assert len(ports) == 1
         server = Server.__new__(Server)
@@ -297,19 +295,8 @@ def test_a_trio_replica_and_an_asyncio_replica_share_bookings(ledger: LedgerServ
 
 
 def test_processes_stop_with_their_supervisor(ledger: LedgerServer) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "selection_proto", "serve", "--port", "0", "--kv-events", "push",
-                             "--ledger", ledger.url, "--processes", "2"],
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    logs: list[str] = []
-
-    def drain() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            logs.append(line)
-
-    threading.Thread(target=drain, daemon=True).start()
+    proc, logs = supervised(ledger)
     try:
-        wait_for(lambda: sum('"event":"ledger_connected"' in line for line in logs) == 2, 30, logs)
         children = [int(pid) for pid in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
         assert len(children) == 2
         proc.send_signal(signal.SIGKILL)  # no forwarding now: each process notices on its own
