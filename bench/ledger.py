@@ -69,6 +69,25 @@ def in_process_pairs(count: int) -> dict[str, float]:
     return {name: statistics.median(r) for name, r in rates.items()}
 
 
+def journal_cost(count: int) -> float:
+    """µs to journal one 1,024-token booking (what advisory admission adds to a request)."""
+    service = _service(True)
+    assert service.ledger is not None
+    journal = service.ledger.journal
+    body = json.dumps({**PROMPT, "reservation_id": "j"}).encode()
+    service.handle("POST", "/select_and_reserve", "", HEADERS, body, now=2.0)
+    pool = next(iter(service.pools.values()))
+    booking = pool.tracker.bookings["j"]
+    best = float("inf")
+    for _ in range(5):
+        journal.ops.clear()
+        started = time.perf_counter()
+        for _ in range(count):
+            journal.booked(pool.key, booking)
+        best = min(best, (time.perf_counter() - started) / count)
+    return best * 1e6
+
+
 def _percentiles(samples: list[float]) -> tuple[float, float]:
     ordered = sorted(samples)
     return ordered[len(ordered) // 2] * 1e6, ordered[int(len(ordered) * 0.99)] * 1e6
@@ -146,6 +165,7 @@ def main() -> None:
     for name, rate in rates.items():
         print(f"  in process, {name:<18} {rate:>9,.0f} pairs/s  {1e6 / rate:6.1f} µs/pair"
               f"  (+{1e6 / rate - 1e6 / base:.1f} µs)")
+    print(f"  journaling one booking (encode, rank key, queue): {journal_cost(args.pairs):.1f} µs")
     with tempfile.TemporaryDirectory() as folder:
         server = LedgerServer(Path(folder), persistent=False).start()
         try:
