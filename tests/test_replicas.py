@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import zmq
 from ledger_server import LedgerServer
 from test_http import Server, read_response, request
@@ -24,6 +25,7 @@ from test_subscriptions import device_blocks, free_port, http, vllm_batch
 from test_subscriptions import wait_for as subscriptions_wait
 
 from selection_proto import block_hashes
+from selection_proto.cli import main
 
 WORKER = {"model_name": "m", "endpoint": "http://w", "block_size": 4}
 PROMPT = {"model_name": "m", "token_ids": list(range(16))}
@@ -314,3 +316,38 @@ def test_processes_stop_with_their_supervisor(ledger: LedgerServer) -> None:
         if proc.poll() is None:
             proc.kill()
     assert sum('"event":"supervisor_gone"' in line for line in logs) == 2
+
+
+@pytest.mark.parametrize(("args", "error"), [
+    (["--processes", "0"], "--processes: must be between 1 and 64, not 0"),
+    (["--ledger", "redis://x", "--processes", "2", "--snapshot", "s.json"],
+     "--snapshot with --processes above 1: the ledger holds the shared state"),
+    (["--ledger", "redis://x", "--admission", "eager"],
+     "--admission: invalid choice 'eager' (choose from advisory, strict)"),
+    (["--ledger", "redis://x", "--ledger-failure", "maybe"],
+     "--ledger-failure: invalid choice 'maybe' (choose from open, closed)"),
+    (["--ledger", "redis://x", "--ledger-batch", "0"], "--ledger-batch: must be a positive integer, not 0"),
+    (["--ledger", "redis://x", "--ledger-free-grace-secs", "nan"],
+     "--ledger-free-grace-secs: must be above 0 and at most 600, not nan"),
+    (["--ledger", "redis://x", "--ledger-scope", "a{b}"],
+     "--ledger-scope: expected 1-128 printable characters without braces, not 'a{b}'"),
+    (["--ledger", "redis://x", "--advertise-url", "ftp://x"], "--advertise-url: expected an http:// URL, not 'ftp://x'"),
+])
+def test_ledger_settings_are_checked_before_anything_starts(args: list[str], error: str,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", *args], env={}) == 2
+    assert capsys.readouterr().err.strip() == f"selection-proto: error: {error}"
+
+
+def test_a_process_that_dies_is_started_again(ledger: LedgerServer) -> None:
+    proc, logs = supervised(ledger)
+    try:
+        first = [int(pid) for pid in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+        os.kill(first[0], signal.SIGKILL)
+        wait_for(lambda: sum('"event":"ledger_connected"' in line for line in logs) == 3, 30, logs)
+        again = [int(pid) for pid in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+        assert len(again) == 2 and first[0] not in again and first[1] in again
+        assert any('"event":"process_exited"' in line and '"code":-9' in line for line in logs)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
