@@ -13,6 +13,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, NoReturn
 
+import attrs
+
 from ._version import __version__
 from .config import (
     DYNAMO_ENV,
@@ -348,8 +350,8 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     if ledger is not None and not peers and not service.catalog:
         from .transports.ledger import registry_peers
 
-        # A replica starts warm: its index from a live peer's /dump (its catalog and bookings
-        # come from the ledger); the server listens only once that is done.
+        # A replica starts warm: its index from a live peer's /dump; its catalog and bookings
+        # come from the ledger.
         peers = ",".join(registry_peers(ledger.url, ledger.scope))
     if peers:
         from .transports.peers import recover_from_peers
@@ -357,15 +359,13 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         timeout = transport_value(args, env, "indexer_peer_timeout_secs", TRANSPORT["indexer_peer_timeout_secs"], float)
         if not timeout > 0 or timeout == float("inf"):
             raise UsageError("--indexer-peer-timeout-secs: must be a finite number greater than 0")
+        listed = tuple(p.strip() for p in peers.split(",") if p.strip())
         if service.catalog:  # restored from --restore or --snapshot: that state is kept
             log("info", "peers_not_asked", detail="state restored from a file at start")
+        elif ledger is not None:  # warmed while serving, /ready 503 `index: warming` meanwhile
+            config.ledger = attrs.evolve(ledger, warm_from=listed, warm_timeout_secs=timeout)
         else:
-            if service.ledger is not None:
-                service.ledger.journal.muted = True  # the peer's catalog is the ledger's already
-            anyio.run(recover_from_peers, service, [p.strip() for p in peers.split(",") if p.strip()],
-                      timeout, backend=backend)
-            if service.ledger is not None:
-                service.ledger.journal.muted = False
+            anyio.run(recover_from_peers, service, listed, timeout, backend=backend)
     try:
         anyio.run(serve, service, config, backend=backend)
     except RuntimeError as exc:

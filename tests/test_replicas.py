@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -271,7 +272,7 @@ def test_a_starting_replica_fills_its_index_from_a_registered_peer(ledger: Ledge
         assert device_blocks(a.port) == {1: 2}
         wait_for(lambda: ledger.client().hlen("sp:{default}:replicas") == 1)
         b = Server("--ledger", ledger.url)
-        assert call(b, "GET", "/ready")[1]["recovered_from"] == f"http://127.0.0.1:{a.port}"
+        wait_for(lambda: call(b, "GET", "/ready")[1].get("recovered_from") == f"http://127.0.0.1:{a.port}")
         assert device_blocks(b.port) == {1: 2}
         assert [w["worker_id"] for w in call(b, "GET", "/workers")[1]] == [1]
     finally:
@@ -351,3 +352,22 @@ def test_a_process_that_dies_is_started_again(ledger: LedgerServer) -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
+
+
+def test_ready_says_index_warming_while_a_peer_is_asked(ledger: LedgerServer) -> None:
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()  # accepts and never answers
+    peer = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    s = Server("--ledger", ledger.url, "--indexer-peers", peer, "--indexer-peer-timeout-secs", "2")
+    try:
+        status, body = call(s, "GET", "/ready")
+        assert (status, body["details"]) == (503, ["index: warming", "ledger: syncing"])
+        status, body = call(s, "POST", "/workers", {**WORKER, "worker_id": 1})
+        assert (status, body["error"]) == (503, "ledger unavailable: catalog writes need the ledger")
+        wait_for(lambda: "\nselection_proto_ledger_connected 1.0\n" in call(s, "GET", "/metrics")[1])
+        assert "details" not in call(s, "GET", "/ready")[1]  # 503 still: no worker yet
+    finally:
+        s.stop()
+        silent.close()
+    assert any('"peer_recovery_failed"' in line for line in s.logs)

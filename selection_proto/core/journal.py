@@ -89,7 +89,8 @@ class Journal:
 
     def check_catalog_write(self) -> None:
         """Catalog writes need the ledger: a catalog changed on one replica alone would diverge."""
-        if not self.connected and not self.muted:
+        # Muted outside a request: the mirror applying the ledger's own catalog, or a warm start.
+        if not self.connected and (self.in_request or not self.muted):
             raise NotReady(f"{LEDGER_DOWN}: catalog writes need the ledger")
 
     def _push(self, op: LedgerOp, sync: bool = False) -> None:

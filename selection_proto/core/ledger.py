@@ -84,6 +84,7 @@ class Ledger:
         self.cursor = b"0-0"  # its id: where the feed is read on
         self.synced = False  # a snapshot has been applied since the last connect
         self.needs_snapshot = True  # a gap, a reset or a start: the transport loads one
+        self.warming = False  # the transport fills the index from a peer before joining
         self._pools = pools
         self._catalog = catalog
         self._selector = selector
@@ -105,11 +106,13 @@ class Ledger:
 
     def ready(self) -> bool:
         """Bookings may be made: synced, unless away in open mode (local state serves)."""
-        if self.settings.failure == "closed" and not self.journal.connected:
+        if self.warming or (self.settings.failure == "closed" and not self.journal.connected):
             return False
         return self.synced or (self.epoch is not None and not self.journal.connected)
 
     def details(self) -> list[str]:
+        if self.warming:
+            return ["index: warming", "ledger: syncing"]
         if not self.journal.connected:
             return ["ledger: disconnected" if self.epoch is not None else "ledger: syncing"]
         return [] if self.synced else ["ledger: syncing"]

@@ -27,6 +27,7 @@ from ..core.streams import decode_or_error
 from ..core.wire import error_response
 from .ledger import LedgerLink
 from .logs import log, log_internal_error
+from .peers import recover_from_peers
 from .process import ProcessMetrics
 from .pump import CHUNK, flush, receive
 from .snapshots import Snapshots
@@ -53,6 +54,8 @@ class LedgerOptions:
     batch: int = 64
     feed_max: int = 1_000_000
     advertise_url: str | None = None  # this replica's URL for peers; default: the listening one
+    warm_from: tuple[str, ...] = ()  # peers whose /dump fills the index before the ledger is joined
+    warm_timeout_secs: float = 10.0
 
 
 class ServerConfig:
@@ -473,7 +476,7 @@ async def serve(service: SelectionService, config: ServerConfig,
             wildcard = config.host in ("0.0.0.0", "::", "")  # noqa: S104 - compared, not bound
             server.ledger_link.advertise = options.advertise_url or (
                 None if wildcard else f"{scheme}://{host}:{port}")
-            tg.start_soon(server.ledger_link.run)
+            tg.start_soon(_join_ledger, service, server.ledger_link, options)
         await server.pump()  # subscriptions of workers restored before the start
         forced = False
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -507,6 +510,19 @@ async def serve(service: SelectionService, config: ServerConfig,
     if server.snapshots is not None:
         server.snapshots.final()
     log("info", "stopped")
+
+
+async def _join_ledger(service: SelectionService, link: LedgerLink, options: LedgerOptions) -> None:
+    """Fill the index from a peer (while `/ready` says `index: warming`), then follow the ledger.
+    Nothing can change the catalog meanwhile: catalog writes wait for the ledger."""
+    ledger = link.ledger
+    if options.warm_from:
+        ledger.warming = ledger.journal.muted = True  # the peer's catalog is the ledger's already
+        try:
+            await recover_from_peers(service, options.warm_from, options.warm_timeout_secs)
+        finally:
+            ledger.warming = ledger.journal.muted = False
+    await link.run()
 
 
 async def _drain(server: _Server, service: SelectionService, config: ServerConfig,
