@@ -411,3 +411,20 @@ def test_output_blocks_reported_on_two_replicas_at_once_add_up(ledger: LedgerSer
             assert json.loads(ledger.client().hget("sp:{t}:out", "o")) == {a.ledger.origin: 1, b.ledger.origin: 2}
 
     run(main)
+
+
+def test_a_ledger_emptied_under_idle_replicas_is_noticed_and_refilled(ledger: LedgerServer) -> None:
+    async def main() -> None:
+        async with replicas(2, ledger.url) as (a, b):
+            await _two_workers(a)
+            await a.ok("POST", "/reservations", {**PROMPT, "worker_id": 1, "reservation_id": "kept"}, status=201)
+            await settled([a, b])
+            ledger.client().flushall()  # no connection drops: only the epoch tells
+            await until(lambda: ledger.client().hexists("sp:{t}:res", "kept"), timeout=5)
+            await settled([a, b])
+            await b.ok("DELETE", "/reservations/kept")
+            await settled([a, b])
+            assert a.loads() == b.loads() == {1: (0, 0, 0), 2: (0, 0, 0)}
+            assert sorted(ledger.client().hkeys("sp:{t}:workers")) == [b"1", b"2"]
+
+    run(main)

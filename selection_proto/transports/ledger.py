@@ -248,7 +248,12 @@ class LedgerLink:
                 await self._flush(writer)
                 continue
             if self.clock() >= next_reap:
-                await writer.script("reap", self.keys, [self.epoch, ledger.origin, REAP_LIMIT, "", self.feed_max])
+                reaped = await writer.script("reap", self.keys, [self.epoch, ledger.origin, REAP_LIMIT, "",
+                                                                 self.feed_max])
+                if reaped == -1:  # emptied under a live connection (FLUSHALL): noticed within a second
+                    ledger.reseed()
+                    await self._init(writer)
+                    continue
                 await self._register(writer)
                 next_reap = self.clock() + REAP_INTERVAL_SECS
             ledger.tick(self.clock())
