@@ -1,6 +1,6 @@
-"""Replicas sharing one booking ledger (docs/REPLICATION.md): the journal of this replica's changes,
-which the transport drains and writes like `data_to_send`, and the mirror that applies every
-replica's changes from the ledger's ordered feed with `now`.
+"""Replicas sharing one booking ledger (docs/REPLICATION.md): the mirror that applies every
+replica's changes from the ledger's ordered feed with `now`, and the answers held for the ledger.
+It owns the journal (journal.py) that the transport drains and writes like `data_to_send`.
 
 The tracker stays the one place load is counted; the ledger keeps it equal across replicas. Own
 changes are applied at once and journaled; other replicas' arrive as feed entries. A snapshot
