@@ -132,9 +132,10 @@ class Journal:
     def free_unknown(self, rid: str) -> None:
         """A free of an id this replica has not seen: its booking may still be on its way from
         another replica. Written through: the ledger frees it, or remembers the free."""
-        if self.connected:
-            self.through.add(rid)
-            self._push(LedgerOp(FREE, rid), sync=True)
+        if not self.connected:  # another replica may hold it: "not found" would be a guess
+            raise NotReady(f"{LEDGER_DOWN}: reservation {rid} may be booked on another replica")
+        self.through.add(rid)
+        self._push(LedgerOp(FREE, rid), sync=True)
 
     def worker(self, req: WorkerRequest) -> None:
         self._push(LedgerOp(WORKER, str(req.worker_id), jsonio.dumps(req.to_json())))

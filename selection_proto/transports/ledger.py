@@ -30,7 +30,7 @@ from .logs import log
 __all__ = ["LedgerLink", "open_client", "registry_peers"]
 
 BACKOFF_START: Final = 0.05
-BACKOFF_MAX: Final = 2.0
+BACKOFF_MAX: Final = 1.0  # well under the free grace: a booking held by an outage still lands in it
 READ_BLOCK_MS: Final = 1000  # a reader's wait for new entries; also how late it notices a cancel
 READ_COUNT: Final = 1000
 REAP_INTERVAL_SECS: Final = 1.0
