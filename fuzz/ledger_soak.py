@@ -47,7 +47,10 @@ def call(port: int, method: str, path: str, body: Any = None, timeout: float = 5
         while chunk := sock.recv(65536):
             raw += chunk
     head_bytes, _, payload = raw.partition(b"\r\n\r\n")
-    return int(head_bytes.split()[1]), json.loads(payload) if payload else None
+    status = int(head_bytes.split()[1])
+    if b"application/json" in head_bytes.lower():
+        return status, json.loads(payload) if payload else None
+    return status, payload.decode()
 
 
 class Replica:
@@ -184,6 +187,9 @@ def main() -> int:
             print(json.dumps({"result": "failed", "loads": loads, "ledger_bookings": left, **counts}))
             return 1
         time.sleep(0.2)
+    events = [line for r in group for line in call(r.port, "GET", "/metrics")[1].splitlines()
+              if line.startswith("selection_proto_ledger_events_total")]
+    print("\n".join(events))
     print(json.dumps({"result": "ok", "seconds": args.seconds, "still_held_at_end": len(held),
                       "lost_at_end": lost, "zero_after_secs": round(time.monotonic() - settle_started, 1),
                       **counts}))
