@@ -18,7 +18,7 @@ from . import jsonio
 from .admission import Tickets
 from .catalog import Catalog
 from .codec import from_json
-from .errors import SelectionError
+from .errors import NotFound, SelectionError
 from .journal import LEDGER_DOWN, Journal, LedgerOp, LedgerSettings
 from .ledger_wire import (
     ADD,
@@ -355,10 +355,10 @@ class Ledger:
             counts[origin] = counts.get(origin, 0) + 1
 
     def _pool_of(self, rid: str) -> Pool | None:
-        for pool in self._pools.values():
-            if rid in pool.tracker.bookings:
-                return pool
-        return None
+        try:
+            return self._selector.booked_in(rid, None, None)
+        except NotFound:
+            return None
 
     def _retract(self, rid: str, now: float) -> None:
         """Undo a booking of this replica's that the ledger did not take."""

@@ -508,7 +508,7 @@ class Selector:
                                    worker_id=rank[0], dp_rank=rank[1],
                                    endpoint=self._catalog[rank[0]].request.endpoint or "")
 
-    def _booked_in(self, rid: str, model_name: str | None, tenant_id: str | None) -> Pool:
+    def booked_in(self, rid: str, model_name: str | None, tenant_id: str | None) -> Pool:
         """The pool that holds the booking `rid` (the first in key order), or 404."""
         for key in sorted(self._pools):
             if (model_name is None or key[0] == model_name) and (tenant_id is None or key[1] == tenant_id):
@@ -521,7 +521,7 @@ class Selector:
         """One more decode block for a booking (1.6.1); the range is checked before the lookup."""
         if decay_fraction is not None and not 0.0 <= decay_fraction <= 1.0:
             raise BadRequest("decay_fraction must be between 0.0 and 1.0")
-        pool = self._booked_in(rid, None, None)
+        pool = self.booked_in(rid, None, None)
         pool.tracker.add_output_block(rid, decay_fraction)
         if self.journal is not None:
             self.journal.progressed(pool.tracker.bookings[rid], decay_fraction)
@@ -531,9 +531,9 @@ class Selector:
                        free: bool) -> Pool:
         """Prefill completion or free of a booking; its pool (both release load)."""
         try:
-            pool = self._booked_in(rid, model_name, tenant_id)
+            pool = self.booked_in(rid, model_name, tenant_id)
         except NotFound:
-            if free and self.journal is not None:
+            if free and self.journal is not None and len(rid) <= self._settings.max_id_length:
                 self.journal.free_unknown(rid)  # its booking may be on its way from a replica
             raise
         booking = pool.free(rid, now) if free else pool.tracker.bookings[rid]
