@@ -111,3 +111,19 @@ def test_multimodal_prompt_blocks_match_1_6_1() -> None:
         -4983250488678060218, -1204099627517821879]
     assert booked("c", token_ids=[1, 2, 3, 4], mm_routing_info=MmRoutingInfo(routing_token_ids=[])) == (
         [-3803038269031200164], 4)
+
+
+@pytest.mark.parametrize("blocks", [1, 63, 64, 65, 127, 128, 200, 8192 + 3])
+@pytest.mark.parametrize("bs", [1, 3, 16])
+def test_blocks_cut_in_groups_hash_as_one_by_one(blocks: int, bs: int) -> None:
+    """Blocks are cut out of the packed prompt many at a time: every count, around the group
+    size and with a partial tail, hashes as block-by-block slicing does."""
+    import random
+    import struct
+
+    rng = random.Random(blocks * 31 + bs)
+    tokens = [rng.randrange(2**32) for _ in range(blocks * bs + bs // 2)]
+    packed = struct.pack(f"<{len(tokens)}I", *tokens)
+    step = bs * 4
+    expected = [hash64(packed[i * step:(i + 1) * step], 1337) for i in range(blocks)]
+    assert block_hashes(tokens, bs) == expected

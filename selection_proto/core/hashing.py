@@ -10,9 +10,9 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
-from collections.abc import Iterable, Mapping, Sequence
-from itertools import repeat
-from operator import itemgetter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from functools import lru_cache
+from itertools import chain, repeat
 
 from xxhash import xxh3_64_intdigest
 
@@ -23,7 +23,9 @@ U64 = 0xFFFFFFFFFFFFFFFF
 _LITTLE = sys.byteorder == "little"
 _pack_pair = struct.Struct("<QQ").pack
 _pack_u64 = struct.Struct("<Q").pack
-_first = itemgetter(0)
+# Blocks are cut out of the packed prompt this many at a time, by one `Struct` of as many byte
+# strings: no tuple per block, which makes cutting three times faster than one block per step.
+_GROUP = 64
 
 
 def hash64(data: bytes | bytearray | memoryview, seed: int = 0) -> int:
@@ -52,9 +54,9 @@ def pack_tokens(tokens: Iterable[int]) -> array[int]:
     return packed
 
 
-def _le_bytes(packed: array[int]) -> bytes:
+def _le_bytes(packed: array[int]) -> bytes | memoryview:
     if _LITTLE:
-        return packed.tobytes()
+        return memoryview(packed).cast("B")  # no copy
     swapped = array("I", packed)  # pragma: no cover - big-endian hosts only
     swapped.byteswap()  # pragma: no cover
     return swapped.tobytes()  # pragma: no cover
@@ -86,14 +88,26 @@ def block_hashes(
     view = memoryview(_le_bytes(pack_tokens(tokens)))
     step = block_size * 4
     if not is_eagle:
-        n = count // block_size
-        # iter_unpack cuts the blocks in C: a third faster than slicing in a comprehension.
-        chunks = map(_first, struct.iter_unpack(f"{step}s", view[: n * step]))
-        return list(map(xxh3_64_intdigest, chunks, repeat(k)))
+        return list(map(xxh3_64_intdigest, _blocks(view, step, count // block_size), repeat(k)))
     # Eagle windows overlap by one token: bs+1 tokens, stepping bs.
     n = (count - 1) // block_size if count else 0
     width = step + 4
     return [xxh3_64_intdigest(view[i : i + width], k) for i in range(0, n * step, step)]
+
+
+@lru_cache(maxsize=256)
+def _cutter(step: int, count: int) -> struct.Struct:
+    """A `Struct` that cuts `count` blocks of `step` bytes (cached: block sizes are few)."""
+    return struct.Struct(f"{step}s" * count)
+
+
+def _blocks(view: memoryview, step: int, n: int) -> Iterator[bytes]:
+    """The first `n` blocks of `step` bytes of `view`, as byte strings."""
+    whole = n - n % _GROUP
+    groups = _cutter(step, _GROUP).iter_unpack(view[: whole * step]) if whole else ()
+    rest = n - whole
+    tail = _cutter(step, rest).unpack(view[whole * step: n * step]) if rest else ()
+    return chain(chain.from_iterable(groups), tail)
 
 
 def sequence_hashes(blocks: Sequence[int], seed: int = XXH_SEED) -> list[int]:
@@ -111,5 +125,5 @@ def sequence_hashes(blocks: Sequence[int], seed: int = XXH_SEED) -> list[int]:
 
 def multimodal_block_hash(window: Sequence[int], mm_hashes: Iterable[int], seed: int) -> int:
     """Local hash of a block carrying multimodal hashes (core.md §5.1, events only)."""
-    data = _le_bytes(pack_tokens(list(window))) + b"".join(_pack_u64(h) for h in sorted(mm_hashes))
+    data = b"".join((_le_bytes(pack_tokens(list(window))), *map(_pack_u64, sorted(mm_hashes))))
     return xxh3_64_intdigest(data, seed)
