@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+from operator import itemgetter
 from typing import Final, NamedTuple
 
 from .index import Rank
@@ -16,6 +17,8 @@ from .settings import Settings, resolve_weights
 from .types import RouterConfigOverride, SelectRequest
 
 __all__ = [
+    "DEVICE",
+    "LOGIT",
     "NO_OVERRIDE",
     "Estimates",
     "Scored",
@@ -46,6 +49,10 @@ class Scored(NamedTuple):
     disk_ext: int
     effective: float
     cached: int
+
+
+LOGIT: Final = itemgetter(1)  # Scored.logit, for map()
+DEVICE: Final = itemgetter(4)  # Scored.device
 
 
 def effective_blocks(device: int, host: int, disk: int, s: Settings) -> float:
@@ -110,6 +117,9 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
         query_blocks = max(1, math.ceil(isl / bs))
     preferred = req.routing_constraints.preferred_taints
     floor = math.floor
+    new_blocks = prompt.new_blocks
+    fresh = -1  # the prompt's new blocks on a rank holding none: the same for every such rank
+    make = tuple.__new__  # a Scored without the Python-level __new__ of a NamedTuple
     scored: list[Scored] = []
     append = scored.append
     for r in candidates:
@@ -128,17 +138,23 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
                            / query_blocks)
         credit_blocks = credit * decay * d + w_host * h + w_disk * k
         extra = load.extra  # output blocks and decayed prompt blocks (tracker.py)
-        decode_blocks = floor(len(load.unique) + extra + 0.5) if extra else len(load.unique)
+        unique = load.unique
+        decode_blocks = floor(len(unique) + extra + 0.5) if extra else len(unique)
         if track_blocks:
-            decode_blocks += prompt.new_blocks(load)
+            if unique:
+                decode_blocks += new_blocks(load)
+            else:
+                if fresh < 0:
+                    fresh = new_blocks(load)
+                decode_blocks += fresh
         excess = raw_prefill_blocks - credit_blocks
         logit = scale * (excess if excess > 0.0 else 0.0) + decode_blocks + w_req * load.requests
         if preferred:
             taints = state.taints[r[0]]
             weight = sum(w for t, w in preferred.items() if t in taints)
             logit *= math.exp(-math.tanh(weight))
-        append(Scored(r, logit, active_prefill + (new_prefill if track else 0),
-                       decode_blocks, d, h, k, effective, cached))
+        append(make(Scored, (r, logit, active_prefill + (new_prefill if track else 0),
+                             decode_blocks, d, h, k, effective, cached)))
     return scored
 
 
@@ -147,17 +163,17 @@ def choose(state: Pool, scored: list[Scored], temperature: float, rng: random.Ra
     at random), else a softmax draw over the costs (core.md §9.6)."""
     if len(scored) == 1:
         return scored[0]
-    lo = min(c.logit for c in scored)
-    hi = max(c.logit for c in scored)
+    logits = list(map(LOGIT, scored))
+    lo = min(logits)
+    hi = max(logits)
     spread = (hi - lo) * temperature
     if temperature == 0 or (lo != hi and not spread > 0):
         # A temperature so small that the spread underflows to zero degrades to the
         # minimum-cost rule instead of dividing by zero (an infinite spread is uniform).
-        best = lo
-        tied = [c for c in scored if c.logit == best]
+        tied = [c for c, logit in zip(scored, logits, strict=True) if logit == lo]
         if len(tied) > 1:
-            tree = state.index.device
-            sizes = [tree.size(c.rank) for c in tied]
+            size = state.index.device.size
+            sizes = [size(c.rank) for c in tied]
             smallest = min(sizes)
             tied = [c for c, size in zip(tied, sizes, strict=True) if size == smallest]
         if len(tied) == 1:

@@ -19,6 +19,7 @@ import attrs
 from .admission import QueuedSelection, Tickets, order_key
 from .catalog import Catalog
 from .cost import (
+    DEVICE,
     Estimates,
     assumes_kv_reuse,
     cached_tokens,
@@ -275,7 +276,7 @@ class Selector:
                 chosen.rank, prompt, chosen.cached, track, reuse, req.expected_output_tokens, session,
                 now, entry_size(pool.key, req.selection_id, prompt, req.lora_name, session)), now)
         self._metrics.selected(pool.key, chosen.cached / prompt.isl if prompt.isl > 0 else None,
-                               chosen.device < max(c.device for c in scored))
+                               chosen.device < max(map(DEVICE, scored)))
         if self.log_decisions:
             self._outbox.append(Notice("selection", (
                 ("model_name", req.model_name), ("tenant_id", req.tenant_id), ("worker_id", chosen.rank[0]),
