@@ -5,8 +5,11 @@ server answering `200 {}` (the ceiling of h11 on anyio).
     python bench/http_load.py [--reference-python /path/to/venv/bin/python] [--seconds 5] [--servers ours,bare_h11] [--rounds 3]
         [--compare-tree /path/to/worktree-of-an-earlier-commit]
 
-The row `ours_msgpack` is our server again, sent `application/msgpack` bodies whose `token_ids`
-is a bin of little-endian u32 (docs/DECISIONS.md, "Binary prompts"). `ours_ledger` is one process
+The row `sansio_h11` is our Sans-IO connection on the bare server's loop (bench/sansio_h11.py).
+A second table gives each server's CPU time per request (user + system, all its processes, from
+/proc): less noisy than throughput on a shared machine; its column `transport` is what our
+transport costs a request beyond the Sans-IO work (ours - sansio_h11). The row `ours_msgpack` is our server again, sent
+`application/msgpack` bodies whose `token_ids` is a bin of little-endian u32 (docs/DECISIONS.md, "Binary prompts"). `ours_ledger` is one process
 sharing bookings through a redis-server ledger, `ours_processes2` two processes on one port
 (`--processes 2`) sharing it (docs/REPLICATION.md), `ours_processes2_msgpack` the same sent msgpack
 bodies; pass them in `--servers`.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import socket
@@ -64,7 +68,25 @@ def register(port: int, tenant_field: str) -> None:
                                 "kv_events_endpoint": f"tcp://127.0.0.1:{41000 + w}"})
 
 
-def wrk(port: int, tokens: int, connections: int, seconds: int, msgpack_bin: bool = False) -> float:
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of `pid` and its children that are alive (--processes)."""
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(entry) == pid or int(fields[1]) == pid:  # fields[1]: the parent's pid
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def wrk(port: int, tokens: int, connections: int, seconds: int, msgpack_bin: bool = False,
+        pid: int | None = None) -> tuple[float, float]:
+    """Requests per second, and the server's CPU microseconds per request (nan without `pid`)."""
     import msgpack
 
     token_ids = prompts(tokens, 1)[0]
@@ -79,6 +101,7 @@ def wrk(port: int, tokens: int, connections: int, seconds: int, msgpack_bin: boo
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
         script.write(f'wrk.method = "POST"\nwrk.headers["Content-Type"] = "{media}"\n'
                      f'local f = io.open("{data.name}", "rb")\nwrk.body = f:read("*all")\nf:close()\n')
+    cpu_before = cpu_seconds(pid) if pid is not None else math.nan
     out = subprocess.run(["wrk", "-t", str(min(connections, 2)), "-c", str(connections), "-d", f"{seconds}s",
                           "-s", script.name, f"http://127.0.0.1:{port}/select"],
                          capture_output=True, text=True, check=True).stdout
@@ -89,7 +112,10 @@ def wrk(port: int, tokens: int, connections: int, seconds: int, msgpack_bin: boo
     if errors:
         raise RuntimeError(f"{errors.group(1)} non-2xx answers:\n{out}")
     assert match, out
-    return float(match.group(1))
+    requests = re.search(r"(\d+) requests in", out)
+    assert requests, out
+    cpu = cpu_seconds(pid) - cpu_before if pid is not None else math.nan
+    return float(match.group(1)), 1e6 * cpu / int(requests.group(1))
 
 
 def start(cmd: list[str], port: int, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
@@ -102,7 +128,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reference-python", default=os.environ.get("REFERENCE_PYTHON"))
     parser.add_argument("--seconds", type=int, default=5)
-    parser.add_argument("--servers", default="ours,ours_msgpack,reference,bare_h11",
+    parser.add_argument("--servers", default="ours,ours_msgpack,reference,bare_h11,sansio_h11",
                         help="comma-separated subset to measure (ours is always measured)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="measure every server this many times, alternating; report medians")
@@ -112,12 +138,14 @@ def main() -> None:
     args = parser.parse_args()
     wanted = {"ours", *args.servers.split(","), *(f"ours@{t}" for t in args.compare_tree)}
     samples: dict[str, dict[tuple[int, int], list[float]]] = {}
+    cpus: dict[str, dict[tuple[int, int], list[float]]] = {}  # server CPU microseconds per request
     servers: list[tuple[str, list[str], dict[str, str] | None, str | None]] = [
         ("ours", [sys.executable, "-m", "selection_proto", "serve", "--kv-events", "push",
                   "--log-level", "warning", "--port"], None, "tenant_id"),
         ("ours_msgpack", [sys.executable, "-m", "selection_proto", "serve", "--kv-events", "push",
                           "--log-level", "warning", "--port"], None, "tenant_id"),
         ("bare_h11", [sys.executable, os.path.join(HERE, "bare_h11.py")], None, None),
+        ("sansio_h11", [sys.executable, os.path.join(HERE, "sansio_h11.py")], None, "tenant_id"),
     ]
     for tree in args.compare_tree:
         servers.insert(1, (f"ours@{tree}", servers[0][1], {**os.environ, "PYTHONPATH": tree}, "tenant_id"))
@@ -147,8 +175,10 @@ def main() -> None:
                     register(port, tenant_field)
                 for tokens in (1024, 16384):
                     for connections in (1, 8, 64):
-                        rate = wrk(port, tokens, connections, args.seconds, msgpack_bin=name.endswith("msgpack"))
+                        rate, cpu = wrk(port, tokens, connections, args.seconds,
+                                        msgpack_bin=name.endswith("msgpack"), pid=proc.pid)
                         samples.setdefault(name, {}).setdefault((tokens, connections), []).append(rate)
+                        cpus.setdefault(name, {}).setdefault((tokens, connections), []).append(cpu)
             finally:
                 proc.terminate()
                 proc.wait(timeout=30)
@@ -156,8 +186,12 @@ def main() -> None:
         ledger.kill()
     rows = {name: {case: statistics.median(rates) for case, rates in cases.items()}
             for name, cases in samples.items()}
+    cpu_rows = {name: {case: statistics.median(values) for case, values in cases.items()}
+                for name, cases in cpus.items()}
     widths = {n: max(12, len(n) + 2) for n in rows}
-    print(f"{'tokens':>7}{'conns':>6}" + "".join(f"{n:>{widths[n]}}" for n in rows) + "   ours/ref  ours/bare")
+    header = f"{'tokens':>7}{'conns':>6}" + "".join(f"{n:>{widths[n]}}" for n in rows)
+    print("requests per second")
+    print(header + "   ours/ref  ours/bare")
     for tokens in (1024, 16384):
         for connections in (1, 8, 64):
             values = [(n, rows[n][(tokens, connections)]) for n in rows]
@@ -165,8 +199,15 @@ def main() -> None:
             ref = rows.get("reference", {}).get((tokens, connections))
             bare = rows.get("bare_h11", {}).get((tokens, connections))
             print(f"{tokens:>7}{connections:>6}" + "".join(f"{v:>{widths[n]},.0f}" for n, v in values)
-                  + f"{(ours / ref if ref else float('nan')):>11.2f}{(ours / bare if bare else float('nan')):>11.2f}")
-
+                  + f"{(ours / ref if ref else math.nan):>11.2f}{(ours / bare if bare else math.nan):>11.2f}")
+    print("server CPU microseconds per request (all its processes); transport = ours - sansio_h11")
+    print(header + "  transport")
+    for tokens in (1024, 16384):
+        for connections in (1, 8, 64):
+            values = [(n, cpu_rows[n][(tokens, connections)]) for n in cpu_rows]
+            sansio = cpu_rows.get("sansio_h11", {}).get((tokens, connections), math.nan)
+            print(f"{tokens:>7}{connections:>6}" + "".join(f"{v:>{widths[n]},.1f}" for n, v in values)
+                  + f"{cpu_rows['ours'][(tokens, connections)] - sansio:>11.1f}")
 
 if __name__ == "__main__":
     main()

@@ -261,8 +261,18 @@ def test_queued_select_is_answered_when_load_frees() -> None:
 
 
 def test_trio_backend_serves_the_same_api() -> None:
-    s = Server("--backend", "trio")
+    s = Server("--backend", "trio", "--request-timeout-secs", "1", "--keep-alive-timeout-secs", "1")
     try:
+        with s.connect() as sock:  # timeouts under trio: 408, then an idle close
+            start = time.monotonic()
+            sock.sendall(b"POST /select HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\n{")
+            status, _, payload = read_response(sock, bytearray())
+            assert status == 408 and json.loads(payload) == {"error": "request timeout"}
+            assert 0.9 < time.monotonic() - start < 3
+        with s.connect() as sock:
+            start = time.monotonic()
+            assert sock.recv(10) == b""
+            assert 0.9 < time.monotonic() - start < 3
         with s.connect() as sock:
             buf = bytearray()
             sock.sendall(request("POST", "/workers", {"worker_id": 1, "endpoint": "e", "block_size": 4}))
