@@ -4,6 +4,7 @@ freshness, state budget, tracker, route table."""
 from __future__ import annotations
 
 import gc
+import json
 from typing import Any
 
 import pytest
@@ -145,6 +146,33 @@ def json_repr(value: object) -> object:
     if isinstance(value, dict):
         return {k: json_repr(v) for k, v in value.items()}
     return value
+
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False)
+    | st.text(st.sampled_from('atf"\\[]{} 1\u00e9'), max_size=6),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text("tf\"[{a", max_size=4), inner, max_size=4),
+    max_leaves=40)
+
+
+@given(_JSON_VALUES, st.sampled_from([(",", ":"), (", ", ": ")]))
+def test_the_quick_structure_look_answers_as_the_full_passes(value: object, separators: tuple[str, str]) -> None:
+    """The memchr look at a body (few strings, few brackets) and the filtering passes over all of
+    it give the same hints, also where the quick look hands over (escapes, many strings, deep
+    nesting)."""
+    for depth in (0, 40, 70):  # nested in arrays: 64 openers is where the quick look gives up
+        raw = ("[" * depth + json.dumps(value, separators=separators) + "]" * depth).encode()
+        assert jsonio.structure_hints(raw) == jsonio._structure_hints_full(raw)
+
+
+def test_the_quick_structure_look_on_request_bodies() -> None:
+    body = json.dumps({"model_name": "m", "token_ids": list(range(20000))}).encode()
+    assert jsonio.structure_hints(body) == (False, False)
+    assert jsonio.structure_hints(body.replace(b"[0,", b"[true,")) == (False, True)
+    assert jsonio.structure_hints(b'{"t": "f", "x": [[[]]]}') == (False, False)
+    assert jsonio.structure_hints(b"[" * 65 + b"]" * 65) == (True, False)
+    many = json.dumps({f"k{i}": "v" for i in range(40)} | {"z": False}).encode()  # past the quick look
+    assert jsonio.structure_hints(many) == (False, True)
 
 
 @pytest.mark.parametrize("text", [

@@ -137,9 +137,47 @@ _DROP: Final = bytes(b for b in range(256) if b not in _STRUCTURE)
 _BRACKETS_ONLY: Final = bytes(b for b in range(256) if b not in b"[]{}")
 
 
+# The quick look reads at most this many strings; a body with more gets the full passes.
+_QUICK_MAX_QUOTES: Final = 64
+
+
 def structure_hints(raw: bytes) -> tuple[bool, bool]:
-    """(may be deeper than 64 levels, may hold a `true`/`false` literal) from C-level passes over
-    `raw`, for a text that parses.
+    """(may be deeper than 64 levels, may hold a `true`/`false` literal) for a text that parses.
+
+    A request body has few strings and brackets and a long run of numbers: finding each quote,
+    bracket and `t`/`f` with single-byte searches (memchr) reads it four times faster than the
+    filtering passes of `_structure_hints_full`, whose answer this is whenever the quick look
+    cannot be sure (a backslash, many strings, many brackets)."""
+    if b"\\" in raw:
+        return _structure_hints_full(raw)
+    find = raw.find
+    bounds = [-1]
+    at = find(b'"')
+    while at != -1:
+        if len(bounds) > _QUICK_MAX_QUOTES:
+            return _structure_hints_full(raw)
+        bounds.append(at)
+        at = find(b'"', at + 1)
+    if len(bounds) % 2 == 0:  # an odd number of quotes: not JSON
+        return _structure_hints_full(raw)
+    bounds.append(len(raw))
+    bools = False
+    openers = 0
+    for k in range(0, len(bounds), 2):  # the stretches outside strings
+        start, end = bounds[k] + 1, bounds[k + 1]
+        bools = bools or find(b"t", start, end) != -1 or find(b"f", start, end) != -1
+        for opener in (b"[", b"{"):
+            at = find(opener, start, end)
+            while at != -1:
+                openers += 1
+                if openers > MAX_DEPTH:  # deep nesting is possible: the full passes measure it
+                    return _structure_hints_full(raw)
+                at = find(opener, at + 1, end)
+    return False, bools
+
+
+def _structure_hints_full(raw: bytes) -> tuple[bool, bool]:
+    """`structure_hints` from C-level passes over all of `raw`.
 
     Outside strings, a literal bool is a `t` or `f`, and the brackets nest as the values do.
     Quote parity finds "outside" unless a backslash could escape a quote; then both answers are
