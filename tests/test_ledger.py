@@ -13,7 +13,7 @@ from typing import Any
 import anyio
 import pytest
 from conftest import Client
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from ledger_server import LedgerServer
 from replicas import WORKER, park, replicas, settled, unpark, until
@@ -325,6 +325,18 @@ def shared_ledger(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LedgerSe
 @settings(max_examples=int(os.environ.get("LEDGER_EXAMPLES", "25")), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=_OPS)
+# Issue 24: a retried free answers 404, and the id booked again stays counted, on one replica and
+# across two (booked on A, freed on B, the free retried on A, booked again on B).
+@example(ops=[("book", 0, 0, 1, 1, False), ("free", 0, 0, 1, 1, False), ("free", 0, 0, 1, 1, False),
+              ("book", 0, 0, 1, 1, False), ("output", 0, 0, 1, 1, False)])
+@example(ops=[("book", 0, 0, 1, 1, False), ("free", 1, 0, 1, 1, False), ("free", 0, 0, 1, 1, False),
+              ("book", 1, 0, 2, 1, False), ("prefill", 2, 0, 1, 1, False)])
+# The same, the retry and the new booking made before the free reached the ledger.
+@example(ops=[("book", 0, 0, 1, 1, False), ("free", 1, 0, 1, 1, True), ("free", 0, 0, 1, 1, True),
+              ("book", 2, 0, 2, 2, True), ("output", 2, 0, 1, 1, False)])
+# Freed and booked again on A while B still held the first booking: B's op went to the first.
+@example(ops=[("book", 0, 1, 1, 1, False), ("free", 0, 1, 1, 1, True), ("book", 0, 1, 1, 1, True),
+              ("prefill", 1, 1, 1, 1, False)])
 def test_random_operations_over_replicas_end_in_the_loads_of_one_process(
         shared_ledger: LedgerServer, ops: list[tuple[str, int, int, int, int, bool]]) -> None:
     """Each op goes to one of three replicas, mostly one at a time, sometimes several before the
@@ -338,7 +350,8 @@ def test_random_operations_over_replicas_end_in_the_loads_of_one_process(
                 await group[0].ok("POST", "/workers", {**WORKER, "worker_id": worker_id}, status=201)
                 model.ok("POST", "/workers", {**WORKER, "worker_id": worker_id}, status=201)
             await settled(group)
-            retired: dict[str, int] = {}  # id -> the replica that freed it, since the last settle
+            calm = True
+            fresh: dict[str, int] = {}  # id -> the replica that booked it since the last settle
             for kind, replica, rid_number, worker_id, blocks, burst in ops:
                 rid = f"r{rid_number}"
                 method, path, body = {
@@ -349,21 +362,27 @@ def test_random_operations_over_replicas_end_in_the_loads_of_one_process(
                     "free": ("DELETE", f"/reservations/{rid}", None),
                 }[kind]
                 live = any(rid in pool.tracker.bookings for pool in model.service.pools.values())
-                if kind == "book" and (live or retired.get(rid, replica) != replica):
-                    # Ids are unique while live (as in Dynamo), and one freed on another replica
-                    # may be booked again once its free has reached the ledger: not before.
+                if kind == "book" and live:
+                    continue  # ids are unique while live (as in Dynamo); once freed, any replica reuses them
+                if fresh.get(rid, replica) != replica:
+                    # Booked again moments ago elsewhere: this replica can only act on the booking
+                    # it has seen, which one process cannot model (it has no "moments ago").
                     continue
                 status, _ = await group[replica].call(method, path, body)
-                if status < 300 and kind == "free":
-                    retired[rid] = replica
-                if status < 300:
+                if kind == "book" and status < 300:
+                    fresh[rid] = replica
+                if calm:  # every replica has seen every change: it answers as one process does
+                    got, _ = model.call(method, path, body)
+                    assert got == status, (kind, rid)
+                elif status < 300:
                     got, _ = model.call(method, path, body)
                     # A replica may act on a booking another one has just freed (a burst): the
                     # ledger's order then makes it a no-op, and the model has nothing to do.
                     assert got == status or (got == 404 and kind != "book")
-                if not burst:
+                calm = not burst
+                if calm:
                     await settled(group)
-                    retired.clear()
+                    fresh.clear()
             await settled(group)
             expected = {rank[0]: (load.requests, load.prefill_tokens, load.decode_blocks())
                         for pool in model.service.pools.values() for rank, load in pool.tracker.loads.items()}
@@ -426,5 +445,190 @@ def test_a_ledger_emptied_under_idle_replicas_is_noticed_and_refilled(ledger: Le
             await settled([a, b])
             assert a.loads() == b.loads() == {1: (0, 0, 0), 2: (0, 0, 0)}
             assert sorted(ledger.client().hkeys("sp:{t}:workers")) == [b"1", b"2"]
+
+    run(main)
+
+
+# -- the contract: a booking answered 2xx stays counted until a free sent after that answer ----------
+
+def _workers_json(r: Any) -> list[dict[str, Any]]:
+    return [w.to_json() for w in r.service.list_workers()]
+
+
+def test_a_retried_free_answers_404_and_the_id_booked_again_stays_counted(ledger: LedgerServer) -> None:
+    """One replica, as a client with retries would drive it (issue 24's curl session)."""
+    async def main() -> None:
+        async with replicas(1, ledger.url) as (a,):
+            await _two_workers(a)
+            booking = {**PROMPT, "worker_id": 1, "reservation_id": "r0"}
+            await a.ok("POST", "/reservations", booking, status=201)
+            await a.ok("DELETE", "/reservations/r0")
+            assert await a.call("DELETE", "/reservations/r0") == (404, {"error": "reservation r0 not found"})
+            await a.ok("POST", "/reservations", booking, status=201)
+            await settled([a])
+            # The same retry once the replica's own free has come back through the feed.
+            assert await a.call("DELETE", "/reservations/nothing-here") == (
+                404, {"error": "reservation nothing-here not found"})
+            await anyio.sleep(a.ledger.settings.free_grace_secs + 0.2)  # past any remembered free
+            await settled([a])
+            assert a.loads()[1] == (1, 16, 4)
+            assert ledger.client().hexists("sp:{t}:res", "r0")
+            await a.ok("DELETE", "/reservations/r0")
+            await settled([a])
+            assert a.loads()[1] == (0, 0, 0)
+
+    run(main)
+
+
+@pytest.mark.parametrize("retry_before_the_feed", [False, True])
+def test_a_free_retried_on_another_replica_does_not_take_back_the_id_booked_again(
+        ledger: LedgerServer, retry_before_the_feed: bool) -> None:
+    """Booked on A, freed on B, the free retried on A, booked again on B: the new booking stays
+    counted on both. With `retry_before_the_feed`, A still holds the first booking when the retry
+    comes (it has not read B's free): it frees it again, and the ledger says it has ended."""
+    async def main() -> None:
+        async with replicas(2, ledger.url) as (a, b):
+            await _two_workers(a)
+            await settled([a, b])
+            booking = {**PROMPT, "worker_id": 2, "reservation_id": "r"}
+            await a.ok("POST", "/reservations", booking, status=201)
+            await settled([a, b])
+            if retry_before_the_feed:
+                await park([a], via=b)
+            await b.ok("DELETE", "/reservations/r")
+            if retry_before_the_feed:
+                await until(lambda: not ledger.client().hexists("sp:{t}:res", "r"))
+                await a.ok("DELETE", "/reservations/r")  # A held it: one process would say 200 too
+                unpark([a])
+            else:
+                await settled([a, b])
+                assert await a.call("DELETE", "/reservations/r") == (404, {"error": "reservation r not found"})
+            await b.ok("POST", "/reservations", booking, status=201)
+            await settled([a, b])
+            await anyio.sleep(b.ledger.settings.free_grace_secs + 0.2)
+            await settled([a, b])
+            assert a.loads()[2] == b.loads()[2] == (1, 16, 4)
+            assert await b.call("DELETE", "/reservations/r") == (200, {"status": "ok"})
+            await settled([a, b])
+            assert a.loads()[2] == b.loads()[2] == (0, 0, 0)
+            assert await a.call("DELETE", "/reservations/r") == (404, {"error": "reservation r not found"})
+
+    run(main)
+
+
+def test_a_retried_free_unknown_to_the_replica_is_answered_404_by_the_ledger(ledger: LedgerServer) -> None:
+    """A replica started after the booking ended knows nothing of it: the ledger remembers that
+    it ended, so the retry answers 404 at once, not after the grace, and leaves no tombstone."""
+    async def main() -> None:
+        async with replicas(2, ledger.url) as (a, b):
+            await _two_workers(a)
+            await settled([a, b])
+            await a.ok("POST", "/reservations", {**PROMPT, "worker_id": 1, "reservation_id": "old"}, status=201)
+            await a.ok("DELETE", "/reservations/old")
+            await settled([a, b])
+            b.ledger.journal.ended.clear()  # as a replica restarted since
+            started = time.monotonic()
+            assert await b.call("DELETE", "/reservations/old") == (404, {"error": "reservation old not found"})
+            assert time.monotonic() - started < b.ledger.settings.free_grace_secs
+            assert ledger.client().zscore("sp:{t}:tomb", "old") is None
+            await a.ok("POST", "/reservations", {**PROMPT, "worker_id": 1, "reservation_id": "old"}, status=201)
+            await settled([a, b])
+            assert a.loads()[1] == b.loads()[1] == (1, 16, 4)
+
+    run(main)
+
+
+def test_an_early_free_refuses_only_the_booking_it_raced_not_one_made_after_it(ledger: LedgerServer) -> None:
+    """The early free's tombstone is fenced by its place in the feed: A's booking, made before A
+    saw the free, is refused (the held free answers 200); the id booked again after is kept, even
+    while the tombstone's time has not run out."""
+    async def main() -> None:
+        async with replicas(2, ledger.url, ledger=LedgerSettings(free_grace_secs=3.0)) as (a, b):
+            await _two_workers(a)
+            await settled([a, b])
+            a.link.held_writes = True
+            booking = {**PROMPT, "worker_id": 1, "reservation_id": "race"}
+            await a.ok("POST", "/reservations", booking, status=201)
+            ticket = b.send("DELETE", "/reservations/race")
+            assert isinstance(ticket, int)
+            await until(lambda: ledger.client().zscore("sp:{t}:tomb", "race") is not None)
+            a.link.held_writes = False
+            a.link.poke()
+            assert await b.answer(ticket) == (200, {"status": "ok"})
+            await settled([a, b])
+            assert a.loads()[1] == b.loads()[1] == (0, 0, 0)
+            # Booked again at once, on either replica: made after the free, it stands.
+            await b.ok("POST", "/reservations", booking, status=201)
+            await settled([a, b])
+            assert a.loads()[1] == b.loads()[1] == (1, 16, 4)
+            assert await a.call("DELETE", "/reservations/race") == (200, {"status": "ok"})
+            await settled([a, b])
+            # A tombstone still running does not refuse a booking made after its free was seen.
+            ticket = a.send("DELETE", "/reservations/later")
+            assert isinstance(ticket, int)
+            await until(lambda: ledger.client().zscore("sp:{t}:tomb", "later") is not None)
+            await settled([a, b])
+            await b.ok("POST", "/reservations", {**booking, "reservation_id": "later"}, status=201)
+            await settled([a, b])
+            assert a.loads()[1] == b.loads()[1] == (1, 16, 4)
+            assert await a.answer(ticket) == (404, {"error": "reservation later not found"})
+            await settled([a, b])
+            assert a.loads()[1] == b.loads()[1] == (1, 16, 4)
+
+    run(main)
+
+
+def test_after_the_ledger_comes_back_empty_every_catalog_is_the_same_deleted_workers_included(
+        ledger: LedgerServer) -> None:
+    async def main() -> None:
+        async with replicas(2, ledger.url) as (a, b):
+            await _two_workers(a)
+            await a.ok("POST", "/workers", {**WORKER, "worker_id": 3}, status=201)
+            await settled([a, b])
+            await a.ok("DELETE", "/workers/2")
+            await settled([a, b])
+            assert _workers_json(a) == _workers_json(b)
+            ledger.wipe()
+            ledger.start()
+            await settled([a, b], timeout=10)
+            await a.ok("DELETE", "/workers/3")
+            await settled([a, b])
+            assert [w["lifecycle"] for w in _workers_json(a)] == ["schedulable", "unschedulable", "unschedulable"]
+            assert _workers_json(a) == _workers_json(b)
+        # A replica that starts now learns the deleted ones too.
+        async with replicas(1, ledger.url) as (c,):
+            await settled([c])
+            assert _workers_json(c) == _workers_json(a)
+
+    run(main)
+
+
+def test_an_id_booked_again_before_its_free_reached_the_ledger_waits_and_then_counts(
+        ledger: LedgerServer) -> None:
+    """A frees r (still in its journal) and B at once books r anew: the ledger holds B's booking
+    behind A's until A's free arrives, then starts it with what B reported meanwhile."""
+    async def main() -> None:
+        async with replicas(2, ledger.url) as (a, b):
+            await _two_workers(a)
+            booking = {**PROMPT, "worker_id": 1, "reservation_id": "r"}
+            await a.ok("POST", "/reservations", booking, status=201)
+            await settled([a, b])
+            a.link.held_writes = True
+            await a.ok("DELETE", "/reservations/r")
+            await settled([b])  # B never saw the free: it still mirrors A's booking
+            assert b.loads()[1] == (1, 16, 4)
+            # The client's free was answered: it books the id again, on B.
+            await b.ok("POST", "/reservations", {**booking, "worker_id": 2}, status=201)
+            await b.ok("POST", "/reservations/r/prefill_complete")
+            await until(lambda: ledger.client().hexists("sp:{t}:wait", "r"))
+            assert ledger.client().hget("sp:{t}:owner", "r") == a.ledger.origin.encode()
+            a.link.held_writes = False
+            a.link.poke()
+            await settled([a, b])
+            assert a.loads() == b.loads() == {1: (0, 0, 0), 2: (1, 0, 4)}
+            assert ledger.client().hget("sp:{t}:owner", "r") == b.ledger.origin.encode()
+            assert await a.call("DELETE", "/reservations/r") == (200, {"status": "ok"})
+            await settled([a, b])
+            assert a.loads() == b.loads() == {1: (0, 0, 0), 2: (0, 0, 0)}
 
     run(main)

@@ -32,7 +32,7 @@ from selection_proto.core.responses import Pending
 
 HEADERS = [("content-type", "application/json")]
 PROMPT = {"model_name": "m", "token_ids": list(range(16))}
-EMPTY = LedgerSnapshot("e", 0, b"0-0", {}, set(), {}, {}, {}, {})
+EMPTY = LedgerSnapshot("e", 0, b"0-0", {}, set(), {}, {}, {}, {}, {})
 
 
 def replica(**ledger: Any) -> tuple[SelectionService, Ledger]:
@@ -140,7 +140,7 @@ def test_a_snapshot_replaces_the_mirror_but_keeps_what_is_queued() -> None:
         {"x": encode_add(AddRecord("m", "default", 2, 0, 8, None, [1, 2])),
          "y": encode_add(AddRecord("m", "default", 1, 0, 8, None, None))},
         {"x"}, {"y": b"{\"other\": 2}"}, {rank_key("m", "default", 2, 0): 5},
-        {"3": b"not json"}, {"x": "other", "y": "other"})
+        {"3": b"not json"}, {"x": "other", "y": "other"}, {})
     mirror.load(snapshot, 3.0)
     loads = {rank[0]: (load.requests, load.prefill_tokens, load.decode_blocks())
              for pool in service.pools.values() for rank, load in pool.tracker.loads.items()}
@@ -165,7 +165,7 @@ def test_a_deleted_worker_in_a_snapshot_is_deleted_here_and_a_reset_gives_back_o
     assert [(op.kind, op.ident) for op in mirror.journal.ops] == [
         ("worker", "1"), ("worker", "2"), ("add", "r"), ("prefill", "r")]  # not theirs
     assert mirror.needs_snapshot and mirror.epoch is None
-    mirror.load(LedgerSnapshot("e2", 0, b"0-0", {}, set(), {}, {}, {"1": b""}, {}), 3.0)
+    mirror.load(LedgerSnapshot("e2", 0, b"0-0", {}, set(), {}, {}, {"1": b""}, {}, {}), 3.0)
     assert service.catalog.get(1).lifecycle == "unschedulable"
     assert active(service) == {2: 1}  # its own booking, on its way again; theirs is not in the ledger
 
@@ -216,9 +216,12 @@ def test_the_codec_reads_what_it_writes_and_refuses_the_rest() -> None:
         decode_entry(b"1-0", {b"n": b"1", b"o": b"o", b"k": b"zap", b"i": b"x", b"b": b""})
     with pytest.raises(LedgerWireError):
         decode_entry(b"1-0", {b"n": b"-1", b"o": b"o", b"k": b"free", b"i": b"x", b"b": b""})
-    assert decode_snapshot([b"e", None, None, [], [], [], [], [], [b"r", b"a"]]).owners == {"r": "a"}
+    snap = decode_snapshot([b"e", None, None, [], [], [], [], [], [b"r", b"a"], [b"r", b"b"]])
+    assert (snap.owners, snap.waiting) == ({"r": "a"}, {"r": "b"})
     with pytest.raises(LedgerWireError):
-        decode_snapshot([b"e", b"1", b"1-0", [b"odd"], [], [], [], [], []])
+        decode_snapshot([b"e", b"1", b"1-0", [b"odd"], [], [], [], [], [], []])
+    with pytest.raises(LedgerWireError):
+        decode_snapshot([b"e", b"1", b"1-0", [], [], [], [], [], []])  # an older ledger's nine parts
 
 
 def test_a_refused_bookings_free_from_the_feed_before_the_reply_still_answers_200() -> None:

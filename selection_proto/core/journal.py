@@ -14,6 +14,7 @@ from . import jsonio
 from .errors import NotReady
 from .ledger_wire import (
     ADD,
+    DELETED,
     FREE,
     PREFILL,
     PROGRESS,
@@ -31,6 +32,7 @@ __all__ = ["LEDGER_DOWN", "OUTBOX_FULL", "Journal", "LedgerOp", "LedgerSettings"
 
 LEDGER_DOWN: Final = "ledger unavailable"
 OUTBOX_FULL: Final = "ledger outbox full"
+RECENT_ENDS: Final = 65_536  # ended bookings a replica remembers (the ledger keeps as many)
 
 
 @attrs.frozen(kw_only=True)
@@ -47,17 +49,24 @@ class LedgerSettings:
 class LedgerOp:
     """One change for the ledger. `count`: for a strict booking, how many bookings this replica
     had seen made on the rank (the ledger refuses the add if there are more); for output blocks,
-    how many this replica has reported for the booking. `hold`: the ticket whose answer waits."""
+    how many this replica has reported for the booking; for a worker, 1 when it is a seed.
+    `view`: for a booking, the last feed
+    entry this replica had applied when it made it (an early free fenced after it may refuse it;
+    one fenced before it cannot). `owner`: for prefill and progress, the replica that made the
+    booking (a free names it in its body): an op never touches another booking of the same id.
+    `hold`: the ticket whose answer waits."""
 
-    __slots__ = ("kind", "ident", "body", "rank_key", "count", "hold")
+    __slots__ = ("kind", "ident", "body", "rank_key", "count", "view", "owner", "hold")
 
     def __init__(self, kind: str, ident: str, body: bytes = b"", rank_key: bytes = b"",
-                 count: int | None = None) -> None:
+                 count: int | None = None, view: int = 0, owner: bytes = b"") -> None:
         self.kind = kind
         self.ident = ident
         self.body = body
         self.rank_key = rank_key
         self.count = count
+        self.view = view
+        self.owner = owner
         self.hold: int | None = None
 
 
@@ -65,7 +74,7 @@ class Journal:
     """This replica's changes, in the order made. Muted while the mirror applies others' changes."""
 
     __slots__ = ("ops", "settings", "origin", "connected", "muted", "adds", "own", "sync", "in_request", "tries",
-                 "through")
+                 "through", "seen", "ended")
 
     def __init__(self, settings: LedgerSettings, origin: str) -> None:
         self.ops: deque[LedgerOp] = deque()
@@ -79,6 +88,11 @@ class Journal:
         self.in_request = False
         self.tries = 0  # of the strict booking being retried
         self.through: set[str] = set()  # ids freed by `free_unknown`: their feed entry applies here too
+        self.seen = 0  # the last feed entry the mirror applied
+        # Ids whose booking ended lately (freed or expired), newest last -> the feed position of
+        # the end (0 while this replica's own free is still on its way): a free of one of them
+        # is a retry and answers 404, as in one process.
+        self.ended: dict[str, int] = {}
 
     def check_booking(self) -> None:
         """Refuse a booking the ledger cannot take (closed mode while away, or a full outbox)."""
@@ -108,10 +122,14 @@ class Journal:
         strict = (self.settings.admission == "strict" and self.connected and self.in_request
                   and self.tries < self.settings.strict_tries)
         seen = self.adds.get(rk, 0) + len(self.own.get(rk, ())) if strict else None
-        self._push(LedgerOp(ADD, booking.rid, encode_add(record), rk, seen), sync=strict)
+        self.ended.pop(booking.rid, None)
+        self._push(LedgerOp(ADD, booking.rid, encode_add(record), rk, seen, self.seen), sync=strict)
 
     def prefilled(self, booking: Booking) -> None:
-        self._push(LedgerOp(PREFILL, booking.rid))
+        self._push(LedgerOp(PREFILL, booking.rid, owner=self._owner(booking)))
+
+    def _owner(self, booking: Booking) -> bytes:
+        return (booking.owner or self.origin).encode()
 
     def progressed(self, booking: Booking, decay_fraction: float | None, again: bool = False) -> None:
         """One more output block reported here (`again`: the count so far, once more). Each
@@ -122,26 +140,42 @@ class Journal:
         if not again:
             counts[self.origin] = counts.get(self.origin, 0) + 1
         count = counts.get(self.origin, 0)
-        self._push(LedgerOp(PROGRESS, booking.rid, encode_progress(count, decay_fraction), count=count))
+        self._push(LedgerOp(PROGRESS, booking.rid, encode_progress(count, decay_fraction), count=count,
+                            owner=self._owner(booking)))
 
     def freed(self, booking: Booking) -> None:
         """A free names the booking's replica: the ledger ignores it for another booking that
         reuses the id meanwhile (the free was on its way while that one was made)."""
-        self._push(LedgerOp(FREE, booking.rid, (booking.owner or self.origin).encode()))
+        self.end(booking.rid, 0)
+        self._push(LedgerOp(FREE, booking.rid, self._owner(booking)))
+
+    def end(self, rid: str, n: int) -> None:
+        """The booking `rid` ended at feed position `n` (0: here, not yet in the feed)."""
+        ended = self.ended
+        ended[rid] = max(n, ended.pop(rid, 0))
+        if len(ended) > RECENT_ENDS:
+            del ended[next(iter(ended))]
 
     def free_unknown(self, rid: str) -> None:
-        """A free of an id this replica has not seen: its booking may still be on its way from
-        another replica. Written through: the ledger frees it, or remembers the free."""
+        """A free of an id this replica does not hold. Ended here lately: a retry, 404 as in one
+        process. Otherwise its booking may still be on its way from another replica: written
+        through, the ledger frees it, says it ended (404), or remembers the free."""
+        if rid in self.ended:
+            return
         if not self.connected:  # another replica may hold it: "not found" would be a guess
             raise NotReady(f"{LEDGER_DOWN}: reservation {rid} may be booked on another replica")
         self.through.add(rid)
         self._push(LedgerOp(FREE, rid), sync=True)
 
-    def worker(self, req: WorkerRequest) -> None:
-        self._push(LedgerOp(WORKER, str(req.worker_id), jsonio.dumps(req.to_json())))
+    def worker(self, req: WorkerRequest, seed: bool = False) -> None:
+        """`seed`: a record the ledger lacks, given back (a reset, a snapshot without it); the
+        ledger takes it only if no replica has written the worker since."""
+        self._push(LedgerOp(WORKER, str(req.worker_id), jsonio.dumps(req.to_json()), count=1 if seed else None))
 
-    def worker_deleted(self, worker_id: int) -> None:
-        self._push(LedgerOp(WORKER, str(worker_id)))
+    def worker_deleted(self, req: WorkerRequest, seed: bool = False) -> None:
+        """The record stays in the ledger as it stays here, a tombstone: every catalog lists it."""
+        self._push(LedgerOp(WORKER, str(req.worker_id), DELETED + jsonio.dumps(req.to_json()),
+                            count=1 if seed else None))
 
     def take(self, limit: int) -> list[LedgerOp]:
         """Up to `limit` ops, oldest first, for one write; `requeue` them if it fails."""

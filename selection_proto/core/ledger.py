@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Final
+from typing import Any
 
 from . import jsonio
 from .admission import Tickets
@@ -22,10 +22,12 @@ from .errors import NotFound, SelectionError
 from .journal import LEDGER_DOWN, Journal, LedgerOp, LedgerSettings
 from .ledger_wire import (
     ADD,
+    DELETED,
     EXPIRE,
     FREE,
     PREFILL,
     PROGRESS,
+    TOMB,
     WORKER,
     AddRecord,
     FeedEntry,
@@ -44,12 +46,10 @@ from .outputs import OutputEvent, SelectionReady
 from .pool import Key, Pool
 from .responses import Pending, StatusOk
 from .selection import Selector
-from .types import WorkerRequest
+from .types import WorkerCatalogRecord, WorkerRequest
 from .wire import Response, error_response, json_response
 
 __all__ = ["Ledger"]
-
-RECENT_FREES: Final = 65_536
 
 Request = tuple[str, str, str, tuple[tuple[str, str], ...], Any]
 
@@ -80,7 +80,6 @@ class Ledger:
         self.origin = origin  # this incarnation's name in the feed
         self.journal = Journal(settings, origin)
         self.epoch: str | None = None
-        self.n = 0  # the last feed entry applied
         self.cursor = b"0-0"  # its id: where the feed is read on
         self.synced = False  # a snapshot has been applied since the last connect
         self.needs_snapshot = True  # a gap, a reset or a start: the transport loads one
@@ -96,11 +95,17 @@ class Ledger:
         self._rerun = rerun
         self._holds: dict[int, _Hold] = {}
         self._frees: dict[str, _Hold] = {}  # rid -> a free waiting for its booking (free_grace_secs)
-        # Ids the feed freed lately: the feed may bring a refused booking's free before the reply
-        # that made this replica wait for it.
-        self._fed_frees: dict[str, None] = {}
         self._rerunning: _Hold | None = None
         selector.journal = self.journal
+
+    @property
+    def n(self) -> int:
+        """The last feed entry applied (the journal stamps each booking with it)."""
+        return self.journal.seen
+
+    @n.setter
+    def n(self, value: int) -> None:
+        self.journal.seen = value
 
     # -- state for /ready and /metrics -------------------------------------------------------------
 
@@ -223,6 +228,8 @@ class Ledger:
             if op.kind == ADD:
                 if word == "ok" and reply.n > self.n:
                     journal.own.setdefault(op.rank_key, set()).add(reply.n)
+                elif word == "queued":
+                    self._count("queued")  # the id's previous booking has not ended yet: it starts then
                 elif word in ("freed", "dup", "conflict"):
                     # freed: a free reached the ledger first; dup: another replica booked this id.
                     self._retract(op.ident, now)
@@ -239,8 +246,8 @@ class Ledger:
                 hold.retry_after = reply.n
             elif op.kind == FREE and word == "ok":
                 hold.freed = True
-            elif op.kind == FREE and word == "tombstoned" and op.ident in self._fed_frees:
-                hold.freed = True  # its booking came, was refused, and its free is already applied
+            elif op.kind == FREE and word == "tombstoned" and journal.ended.get(op.ident, 0) > reply.n:
+                hold.freed = True  # its booking came after, was refused, and the feed already said so
             elif op.kind == FREE and word == "tombstoned" and journal.connected:
                 # Unknown to the ledger: its booking may still be in another replica's journal.
                 hold.grace = now + self.settings.free_grace_secs
@@ -289,11 +296,11 @@ class Ledger:
             else:
                 self._book(rid, record, entry.origin, now)
             return
+        if kind == TOMB:
+            return  # it only takes its place in the order
         waiting = self._frees.pop(rid, None) if kind == FREE else None
-        if kind == FREE:
-            self._fed_frees[rid] = None
-            if len(self._fed_frees) > RECENT_FREES:
-                del self._fed_frees[next(iter(self._fed_frees))]
+        if kind in (FREE, EXPIRE):
+            self.journal.end(rid, entry.n)
         if waiting is not None:  # the booking it waited for reached the ledger, and was freed
             waiting.freed, waiting.grace = True, None
             self._settle(waiting, now)
@@ -303,6 +310,8 @@ class Ledger:
         pool = self._pool_of(rid)
         if pool is None:
             return
+        if entry.owner and (pool.tracker.bookings[rid].owner or self.origin) != entry.owner:
+            return  # about another booking of the id: this replica's booked it again meanwhile
         if kind == FREE or kind == EXPIRE:
             pool.free(rid, now)
             self._count("expired" if kind == EXPIRE else "freed")
@@ -315,20 +324,26 @@ class Ledger:
             self._progress(pool, rid, entry.origin, outputs, decay)
 
     def _worker(self, ident: str, body: bytes, now: float) -> None:
+        deleted = not body or body.startswith(DELETED)
+        raw = body[len(DELETED):] if body.startswith(DELETED) else body
         try:
             worker_id = int(ident)
-            req = from_json(WorkerRequest, jsonio.loads(body)) if body else None
+            req = from_json(WorkerRequest, jsonio.loads(raw)) if raw else None
         except (ValueError, SelectionError):
             raise LedgerWireError("worker: expected a worker id and its record") from None
+        if req is not None and req.worker_id != worker_id:
+            raise LedgerWireError("worker: the record names another worker")
         journal = self.journal
         journal.muted = True
         try:
             record = self._catalog.get(worker_id)
-            live = record is not None and record.lifecycle != "unschedulable"
-            if req is None and live:
-                self._delete(worker_id, now=now)
-            elif req is not None and not (live and record is not None and record.request == req):
+            if req is not None and (record is None or record.request != req
+                                    or (not deleted and record.lifecycle == "unschedulable")):
+                # A deleted one too: its record stays listed, the same on every replica.
                 self._upsert(req, now=now)
+                record = self._catalog.get(worker_id)
+            if deleted and record is not None and record.lifecycle != "unschedulable":
+                self._delete(worker_id, now=now)
         except SelectionError:
             self._count("catalog_refused")  # a limit of this replica's: counted, not fatal
         finally:
@@ -343,6 +358,7 @@ class Ledger:
         booking = pool.tracker.book(rid, rank, record.blocks, record.prefill_tokens,
                                     record.expected_output_tokens, now, checked=False)
         booking.owner = owner
+        self.journal.ended.pop(rid, None)
 
     def _progress(self, pool: Pool, rid: str, origin: str, outputs: int, decay: float | None) -> None:
         """`origin` has reported `outputs` blocks of the booking: absolute, so a repeated or late
@@ -380,17 +396,21 @@ class Ledger:
                 self._worker(ident, body, now)
             except LedgerWireError:
                 self._count("bad_entry")
-        for record in self._catalog.values():  # workers the ledger lacks: this replica's to give
-            if record.lifecycle != "unschedulable" and str(record.worker_id) not in snap.workers:
-                journal.worker(record.request)
+        for record in list(self._catalog.values()):  # workers the ledger lacks: this replica's to give
+            if str(record.worker_id) not in snap.workers:
+                self._give(record)
+        # Own bookings still in the journal, or waiting in the ledger for the id's previous one.
         queued = {op.ident for op in journal.ops if op.kind in (ADD, FREE)}
+        queued.update(rid for rid, origin in snap.waiting.items() if origin == self.origin)
         for pool in self._pools.values():
             gone = [rid for rid in pool.tracker.bookings if rid not in snap.bookings and rid not in queued]
             for rid in gone:
                 pool.free(rid, now)
         for rid, body in snap.bookings.items():
             try:
-                if rid not in queued and self._pool_of(rid) is None:
+                if rid in queued:
+                    continue  # this replica's own booking of the id stands
+                if self._pool_of(rid) is None:
                     self._book(rid, decode_add(body), snap.owners.get(rid, ""), now)
                 holder = self._pool_of(rid)
                 if holder is None:
@@ -414,8 +434,7 @@ class Ledger:
         pending = list(journal.ops)
         journal.ops.clear()
         for record in sorted(self._catalog.values(), key=lambda r: r.worker_id):
-            if record.lifecycle != "unschedulable":
-                journal.worker(record.request)
+            self._give(record)
         for key, pool in sorted(self._pools.items()):
             for booking in pool.tracker.bookings.values():
                 if booking.owner is not None or booking.rid in queued:
@@ -429,6 +448,15 @@ class Ledger:
         self.epoch = None
         self.needs_snapshot = True
         self._count("reseed")
+
+
+    def _give(self, record: WorkerCatalogRecord) -> None:
+        """Give the ledger a record it lacks, a deleted one as a deletion: a seed, which a newer
+        write by any replica wins over."""
+        if record.lifecycle == "unschedulable":
+            self.journal.worker_deleted(record.request, seed=True)
+        else:
+            self.journal.worker(record.request, seed=True)
 
 
 def _is_free(hold: _Hold) -> bool:

@@ -15,7 +15,7 @@ import msgpack
 
 from . import jsonio
 
-__all__ = ["ADD", "EXPIRE", "FREE", "KINDS", "PREFILL", "PROGRESS", "WORKER", "AddRecord", "FeedEntry",
+__all__ = ["ADD", "DELETED", "EXPIRE", "FREE", "KINDS", "PREFILL", "PROGRESS", "TOMB", "WORKER", "AddRecord", "FeedEntry",
            "LedgerSnapshot", "LedgerWireError", "Reply", "decode_add", "decode_counts", "decode_entry", "decode_progress",
            "decode_replies", "decode_snapshot", "encode_add", "entry_number", "encode_progress", "rank_key"]
 
@@ -24,10 +24,15 @@ PREFILL: Final = "prefill"
 PROGRESS: Final = "progress"
 FREE: Final = "free"
 EXPIRE: Final = "expire"  # written only by the ledger's reaper
-WORKER: Final = "worker"  # a catalog record (JSON) or, empty, a deletion
-KINDS: Final = frozenset((ADD, PREFILL, PROGRESS, FREE, EXPIRE, WORKER))
-# Replies of the batch script, one per op (a number follows "ok" and "conflict").
-REPLIES: Final = frozenset(("ok", "dup", "freed", "tombstoned", "missing", "conflict", "stale"))
+# A catalog record (JSON); "-" and the record for a deletion (the record stays as a tombstone);
+# empty for a deletion whose record is unknown (written by earlier versions).
+WORKER: Final = "worker"
+# A free of an id the ledger does not hold: its position fences the bookings it may refuse.
+TOMB: Final = "tomb"
+KINDS: Final = frozenset((ADD, PREFILL, PROGRESS, FREE, EXPIRE, WORKER, TOMB))
+# Replies of the batch script, one per op (a number follows "ok", "conflict" and "tombstoned").
+REPLIES: Final = frozenset(("ok", "dup", "freed", "tombstoned", "missing", "conflict", "stale", "gone", "queued"))
+DELETED: Final = b"-"  # the prefix of a deleted worker's record in the ledger
 MAX_ID_BYTES: Final = 4096
 _U64: Final = (1 << 64) - 1
 
@@ -55,11 +60,12 @@ class FeedEntry(NamedTuple):
     kind: str
     ident: str  # reservation id, or worker id for WORKER
     body: bytes
+    owner: str = ""  # the replica whose booking the entry is about (an id is booked again elsewhere)
 
 
 class Reply(NamedTuple):
     word: str  # one of REPLIES
-    n: int  # the entry's sequence number after "ok"; the ledger's after "conflict"; else 0
+    n: int  # the entry's sequence number after "ok" and "tombstoned"; the ledger's after "conflict"; else 0
 
 
 class LedgerSnapshot(NamedTuple):
@@ -70,8 +76,9 @@ class LedgerSnapshot(NamedTuple):
     prefilled: set[str]
     progress: dict[str, bytes]  # rid -> output blocks per replica that reported them (JSON)
     adds: dict[bytes, int]  # rank key -> adds ever made on it
-    workers: dict[str, bytes]  # worker id -> record JSON, or b"" when deleted
+    workers: dict[str, bytes]  # worker id -> record JSON, DELETED + record JSON, or b"" (deleted)
     owners: dict[str, str]  # rid -> the replica that made the booking
+    waiting: dict[str, str]  # rid -> the replica whose booking of it waits for the current one to end
 
 
 def rank_key(model_name: str, tenant_id: str, worker_id: int, dp_rank: int) -> bytes:
@@ -165,8 +172,9 @@ def decode_entry(entry_id: Any, fields: Any) -> FeedEntry:
     body = fields.get(b"b")
     if not isinstance(body, bytes):
         raise LedgerWireError("entry.b: expected bytes")
+    whose = fields.get(b"w", b"")
     return FeedEntry(entry_id, n, _text(fields.get(b"o"), "entry.o"), kind,
-                     _text(fields.get(b"i"), "entry.i"), body)
+                     _text(fields.get(b"i"), "entry.i"), body, _text(whose, "entry.w"))
 
 
 def decode_replies(raw: Any, count: int) -> list[Reply] | None:
@@ -193,16 +201,16 @@ def _pairs(raw: Any, what: str) -> dict[bytes, bytes]:
 
 def decode_snapshot(raw: Any) -> LedgerSnapshot:
     """The snapshot script's answer: epoch, seq, last entry id, then the hashes."""
-    if not isinstance(raw, list) or len(raw) != 9:
-        raise LedgerWireError("snapshot: expected 9 parts")
+    if not isinstance(raw, list) or len(raw) != 10:
+        raise LedgerWireError("snapshot: expected 10 parts")
     epoch = _text(raw[0], "snapshot.epoch")
     n = 0 if raw[1] is None else _count(raw[1], "snapshot.seq")
     cursor = b"0-0" if raw[2] is None else raw[2]
     if not isinstance(cursor, bytes):
         raise LedgerWireError("snapshot.last: expected an entry id")
     parts: Sequence[dict[bytes, bytes]] = [_pairs(part, name) for part, name in zip(
-        raw[3:], ("res", "pre", "out", "adds", "workers", "owner"), strict=True)]
-    res, pre, out, adds, workers, owners = parts
+        raw[3:], ("res", "pre", "out", "adds", "workers", "owner", "wait"), strict=True)]
+    res, pre, out, adds, workers, owners, waiting = parts
     return LedgerSnapshot(
         epoch, n, cursor,
         {_text(k, "snapshot.res"): v for k, v in res.items()},
@@ -210,4 +218,5 @@ def decode_snapshot(raw: Any) -> LedgerSnapshot:
         {_text(k, "snapshot.out"): v for k, v in out.items()},
         {k: _count(v, "snapshot.adds") for k, v in adds.items()},
         {_text(k, "snapshot.workers"): v for k, v in workers.items()},
-        {_text(k, "snapshot.owner"): _text(v, "snapshot.owner") for k, v in owners.items()})
+        {_text(k, "snapshot.owner"): _text(v, "snapshot.owner") for k, v in owners.items()},
+        {_text(k, "snapshot.wait"): _text(v, "snapshot.wait") for k, v in waiting.items()})

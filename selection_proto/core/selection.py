@@ -426,6 +426,12 @@ class Selector:
               duplicate: Callable[[DuplicateReservation], SelectionError] | None = None) -> Booking:
         """Book `prompt` on `rank` as `rid`; `duplicate` words the 409 of an id already booked."""
         self.expire(pool, now)
+        mirrored = pool.tracker.bookings.get(rid)
+        if mirrored is not None and mirrored.owner is not None and self.journal is not None:
+            # Another replica's booking of the id, whose free may be on its way from there: the
+            # ledger keeps this one waiting behind it until it ends (docs/REPLICATION.md).
+            self.journal.check_booking()
+            pool.free(rid, now)
         try:
             self._limits.reservations(pool, rid)
         except DuplicateReservation as exc:

@@ -141,7 +141,7 @@ class Workers:
         journal = self._selector.journal
         if journal is not None:
             journal.check_catalog_write()
-            journal.worker_deleted(worker_id)
+            journal.worker_deleted(previous.request)
         if previous.lifecycle == "schedulable":
             self._leave(previous, now)
             self._selector.dispatch(self._pools.get(previous.key), now)
