@@ -90,7 +90,7 @@ class Limits:
         """The request's prompt in the pool's block size, within `max_prompt_tokens`."""
         make = booking_prompt if booking else selection_prompt
         try:
-            return make(req, pool.block_size, self._settings.max_prompt_tokens, self._tracking)
+            return make(req, pool.block_size, self._settings.max_prompt_tokens, self._tracking, pool.eagle)
         except PromptTooLong as exc:
             raise self._refuse("prompt_tokens", exc) from None
 

@@ -72,7 +72,8 @@ _LOAD: Final = {"type": "object", "properties": {n: _INT for n in (
 _ANSWERS: Final[dict[str, dict[str, Any]]] = {
     "StatusOk": {"type": "object", "properties": {"status": {"const": "ok"}}, "required": ["status"]},
     "WorkerRecord": {"type": "object", "description": "A WorkerRequest's members, with lifecycle and reasons.",
-                     "properties": {"worker_id": _INT, "lifecycle": {"enum": ["incomplete", "schedulable",
+                     "properties": {"worker_id": _INT, "routing_group": _STR, "is_eagle": {"type": ["boolean", "null"]},
+                                    "lifecycle": {"enum": ["incomplete", "schedulable",
                                                                               "draining", "unschedulable"]},
                                     "not_schedulable_reasons": {"type": "array", "items": _STR}},
                      "required": ["worker_id", "lifecycle"]},

@@ -50,8 +50,8 @@ class PromptHashes:
         return load.new_blocks(self._distinct)
 
 
-def _from_tokens(req: Any, block_size: int, limit: int, tracking: KeyedTracking | None
-                 ) -> PromptHashes | None:
+def _from_tokens(req: Any, block_size: int, limit: int, tracking: KeyedTracking | None,
+                 eagle_default: bool) -> PromptHashes | None:
     """Enforce the length limits; the prompt of `token_ids` when the request has them, with its
     keyed tracking hashes when `tracking` is given."""
     for field in PROMPT_FIELDS:
@@ -59,7 +59,8 @@ def _from_tokens(req: Any, block_size: int, limit: int, tracking: KeyedTracking 
         if value is not None and len(value) > limit:
             raise PromptTooLong(f"{field} has {len(value)} entries; the limit is {limit}")
     routing = req.mm_routing_info
-    if routing is None and not req.block_mm_infos and not req.is_eagle and tracking is None:
+    eagle = bool(eagle_default if req.is_eagle is None else req.is_eagle)  # the request's, else its key's
+    if routing is None and not req.block_mm_infos and not eagle and tracking is None:
         if req.token_ids is None:
             return None  # the plain prompt, by far the most common: nothing more to decide
         blocks = block_hashes(req.token_ids, block_size, req.lora_name, req.cache_namespace)
@@ -75,7 +76,6 @@ def _from_tokens(req: Any, block_size: int, limit: int, tracking: KeyedTracking 
         tokens, infos = req.token_ids, req.block_mm_infos
     else:
         return None
-    eagle = bool(req.is_eagle)
     # Blocks with multimodal items hash their items' hashes after their tokens.
     mm = {i: [o.mm_hash for o in info.mm_objects] for i, info in enumerate(infos or ())
           if info is not None and info.mm_objects}
@@ -92,10 +92,10 @@ def _required(req: Any, names: tuple[str, ...]) -> None:
             raise BadRequest(f"{name} is required without token_ids")
 
 
-def selection_prompt(req: Any, block_size: int, limit: int, tracking: KeyedTracking | None = None
-                     ) -> PromptHashes:
+def selection_prompt(req: Any, block_size: int, limit: int, tracking: KeyedTracking | None = None,
+                     eagle_default: bool = False) -> PromptHashes:
     """The prompt of a selection (`select`, `select_and_reserve`, scores, potential loads)."""
-    prompt = _from_tokens(req, block_size, limit, tracking)
+    prompt = _from_tokens(req, block_size, limit, tracking, eagle_default)
     if prompt is not None:
         return prompt
     _required(req, ("block_hashes", "sequence_hashes", "isl_tokens"))
@@ -107,10 +107,10 @@ def selection_prompt(req: Any, block_size: int, limit: int, tracking: KeyedTrack
     return PromptHashes(list(req.block_hashes), list(req.sequence_hashes), req.isl_tokens)
 
 
-def booking_prompt(req: Any, block_size: int, limit: int, tracking: KeyedTracking | None = None
-                   ) -> PromptHashes:
+def booking_prompt(req: Any, block_size: int, limit: int, tracking: KeyedTracking | None = None,
+                   eagle_default: bool = False) -> PromptHashes:
     """The prompt of a direct booking (`POST /reservations`): no block hashes needed."""
-    prompt = _from_tokens(req, block_size, limit, tracking)
+    prompt = _from_tokens(req, block_size, limit, tracking, eagle_default)
     if prompt is not None:
         return prompt
     _required(req, ("sequence_hashes", "isl_tokens"))

@@ -77,6 +77,7 @@ class ModelLoadResponse:
         return {
             "model_name": self.model_name,
             "tenant_id": self.tenant_id,
+            "routing_group": self.tenant_id,  # 1.6.1's name
             "loads": [p.to_json() for p in self.loads],
             "pending_count": self.pending_count,
             "pending_isl_tokens": self.pending_isl_tokens,

@@ -42,7 +42,8 @@ def dump_of(records: Sequence[WorkerCatalogRecord], pools: Mapping[Key, tuple[in
     return {
         "format": FORMAT,
         "version": __version__,
-        "keys": [{"model_name": k[0], "tenant_id": k[1], "block_size": pools[k][0]} for k in keys],
+        "keys": [{"model_name": k[0], "tenant_id": k[1], "routing_group": k[1], "block_size": pools[k][0]}
+                 for k in keys],
         "workers": [r.request.to_json() for r in records
                     if r.lifecycle != "unschedulable" and wanted(r.key)],
         "events": events,

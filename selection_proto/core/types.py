@@ -116,6 +116,7 @@ _WORKER_FIELDS_ORDER = (
     "max_num_batched_tokens",
     "total_kv_blocks",
     "stable_routing_id",
+    "is_eagle",
     "taints",
     "topology_domains",
     "kv_transfer_domain",
@@ -145,6 +146,7 @@ class WorkerRequest(_Checked):
     max_num_batched_tokens: int | None = member(U64)
     total_kv_blocks: int | None = member(U64)
     stable_routing_id: str | None = member(STR)
+    is_eagle: bool | None = member(BOOL)  # the key's prompts use eagle windows (1.6.1); all its workers agree
     taints: tuple[str, ...] = member(ARRAY(STR), factory=tuple, nullable=False, store=_sorted_set)
     topology_domains: dict[str, str] = member(
         MAP(STR), factory=dict, nullable=False, store=_sorted_map
@@ -158,6 +160,7 @@ class WorkerRequest(_Checked):
             "worker_id": self.worker_id,
             "model_name": self.model_name,
             "tenant_id": self.tenant_id,
+            "routing_group": self.tenant_id,  # 1.6.1's name
         }
         for name in _WORKER_FIELDS_ORDER:
             value = getattr(self, name)
@@ -183,6 +186,7 @@ class WorkerPatchRequest(_Checked):
     max_num_batched_tokens: int | None = member(U64)
     total_kv_blocks: int | None = member(U64)
     stable_routing_id: str | None = member(STR)
+    is_eagle: bool | None = member(BOOL)
     taints: tuple[str, ...] | None = member(ARRAY(STR), store=_sorted_set)
     topology_domains: dict[str, str] | None = member(MAP(STR), store=_sorted_map)
     kv_transfer_domain: str | None = member(STR)
@@ -212,6 +216,7 @@ class WorkerCatalogRecord:
             "worker_id": req.pop("worker_id"),
             "model_name": req.pop("model_name"),
             "tenant_id": req.pop("tenant_id"),
+            "routing_group": req.pop("routing_group"),
             "lifecycle": self.lifecycle,
         }
         for name, value in req.items():

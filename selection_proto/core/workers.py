@@ -91,6 +91,12 @@ class Workers:
                 f"reconciliation failed: block_size mismatch for {key_label(key)}: "
                 f"existing={pool.block_size} requested={req.block_size}",
             )
+        if pool is not None and any(w != req.worker_id for w in pool.workers) \
+                and pool.eagle != bool(req.is_eagle):
+            return "incomplete", (
+                f"reconciliation failed: is_eagle mismatch for {key_label(key)}: "
+                f"existing={str(pool.eagle).lower()} requested={str(bool(req.is_eagle)).lower()}",
+            )
         failure = endpoint_failure(req, self._settings)
         if failure is not None:
             return "incomplete", (f"reconciliation failed: {failure}",)
@@ -165,6 +171,7 @@ class Workers:
                                                   self._budget)
         ranks = tuple((req.worker_id, r) for r in dp_range(req))
         pool.set_worker(req.worker_id, ranks, effective_taints(req))
+        pool.eagle = bool(req.is_eagle)  # its other workers agree (`_lifecycle`)
         endpoints = event_endpoints(req)
         for rank in ranks:
             pool.add_rank(rank)
@@ -200,6 +207,7 @@ class Workers:
         old_set, new_set = set(old_ranks), set(new_ranks)
         self._drop_ranks(pool, [r for r in old_ranks if r not in new_set], now)
         pool.set_worker(wid, new_ranks, effective_taints(req))
+        pool.eagle = bool(req.is_eagle)
         old_endpoints = event_endpoints(previous.request)
         new_endpoints = event_endpoints(req)
         subscribe = self._settings.kv_events == "subscribe"

@@ -525,3 +525,48 @@ def test_engine_replay_recovers_as_1_6_1(reference_python: str, keep: int) -> No
         ref.terminate()
         ref.wait(timeout=30)
         engine.close()
+
+
+def test_every_answer_names_the_routing_group_and_workers_carry_is_eagle_as_1_6_1(pair: tuple[Http, Http]) -> None:
+    """Issue 24: a 1.6.1 client reads `routing_group` wherever we answer `tenant_id`, and a worker's
+    `is_eagle`: echoed, agreed on by a key's workers, and the key's default for prompts."""
+    ours, ref = pair
+
+    def groups(answer: Any) -> list[Any]:
+        """Every `routing_group` beside a `tenant_id`, at any depth (ours has both; 1.6.1 one)."""
+        if isinstance(answer, list):
+            return [g for item in answer for g in groups(item)]
+        if not isinstance(answer, dict):
+            return []
+        own = [answer.get("routing_group")] if "tenant_id" in answer or "routing_group" in answer else []
+        assert answer.get("tenant_id", answer.get("routing_group")) == answer.get("routing_group"), answer
+        return own + [g for value in answer.values() for g in groups(value)]
+
+    eagle = {"worker_id": 7, "model_name": "e", "endpoint": "http://w7:8000", "block_size": 4,
+             "kv_events_endpoint": f"tcp://127.0.0.1:{free_port()}", "is_eagle": True}
+    calls = [("POST", "/workers", eagle), ("GET", "/workers", None),
+             ("GET", "/loads", None),
+             ("POST", "/select", {"model_name": "e", "token_ids": PROMPT}),
+             ("POST", "/select_and_reserve", {"model_name": "e", "token_ids": PROMPT, "selection_id": "e1"}),
+             ("POST", "/select_and_reserve", {"model_name": "e", "token_ids": PROMPT, "selection_id": "e2",
+                                              "is_eagle": False}),
+             ("POST", "/reservations", {"model_name": "m", "token_ids": PROMPT, "worker_id": 1,
+                                        "selection_id": "r"}),
+             ("POST", "/workers", {**eagle, "worker_id": 8, "is_eagle": None}),
+             ("DELETE", "/workers/7", None)]
+    for method, path, body in calls:
+        (a_status, a), (b_status, b) = ours.call(method, path, body), ref.call(method, path, body)
+        assert a_status == b_status, (path, a, b)
+        assert groups(a) == groups(b) and groups(b), (path, a, b)
+        for record in (a, b) if path.startswith("/workers") else ():
+            for one in record if isinstance(record, list) else [record]:
+                assert "is_eagle" in one, one
+        if path == "/workers" and method == "POST":
+            reasons = [r.replace(" tenant=", " routing_group=") for r in a.get("not_schedulable_reasons", [])]
+            assert (a["is_eagle"], a["lifecycle"], reasons) == (
+                b["is_eagle"], b["lifecycle"], b.get("not_schedulable_reasons", [])), (a, b)
+        if "sequence_hashes" in b:
+            assert a["sequence_hashes"] == b["sequence_hashes"], (path, body)
+    status, dump = ours.call("GET", "/dump")
+    assert status == 200 and all(k["routing_group"] == k["tenant_id"] for k in dump["keys"])
+    assert all(w["routing_group"] == w["tenant_id"] for w in dump["workers"])
