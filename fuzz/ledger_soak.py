@@ -92,6 +92,8 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lease", type=float, default=15.0, help="active_request_expiry_secs")
+    parser.add_argument("--no-faults", action="store_true",
+                        help="no kills: every booking answered 2xx must be counted exactly, none lost")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     folder = Path(tempfile.mkdtemp())
@@ -105,7 +107,9 @@ def main() -> int:
     stop = threading.Event()
     held: dict[str, None] = {}  # booked and not yet freed, as the clients know
     lock = threading.Lock()
-    counts = {"booked": 0, "freed": 0, "prefilled": 0, "errors": 0, "replica_kills": 0, "ledger_kills": 0}
+    counts = {"booked": 0, "freed": 0, "prefilled": 0, "errors": 0, "replica_kills": 0, "ledger_kills": 0,
+              "retried_frees": 0, "retry_not_404": 0, "reused_ids": 0}
+    reusable: dict[int, list[str]] = {}  # client -> ids it freed, to book again (issue 24)
 
     def client(index: int) -> None:
         local = random.Random(index)
@@ -126,9 +130,19 @@ def main() -> int:
                             with lock:
                                 held.pop(rid, None)
                             counts["freed"] += 1
+                            reusable.setdefault(index, []).append(rid)
+                            if status == 200 and local.random() < 0.5:  # a client's retry, anywhere
+                                again, _ = call(local.choice(group).port, "DELETE", f"/reservations/{rid}")
+                                counts["retried_frees"] += 1
+                                counts["retry_not_404"] += again not in (404, 503)
                 else:
-                    rid = f"c{index}-{n}"
-                    n += 1
+                    old = reusable.get(index)
+                    if old and local.random() < 0.5:  # an id used again after its free
+                        rid = old.pop(local.randrange(len(old)))
+                        counts["reused_ids"] += 1
+                    else:
+                        rid = f"c{index}-{n}"
+                        n += 1
                     status, _ = call(port, "POST", "/select_and_reserve",
                                      {"model_name": "m", "token_ids": list(range(local.randrange(4, 64))),
                                       "reservation_id": rid})
@@ -141,7 +155,7 @@ def main() -> int:
                 time.sleep(0.05)
 
     def faults() -> None:
-        while not stop.wait(rng.uniform(1.0, 3.0)):
+        while not args.no_faults and not stop.wait(rng.uniform(1.0, 3.0)):
             if rng.random() < 0.7:
                 victim = rng.choice(group)
                 victim.kill()
@@ -162,6 +176,12 @@ def main() -> int:
     for thread in threads:
         thread.join(60)
     time.sleep(1.0)
+    if args.no_faults:  # every booking answered and not freed is counted, on every replica
+        for r in group:
+            active = sum(w["active_requests"] for key in call(r.port, "GET", "/loads")[1] for w in key["loads"])
+            if active != len(held):
+                print(json.dumps({"result": "failed", "active": active, "held": len(held), **counts}))
+                return 1
     # Free what the clients still hold; a 404 means the booking was lost with a killed replica's
     # unwritten journal (its answer was given: the documented advisory loss) or already freed.
     statuses: list[int] = []
@@ -175,6 +195,9 @@ def main() -> int:
     for thread in finals:
         thread.join(30)
     lost = statuses.count(404)
+    if args.no_faults and (lost or counts["retry_not_404"]):
+        print(json.dumps({"result": "failed", "lost_at_end": lost, **counts}))
+        return 1
     settle_started = time.monotonic()
     deadline = settle_started + args.lease + 15
     while True:

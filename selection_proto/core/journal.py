@@ -145,9 +145,11 @@ class Journal:
 
     def freed(self, booking: Booking) -> None:
         """A free names the booking's replica: the ledger ignores it for another booking that
-        reuses the id meanwhile (the free was on its way while that one was made)."""
+        reuses the id meanwhile (the free was on its way while that one was made). Its answer
+        waits for the ledger's word: another replica may have freed the booking a moment ago,
+        unseen here yet (a client's retry), and then it answers 404 as one process would."""
         self.end(booking.rid, 0)
-        self._push(LedgerOp(FREE, booking.rid, self._owner(booking)))
+        self._push(LedgerOp(FREE, booking.rid, self._owner(booking)), sync=self.connected)
 
     def end(self, rid: str, n: int) -> None:
         """The booking `rid` ended at feed position `n` (0: here, not yet in the feed)."""

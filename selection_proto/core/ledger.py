@@ -252,6 +252,10 @@ class Ledger:
                 # Unknown to the ledger: its booking may still be in another replica's journal.
                 hold.grace = now + self.settings.free_grace_secs
                 self._frees[op.ident] = hold
+            elif op.kind == FREE and word in ("gone", "stale"):
+                # Another replica's booking this mirror still held: it had ended (a retried free)
+                # or the id was booked again since. One process would answer 404.
+                hold.result = error_response(404, f"reservation {op.ident} not found")
             self._settle(hold, now)
 
     def apply(self, entries: Iterable[tuple[Any, Any]], now: float) -> None:

@@ -416,8 +416,7 @@ class Selector:
 
     def expire(self, pool: Pool, now: float) -> bool:
         """Forget bookings older than `active_request_expiry_secs`; True when any went."""
-        expired = pool.expire(now, self._settings.active_request_expiry_secs)
-        if expired:
+        if expired := pool.expire(now, self._settings.active_request_expiry_secs):
             self._metrics.booking(pool.key, "expired", len(expired))
         return bool(expired)
 
@@ -426,12 +425,9 @@ class Selector:
               duplicate: Callable[[DuplicateReservation], SelectionError] | None = None) -> Booking:
         """Book `prompt` on `rank` as `rid`; `duplicate` words the 409 of an id already booked."""
         self.expire(pool, now)
-        mirrored = pool.tracker.bookings.get(rid)
-        if mirrored is not None and mirrored.owner is not None and self.journal is not None:
-            # Another replica's booking of the id, whose free may be on its way from there: the
-            # ledger keeps this one waiting behind it until it ends (docs/REPLICATION.md).
-            self.journal.check_booking()
-            pool.free(rid, now)
+        if self.journal is not None and getattr(pool.tracker.bookings.get(rid), "owner", None) is not None:
+            self.journal.check_booking()  # another replica's booking of the id, its free maybe on its
+            pool.free(rid, now)  # way: the ledger keeps this one waiting behind it (REPLICATION.md)
         try:
             self._limits.reservations(pool, rid)
         except DuplicateReservation as exc:
@@ -543,9 +539,7 @@ class Selector:
             if free and self.journal is not None and len(rid) <= self._settings.max_id_length:
                 self.journal.free_unknown(rid)  # its booking may be on its way from a replica
             raise
-        booking = pool.free(rid, now) if free else pool.tracker.bookings[rid]
-        if not free:
-            pool.tracker.prefill_complete(rid)
+        booking = pool.free(rid, now) if free else pool.tracker.prefill_complete(rid)
         if self.journal is not None:
             (self.journal.freed if free else self.journal.prefilled)(booking)
         self._metrics.booking(pool.key, "freed" if free else "prefill_complete")

@@ -138,11 +138,12 @@ class Tracker:
             raise NotFound(f"reservation {rid} not found")
         return booking
 
-    def prefill_complete(self, rid: str) -> None:
+    def prefill_complete(self, rid: str) -> Booking:
         booking = self.get(rid)
         if not booking.prefill_done:
             booking.prefill_done = True
             self.loads[booking.rank].prefill_tokens -= booking.prefill_tokens
+        return booking
 
     def add_output_block(self, rid: str, decay_fraction: float | None) -> None:
         """One more output block for the booking; with a `decay_fraction`, every output block of
