@@ -318,3 +318,18 @@ def test_every_method_is_documented() -> None:
 
     text = (Path(__file__).resolve().parent.parent / "docs" / "embedding.md").read_text()
     assert [m for m in (*METHODS, "cancel", "shutdown") if f"| `{m}` |" not in text] == []
+
+
+def test_a_cancel_whose_id_is_not_an_id_is_invalid_params_and_the_process_answers_on() -> None:
+    """Issue 27: a list or an object as `params.id` is -32602, not an internal error."""
+    lines = b"".join([rpc(1, "cancel", id=[1, 2]), rpc(2, "cancel", id={"a": 1}), rpc(None, "cancel", id=[3]),
+                      rpc(3, "cancel", id="nothing-waits"), rpc(4, "health")])
+    answers, _, code = run_session(lines)
+    assert code == 0
+    by_id = {a.get("id"): a for a in answers}
+    for rid in (1, 2):
+        assert by_id[rid]["error"] == {"code": -32602, "message": "Invalid params",
+                                       "data": {"detail": "params.id must be a string, a number or null"}}
+    assert 3 not in by_id  # a cancel is answered only when it fails
+    assert by_id[4]["result"] == {"status": "ok"}
+    assert len(answers) == 3  # the notification got nothing

@@ -232,7 +232,14 @@ class JsonRpcSession:
     def _call(self, rid: Id, answer: bool, method: str, params: dict[str, Any], exact: Callable[[], Any],
               size: int, may_contain_bools: bool) -> None:
         if method == "cancel":
-            ticket = self._in_flight.pop(params.get("id"), None)
+            target = params.get("id")
+            if target is not None and not isinstance(target, (str, int, float)):  # not an id: unhashable too
+                self._count("invalid_params")
+                if answer:
+                    self._emit(_envelope_error(rid, -32602, "Invalid params",
+                                               {"detail": "params.id must be a string, a number or null"}))
+                return
+            ticket = None if isinstance(target, float) else self._in_flight.pop(target, None)
             if ticket is not None:
                 self._waiting.pop(ticket, None)
                 self._service.cancel(ticket, now=self._clock())

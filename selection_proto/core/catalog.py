@@ -68,6 +68,9 @@ def missing_metadata(req: WorkerRequest, settings: Settings) -> list[str]:
     return reasons
 
 
+IPC_PATH_MAX: Final = 107  # a unix socket path (sun_path less its NUL), as ZMQ's ipc transport takes it
+
+
 def _parse_u16(text: str) -> str | None:
     value = parse_uint(text, 16)
     return value if isinstance(value, str) else None
@@ -93,11 +96,16 @@ def validate_endpoint(endpoint: str, *, zmq_ok: bool, allow_ws: bool) -> str | N
                 return f"invalid ZMQ endpoint `{endpoint}`: missing closing `]`"
         elif ":" in tcp_host:
             return f"invalid ZMQ endpoint `{endpoint}`: missing TCP port"
+        # What ZMQ's connect refuses later, on every retry: a wildcard (bind-only) or a blank.
+        if tcp_host == "*" or any(c.isspace() for c in tcp_host):
+            return f"invalid ZMQ endpoint `{endpoint}`: invalid TCP host"
         why = _parse_u16(tcp_port)
         if why is not None:
             return f"invalid ZMQ endpoint `{endpoint}`: invalid TCP port: {why}"
         return None
     if scheme == "ipc":
+        if len(address.encode()) > IPC_PATH_MAX:
+            return f"invalid ZMQ endpoint `{endpoint}`: ipc path longer than {IPC_PATH_MAX} bytes"
         return None
     if scheme in ("ws", "wss") and allow_ws:
         authority = address
