@@ -32,6 +32,7 @@ from .config import (
     transport_value,
     warn_unknown_env,
 )
+from .core.routes import MAX_BODY
 from .core.service import SelectionService
 
 if TYPE_CHECKING:
@@ -87,6 +88,8 @@ _SERVE_OPTIONS: Final = (
     ("host", "ADDRESS", "listen address"),
     ("port", "PORT", "listen port, 1-65535 (0: any free port)"),
     ("max_connections", "N", "open connections at most, WebSockets included"),
+    ("max_buffer_bytes", "BYTES", "request bodies and WebSocket messages being received, summed over "
+                                  "every connection; past it new bytes get 503 (WebSocket: close 1013)"),
     ("keep_alive_timeout_secs", "SECONDS", "close a connection idle this long"),
     ("request_timeout_secs", "SECONDS", "a request must arrive, and its answer leave, within this"),
     ("shutdown_timeout_secs", "SECONDS", "on SIGTERM, wait this long for answers in flight"),
@@ -322,6 +325,9 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     max_connections = transport_value(args, env, "max_connections", TRANSPORT["max_connections"], int)
     if max_connections < 1:
         raise UsageError(f"--max-connections: must be at least 1, not {max_connections}")
+    max_buffer_bytes = transport_value(args, env, "max_buffer_bytes", TRANSPORT["max_buffer_bytes"], int)
+    if max_buffer_bytes < MAX_BODY:
+        raise UsageError(f"--max-buffer-bytes: must be at least {MAX_BODY} (one whole body), not {max_buffer_bytes}")
     timeouts = {name: transport_value(args, env, name, TRANSPORT[name], float) for name in (
         "keep_alive_timeout_secs", "request_timeout_secs", "shutdown_timeout_secs", "ws_ping_interval_secs")}
     for name, value in timeouts.items():
@@ -340,7 +346,8 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     supervisor = env.get(SUPERVISOR)
     config = ServerConfig(host=host, port=port, ledger=ledger, reuse_port=PROCESS_INDEX in env,
                           supervisor_pid=int(supervisor) if supervisor and supervisor.isdigit() else None,
-                          max_connections=max_connections, auth_token=_auth_token(args, env),
+                          max_connections=max_connections, max_buffer_bytes=max_buffer_bytes,
+                          auth_token=_auth_token(args, env),
                           tls=_tls_context(args, env), access_log=flag_on(args, env, "access_log"),
                           snapshot=transport_value(args, env, "snapshot", TRANSPORT["snapshot"], str),
                           **timeouts, **pauses)

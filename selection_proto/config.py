@@ -175,7 +175,8 @@ UNSUPPORTED_ENV: Final = ("DYN_ROUTER_TRACK_OUTPUT_BLOCKS",)
 
 # Settings of the transports and the command line, beside `Settings`: also TOML keys.
 TRANSPORT: Final[Mapping[str, Any]] = {
-    "host": "127.0.0.1", "port": 8092, "max_connections": 1024, "keep_alive_timeout_secs": 5.0,
+    "host": "127.0.0.1", "port": 8092, "max_connections": 1024, "max_buffer_bytes": 256 << 20,
+    "keep_alive_timeout_secs": 5.0,
     "request_timeout_secs": 30.0, "shutdown_timeout_secs": 10.0, "ws_ping_interval_secs": 20.0,
     "backend": "asyncio", "log_level": "info", "log_format": "json", "random_state": None, "restore": None, "indexer_peers": None,
     "indexer_peer_timeout_secs": 10.0, "router_tracking_key_file": None, "auth_token_file": None,

@@ -20,6 +20,7 @@ from ..core.responses import Pending
 from ..core.routes import MAX_BODY, MSGPACK_TYPES, ParsedBody, is_json, match, media_type, route_of
 from ..core.service import SelectionService
 from ..core.wire import Response, error_response
+from .inflight import InFlight
 from .ws import check_handshake, server_handshake
 
 __all__ = ["LARGE_BODY", "MAX_HEADER_BYTES", "HttpConnection", "LargeRequest", "Upgrade"]
@@ -77,12 +78,15 @@ class HttpConnection:
 
     def __init__(self, service: SelectionService, clock: Callable[[], float], *,
                  defer_large: bool = False, auth_token: bytes | None = None,
-                 access: Callable[[str, str, int, float], None] | None = None) -> None:
+                 access: Callable[[str, str, int, float], None] | None = None,
+                 in_flight: InFlight | None = None) -> None:
         """With `defer_large`, a JSON body over 256 KiB is not parsed here: it waits in
         `large_request` until the caller parses it (`handler.prepare_large_body`, pure, in any thread)
         and hands the result to `complete_large`, so that parsing megabytes does not hold up
         the caller's other connections. With `auth_token`, every route but the open ones
-        (`OPEN_PATHS`) needs `Authorization: Bearer <token>`; others get 401 before their body is read."""
+        (`OPEN_PATHS`) needs `Authorization: Bearer <token>`; others get 401 before their body is read.
+        With `in_flight`, a body being received holds its bytes there until it is complete: one
+        that does not fit (declared or as it comes) is refused with 503 and the connection closed."""
         self._service = service
         self._auth = None if auth_token is None else b"Bearer " + auth_token
         # Told (method, path, status, seconds) of every answer: the transport's access log.
@@ -96,6 +100,8 @@ class HttpConnection:
         self._request: h11.Request | None = None
         self._body: list[bytes] = []
         self._body_len = 0
+        self._in_flight = in_flight
+        self._held = 0  # body bytes held in `in_flight`
         self.pending_ticket: int | None = None
         self._paused = False  # an answer was produced; the next request waits until it is taken
         # Set when the request was a valid WebSocket upgrade.
@@ -177,6 +183,11 @@ class HttpConnection:
                 if self._body_len > MAX_BODY:
                     self._refuse_body()
                     return
+                if self._in_flight is not None:
+                    if not self._in_flight.take(len(event.data)):
+                        self._refuse_busy()
+                        return
+                    self._held += len(event.data)
                 self._body.append(event.data)
             elif isinstance(event, h11.EndOfMessage):
                 self._finish()
@@ -216,10 +227,26 @@ class HttpConnection:
             if name == b"content-length" and (len(value.lstrip(b"0")) > 19 or int(value) > MAX_BODY):
                 self._refuse_body()
                 return
+            if name == b"content-length" and self._in_flight is not None and not self._in_flight.fits(int(value)):
+                self._refuse_busy()
+                return
             if name == b"connection" and b"close" in value.lower():
                 self.close_after_response = True
 
+    def release(self) -> None:
+        """Give back the body bytes held in the budget (the body is complete, or gone)."""
+        if self._in_flight is not None and self._held:
+            self._in_flight.give(self._held)
+        self._held = 0
+
+    def _refuse_busy(self) -> None:
+        self.release()
+        self._service.observe(LIMIT_REJECTIONS, ("buffer_bytes",), 1.0)
+        self._respond(error_response(503, "request bytes in flight exceed the server's buffer budget; "
+                                          "retry later"), close=True)
+
     def _refuse_body(self) -> None:
+        self.release()
         self._service.observe(LIMIT_REJECTIONS, ("body_size",), 1.0)
         self._respond(error_response(413, "Failed to buffer the request body: length limit exceeded"),
                       close=True)
@@ -242,6 +269,8 @@ class HttpConnection:
             self._respond(error_response(400, f"invalid WebSocket upgrade: {checked}"), close=True)
             return
         body = b"".join(self._body)
+        self._body = []
+        self.release()
         if self._defer_large and len(body) > LARGE_BODY and _takes_json(method, path, headers):
             self.large_request = LargeRequest(method, path, query, headers, body)
             return

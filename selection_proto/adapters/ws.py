@@ -37,6 +37,7 @@ from ..core.routes import PUSH_QUERY
 from ..core.service import SelectionService
 from ..core.streams import DecodedMessage, decode_or_error, slice_end
 from ..core.wire import parse_query, query_int
+from .inflight import InFlight
 
 __all__ = ["LARGE_MESSAGE", "MAX_MESSAGE", "SLICE_BLOCKS", "SLICE_EVENTS", "ForwardingClient", "LargeMessage", "PushSession", "SubscriptionSession", "check_handshake", "cut_reason", "server_handshake"]
 
@@ -102,8 +103,10 @@ class _Session:
 
     kind = "websocket_in"
 
-    def __init__(self, service: SelectionService, clock: Callable[[], float], ws: WSConnection) -> None:
+    def __init__(self, service: SelectionService, clock: Callable[[], float], ws: WSConnection,
+                 in_flight: InFlight | None = None) -> None:
         self._service = service
+        self._in_flight = in_flight  # the bytes of an unfinished message are held there
         self._clock = clock
         self._ws = ws
         self._out: list[bytes] = []
@@ -135,7 +138,14 @@ class _Session:
             self._count(WS_CLOSES, ("out", str(code)))
         self.closed = True
         self.close_code = code
+        self.release()
         self._closed()
+
+    def release(self) -> None:
+        """Give back the bytes of the unfinished message (complete, or the stream is gone)."""
+        if self._in_flight is not None and self._size:
+            self._in_flight.give(self._size)
+        self._parts, self._size = [], 0
 
     def _closed(self) -> None:
         """Hook: the stream ended (tell the core)."""
@@ -146,6 +156,7 @@ class _Session:
             self.ping_outstanding = True
 
     def connection_lost(self) -> None:
+        self.release()
         if not self.closed:
             self.closed = True
             self.close_code = 1006
@@ -170,14 +181,19 @@ class _Session:
 
     def _event(self, event: Event) -> None:
         if isinstance(event, (TextMessage, BytesMessage)):
-            self._parts.append(event.data)
-            self._size += len(event.data)
-            if self._size > MAX_MESSAGE:
+            if self._size + len(event.data) > MAX_MESSAGE:
                 self._service.observe(LIMIT_REJECTIONS, ("ws_message_size",), 1.0)
                 self.close(1009, f"message exceeds {MAX_MESSAGE} bytes")
                 return
+            if self._in_flight is not None and not self._in_flight.take(len(event.data)):
+                self._service.observe(LIMIT_REJECTIONS, ("buffer_bytes",), 1.0)
+                self.close(1013, "message bytes in flight exceed the server's buffer budget; try again later")
+                return
+            self._parts.append(event.data)
+            self._size += len(event.data)
             if event.message_finished:
-                parts, self._parts, self._size = self._parts, [], 0
+                parts = self._parts
+                self.release()
                 if isinstance(event, TextMessage):
                     self._count(WS_MESSAGES, ("in", "text"))
                     self._message("".join(parts))  # type: ignore[arg-type]
@@ -222,9 +238,9 @@ class PushSession(_Session):
     the caller decodes (`decode_or_error`, pure, in any thread) and feeds to `apply_slice`."""
 
     def __init__(self, service: SelectionService, clock: Callable[[], float], ws: WSConnection,
-                 target: str, trailing: bytes) -> None:
+                 target: str, trailing: bytes, in_flight: InFlight | None = None) -> None:
         """`ws` comes from `server_handshake`, its request taken and not yet answered."""
-        super().__init__(service, clock, ws)
+        super().__init__(service, clock, ws, in_flight)
         self._send(AcceptConnection())
         self.stream: int | None = None
         self._seq_framing = False

@@ -17,6 +17,7 @@ from anyio.streams.tls import TLSStream
 
 from .._version import __version__
 from ..adapters.http import HttpConnection
+from ..adapters.inflight import InFlight
 from ..adapters.ws import PushSession
 from ..core.handler import prepare_large_body
 from ..core.metrics import CONNECTIONS, INTERNAL_ERRORS, LIMIT_REJECTIONS
@@ -66,7 +67,8 @@ class ServerConfig:
                  access_log: bool = False, snapshot: str | None = None,
                  snapshot_interval_secs: float = 60.0, drain_delay_secs: float = 0.0,
                  ledger: LedgerOptions | None = None, reuse_port: bool = False,
-                 supervisor_pid: int | None = None) -> None:
+                 supervisor_pid: int | None = None, max_buffer_bytes: int = 256 << 20) -> None:
+        self.max_buffer_bytes = max_buffer_bytes  # request bodies and WebSocket messages in flight
         self.supervisor_pid = supervisor_pid  # --processes: stop when this parent is gone
         self.ledger = ledger  # share bookings and the catalog through this ledger (service.share first)
         self.reuse_port = reuse_port  # several processes on one port (--processes)
@@ -113,6 +115,7 @@ class _Server:
         self.ws_count = 0
         self.subscriptions: Subscriptions | None = None
         self.ledger_link: LedgerLink | None = None
+        self.in_flight = InFlight(config.max_buffer_bytes)
 
     def _report_connections(self) -> None:
         self.service.observe(CONNECTIONS, ("http",), float(len(self.connections)))
@@ -147,7 +150,7 @@ class _Server:
                     pass
                 return
             conn = HttpConnection(self.service, self.clock, defer_large=True, auth_token=self.config.auth_token,
-                                  access=_access_log if self.config.access_log else None)
+                                  access=_access_log if self.config.access_log else None, in_flight=self.in_flight)
             lock = anyio.Lock(fast_acquire=True)
             self.connections.add(conn)
             self._report_connections()
@@ -163,6 +166,7 @@ class _Server:
                     # The client went away while its selection was queued.
                     self.waiting.pop(conn.pending_ticket, None)
                     self.service.cancel(conn.pending_ticket, now=self.clock())
+                conn.release()
                 self.waits.pop(conn, None)
                 self.woken.discard(conn)
                 self.connections.discard(conn)
@@ -365,7 +369,7 @@ class _Server:
         self.service.observe(CONNECTIONS, ("websocket_in",), float(self.ws_count))
         session: PushSession | None = None
         try:
-            session = PushSession(self.service, self.clock, ws, target, trailing)
+            session = PushSession(self.service, self.clock, ws, target, trailing, self.in_flight)
             if session.stream is not None:
                 self.ws_sessions[session.stream] = (session, stream, lock)
             await flush(partial(self.send, stream), session, lock)

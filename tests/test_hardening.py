@@ -1,0 +1,115 @@
+"""Hardening, round two (issue 27): no client holds the loop, buffered bytes have a budget. Over
+real sockets against a real `serve` process; each test asserts the server answers afterwards."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import time
+
+from test_hostile import assert_healthy, get, post
+from test_http import Server, read_response
+
+MIB = 1 << 20
+BODY = 8 * MIB  # the largest body a request may have
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+def stalled_body(server: Server) -> socket.socket:
+    """A connection that sends the head of an 8 MiB body and all of it but 10 bytes, then stalls."""
+    sock = server.connect()
+    sock.sendall(b"POST /workers HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n\r\n" % BODY)
+    try:
+        sock.sendall(b" " * (BODY - 10))
+    except OSError:
+        pass  # refused and closed mid-body
+    return sock
+
+
+def refused(sock: socket.socket) -> int | None:
+    """The status the server answered on a stalled connection, if it answered."""
+    sock.settimeout(2)
+    try:
+        status, _, _ = read_response(sock, bytearray())
+    except (OSError, ValueError, AssertionError):
+        return None
+    return status
+
+
+def test_stalled_bodies_stop_at_the_buffer_budget_and_the_server_answers_on() -> None:
+    server = Server("--max-buffer-bytes", str(4 * BODY), "--request-timeout-secs", "30")
+    try:
+        before = rss_bytes(server.proc.pid)
+        socks = [stalled_body(server) for _ in range(12)]
+        time.sleep(0.5)
+        grown = rss_bytes(server.proc.pid) - before
+        assert grown < 4 * BODY + 60 * MIB, grown  # 12 x 8 MiB were sent; the budget holds 4
+        assert get(server, "/health")[0] == 200
+        statuses = [refused(s) for s in socks[4:]]
+        assert statuses.count(503) >= 7, statuses
+        metrics = get(server, "/metrics")[1].decode()
+        assert 'selection_proto_limit_rejections_total{limit="buffer_bytes"}' in metrics
+        for sock in socks:
+            sock.close()
+        time.sleep(0.3)
+        # The budget came back: a body as large as allowed is taken again.
+        status, _ = post(server, "/workers", b'{"worker_id": 1, "model_name": "m", "block_size": 4,'
+                                             b' "endpoint": "http://w"}' + b" " * (BODY - 100))
+        assert status == 201
+        assert_healthy(server)
+    finally:
+        server.stop()
+
+
+def ws_frame(payload: bytes, *, fin: bool, opcode: int) -> bytes:
+    """A masked client frame (RFC 6455 §5.2)."""
+    mask = os.urandom(4)
+    head = bytes([(0x80 if fin else 0) | opcode, 0x80 | 127]) + struct.pack("!Q", len(payload)) + mask
+    masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload[:64])) + payload[64:]  # only a prefix matters
+    return head + masked
+
+
+def test_unfinished_websocket_messages_stop_at_the_buffer_budget() -> None:
+    server = Server("--max-buffer-bytes", str(2 * BODY))
+    socks = []
+    try:
+        assert post(server, "/workers", b'{"worker_id": 1, "model_name": "m", "block_size": 4, '
+                                        b'"endpoint": "http://w"}')[0] == 201
+        before = rss_bytes(server.proc.pid)
+        closes = 0
+        for _ in range(8):
+            sock = server.connect()
+            sock.sendall(b"GET /kv_events?worker_id=1 HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\n"
+                         b"connection: Upgrade\r\nsec-websocket-version: 13\r\n"
+                         b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += sock.recv(4096)
+            assert head.startswith(b"HTTP/1.1 101")
+            try:
+                sock.sendall(ws_frame(b"\x00" * (6 * MIB), fin=False, opcode=2))
+            except OSError:
+                pass
+            socks.append(sock)
+        time.sleep(0.5)
+        for sock in socks:
+            sock.settimeout(1)
+            try:
+                data = sock.recv(256)
+            except OSError:
+                continue
+            closes += b"\x03\xf5" in data[:8]  # close code 1013
+        assert closes >= 5, closes  # two 6 MiB messages fit in 16 MiB; the others were closed
+        assert rss_bytes(server.proc.pid) - before < 2 * BODY + 80 * MIB
+        assert_healthy(server)
+    finally:
+        for sock in socks:
+            sock.close()
+        server.stop()
