@@ -3,7 +3,10 @@ real sockets against a real `serve` process; each test asserts the server answer
 
 from __future__ import annotations
 
+import json
 import os
+import threading
+import urllib.request
 import socket
 import struct
 import time
@@ -112,4 +115,46 @@ def test_unfinished_websocket_messages_stop_at_the_buffer_budget() -> None:
     finally:
         for sock in socks:
             sock.close()
+        server.stop()
+
+
+def health_latencies(server: Server, while_running: threading.Thread) -> list[float]:
+    """`/health` round trips, one after another, for as long as `while_running` runs."""
+    seconds = []
+    while while_running.is_alive():
+        started = time.perf_counter()
+        assert get(server, "/health")[0] == 200
+        seconds.append(time.perf_counter() - started)
+        time.sleep(0.01)
+    return seconds
+
+
+def store_blocks(server: Server, count: int, per_request: int = 50_000) -> None:
+    """`count` single-block stored events for worker 1, each its own prefix (the costliest dump)."""
+    for first in range(0, count, per_request):
+        events = [{"worker_id": 1, "event": {"event_id": i + 1, "data": {"stored": {
+            "parent_hash": None, "blocks": [{"block_hash": i + 1, "tokens_hash": i + 1}]}}}}
+            for i in range(first, min(count, first + per_request))]
+        status, report = post(server, "/kv_events", json.dumps(events).encode())
+        assert status == 200 and report["failed"] == 0, report
+
+
+def test_a_large_dump_is_written_by_a_child_and_health_answers_meanwhile() -> None:
+    server = Server()
+    try:
+        assert post(server, "/workers", b'{"worker_id": 1, "model_name": "m", "block_size": 4, '
+                                        b'"endpoint": "http://w"}')[0] == 201
+        store_blocks(server, 150_000)  # about a second of encoding (the test's reads are in a thread)
+        dumped: list[bytes] = []
+        url = f"http://127.0.0.1:{server.port}/dump"
+        reader = threading.Thread(target=lambda: dumped.append(urllib.request.urlopen(url, timeout=60).read()))
+        reader.start()
+        seconds = health_latencies(server, reader)
+        reader.join()
+        document = json.loads(dumped[0])
+        assert len(document["events"]) == 150_000 and document["workers"][0]["worker_id"] == 1
+        assert len(seconds) >= 3, seconds  # the dump took a while, and /health was served meanwhile
+        assert max(seconds) < 0.25, sorted(seconds)[-5:]
+        assert_healthy(server)
+    finally:
         server.stop()

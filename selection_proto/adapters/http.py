@@ -34,7 +34,8 @@ LARGE_BODY: Final = 256 * 1024
 
 
 class LargeRequest(NamedTuple):
-    """A request whose JSON body is large enough to be parsed away from the event loop."""
+    """A request whose JSON body is large enough to be parsed away from the event loop, or a
+    `GET /dump`, whose answer the caller produces away from it (`answer_with`)."""
 
     method: str
     path: str
@@ -271,6 +272,9 @@ class HttpConnection:
         body = b"".join(self._body)
         self._body = []
         self.release()
+        if self._defer_large and method in ("GET", "HEAD") and path == "/dump":
+            self.large_request = LargeRequest(method, path, query, headers, body)
+            return
         if self._defer_large and len(body) > LARGE_BODY and _takes_json(method, path, headers):
             self.large_request = LargeRequest(method, path, query, headers, body)
             return
@@ -299,6 +303,15 @@ class HttpConnection:
             self.pending_ticket = result.ticket
             return
         self._respond(result, close=self.close_after_response, head=method == "HEAD")
+
+    def answer_with(self, response: Response) -> None:
+        """The answer of the deferred `GET /dump` in `large_request`; goes on with pipelined ones."""
+        request = self.large_request
+        if request is None or self.closed:
+            return
+        self.large_request = None
+        self._respond(response, close=self.close_after_response, head=request.method == "HEAD")
+        self._drain()
 
     def resolve(self, response: Response) -> None:
         """Send the answer of the pending selection, then go on with pipelined requests."""

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 from ..core import jsonio
 from ..core.metrics import SNAPSHOT_LAST_SUCCESS, SNAPSHOTS
 from ..core.service import SelectionService
 from .logs import log
 
-__all__ = ["Snapshots", "write_snapshot"]
+__all__ = ["Snapshots", "fork_child", "write_snapshot"]
 
 _MAX_FD = os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 65536
 
@@ -51,6 +52,42 @@ def write_snapshot(service: SelectionService, path: str) -> int:
     finally:
         os.close(descriptor)
     return len(data)
+
+
+def fork_child(work: Callable[[int], None]) -> tuple[int, int]:
+    """Run `work(says)` in a forked child, from its copy of this process's memory, and return
+    (its pid, the read end of the pipe `says` it writes to). The child closes every other
+    descriptor first (the parent's sockets must not outlive the parent's close of them) and
+    leaves without running the parent's exit handlers. Raises OSError when it cannot fork."""
+    reads, says = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(reads)
+        os.close(says)
+        raise
+    if pid == 0:  # pragma: no cover - the child's lines are not traced (it leaves by os._exit)
+        code = 1
+        try:
+            os.closerange(3, says)
+            os.closerange(says + 1, _MAX_FD)
+            work(says)
+            code = 0
+        except BaseException as exc:  # noqa: BLE001 - the parent reads what went wrong
+            try:
+                os.write(says, f"{type(exc).__name__}: {exc}".encode()[:4096])
+            except OSError:
+                pass
+        finally:
+            os._exit(code)
+    os.close(says)
+    return pid, reads
+
+
+def write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 class Snapshots:
@@ -88,36 +125,16 @@ class Snapshots:
         if not hasattr(os, "fork"):  # pragma: no cover - not on Linux or macOS
             self.final()
             return
-        errors, says = os.pipe()
         try:
-            pid = os.fork()
+            self._child, self._child_says = fork_child(self._child_main)
         except OSError as exc:
-            os.close(errors)
-            os.close(says)
             self._failed(f"fork: {exc.strerror or exc}")
-            return
-        if pid == 0:
-            self._child_main(says)
-        os.close(says)
-        self._child, self._child_says = pid, errors
 
-    def _child_main(self, says: int) -> None:
-        """The forked child: write, report on `says`, and leave without running the parent's
-        exit handlers."""
-        code = 1
-        try:
-            # The parent's sockets stay open while any process holds them: a connection the
-            # parent closes must not wait for this child's dump to end, nor the port for its exit.
-            os.closerange(3, says)
-            os.closerange(says + 1, _MAX_FD)
-            started = time.monotonic()
-            write_snapshot(self._service, self.path)
-            os.write(says, f"{time.monotonic() - started:.3f}".encode())
-            code = 0
-        except BaseException as exc:  # noqa: BLE001 - the parent reports it
-            os.write(says, f"{type(exc).__name__}: {exc}".encode()[:4096])
-        finally:
-            os._exit(code)
+    def _child_main(self, says: int) -> None:  # pragma: no cover - in the forked child
+        """Write the snapshot, and report its seconds on `says`."""
+        started = time.monotonic()
+        write_snapshot(self._service, self.path)
+        os.write(says, f"{time.monotonic() - started:.3f}".encode())
 
     def _reap(self, *, block: bool) -> None:
         assert self._child is not None
