@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import threading
-import urllib.request
 import socket
 import struct
+import threading
 import time
+import urllib.request
 
 from test_hostile import assert_healthy, get, post
 from test_http import Server, read_response
@@ -155,6 +155,34 @@ def test_a_large_dump_is_written_by_a_child_and_health_answers_meanwhile() -> No
         assert len(document["events"]) == 150_000 and document["workers"][0]["worker_id"] == 1
         assert len(seconds) >= 3, seconds  # the dump took a while, and /health was served meanwhile
         assert max(seconds) < 0.25, sorted(seconds)[-5:]
+        assert_healthy(server)
+    finally:
+        server.stop()
+
+
+def test_a_websocket_event_flood_leaves_other_clients_their_turn() -> None:
+    """One stream sending small events as fast as it can: /health keeps a p99 under 100 ms."""
+    from websockets.sync.client import connect
+
+    server = Server()
+    try:
+        assert post(server, "/workers", b'{"worker_id": 1, "model_name": "m", "block_size": 4, '
+                                        b'"endpoint": "http://w"}')[0] == 201
+        messages = [json.dumps({"event_id": i + 1, "data": {"stored": {"parent_hash": None, "blocks": [
+            {"block_hash": i + 1, "tokens_hash": i + 1}]}}}) for i in range(60_000)]
+
+        def flood() -> None:
+            with connect(f"ws://127.0.0.1:{server.port}/kv_events?worker_id=1") as ws:
+                for message in messages:
+                    ws.send(message)
+
+        flooder = threading.Thread(target=flood)
+        flooder.start()
+        time.sleep(0.3)
+        seconds = sorted(health_latencies(server, flooder))
+        flooder.join()
+        assert len(seconds) >= 20
+        assert seconds[int(len(seconds) * 0.99)] < 0.1 and seconds[-1] < 0.25, seconds[-5:]
         assert_healthy(server)
     finally:
         server.stop()

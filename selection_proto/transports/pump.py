@@ -20,10 +20,11 @@ class Outgoing(Protocol):
     def data_to_send(self) -> bytes: ...
 
 
-async def receive(stream: anyio.abc.ByteReceiveStream, timeout: float = math.inf) -> bytes | None:
+async def receive(stream: anyio.abc.ByteReceiveStream, timeout: float = math.inf,
+                  size: int = CHUNK) -> bytes | None:
     with anyio.move_on_after(timeout):
         try:
-            return await stream.receive(CHUNK)
+            return await stream.receive(size)
         except anyio.EndOfStream:
             return b""
     return None

@@ -89,6 +89,7 @@ class ServerConfig:
 
 
 GIL_SWITCH_INTERVAL_SECS = 0.001
+WS_SLICE = 8192
 
 
 def _access_log(method: str, path: str, status: int, seconds: float) -> None:
@@ -406,7 +407,9 @@ class _Server:
             await flush(partial(self.send, stream), session, lock)
             interval = self.config.ws_ping_interval_secs
             while not session.closed:
-                data = await receive(stream, interval)
+                # A slice of a flood at a time: ~8 KiB of small events is a few milliseconds of
+                # work, after which every other client gets its turn (a 64 KiB read held them ~30 ms).
+                data = await receive(stream, interval, WS_SLICE)
                 if data is None:
                     if session.ping_outstanding:
                         session.close(1011, "keepalive ping timeout")
