@@ -186,3 +186,43 @@ def test_a_websocket_event_flood_leaves_other_clients_their_turn() -> None:
         assert_healthy(server)
     finally:
         server.stop()
+
+
+def test_stdio_answers_as_fast_with_hundreds_of_zmq_subscriptions() -> None:
+    """Each ZMQ subscription used to hold a worker thread of its own (and anyio's default thread
+    limiter, which stdio's writes wait on): past ~40 of them, each answer waited ~100 ms."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "selection_proto", "stdio", "--kv-events", "subscribe"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert proc.stdin is not None and proc.stdout is not None
+
+    def call(rid: int, method: str, **params: object) -> dict[str, object]:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(json.dumps({"jsonrpc": "2.0", "id": rid, "method": method, "params": params}).encode()
+                         + b"\n")
+        proc.stdin.flush()
+        answer: dict[str, object] = json.loads(proc.stdout.readline())
+        assert answer["id"] == rid, answer
+        return answer
+
+    try:
+        with socket.socket() as probe:  # a port nobody listens on: ZMQ retries connecting quietly
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        for wid in range(300):
+            answer = call(wid, "workers.create", worker_id=wid, model_name="m", endpoint="http://w",
+                          block_size=4, kv_events_endpoint=f"tcp://127.0.0.1:{port}")
+            assert "result" in answer, answer
+        time.sleep(0.5)
+        seconds = []
+        for rid in range(1000, 1060):
+            started = time.perf_counter()
+            assert call(rid, "health")["result"] == {"status": "ok"}
+            seconds.append(time.perf_counter() - started)
+        seconds.sort()
+        assert seconds[len(seconds) // 2] < 0.01 and seconds[-1] < 0.1, seconds[-5:]
+    finally:
+        proc.stdin.close()
+        assert proc.wait(timeout=30) == 0

@@ -22,7 +22,7 @@ from ..adapters.ws import ForwardingClient
 from .logs import log, log_internal_error
 from .pump import flush, receive
 from .subscriber import backoff_delays, connect
-from .zmq_sub import fetch_replay, zmq_batches
+from .zmq_sub import ZmqHub, fetch_replay
 
 __all__ = ["Relay", "run_relay"]
 
@@ -101,10 +101,14 @@ class Relay:
 
 
 async def _zmq_loop(relays: list[Relay], endpoint: str, topic: bytes) -> None:
-    async for messages in zmq_batches(endpoint, topic):
-        for frames in messages:
-            for relay in relays:
-                relay.offer(frames)
+    hub = ZmqHub()
+    try:
+        async for messages in hub.batches(endpoint, topic):
+            for frames in messages:
+                for relay in relays:
+                    relay.offer(frames)
+    finally:
+        hub.stop()
 
 
 async def _read(stream: anyio.abc.ByteStream, client: ForwardingClient, lock: anyio.Lock,

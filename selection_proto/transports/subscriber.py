@@ -18,7 +18,7 @@ from ..core.outputs import OutputEvent, SubscribeKvEvents, UnsubscribeKvEvents
 from ..core.service import SelectionService
 from .logs import log
 from .pump import flush, receive
-from .zmq_sub import fetch_replay, zmq_batches
+from .zmq_sub import ZmqHub, fetch_replay
 
 __all__ = ["BACKOFF_MAX", "BACKOFF_START", "Subscriptions", "backoff_delays", "connect"]
 
@@ -58,6 +58,7 @@ class Subscriptions:
         self.tg = tg
         self.changed = changed
         self.scopes: dict[int, anyio.CancelScope] = {}
+        self.hub: ZmqHub | None = None  # started with the first ZMQ subscription
 
     def route(self, out: OutputEvent) -> bool:
         if isinstance(out, SubscribeKvEvents):
@@ -76,6 +77,9 @@ class Subscriptions:
         for scope in self.scopes.values():
             scope.cancel()
         self.scopes.clear()
+        if self.hub is not None:
+            self.hub.stop()
+            self.hub = None
 
     def _failed(self, scheme: str, reason: str, sub: SubscribeKvEvents, detail: str) -> None:
         self.service.observe(SUBSCRIPTION_FAILURES, (scheme, reason), 1.0)
@@ -165,7 +169,9 @@ class Subscriptions:
         self.service.subscription_state(sub.stream, True, now=anyio.current_time())
         order = SeqOrder()
         try:
-            async for messages in zmq_batches(sub.endpoint):
+            if self.hub is None:
+                self.hub = ZmqHub()
+            async for messages in self.hub.batches(sub.endpoint):
                 for frames in messages:
                     if len(frames) != 3 or len(frames[1]) != 8:  # [topic, 8-byte seq, payload]
                         self.service.stream_dropped(sub.stream, "bad_zmq_frames")

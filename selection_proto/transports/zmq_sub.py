@@ -1,13 +1,19 @@
-"""A pyzmq SUB socket read from a worker thread, so that both anyio backends work (transports.md §4)."""
+"""ZMQ for subscriptions (transports.md §4): every SUB socket polled by one thread (`ZmqHub`), so
+that both anyio backends work and a thousand engines cost one thread; an engine's replay socket
+asked from a worker thread (`fetch_replay`)."""
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 
-__all__ = ["REPLAY_TIMEOUT", "fetch_replay", "zmq_batches"]
+__all__ = ["REPLAY_TIMEOUT", "ZmqHub", "fetch_replay"]
 
 REPLAY_TIMEOUT = 1.0  # seconds the engine may take for each replayed batch
 MAX_REPLAYED = 100_000
@@ -37,30 +43,126 @@ def fetch_replay(endpoint: str, start: int, timeout: float = REPLAY_TIMEOUT) -> 
         socket.close(linger=0)
 
 
-async def zmq_batches(endpoint: str, topic: bytes = b"") -> AsyncIterator[list[list[bytes]]]:
-    """Lists of multipart messages as they arrive (each thread hop waits at most 100 ms).
-    Raises ImportError when pyzmq is not installed."""
-    import zmq
+class ZmqHub:
+    """Every SUB socket of one event loop's subscriptions, polled by one daemon thread: a thousand
+    subscriptions cost one poll, not a thousand threads waking to poll (which also took every
+    token of anyio's default thread limiter, queueing every other `to_thread` call behind them).
 
-    socket: Any = zmq.Context.instance().socket(zmq.SUB)
-    socket.setsockopt(zmq.SUBSCRIBE, topic)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(endpoint)
-    poller = zmq.Poller()
-    poller.register(socket, zmq.POLLIN)
+    Sockets are made, connected and closed on the poller thread only (ZMQ sockets are not
+    thread-safe); the loop asks for them through a command queue and a wake-up socket. Batches go
+    to each subscription's memory stream, waiting while it is full (backpressure, as before: the
+    SUB socket buffers up to its high-water mark meanwhile)."""
 
-    def receive_some() -> list[list[bytes]]:
-        messages: list[list[bytes]] = []
-        if poller.poll(100):
-            while len(messages) < 256:
-                try:
-                    messages.append(socket.recv_multipart(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-        return messages
+    def __init__(self) -> None:
+        import zmq
 
+        self._context: Any = zmq.Context.instance()
+        self._address = f"inproc://selection-proto-hub-{id(self)}"
+        self._wake = self._context.socket(zmq.PAIR)  # the loop's end: one byte per command
+        self._wake.bind(self._address)
+        self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._poll, name="zmq-hub", daemon=True)
+        self._thread.start()
+
+    def _command(self, *command: Any) -> None:
+        import zmq
+
+        self._commands.put(command)
+        with self._lock:  # the loop's end of the pair, shared by every task (and `stop`)
+            try:
+                self._wake.send(b"", zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # a wake-up is already waiting: the poller drains every command at once
+
+    def stop(self) -> None:
+        self._command("stop")
+
+    async def batches(self, endpoint: str, topic: bytes = b"") -> AsyncIterator[list[list[bytes]]]:
+        """Lists of multipart messages from `endpoint` as they arrive. Raises what connecting
+        raised (an address ZMQ refuses)."""
+        send, receive = anyio.create_memory_object_stream[Any](4)
+        key = object()
+        self._command("add", key, endpoint, topic, send, anyio.lowlevel.current_token())
+        try:
+            async with receive:
+                async for batch in receive:
+                    if isinstance(batch, BaseException):
+                        raise batch
+                    yield batch
+        finally:
+            self._command("remove", key)
+
+    def _poll(self) -> None:  # the poller thread
+        import zmq
+
+        wake = self._context.socket(zmq.PAIR)
+        wake.connect(self._address)
+        poller = zmq.Poller()
+        poller.register(wake, zmq.POLLIN)
+        subscribers: dict[Any, tuple[Any, Any, Any]] = {}  # socket -> (key, stream, loop token)
+        by_key: dict[object, Any] = {}
+
+        def drop(socket: Any) -> None:
+            key, _, _ = subscribers.pop(socket)
+            by_key.pop(key, None)
+            poller.unregister(socket)
+            socket.close(linger=0)
+
+        try:
+            while True:
+                for socket, _ in poller.poll():
+                    if socket is wake:
+                        while True:
+                            try:
+                                wake.recv(zmq.NOBLOCK)
+                            except zmq.Again:
+                                break
+                        while not self._commands.empty():
+                            command = self._commands.get()
+                            if command[0] == "stop":
+                                return
+                            if command[0] == "remove":
+                                if command[1] in by_key:
+                                    drop(by_key[command[1]])
+                                continue
+                            _, key, endpoint, topic, stream, token = command
+                            sub = self._context.socket(zmq.SUB)
+                            sub.setsockopt(zmq.LINGER, 0)
+                            try:
+                                sub.setsockopt(zmq.SUBSCRIBE, topic)
+                                sub.connect(endpoint)
+                            except zmq.ZMQError as exc:
+                                sub.close(linger=0)
+                                _deliver(stream, token, exc)
+                                continue
+                            subscribers[sub] = (key, stream, token)
+                            by_key[key] = sub
+                            poller.register(sub, zmq.POLLIN)
+                        continue
+                    if socket not in subscribers:
+                        continue
+                    messages: list[list[bytes]] = []
+                    while len(messages) < 256:
+                        try:
+                            messages.append(socket.recv_multipart(zmq.NOBLOCK))
+                        except zmq.Again:
+                            break
+                    _, stream, token = subscribers[socket]
+                    if messages and not _deliver(stream, token, messages):
+                        drop(socket)  # its subscription, or the loop, has gone
+        finally:
+            for socket in list(subscribers):
+                socket.close(linger=0)
+            wake.close(linger=0)
+            with self._lock:
+                self._wake.close(linger=0)
+
+
+def _deliver(stream: Any, token: Any, item: Any) -> bool:
+    """Hand `item` to the loop's task, waiting while its stream is full; False when it is gone."""
     try:
-        while True:
-            yield await anyio.to_thread.run_sync(receive_some, abandon_on_cancel=True)
-    finally:
-        socket.close(linger=0)
+        anyio.from_thread.run(stream.send, item, token=token)
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError, RuntimeError):
+        return False
+    return True
