@@ -34,6 +34,7 @@ from .config import (
 )
 from .core.routes import MAX_BODY
 from .core.service import SelectionService
+from .core.settings import Settings
 
 if TYPE_CHECKING:
     from .transports.server import LedgerOptions
@@ -226,6 +227,10 @@ def _service_and_backend(args: argparse.Namespace, env: Mapping[str, str]) -> tu
     _set_log_format(args, env)
     warn_unknown_env(env)
     rng = random.Random(seed) if seed is not None else random.Random()
+    if settings.kv_events == "subscribe":
+        connections = transport_value(args, env, "max_connections", TRANSPORT["max_connections"], int) \
+            if args.command == "serve" else 0
+        settings = _fit_descriptors(settings, connections)
     try:
         service = SelectionService(settings, rng, _tracking_key(args, env), log_decisions=level == "debug")
     except ValueError as exc:
@@ -302,6 +307,35 @@ def _auth_token(args: argparse.Namespace, env: Mapping[str, str]) -> bytes | Non
     if not token or len(token) > 4096 or not all(0x21 <= b <= 0x7e for b in token):
         raise UsageError(f"--auth-token-file {path}: expected one token of 1 to 4096 visible ASCII characters")
     return token
+
+
+FD_HEADROOM: Final = 64  # descriptors beside connections and subscriptions: listener, logs, ledger, pipes
+
+
+def _fit_descriptors(settings: Settings, connections: int) -> Settings:
+    """Subscriptions and connections must fit the process's descriptors, with room for accepts:
+    the soft RLIMIT_NOFILE is raised to the hard one, and `max_subscriptions` lowered (with a
+    warning) when they still do not fit, so that a subscription past it is refused at
+    registration (409) instead of failing every accept and handshake once descriptors run out."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on Linux or macOS
+        return settings
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        except (ValueError, OSError):
+            pass
+    room = max(0, soft - connections - FD_HEADROOM)
+    if settings.max_subscriptions <= room:
+        return settings
+    from .transports.logs import log
+
+    log("warning", "max_subscriptions_lowered", configured=settings.max_subscriptions, to=room,
+        open_files_limit=soft, max_connections=connections)
+    return attrs.evolve(settings, max_subscriptions=room)
 
 
 def _stdio(args: argparse.Namespace, env: Mapping[str, str]) -> int:

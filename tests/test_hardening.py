@@ -226,3 +226,37 @@ def test_stdio_answers_as_fast_with_hundreds_of_zmq_subscriptions() -> None:
     finally:
         proc.stdin.close()
         assert proc.wait(timeout=30) == 0
+
+
+def test_subscriptions_and_connections_fit_the_descriptor_limit() -> None:
+    """Under `ulimit -n 256` with 64 connections allowed, subscriptions are capped so that both fit
+    (with room for accepts): a worker asking for more is refused at registration, and the process
+    answers on while the subscriptions it took hang on peers that never answer."""
+    with socket.socket() as listener:  # accepts (the kernel's backlog) and never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1024)
+        port = listener.getsockname()[1]
+        server = Server("--max-connections", "64", mode="subscribe", open_files=256)
+        try:
+            assert any('"max_subscriptions_lowered"' in line and '"to":128' in line for line in server.logs)
+
+            def worker(wid: int, size: int) -> bytes:
+                return json.dumps({"worker_id": wid, "model_name": "m", "endpoint": "http://w", "block_size": 4,
+                                   "data_parallel_size": size, "kv_events_endpoints": {
+                                       str(r): f"ws://127.0.0.1:{port}/e{r}" for r in range(size)}}).encode()
+
+            status, body = post(server, "/workers", worker(1, 1024))
+            assert (status, body["error"]) == (409, "subscription limit reached: at most 128 outbound "
+                                                    "KV-event subscriptions"), body
+            assert post(server, "/workers", worker(2, 120))[0] == 201
+            seconds = []
+            for _ in range(20):
+                started = time.perf_counter()
+                assert get(server, "/health")[0] == 200
+                seconds.append(time.perf_counter() - started)
+                time.sleep(0.1)
+            assert max(seconds) < 0.25
+            assert_healthy(server)
+            assert not any('"accept_failed"' in line for line in server.logs)
+        finally:
+            server.stop()

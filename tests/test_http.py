@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -19,13 +20,19 @@ import pytest
 class Server:
     """`selection-proto serve` on a free loopback port; its stderr log lines are kept in `logs`."""
 
-    def __init__(self, *args: str, mode: str = "push", fault: str | None = None) -> None:
+    def __init__(self, *args: str, mode: str = "push", fault: str | None = None,
+                 open_files: int | None = None) -> None:
         # `fault`: run through tests/fault_injection.py with that component made to raise.
         program = ["-m", "selection_proto"] if fault is None else [
             os.path.join(os.path.dirname(__file__), "fault_injection.py"), fault]
+
+        def limit() -> None:  # `open_files`: the process's RLIMIT_NOFILE, soft and hard
+            if open_files is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
+
         self.proc = subprocess.Popen(
             [sys.executable, *program, "serve", "--port", "0", "--kv-events", mode, *args],
-            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, preexec_fn=limit)
         self.logs: list[str] = []
         self._listening = threading.Event()
         # Keep draining stderr so that a chatty server never blocks on a full pipe.

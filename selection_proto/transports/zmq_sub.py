@@ -56,7 +56,10 @@ class ZmqHub:
     def __init__(self) -> None:
         import zmq
 
-        self._context: Any = zmq.Context.instance()
+        # A context of its own: ZMQ's default of 1,023 sockets would refuse the 1,024th engine
+        # (the descriptors themselves are bounded by `max_subscriptions`, cli._fit_descriptors).
+        self._context: Any = zmq.Context()
+        self._context.set(zmq.MAX_SOCKETS, 1 << 16)
         self._address = f"inproc://selection-proto-hub-{id(self)}"
         self._wake = self._context.socket(zmq.PAIR)  # the loop's end: one byte per command
         self._wake.bind(self._address)
@@ -157,6 +160,7 @@ class ZmqHub:
             wake.close(linger=0)
             with self._lock:
                 self._wake.close(linger=0)
+            self._context.term()
 
 
 def _deliver(stream: Any, token: Any, item: Any) -> bool:
