@@ -16,23 +16,22 @@ import attrs
 from anyio.streams.tls import TLSStream
 
 from .._version import __version__
-from ..adapters.http import HttpConnection, LargeRequest
+from ..adapters.http import HttpConnection
 from ..adapters.inflight import InFlight
 from ..adapters.ws import PushSession
-from ..core import jsonio
 from ..core.handler import prepare_large_body
 from ..core.metrics import CONNECTIONS, INTERNAL_ERRORS, LIMIT_REJECTIONS
 from ..core.outputs import CloseEventStream, InternalError, Notice, OutputEvent, SelectionReady
 from ..core.routes import media_type
 from ..core.service import SelectionService
 from ..core.streams import decode_or_error
-from ..core.wire import Response, error_response
+from ..core.wire import error_response
 from .ledger import LedgerLink
 from .logs import log, log_internal_error
 from .peers import recover_from_peers
 from .process import ProcessMetrics
 from .pump import CHUNK, flush, receive
-from .snapshots import Snapshots, fork_child, write_all
+from .snapshots import Snapshots, dump_in_child
 from .subscriber import Subscriptions
 
 __all__ = ["LedgerOptions", "ServerConfig", "serve"]
@@ -80,16 +79,14 @@ class ServerConfig:
         self.ws_ping_interval_secs = ws_ping_interval_secs
         self.tls = tls  # serve HTTPS and wss:// with this context
         self.auth_token = auth_token  # bearer token every route but the open ones needs
-        self.host = host
-        self.port = port
-        self.max_connections = max_connections
+        self.host, self.port, self.max_connections = host, port, max_connections
         self.keep_alive_timeout_secs = keep_alive_timeout_secs
         self.request_timeout_secs = request_timeout_secs
         self.shutdown_timeout_secs = shutdown_timeout_secs
 
 
 GIL_SWITCH_INTERVAL_SECS = 0.001
-WS_SLICE = 8192
+WS_SLICE = 8192  # a WebSocket read: ~8 KiB of small events is a few ms of work (64 KiB held others ~30 ms)
 
 
 def _access_log(method: str, path: str, status: int, seconds: float) -> None:
@@ -344,13 +341,12 @@ class _Server:
                 await flush(partial(self.send, stream), conn, lock)
                 if conn.large_request is None:
                     break
-                large = conn.large_request
-                if large.path == "/dump" and large.method in ("GET", "HEAD"):
-                    conn.answer_with(await self._dump(large))
-                    continue
-                # Megabytes of JSON are parsed in a worker thread while others are served.
-                conn.complete_large(await anyio.to_thread.run_sync(
-                    prepare_large_body, large.path, large.body, media_type(large.headers)))
+                large = conn.large_request  # a dump is written by a child; megabytes of JSON parsed
+                if large.path == "/dump":  # in a worker thread, while others are served
+                    conn.answer_with(await dump_in_child(self.service, large, self.clock))
+                else:
+                    conn.complete_large(await anyio.to_thread.run_sync(
+                        prepare_large_body, large.path, large.body, media_type(large.headers)))
             if conn.pending_ticket is not None:
                 self.waiting[conn.pending_ticket] = (conn, stream, lock)
             if conn.upgrade is not None:
@@ -361,33 +357,6 @@ class _Server:
                 return
         if conn.linger:
             await self._linger(stream)
-
-    async def _dump(self, request: LargeRequest) -> Response:
-        """`GET /dump`, written by a forked child from its copy of memory (as the periodic snapshot
-        is): a million blocks take seconds to encode, which would hold every other client."""
-        method, path, query, headers, body = request
-
-        def answer() -> Response:
-            result = self.service.handle(method, path, query, headers, body, now=self.clock())
-            assert isinstance(result, Response)  # a read: never queued, never held for the ledger
-            return result
-
-        def child(says: int) -> None:  # pragma: no cover - in the forked child
-            status, fields, payload = answer()
-            write_all(says, jsonio.dumps([status, fields]) + b"\n")
-            write_all(says, payload)
-
-        try:
-            pid, reads = fork_child(child)
-        except OSError:
-            return answer()  # no fork here: answered on the loop, as before
-        status, raw = await anyio.to_thread.run_sync(_collect, pid, reads)
-        head, _, payload = raw.partition(b"\n")
-        if status != 0 or not head.startswith(b"["):
-            self.service.internal_error("dump")
-            return error_response(500, "internal error")
-        code, fields = jsonio.loads(head)
-        return Response(code, tuple((n, v) for n, v in fields), payload)
 
     async def _websocket(self, stream: anyio.abc.ByteStream, conn: HttpConnection,
                          lock: anyio.Lock) -> None:
@@ -407,9 +376,7 @@ class _Server:
             await flush(partial(self.send, stream), session, lock)
             interval = self.config.ws_ping_interval_secs
             while not session.closed:
-                # A slice of a flood at a time: ~8 KiB of small events is a few milliseconds of
-                # work, after which every other client gets its turn (a 64 KiB read held them ~30 ms).
-                data = await receive(stream, interval, WS_SLICE)
+                data = await receive(stream, interval, WS_SLICE)  # a flood leaves others their turn
                 if data is None:
                     if session.ping_outstanding:
                         session.close(1011, "keepalive ping timeout")
@@ -580,12 +547,3 @@ async def _drain(server: _Server, service: SelectionService, config: ServerConfi
         with anyio.move_on_after(config.shutdown_timeout_secs):
             await server.idle.wait()
 
-
-def _collect(pid: int, reads: int) -> tuple[int, bytes]:
-    """Everything a forked child wrote, and its exit code (in a worker thread: it blocks)."""
-    chunks = []
-    with os.fdopen(reads, "rb", buffering=0) as pipe:
-        while chunk := pipe.read(1 << 20):
-            chunks.append(chunk)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status), b"".join(chunks)

@@ -1,6 +1,6 @@
 """Snapshots of one instance (`--snapshot PATH`): the `/dump` document, written atomically (a
 temporary file beside PATH, fsync, rename) every `--snapshot-interval-secs` and at shutdown, and
-read back at start by the command line (`cli._restore`).
+read back at start by the command line (`cli._restore`); and `GET /dump` answered the same way.
 
 A periodic snapshot is written by a forked child from its copy of the process's memory, as Redis's
 BGSAVE does: the event loop only pays for the fork (page tables, milliseconds), never for the dump
@@ -13,12 +13,16 @@ import os
 import time
 from collections.abc import Callable
 
+import anyio
+
+from ..adapters.http import LargeRequest
 from ..core import jsonio
 from ..core.metrics import SNAPSHOT_LAST_SUCCESS, SNAPSHOTS
 from ..core.service import SelectionService
+from ..core.wire import Response, error_response
 from .logs import log
 
-__all__ = ["Snapshots", "fork_child", "write_snapshot"]
+__all__ = ["Snapshots", "dump_in_child", "fork_child", "write_snapshot"]
 
 _MAX_FD = os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 65536
 
@@ -88,6 +92,45 @@ def write_all(fd: int, data: bytes | memoryview) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
+
+
+async def dump_in_child(service: SelectionService, request: LargeRequest, clock: Callable[[], float]) -> Response:
+    """`GET /dump`, written by a forked child from its copy of memory (as the periodic snapshot
+    is) and read back in a worker thread: a million blocks take seconds to encode, which would
+    hold every other client. Where it cannot fork, answered here."""
+    method, path, query, headers, body = request
+
+    def answer() -> Response:
+        result = service.handle(method, path, query, headers, body, now=clock())
+        assert isinstance(result, Response)  # a read: never queued, never held for the ledger
+        return result
+
+    def child(says: int) -> None:  # pragma: no cover - in the forked child
+        status, fields, payload = answer()
+        write_all(says, jsonio.dumps([status, fields]) + b"\n")
+        write_all(says, payload)
+
+    try:
+        pid, reads = fork_child(child)
+    except OSError:
+        return answer()
+    status, raw = await anyio.to_thread.run_sync(_collect, pid, reads)
+    head, _, payload = raw.partition(b"\n")
+    if status != 0 or not head.startswith(b"["):
+        service.internal_error("dump")
+        return error_response(500, "internal error")
+    code, fields = jsonio.loads(head)
+    return Response(code, tuple((n, v) for n, v in fields), payload)
+
+
+def _collect(pid: int, reads: int) -> tuple[int, bytes]:
+    """Everything a forked child wrote, and its exit code (in a worker thread: it blocks)."""
+    chunks = []
+    with os.fdopen(reads, "rb", buffering=0) as pipe:
+        while chunk := pipe.read(1 << 20):
+            chunks.append(chunk)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), b"".join(chunks)
 
 
 class Snapshots:

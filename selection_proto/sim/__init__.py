@@ -1,0 +1,9 @@
+"""`selection-proto simulate`: a fleet of simulated engines replaying a Mooncake trace through
+the real core, in virtual time (docs/ROUTING.md). Pure: the caller reads the trace's lines and
+writes the outputs; nothing here reads a clock or does I/O."""
+
+from .engine import EngineModel
+from .fleet import FleetConfig, SettingRun, simulate
+from .trace import TraceError, TraceRequest, parse_trace
+
+__all__ = ["EngineModel", "FleetConfig", "SettingRun", "TraceError", "TraceRequest", "parse_trace", "simulate"]

@@ -1,0 +1,268 @@
+"""A simulated engine (docs/ROUTING.md): its iteration-level performance model, its KV cache of
+reference-counted blocks with the unheld ones kept in LRU order, first-come-first-served
+admission under that cache, chunked prefill, and the KV events a vLLM engine publishes."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import attrs
+
+from ..core.events import KvEvent
+from ..core.hashing import sequence_hashes
+
+if TYPE_CHECKING:
+    from .fleet import FleetConfig
+    from .trace import TraceRequest
+
+__all__ = ["Engine", "EngineModel", "SimRequest", "block_hash"]
+
+_MASK = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def block_hash(hash_id: int) -> int:
+    """The router-side hash of a trace block: any fixed spread of its id (the trace's ids already
+    name a block and its prefix)."""
+    return ((hash_id + 1) * _GOLDEN) & _MASK >> 1  # the API takes block hashes as i64
+
+
+@attrs.frozen(kw_only=True)
+class EngineModel:
+    """The time of one engine iteration. An iteration prefills up to `max_batched_tokens` new
+    tokens (first come, first served, a long prompt in chunks) and decodes one token for every
+    request past its prefill. It takes, in milliseconds:
+
+        prefill_fixed_ms                                   (when it prefills)
+      + new_tokens / prefill_tokens_per_sec * 1000
+      + attention_ms * new_tokens * (context + new_tokens / 2) / 1e6   (attention over the context)
+      + decode_ms + (decode_full_ms - decode_ms) * kv_used              (when any request decodes)
+
+    The defaults are Dynamo's mocker polynomials (prefill 1k tokens ≈ 32 ms, 8k ≈ 169 ms; a decode
+    step 5.7 ms on an empty cache, 34 ms on a full one)."""
+
+    prefill_fixed_ms: float = 16.5
+    prefill_tokens_per_sec: float = 65_861.0
+    attention_ms: float = 0.84  # per million token-pairs
+    decode_ms: float = 5.74
+    decode_full_ms: float = 34.0
+    max_batched_tokens: int = 8192
+    max_running: int = 256
+
+    def iteration_ms(self, prefill: list[tuple[int, int]], decoding: int, kv_used: float) -> float:
+        """`prefill`: (new tokens, context before them) of each chunk this iteration."""
+        ms = 0.0
+        if prefill:
+            ms += self.prefill_fixed_ms
+            for tokens, context in prefill:
+                ms += tokens * 1000.0 / self.prefill_tokens_per_sec
+                ms += self.attention_ms * tokens * (context + tokens / 2) / 1e6
+        if decoding:
+            ms += self.decode_ms + (self.decode_full_ms - self.decode_ms) * min(1.0, kv_used)
+        return ms
+
+    def request_rate(self, kv_blocks: int, isl: float, osl: float, blocks: float) -> float:
+        """Requests a second one engine sustains with prompts of `isl` tokens in `blocks` blocks
+        and `osl` output tokens, without any cache reuse (what `--load` is relative to): the
+        highest rate within both its prefill compute (full budgets of new tokens, each iteration
+        also paying a decode step at 80% KV use) and its KV blocks, which each request holds from
+        admission to its last token. Decode iterations are slower while prompts are prefilled
+        beside them, so the KV bound falls as the rate rises: found by bisection."""
+        prefill_iteration = self.iteration_ms([(self.max_batched_tokens, 0)], 1, 0.8) / 1000.0
+        decode_iteration = self.iteration_ms([], 1, 0.8) / 1000.0
+        per_token = prefill_iteration / self.max_batched_tokens
+        prefill_bound = 1.0 / (max(isl, 1.0) * per_token)
+        concurrent = kv_blocks / max(blocks, 1.0)
+
+        def kv_bound(rate: float) -> float:
+            prefilling = min(1.0, rate * isl * per_token)  # the share of time in prefill iterations
+            iterations = prefilling / prefill_iteration + (1.0 - prefilling) / decode_iteration
+            return concurrent / (osl / iterations + isl * per_token)
+
+        low, high = 0.0, prefill_bound
+        for _ in range(50):
+            middle = (low + high) / 2
+            low, high = (middle, high) if middle <= kv_bound(middle) else (low, middle)
+        return low
+
+
+class SimRequest:
+    __slots__ = ("rid", "arrival", "isl", "osl", "seqs", "locals", "full", "engine", "cached", "left",
+                 "context", "decode_left", "started", "first_token", "private", "blocks_held")
+
+    def __init__(self, rid: str, arrival: float, trace: TraceRequest, block_size: int) -> None:
+        self.rid = rid
+        self.arrival = arrival
+        self.isl = trace.input_length
+        self.osl = max(1, trace.output_length)
+        self.locals = [block_hash(h) for h in trace.hash_ids]
+        self.seqs = sequence_hashes(self.locals)
+        self.full = trace.input_length // block_size  # cacheable blocks: the full ones
+        self.engine = -1
+        self.cached = 0  # prompt tokens the engine had cached
+        self.left = 0  # prompt tokens still to prefill
+        self.context = 0  # tokens before the next chunk
+        self.decode_left = 0
+        self.started = -1.0  # admitted by its engine
+        self.first_token = -1.0
+        self.private = 0  # blocks allocated for it and not shared (in computation, or partial)
+        self.blocks_held: list[int] = []  # shared cached blocks it holds a reference to
+
+
+class Engine:
+    """One engine: FCFS admission under its KV capacity, chunked prefill, one decode token per
+    iteration for each running request. Cached blocks are shared and reference-counted; blocks no
+    request holds stay cached, least recently used evicted first. It publishes what a vLLM engine
+    does: a stored event when blocks are computed, a removed event when one is evicted."""
+
+    def __init__(self, index: int, config: FleetConfig, publish: Callable[[int, KvEvent], None]) -> None:
+        self.index = index
+        self.capacity = config.kv_blocks
+        self.block_size = config.trace_block_size
+        self.model = config.model
+        self.publish = publish
+        self.active: dict[int, int] = {}  # block (its sequence hash) -> requests holding it
+        self.inactive: OrderedDict[int, None] = OrderedDict()  # cached, held by none: LRU first
+        self.private = 0
+        self.waiting: deque[SimRequest] = deque()
+        self.prefilling: list[SimRequest] = []
+        self.decoding: list[SimRequest] = []
+        self.busy_until: float | None = None  # the end of the iteration under way
+        self.last_prefill: list[tuple[SimRequest, int]] = []
+        self.cached_tokens = 0
+        self.prompt_tokens = 0
+
+    def in_flight(self) -> int:
+        return len(self.waiting) + len(self.prefilling) + len(self.decoding)
+
+    def used(self) -> int:
+        return len(self.active) + len(self.inactive) + self.private
+
+    def _admit(self, req: SimRequest) -> bool:
+        held = []
+        for seq in req.seqs[:req.full]:
+            if seq in self.active:
+                self.active[seq] += 1
+            elif seq in self.inactive:
+                del self.inactive[seq]
+                self.active[seq] = 1
+            else:
+                break
+            held.append(seq)
+        need = len(req.seqs) - len(held)
+        while self.used() + need > self.capacity and self.inactive:
+            seq, _ = self.inactive.popitem(last=False)
+            self.publish(self.index, KvEvent(worker_id=self.index, dp_rank=0, tier="device", event_id=None,
+                                             kind="removed", block_hashes=(seq,)))
+        if self.used() + need > self.capacity:
+            for seq in held:  # not now: give back what it took, in the same recency order
+                self._release(seq)
+            return False
+        self.private += need
+        req.private = need
+        req.blocks_held = held
+        req.cached = min(len(held) * self.block_size, req.isl - 1)  # the last token is always computed
+        req.left = req.isl - req.cached
+        req.context = req.cached
+        self.cached_tokens += req.cached
+        self.prompt_tokens += req.isl
+        return True
+
+    def _release(self, seq: int) -> None:
+        count = self.active[seq] - 1
+        if count:
+            self.active[seq] = count
+        else:
+            del self.active[seq]
+            self.inactive[seq] = None
+
+    def start(self, now: float) -> float | None:
+        """Begin an iteration if there is work; the time it ends."""
+        while self.waiting and len(self.prefilling) + len(self.decoding) < self.model.max_running:
+            if not self._admit(self.waiting[0]):
+                break
+            req = self.waiting.popleft()
+            req.started = now
+            self.prefilling.append(req)
+        budget = self.model.max_batched_tokens
+        chunks: list[tuple[SimRequest, int]] = []
+        for req in self.prefilling:
+            if budget <= 0:
+                break
+            take = min(budget, req.left)
+            chunks.append((req, take))
+            budget -= take
+        if not chunks and not self.decoding:
+            self.busy_until = None
+            return None
+        ms = self.model.iteration_ms([(take, req.context) for req, take in chunks], len(self.decoding),
+                                     self.used() / self.capacity)
+        self.last_prefill = chunks
+        self.busy_until = now + ms / 1000.0
+        return self.busy_until
+
+    def finish(self, now: float) -> tuple[list[SimRequest], list[SimRequest]]:
+        """End the iteration: (requests whose first token came, requests that finished)."""
+        first, done = [], []
+        for req in self.decoding:
+            req.decode_left -= 1
+        still = []
+        for req in self.decoding:
+            if req.decode_left <= 0:
+                done.append(req)
+                self._end(req)
+            else:
+                still.append(req)
+        self.decoding = still
+        for req, take in self.last_prefill:
+            req.left -= take
+            req.context += take
+            if req.left <= 0:
+                self.prefilling.remove(req)
+                req.first_token = now
+                first.append(req)
+                self._computed(req)
+                req.decode_left = req.osl - 1
+                if req.decode_left <= 0:
+                    done.append(req)
+                    self._end(req)
+                else:
+                    self.decoding.append(req)
+        self.last_prefill = []
+        return first, done
+
+    def _computed(self, req: SimRequest) -> None:
+        """Its prompt's new full blocks are cached now: shared, and published (runs of new ones)."""
+        start = len(req.blocks_held)
+        run: list[tuple[int, int]] = []
+        run_parent = req.seqs[start - 1] if start else None
+        for i in range(start, req.full):
+            seq = req.seqs[i]
+            if seq in self.active or seq in self.inactive:  # another request computed it meanwhile
+                if seq in self.inactive:
+                    del self.inactive[seq]
+                    self.active[seq] = 0
+                self.active[seq] += 1
+                self._flush(run, run_parent)
+                run, run_parent = [], seq
+            else:
+                self.active[seq] = 1
+                run.append((seq, req.locals[i]))
+            req.blocks_held.append(seq)
+            self.private -= 1
+            req.private -= 1
+        self._flush(run, run_parent)
+
+    def _flush(self, run: list[tuple[int, int]], parent: int | None) -> None:
+        if run:
+            self.publish(self.index, KvEvent(worker_id=self.index, dp_rank=0, tier="device", event_id=None,
+                                             kind="stored", parent_hash=parent, blocks=tuple(run)))
+
+    def _end(self, req: SimRequest) -> None:
+        for seq in req.blocks_held:
+            self._release(seq)
+        req.blocks_held = []
+        self.private -= req.private
+        req.private = 0
