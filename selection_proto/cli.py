@@ -156,6 +156,9 @@ def _build_parser() -> _Parser:
     relay.add_argument("--backend", default=None, help="asyncio (default) or trio")
     relay.add_argument("--log-level", default=None, help="debug, info, warning, error")
     relay.add_argument("--log-format", default=None, help="json (default: one object a line) or text")
+    from .sim.command import add_parser
+
+    add_parser(sub)
     return parser
 
 
@@ -521,9 +524,13 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         args = parser.parse_args(argv)
         args.argv = list(sys.argv[1:] if argv is None else argv)
         if args.command is None:
-            raise UsageError("a command is required (serve, stdio, relay)")
+            raise UsageError("a command is required (serve, stdio, relay, simulate)")
         if args.command == "relay":
             return _relay(args, env)
+        if args.command == "simulate":
+            from .sim.command import run
+
+            return run(args)
         if args.print_config:
             return print_config(args, env)
         return _stdio(args, env) if args.command == "stdio" else _serve(args, env)

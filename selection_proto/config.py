@@ -14,7 +14,7 @@ import attrs
 
 from .core.settings import Settings
 
-__all__ = ["DYNAMO_ENV", "DYNAMO_FLAGS", "SETTING_FIELDS", "TRANSPORT", "UsageError", "config_file", "env_name", "flag_name",
+__all__ = ["DYNAMO_ENV", "DYNAMO_FLAGS", "SETTING_FIELDS", "TRANSPORT", "UsageError", "config_file", "env_name", "flag_name", "settings_with",
            "flag_on", "kind_of", "print_config", "settings_from", "transport_value", "warn_unknown_env"]
 
 
@@ -80,6 +80,22 @@ def _convert(field: attrs.Attribute[Any], raw: Any, source: str) -> Any:
         except ValueError:
             raise UsageError(f"{source}: invalid {kind} value {raw!r}") from None
     return raw
+
+
+def settings_with(base: Settings, text: str, source: str) -> Settings:
+    """`base` with the settings of `text`, `KEY=VALUE[,KEY=VALUE...]` (values as in variables)."""
+    fields = {f.name: f for f in SETTING_FIELDS}
+    changes: dict[str, Any] = {}
+    for pair in filter(None, (p.strip() for p in text.split(","))):
+        name, equals, raw = pair.partition("=")
+        name = name.strip().replace("-", "_")
+        if not equals or name not in fields:
+            raise UsageError(f"{source}: expected KEY=VALUE with a setting's name, not {pair!r}")
+        changes[name] = _convert(fields[name], raw, f"{source} {name}")
+    try:
+        return attrs.evolve(base, **changes)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"{source}: {exc}") from None
 
 
 def flag_name(name: str) -> str:

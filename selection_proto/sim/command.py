@@ -1,0 +1,116 @@
+"""The `simulate` command: its flags, and the files it reads (the trace, streamed, gzip or plain)
+and writes (`--json`, `--report`). A trace that does not read ends it with exit status 2 and one
+line naming the file and line; nothing here prints a traceback for bad input."""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import sys
+import time
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+from ..config import UsageError, settings_with
+from ..core.settings import Settings
+from .engine import EngineModel
+from .fleet import BASELINES, FleetConfig, simulate
+from .report import document, html_report, table
+from .trace import TraceError, TraceRequest, parse_trace
+
+__all__ = ["add_parser", "run"]
+
+_MODEL_FLAGS = (
+    ("prefill_fixed_ms", float, "fixed cost of an iteration that prefills (ms)"),
+    ("prefill_tokens_per_sec", float, "prefill speed, new tokens a second"),
+    ("attention_ms", float, "attention cost, ms per million (new token x context token) pairs"),
+    ("decode_ms", float, "a decode step on an empty KV cache (ms)"),
+    ("decode_full_ms", float, "a decode step on a full KV cache (ms)"),
+    ("max_batched_tokens", int, "new tokens an iteration prefills at most"),
+    ("max_running", int, "requests an engine runs at once at most"),
+)
+
+
+def add_parser(sub: Any) -> None:
+    command = sub.add_parser("simulate", help="replay a Mooncake trace through simulated engines and the core")
+    command.add_argument("trace", metavar="TRACE.jsonl", help="Mooncake JSONL (timestamp, input_length, "
+                                                              "output_length, hash_ids); .gz read as gzip")
+    command.add_argument("--engines", type=int, default=8, help="engines in the fleet (default 8)")
+    command.add_argument("--kv-blocks", type=int, default=1000, help="KV blocks per engine, in trace blocks (1000)")
+    command.add_argument("--load", type=float, default=0.8,
+                         help="arrival rate as a fraction of what the fleet sustains without reuse (0.8)")
+    command.add_argument("--requests", type=int, default=None, help="replay at most N requests")
+    command.add_argument("--skip", type=int, default=0, help="skip the first N requests")
+    command.add_argument("--trace-block-size", type=int, default=512, help="tokens per hash id (512)")
+    command.add_argument("--event-delay", type=float, default=0.0, help="seconds KV events take to arrive (0)")
+    command.add_argument("--compare", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                         help="a setting of the service to run (repeat to compare); default: the defaults")
+    command.add_argument("--no-baselines", action="store_true", help="skip the random and round-robin runs")
+    command.add_argument("--json", metavar="OUT.json", help="write the results as JSON")
+    command.add_argument("--report", metavar="OUT.html", help="write a self-contained HTML report")
+    command.add_argument("--seed", type=int, default=0, help="seed of the random choices (0)")
+    defaults = EngineModel()
+    for name, kind, text in _MODEL_FLAGS:
+        command.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name),
+                             help=f"{text} ({getattr(defaults, name)})")
+
+
+def _lines(path: str) -> Iterator[bytes]:
+    with open(path, "rb") as raw:
+        gzipped = raw.read(2) == b"\x1f\x8b"
+    opener: Any = gzip.open if gzipped else open
+    with opener(path, "rb") as lines:
+        yield from lines
+
+
+def run(args: argparse.Namespace) -> int:
+    if not os.path.isfile(args.trace):
+        raise UsageError(f"{args.trace}: no such file")
+    for name, low in (("engines", 1), ("kv_blocks", 1), ("trace_block_size", 1), ("skip", 0), ("max_batched_tokens", 1),
+                      ("max_running", 1)):
+        if getattr(args, name) < low:
+            raise UsageError(f"--{name.replace('_', '-')}: must be at least {low}")
+    if args.requests is not None and args.requests < 1:
+        raise UsageError("--requests: must be at least 1")
+    for name in ("load", "prefill_tokens_per_sec"):
+        if not 0 < getattr(args, name) < float("inf"):
+            raise UsageError(f"--{name.replace('_', '-')}: must be a positive number")
+    for name in ("event_delay", "prefill_fixed_ms", "attention_ms", "decode_ms", "decode_full_ms"):
+        if not 0 <= getattr(args, name) < float("inf"):
+            raise UsageError(f"--{name.replace('_', '-')}: must be a number of at least 0")
+    model = EngineModel(**{name: getattr(args, name) for name, _, _ in _MODEL_FLAGS})
+    config = FleetConfig(engines=args.engines, kv_blocks=args.kv_blocks, trace_block_size=args.trace_block_size,
+                         load=args.load, event_delay_secs=args.event_delay, seed=args.seed, model=model)
+    base = Settings(kv_events="push")
+    runs: list[tuple[str, Settings | None]] = [
+        (text, settings_with(base, text, "--compare")) for text in args.compare] or [("default", base)]
+    if not args.no_baselines:
+        runs += [(name, None) for name in BASELINES]
+
+    def trace() -> Iterator[TraceRequest]:
+        return parse_trace(_lines(args.trace), args.trace, args.trace_block_size, skip=args.skip,
+                           limit=args.requests)
+
+    started = time.perf_counter()
+    try:
+        results = simulate(trace, config, runs)
+    except TraceError as exc:
+        print(f"selection-proto simulate: error: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, EOFError, zlib.error) as exc:  # a truncated or corrupt gzip file
+        print(f"selection-proto simulate: error: {args.trace}: {exc}", file=sys.stderr)
+        return 2
+    seconds = time.perf_counter() - started
+    sys.stdout.write(table(results))
+    requests = sum(r.requests for r in results)
+    print(f"{len(results)} runs, {requests} requests in {seconds:.1f} s ({requests / max(seconds, 1e-9):.0f} a second)")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(document(results, config, args.trace), out, indent=1)
+    if args.report:
+        with open(args.report, "w") as out:
+            out.write(html_report(results, config, args.trace))
+    return 0

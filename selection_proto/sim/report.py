@@ -1,0 +1,125 @@
+"""What `simulate` shows: the table on stdout, the JSON document (`--json`), and one self-contained
+HTML page (`--report`: inline SVG, nothing fetched) with each setting's TTFT distribution and
+each engine's requests in flight and KV use over time. Pure: text in, text out."""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Sequence
+from typing import Any
+
+from .fleet import FleetConfig, SettingRun
+
+__all__ = ["document", "html_report", "table"]
+
+COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf")
+
+
+def table(runs: Sequence[SettingRun]) -> str:
+    head = ("setting", "ttft mean", "p50", "p90", "p99", "wait mean", "hit rate", "busy max", "requests", "failed")
+    rows = [head] + [(
+        run.name, *(f"{run.ttft[k]:.3f}" for k in ("mean", "p50", "p90", "p99")), f"{run.queue_wait['mean']:.3f}",
+        f"{run.hit_rate:.3f}", f"{run.busy_max_mean:.1f}", str(run.requests), str(run.failed)) for run in runs]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(row))
+             for row in rows]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]]) + "\n"
+
+
+def document(runs: Sequence[SettingRun], config: FleetConfig, trace: str) -> dict[str, Any]:
+    return {"trace": trace, "fleet": _fleet(config), "settings": [run.to_json() for run in runs]}
+
+
+def _fleet(config: FleetConfig) -> dict[str, Any]:
+    model = config.model
+    return {"engines": config.engines, "kv_blocks": config.kv_blocks, "trace_block_size": config.trace_block_size,
+            "load": config.load, "event_delay_secs": config.event_delay_secs, "seed": config.seed,
+            "engine_model": {name: getattr(model, name) for name in (
+                "prefill_fixed_ms", "prefill_tokens_per_sec", "attention_ms", "decode_ms", "decode_full_ms",
+                "max_batched_tokens", "max_running")}}
+
+
+def _polyline(points: Sequence[tuple[float, float]], box: tuple[float, float, float, float],
+              x_max: float, y_max: float, color: str, width: float = 2.0) -> str:
+    left, top, w, h = box
+    if not points or x_max <= 0 or y_max <= 0:
+        return ""
+    coords = " ".join(f"{left + w * min(x, x_max) / x_max:.1f},{top + h - h * min(y, y_max) / y_max:.1f}"
+                      for x, y in points)
+    return f'<polyline fill="none" stroke="{color}" stroke-width="{width}" points="{coords}"/>'
+
+
+def _axes(box: tuple[float, float, float, float], x_label: str, y_label: str, x_max: float, y_max: float) -> str:
+    left, top, w, h = box
+    parts = [f'<rect x="{left}" y="{top}" width="{w}" height="{h}" fill="#fafafa" stroke="#444"/>',
+             f'<text x="{left + w / 2}" y="{top + h + 32}" text-anchor="middle">{html.escape(x_label)}</text>',
+             f'<text x="{left - 44}" y="{top + h / 2}" text-anchor="middle" '
+             f'transform="rotate(-90 {left - 44} {top + h / 2})">{html.escape(y_label)}</text>']
+    for i in range(5):
+        x = left + w * i / 4
+        y = top + h - h * i / 4
+        parts.append(f'<text x="{x:.1f}" y="{top + h + 16}" text-anchor="middle" font-size="11">'
+                     f'{x_max * i / 4:.3g}</text>')
+        parts.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end" font-size="11">{y_max * i / 4:.3g}</text>')
+    return "".join(parts)
+
+
+def _svg(width: int, height: int, body: str) -> str:
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            f'font-family="sans-serif" font-size="13">{body}</svg>')
+
+
+def html_report(runs: Sequence[SettingRun], config: FleetConfig, trace: str) -> str:
+    """One page: the table, the TTFT CDF of every setting, and per setting each engine's requests
+    in flight and KV use over time."""
+    box = (70.0, 20.0, 620.0, 300.0)
+    x_max = max((max((x for x, _ in run.ttft_cdf), default=0.0) for run in runs), default=0.0) or 1.0
+    lines = [_polyline(run.ttft_cdf, box, x_max, 1.0, COLORS[i % len(COLORS)]) for i, run in enumerate(runs)]
+    legend = "".join(
+        f'<rect x="{box[0] + box[2] + 20}" y="{30 + 20 * i}" width="14" height="4" fill="{COLORS[i % len(COLORS)]}"/>'
+        f'<text x="{box[0] + box[2] + 40}" y="{36 + 20 * i}">{html.escape(run.name)}</text>'
+        for i, run in enumerate(runs))
+    cdf = _svg(960, 370, _axes(box, "time to first token (s)", "fraction of requests", x_max, 1.0)
+               + "".join(lines) + legend)
+    sections = []
+    for run in runs:
+        series = run.series
+        times: list[float] = series["times"]
+        t_max = times[-1] if times else 1.0
+        small = (70.0, 20.0, 360.0, 160.0)
+        peak = max((max(v, default=0) for v in series["in_flight"]), default=0) or 1
+        load = "".join(_polyline(list(zip(times, values, strict=True)), small, t_max, peak,
+                                 COLORS[i % len(COLORS)], 1.2) for i, values in enumerate(series["in_flight"]))
+        kv = "".join(_polyline(list(zip(times, values, strict=True)), small, t_max, 1.0,
+                               COLORS[i % len(COLORS)], 1.2) for i, values in enumerate(series["kv_used"]))
+        sections.append(
+            f"<h3>{html.escape(run.name)}</h3><div class=row>"
+            + _svg(470, 230, _axes(small, "time (s)", "requests in flight", t_max, peak) + load)
+            + _svg(470, 230, _axes(small, "time (s)", "KV blocks used", t_max, 1.0) + kv) + "</div>")
+    rows = "".join(
+        f"<tr><td>{html.escape(run.name)}</td>"
+        + "".join(f"<td>{run.ttft[k]:.3f}</td>" for k in ("mean", "p50", "p90", "p99"))
+        + f"<td>{run.queue_wait['mean']:.3f}</td><td>{run.hit_rate:.3f}</td><td>{run.busy_max_mean:.1f}</td>"
+        f"<td>{run.requests}</td><td>{run.failed}</td><td><code>{html.escape(_settings_text(run))}</code></td></tr>"
+        for run in runs)
+    fleet = html.escape(", ".join(f"{k}={v}" for k, v in _fleet(config).items() if k != "engine_model"))
+    model = html.escape(", ".join(f"{k}={v}" for k, v in _fleet(config)["engine_model"].items()))
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>selection-proto simulate: {html.escape(trace)}</title>
+<style>body{{font-family:sans-serif;margin:24px;color:#222}} table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}} td:first-child,td:last-child{{text-align:left}}
+.row{{display:flex;gap:12px}}</style></head><body>
+<h1>Simulated fleet: {html.escape(trace)}</h1>
+<p>Fleet: {fleet}.<br>Engine model: {model}.</p>
+<table><tr><th>setting</th><th>TTFT mean (s)</th><th>p50</th><th>p90</th><th>p99</th><th>wait mean</th>
+<th>hit rate</th><th>busy max</th><th>requests</th><th>failed</th><th>settings</th></tr>{rows}</table>
+<h2>Time to first token</h2>{cdf}
+<h2>Engines over time</h2>{"".join(sections)}
+</body></html>
+"""
+
+
+def _settings_text(run: SettingRun) -> str:
+    if not run.settings:
+        return "baseline" if run.name in ("random", "round-robin") else "defaults"
+    return ", ".join(f"{k}={v}" for k, v in sorted(run.settings.items()) if k != "kv_events")
