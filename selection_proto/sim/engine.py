@@ -4,6 +4,7 @@ admission under that cache, chunked prefill, and the KV events a vLLM engine pub
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -90,7 +91,7 @@ class EngineModel:
 
 class SimRequest:
     __slots__ = ("rid", "arrival", "isl", "osl", "seqs", "locals", "full", "engine", "cached", "left",
-                 "context", "decode_left", "started", "first_token", "private", "blocks_held")
+                 "context", "started", "first_token", "private", "blocks_held")
 
     def __init__(self, rid: str, arrival: float, trace: TraceRequest, block_size: int) -> None:
         self.rid = rid
@@ -104,7 +105,6 @@ class SimRequest:
         self.cached = 0  # prompt tokens the engine had cached
         self.left = 0  # prompt tokens still to prefill
         self.context = 0  # tokens before the next chunk
-        self.decode_left = 0
         self.started = -1.0  # admitted by its engine
         self.first_token = -1.0
         self.private = 0  # blocks allocated for it and not shared (in computation, or partial)
@@ -128,7 +128,9 @@ class Engine:
         self.private = 0
         self.waiting: deque[SimRequest] = deque()
         self.prefilling: list[SimRequest] = []
-        self.decoding: list[SimRequest] = []
+        self.decoding: list[tuple[int, int, SimRequest]] = []
+        self.iterations = 0  # iterations finished
+        self.order = 0
         self.busy_until: float | None = None  # the end of the iteration under way
         self.last_prefill: list[tuple[SimRequest, int]] = []
         self.cached_tokens = 0
@@ -152,10 +154,12 @@ class Engine:
                 break
             held.append(seq)
         need = len(req.seqs) - len(held)
+        evicted = []
         while self.used() + need > self.capacity and self.inactive:
-            seq, _ = self.inactive.popitem(last=False)
+            evicted.append(self.inactive.popitem(last=False)[0])
+        if evicted:  # one event for the blocks one admission evicts, as an engine batches them
             self.publish(self.index, KvEvent(worker_id=self.index, dp_rank=0, tier="device", event_id=None,
-                                             kind="removed", block_hashes=(seq,)))
+                                             kind="removed", block_hashes=tuple(evicted)))
         if self.used() + need > self.capacity:
             for seq in held:  # not now: give back what it took, in the same recency order
                 self._release(seq)
@@ -206,16 +210,12 @@ class Engine:
     def finish(self, now: float) -> tuple[list[SimRequest], list[SimRequest]]:
         """End the iteration: (requests whose first token came, requests that finished)."""
         first, done = [], []
-        for req in self.decoding:
-            req.decode_left -= 1
-        still = []
-        for req in self.decoding:
-            if req.decode_left <= 0:
-                done.append(req)
-                self._end(req)
-            else:
-                still.append(req)
-        self.decoding = still
+        self.iterations += 1
+        decoding = self.decoding  # a heap by the iteration of each one's last token
+        while decoding and decoding[0][0] <= self.iterations:
+            req = heapq.heappop(decoding)[2]
+            done.append(req)
+            self._end(req)
         for req, take in self.last_prefill:
             req.left -= take
             req.context += take
@@ -224,12 +224,12 @@ class Engine:
                 req.first_token = now
                 first.append(req)
                 self._computed(req)
-                req.decode_left = req.osl - 1
-                if req.decode_left <= 0:
+                if req.osl <= 1:
                     done.append(req)
                     self._end(req)
-                else:
-                    self.decoding.append(req)
+                else:  # one more token each following iteration
+                    self.order += 1
+                    heapq.heappush(self.decoding, (self.iterations + req.osl - 1, self.order, req))
         self.last_prefill = []
         return first, done
 
