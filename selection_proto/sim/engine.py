@@ -161,7 +161,7 @@ class Engine:
             self.publish(self.index, KvEvent(worker_id=self.index, dp_rank=0, tier="device", event_id=None,
                                              kind="removed", block_hashes=tuple(evicted)))
         if self.used() + need > self.capacity:
-            for seq in held:  # not now: give back what it took, in the same recency order
+            for seq in reversed(held):  # not now: give back what it took
                 self._release(seq)
             return False
         self.private += need
@@ -261,7 +261,9 @@ class Engine:
                                              kind="stored", parent_hash=parent, blocks=tuple(run)))
 
     def _end(self, req: SimRequest) -> None:
-        for seq in req.blocks_held:
+        # The tail first, as vLLM frees them: a block is never evicted before the ones after it,
+        # which would leave them cached without their prefix.
+        for seq in reversed(req.blocks_held):
             self._release(seq)
         req.blocks_held = []
         self.private -= req.private

@@ -60,13 +60,14 @@ class SettingRun:
     busy_max_mean: float
     requests: int
     failed: int
+    events_failed: int
     ttft_cdf: list[tuple[float, float]]  # (seconds, fraction), for the report
     series: dict[str, Any]  # times, per engine in-flight requests and KV use, for the report
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "settings": self.settings, "ttft": self.ttft, "queue_wait": self.queue_wait,
                 "hit_rate": self.hit_rate, "busy_max_mean": self.busy_max_mean, "requests": self.requests,
-                "failed": self.failed}
+                "failed": self.failed, "events_failed": self.events_failed}
 
 
 def _stats(values: array[float]) -> dict[str, float]:
@@ -91,6 +92,7 @@ class _Router:
         self.turn = 0
         self.engines = config.engines
         self.service: SelectionService | None = None
+        self.events_failed = 0  # engine events the core refused (none, when the engines are right)
         if settings is not None:
             self.service = SelectionService(settings, random.Random(config.seed))
             for index in range(config.engines):
@@ -124,7 +126,7 @@ class _Router:
 
     def events(self, engine: int, events: list[KvEvent], now: float) -> None:
         if self.service is not None:
-            self.service.apply_kv_events(events, now=now, worker_id=engine)
+            self.events_failed += self.service.apply_kv_events(events, now=now, worker_id=engine).failed
 
     def ready(self) -> Iterator[SelectionReady]:
         """Answers of queued selections that came out of the last calls."""
@@ -265,7 +267,7 @@ def _run(name: str, settings: Settings | None, arrivals: Iterable[tuple[float, T
         ttft=_stats(ttft), queue_wait=_stats(waits),
         hit_rate=(sum(e.cached_tokens for e in engines) / prompt) if prompt else 0.0,
         busy_max_mean=(sum(busy_max) / len(busy_max)) if busy_max else 0.0,
-        requests=count, failed=failed, ttft_cdf=cdf,
+        requests=count, failed=failed, events_failed=router.events_failed, ttft_cdf=cdf,
         series={"times": times, "in_flight": inflight, "kv_used": kv})
 
 

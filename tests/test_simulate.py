@@ -1,0 +1,206 @@
+"""`selection-proto simulate` (issue 25): a Mooncake trace replayed through simulated engines and the
+real core, as a real subprocess; its JSON, its table, its HTML report rendered by a real headless
+Chromium, and its refusals of bad traces (exit 2, one line, no traceback)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from selection_proto.core.settings import Settings
+from selection_proto.sim import FleetConfig, parse_trace, simulate
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACE = Path(os.environ.get("SELECTION_PROTO_TRACES", ROOT.parent / "shared" / "traces")) / "conversation_trace.jsonl.gz"
+
+
+def trace_file() -> Path:
+    if not TRACE.is_file():
+        pytest.fail(f"the Mooncake trace is missing: {TRACE} (set SELECTION_PROTO_TRACES)")
+    return TRACE
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "selection_proto", "simulate", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_slice_of_the_trace_side_by_side_with_the_baselines(tmp_path: Path) -> None:
+    out = tmp_path / "runs.json"
+    done = run(str(trace_file()), "--requests", "1500", "--skip", "500", "--engines", "4",
+               "--compare", "overlap_score_weight=1", "--compare", "overlap_score_weight=0", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    document = json.loads(out.read_text())
+    names = [s["name"] for s in document["settings"]]
+    assert names == ["overlap_score_weight=1", "overlap_score_weight=0", "random", "round-robin"]
+    for setting in document["settings"]:
+        assert set(setting) >= {"name", "ttft", "queue_wait", "hit_rate", "busy_max_mean", "requests", "failed"}
+        assert set(setting["ttft"]) == {"mean", "p50", "p90", "p99"}
+        assert setting["requests"] == 1500 and setting["failed"] == 0
+        assert setting["events_failed"] == 0  # every KV event the engines published applied
+        assert 0 < setting["ttft"]["p50"] <= setting["ttft"]["p90"] <= setting["ttft"]["p99"]
+    by_name = {s["name"]: s for s in document["settings"]}
+    assert by_name["overlap_score_weight=0"]["settings"] == {"overlap_score_weight": 0.0}
+    # Routing for the cache finds more of it than spreading blindly, and so answers sooner.
+    cache_aware = by_name["overlap_score_weight=1"]
+    for baseline in ("random", "round-robin"):
+        assert cache_aware["hit_rate"] > 1.5 * by_name[baseline]["hit_rate"]
+        assert cache_aware["ttft"]["mean"] < by_name[baseline]["ttft"]["mean"]
+    assert document["fleet"]["engines"] == 4 and document["fleet"]["engine_model"]["max_batched_tokens"] == 8192
+    table = done.stdout.splitlines()
+    assert table[0].split()[:2] == ["setting", "ttft"] and table[2].startswith("overlap_score_weight=1")
+    assert "4 runs, 6000 requests in" in done.stdout
+
+
+def _trace_lines(count: int, shared: int) -> list[bytes]:
+    """`count` requests, one a second, each of 8 blocks whose first `shared` are the same."""
+    return [json.dumps({"timestamp": i * 1000, "input_length": 8 * 512, "output_length": 20,
+                        "hash_ids": list(range(shared)) + [1000 + 8 * i + j for j in range(8 - shared)]}).encode()
+            for i in range(count)]
+
+
+def test_the_api_is_deterministic_and_follows_the_cache() -> None:
+    # 40 conversations of a 6-block prefix each, taking turns: more than one engine's cache holds.
+    lines = [json.dumps({"timestamp": i * 1000, "input_length": 8 * 512, "output_length": 20, "hash_ids": [
+        100 * (i % 40) + j for j in range(6)] + [10_000 + 2 * i, 10_001 + 2 * i]}).encode() for i in range(400)]
+
+    def trace() -> Any:
+        return parse_trace(lines, "shared", 512)
+
+    config = FleetConfig(engines=4, kv_blocks=100, load=0.6)
+    runs = [("default", Settings(kv_events="push")), ("random", None)]
+    first, second = simulate(trace, config, runs), simulate(trace, config, runs)
+    assert [r.to_json() for r in first] == [r.to_json() for r in second]
+    core, spread = first
+    # Each engine holds a quarter of the conversations if the router keeps them apart: the core
+    # does, random scatters them over every engine's cache.
+    assert core.hit_rate > 1.5 * spread.hit_rate, (core.hit_rate, spread.hit_rate)
+    assert core.requests == spread.requests == 400
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (b'{"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [1]}\nnot json\n', "bad.jsonl:2: not JSON"),
+    (b'{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}\n',
+     "bad.jsonl:1: `input_length` 600 exceeds its 1 blocks of 512 tokens"),
+    (b'{"timestamp": -1, "input_length": 4, "output_length": 1, "hash_ids": [1]}\n',
+     "bad.jsonl:1: `timestamp` must be a number of milliseconds, at least 0"),
+    (b'[1, 2]\n', "bad.jsonl:1: expected a JSON object"),
+    (b'{"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [1, -2]}\n',
+     "bad.jsonl:1: `hash_ids` must be an array of non-negative integers"),
+    (b'{"timestamp": 0, "input_length": 1' + b"0" * 5000 + b', "output_length": 1, "hash_ids": [1]}\n',
+     "bad.jsonl:1:"),
+    (b'{"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [1]}\n' * 2
+     + b'{"timestamp": 1, "input_length": 4, "output_length": true, "hash_ids": [1]}\n',
+     "bad.jsonl:3: `output_length` must be an integer of at least 0"),
+    (b'{"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [1]}\n'
+     b'{"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [1], "x": "\\ud800"}\n',
+     "bad.jsonl:2: not JSON"),
+])
+def test_a_bad_line_ends_it_with_one_line_naming_the_file_and_line(tmp_path: Path, content: bytes,
+                                                                   message: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(content)
+    done = run(str(path))
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert lines[0].startswith("selection-proto simulate: error: ") and str(path) in lines[0]
+    assert lines[0].split(str(path).rsplit("/", 1)[0] + "/", 1)[1].startswith(message)
+
+
+def test_a_missing_or_corrupt_file_and_bad_flags_exit_2(tmp_path: Path) -> None:
+    done = run(str(tmp_path / "nowhere.jsonl"))
+    assert done.returncode == 2 and done.stderr.strip() == (
+        f"selection-proto: error: {tmp_path / 'nowhere.jsonl'}: no such file")
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(gzip.compress(b"\n".join(_trace_lines(50, 2)))[:200])
+    done = run(str(cut))
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    good = tmp_path / "good.jsonl"
+    good.write_bytes(b"\n".join(_trace_lines(10, 2)))
+    for flags, text in ((("--load", "0"), "--load: must be a positive number"),
+                        (("--engines", "0"), "--engines: must be at least 1"),
+                        (("--compare", "nonsense=1"), "--compare: expected KEY=VALUE with a setting's name"),
+                        (("--compare", "overlap_score_weight=x"), "invalid float value 'x'")):
+        done = run(str(good), *flags)
+        assert done.returncode == 2 and text in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def _png_pixels(data: bytes) -> tuple[int, int, list[bytes]]:
+    """Width, height and the RGB(A) rows of an 8-bit PNG (what Chromium writes), unfiltered."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, width = 8, b"", 0
+    height = channels = 0
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        chunk = data[pos + 8:pos + 8 + length]
+        if kind == b"IHDR":
+            width, height, depth, color = struct.unpack(">IIBB", chunk[:10])
+            assert depth == 8 and color in (2, 6)
+            channels = 3 if color == 2 else 4
+        elif kind == b"IDAT":
+            idat += chunk
+        pos += 12 + length
+    raw = zlib.decompress(idat)
+    stride = width * channels
+    rows: list[bytes] = []
+    previous = bytearray(stride)
+    for y in range(height):
+        kind, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        for i in range(stride):
+            left = line[i - channels] if i >= channels else 0
+            up, corner = previous[i], previous[i - channels] if i >= channels else 0
+            if kind == 1:
+                line[i] = (line[i] + left) & 255
+            elif kind == 2:
+                line[i] = (line[i] + up) & 255
+            elif kind == 3:
+                line[i] = (line[i] + (left + up) // 2) & 255
+            elif kind == 4:
+                p = left + up - corner
+                pa, pb, pc = abs(p - left), abs(p - up), abs(p - corner)
+                line[i] = (line[i] + (left if pa <= pb and pa <= pc else up if pb <= pc else corner)) & 255
+        rows.append(bytes(line))
+        previous = line
+    return width, channels, rows
+
+
+def test_the_report_renders_in_chromium_with_a_curve_per_setting(tmp_path: Path) -> None:
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.fail("chromium is missing: .ci/run installs Debian's chromium")
+    trace = tmp_path / "t.jsonl"
+    trace.write_bytes(b"\n".join(_trace_lines(200, 5)))
+    report = tmp_path / "report.html"
+    done = run(str(trace), "--engines", "3", "--kv-blocks", "200", "--report", str(report))
+    assert done.returncode == 0, done.stderr
+    page = report.read_text()
+    assert "<svg" in page and "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
+    shot = tmp_path / "shot.png"
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                    "--window-size=1000,900", f"--screenshot={shot}", report.as_uri()],
+                   capture_output=True, timeout=120, check=True)
+    width, channels, rows = _png_pixels(shot.read_bytes())
+    assert width == 1000
+
+    def count(color: str) -> int:
+        rgb = bytes.fromhex(color[1:])
+        return sum(row[i:i + 3] == rgb for row in rows for i in range(0, len(row), channels))
+
+    from selection_proto.sim.report import COLORS
+
+    # One CDF curve per setting, each drawn in its own color (default, random, round-robin).
+    for color in COLORS[:3]:
+        assert count(color) > 150, color
+    dark = sum(1 for row in rows for i in range(0, len(row), channels) if sum(row[i:i + 3]) < 150)
+    assert dark > 2000  # the title, the table and the axes' text
