@@ -141,6 +141,8 @@ SETTING_HELP: Final[Mapping[str, str]] = {
     "host_cache_hit_weight": "a host-memory block's worth against a device block",
     "disk_cache_hit_weight": "a disk or external block's worth against a device block",
     "temperature": "softmax temperature of the choice (0: the lowest cost wins)",
+    "router_policy": "dynamo: Dynamo 1.6.1's cost, answers byte-identical; ttft: the least predicted time to "
+                     "first token (docs/ROUTING.md)",
     "track_active_blocks": "count booked decode blocks as load",
     "assume_kv_reuse": "a booked prompt's blocks count as cached on its rank until events say otherwise",
     "track_prefill_tokens": "count booked prefill tokens as load",

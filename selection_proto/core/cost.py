@@ -1,6 +1,7 @@
 """The cost of a candidate rank and the choice among them (core.md §9.5-§9.6): cached and new
 prefill work against the overlap credit, decode blocks and active requests, preferred taints;
-then the minimum or a softmax draw. Pure functions over one pool's state."""
+or, with `router_policy=ttft`, its predicted time to first token (docs/ROUTING.md); then the
+minimum or a softmax draw. Pure functions over one pool's state."""
 
 from __future__ import annotations
 
@@ -28,9 +29,20 @@ __all__ = [
     "effective_blocks",
     "estimates",
     "explain",
+    "policy_scores",
+    "predict_ttft",
     "score",
     "tracks_prefill",
 ]
+
+# A worker's prefill speed when its record does not give one (only the ratios between workers
+# matter then: every term below is divided by it).
+DEFAULT_PREFILL_TOKENS_PER_SEC: Final = 10_000.0
+# The context (tokens) at which a new token's attention costs as much as the rest of its prefill.
+ATTENTION_CONTEXT_TOKENS: Final = 65_536.0
+# How much slower prefill runs on a rank whose KV cache is full of decoding requests (each
+# iteration also runs their decode step).
+DECODE_DRAG: Final = 0.2
 
 NO_OVERRIDE: Final = RouterConfigOverride()
 # Device prefix, host extension and disk+external extension blocks per rank (core.md §7.4).
@@ -49,6 +61,8 @@ class Scored(NamedTuple):
     disk_ext: int
     effective: float
     cached: int
+    wait: float = 0.0  # router_policy=ttft: predicted seconds before its prefill starts
+    prefill: float = 0.0  # and the seconds of its own prefill
 
 
 LOGIT: Final = itemgetter(1)  # Scored.logit, for map()
@@ -154,8 +168,44 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
             weight = sum(w for t, w in preferred.items() if t in taints)
             logit *= math.exp(-math.tanh(weight))
         append(make(Scored, (r, logit, active_prefill + (new_prefill if track else 0),
-                             decode_blocks, d, h, k, effective, cached)))
+                             decode_blocks, d, h, k, effective, cached, 0.0, 0.0)))
     return scored
+
+
+def predict_ttft(state: Pool, prompt: PromptHashes, scored: list[Scored]) -> list[Scored]:
+    """`router_policy=ttft`: each candidate's cost becomes its predicted time to first token, in
+    seconds: the prefill already booked on the rank and not complete (`prefill_tokens`), then
+    this prompt's own prefill after what the rank holds cached, its attention over that context
+    growing with it; both slowed by the drag of the rank's decoding requests; plus, when the
+    rank's KV blocks would not hold this request beside the ones running, the time for the
+    overflow to drain. From bookings, completions, frees and KV events alone: no clock."""
+    isl = prompt.isl
+    bs = state.block_size
+    loads = state.tracker.loads
+    speeds = state.speeds
+    out: list[Scored] = []
+    for c in scored:
+        rate, kv_blocks = speeds.get(c.rank[0], (None, None))
+        rate = rate or DEFAULT_PREFILL_TOKENS_PER_SEC
+        new = isl - c.cached if isl > c.cached else 0
+        attention = new * (c.cached + new / 2) / ATTENTION_CONTEXT_TOKENS
+        drag = 1.0 + DECODE_DRAG * min(1.0, c.decode_blocks / kv_blocks) if kv_blocks else 1.0
+        wait = loads[c.rank].prefill_tokens / rate * drag
+        if kv_blocks and c.decode_blocks > kv_blocks:
+            wait += (c.decode_blocks - kv_blocks) * bs / rate
+        prefill = (new + attention) / rate * drag
+        out.append(c._replace(logit=wait + prefill, wait=wait, prefill=prefill))
+    return out
+
+
+def policy_scores(state: Pool, prompt: PromptHashes, scored: list[Scored], s: Settings
+                  ) -> tuple[set[Rank] | None, list[Scored]]:
+    """The costs the router policy chooses by; with `ttft`, also the ranks Dynamo's cost would
+    have chosen among (to count the decisions where the two differ)."""
+    if s.router_policy != "ttft":
+        return None, scored
+    low = min(map(LOGIT, scored))
+    return {c.rank for c in scored if c.logit == low}, predict_ttft(state, prompt, scored)
 
 
 def choose(state: Pool, scored: list[Scored], temperature: float, rng: random.Random) -> Scored:
@@ -193,11 +243,15 @@ def choose(state: Pool, scored: list[Scored], temperature: float, rng: random.Ra
     return scored[-1]
 
 
-def explain(scored: list[Scored]) -> tuple[Candidate, ...]:
+def explain(scored: list[Scored], predicted: bool = False) -> tuple[Candidate, ...]:
+    """Each candidate's cost and parts, cheapest first; `predicted`: with its predicted wait
+    and prefill seconds (router_policy=ttft)."""
     ordered = sorted(scored, key=lambda c: (c.logit, c.rank))
     return tuple(
         Candidate(worker_id=c.rank[0], dp_rank=c.rank[1], logit=float(c.logit),
                   potential_prefill_tokens=c.prefill_tokens, potential_decode_blocks=c.decode_blocks,
                   device_blocks=c.device, host_pinned_blocks=c.device + c.host_ext,
-                  disk_blocks=c.device + c.host_ext + c.disk_ext, cached_tokens=c.cached)
+                  disk_blocks=c.device + c.host_ext + c.disk_ext, cached_tokens=c.cached,
+                  predicted_wait_secs=c.wait if predicted else None,
+                  predicted_prefill_secs=c.prefill if predicted else None)
         for c in ordered)

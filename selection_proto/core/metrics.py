@@ -76,6 +76,9 @@ FAMILIES: Final[Mapping[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]
     "selection_proto_non_max_overlap_selections_total": (
         "counter", "Selections whose rank had less device overlap than the best candidate.",
         ("model_name", "tenant_id"), ()),
+    "selection_proto_policy_disagreements_total": (
+        "counter", "router_policy=ttft selections of a rank Dynamo's cost would not have chosen.",
+        ("model_name", "tenant_id"), ()),
     "selection_proto_reservations_active": ("gauge", "Live bookings.", ("model_name", "tenant_id"), ()),
     "selection_proto_reservation_events_total": ("counter", "Booking lifecycle events.",
                                                  ("model_name", "tenant_id", "event"), ()),
@@ -222,13 +225,17 @@ class Metrics:
         """A selection's final outcome (a queued one counts when its ticket ends)."""
         self.inc("selection_proto_selections_total", (*key, route, str(status)))
 
-    def selected(self, key: Labels, hit_ratio: float | None, below_max_overlap: bool) -> None:
+    def selected(self, key: Labels, hit_ratio: float | None, below_max_overlap: bool,
+                 policy_differs: bool = False) -> None:
         """What the chosen rank had cached: its predicted hit ratio (None for an empty prompt),
-        and whether another candidate had more device overlap."""
+        whether another candidate had more device overlap, and (router_policy=ttft) whether
+        Dynamo's cost would have chosen otherwise."""
         if hit_ratio is not None:
             self.observe("selection_proto_predicted_hit_ratio", key, hit_ratio)
         if below_max_overlap:
             self.inc("selection_proto_non_max_overlap_selections_total", key)
+        if policy_differs:
+            self.inc("selection_proto_policy_disagreements_total", key)
 
     def booking(self, key: Labels, event: str, count: int = 1) -> None:
         """Bookings booked, freed, prefill_complete, expired or dropped."""

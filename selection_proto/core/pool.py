@@ -31,7 +31,7 @@ def key_label(key: Key) -> str:
 class Pool:
     """Everything a key (model, tenant) holds while it has a schedulable rank (core.md §6.4)."""
 
-    __slots__ = ("key", "label", "block_size", "eagle", "index", "tracker", "fresh", "memory", "epoch",
+    __slots__ = ("key", "label", "block_size", "eagle", "speeds", "index", "tracker", "fresh", "memory", "epoch",
                  "workers", "taints", "queue", "_ranks", "budget", "sessions", "side", "predictions")
 
     def __init__(self, key: Key, block_size: int, now: float, settings: Settings,
@@ -40,6 +40,8 @@ class Pool:
         self.label = key_label(key)
         self.block_size = block_size
         self.eagle = False  # its workers' `is_eagle`: prompts that do not say use eagle windows
+        # worker -> (prefill tokens a second, KV blocks) as its record says, for router_policy=ttft
+        self.speeds: dict[int, tuple[float | None, int | None]] = {}
         self.index = KeyIndex()
         self.budget = budget
         self.tracker = Tracker(settings.max_reservations_per_key, self.label, budget)

@@ -97,6 +97,14 @@ class Candidate(_Flat):
     host_pinned_blocks: int
     disk_blocks: int
     cached_tokens: int
+    predicted_wait_secs: float | None = None  # router_policy=ttft only
+    predicted_prefill_secs: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = attrs.asdict(self, recurse=False)
+        if self.predicted_wait_secs is None:
+            del out["predicted_wait_secs"], out["predicted_prefill_secs"]
+        return out
 
 
 

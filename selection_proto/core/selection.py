@@ -26,6 +26,7 @@ from .cost import (
     choose,
     estimates,
     explain,
+    policy_scores,
     score,
     tracks_prefill,
 )
@@ -256,12 +257,12 @@ class Selector:
         """Steps 9-11: overload filter, cost, choice, booking, answer."""
         pool, req, prompt = sel.pool, sel.req, sel.prompt
         scored = score(req, pool, prompt, self._filter_overloaded(sel), sel.found, self._settings)
+        by_cost, scored = policy_scores(pool, prompt, scored, self._settings)
         o = req.router_config_override
         temperature = (o.router_temperature if o is not None and o.router_temperature is not None
                        else self._settings.temperature)
         chosen = choose(pool, scored, temperature, self._rng)
-        if sel.rid is not None or req.selection_id is not None:  # what a booking would track
-            track, reuse = tracks_prefill(self._settings, o), assumes_kv_reuse(self._settings, o)
+        track, reuse = tracks_prefill(self._settings, o), assumes_kv_reuse(self._settings, o)
         if sel.rid is not None:
             if sel.session is not None and sel.bound is not None and chosen.rank != sel.bound:
                 pool.sessions.forget(sel.session)  # hard affinity: the binding is dropped, 400
@@ -275,8 +276,9 @@ class Selector:
             self.pending.remember(pool.key, req.selection_id, PendingSelection(
                 chosen.rank, prompt, chosen.cached, track, reuse, req.expected_output_tokens, session,
                 now, entry_size(pool.key, req.selection_id, prompt, req.lora_name, session)), now)
+        differs = by_cost is not None and chosen.rank not in by_cost  # Dynamo's cost would choose otherwise
         self._metrics.selected(pool.key, chosen.cached / prompt.isl if prompt.isl > 0 else None,
-                               chosen.device < max(map(DEVICE, scored)))
+                               chosen.device < max(map(DEVICE, scored)), differs)
         if self.log_decisions:
             self._outbox.append(Notice("selection", (
                 ("model_name", req.model_name), ("tenant_id", req.tenant_id), ("worker_id", chosen.rank[0]),
@@ -284,9 +286,7 @@ class Selector:
                 ("isl_tokens", prompt.isl), ("candidates", len(scored)), ("excluded", len(sel.excluded)),
                 ("booked", sel.rid), ("session", sel.session)), "debug"))
         record = self._catalog[chosen.rank[0]].request
-        bs = pool.block_size
-        device, host, disk = sel.found
-        worker = chosen.rank[0]
+        bs, (device, host, disk), worker = pool.block_size, sel.found, chosen.rank[0]
         if host or disk:
             longest = max((device.get(r, 0) + host.get(r, 0) + disk.get(r, 0)
                            for r in {*device, *host, *disk}), default=0)
@@ -320,7 +320,7 @@ class Selector:
             isl_tokens=None if booked is None else prompt.isl,
             track_prefill_tokens=None if booked is None else track, worker_load=worker_load)
         if req.explain:
-            response = attrs.evolve(response, candidates=explain(scored),
+            response = attrs.evolve(response, candidates=explain(scored, by_cost is not None),
                                     excluded=tuple(Excluded(worker_id=r[0], dp_rank=r[1], reason=why)
                                                    for r, why in sorted(sel.excluded.items())))
         return response

@@ -11,6 +11,7 @@ __all__ = ["Settings", "KvEventsMode", "QueuePolicy"]
 
 KvEventsMode = Literal["subscribe", "push", "off", "approximate"]
 QueuePolicy = Literal["fcfs", "lcfs", "wspt"]
+RouterPolicy = Literal["dynamo", "ttft"]
 TrackingHash = Literal["public-xxh3-v1", "keyed-xxh3-v1"]
 
 
@@ -42,6 +43,7 @@ class Settings:
     host_cache_hit_weight: float = 0.75
     disk_cache_hit_weight: float = 0.25
     temperature: float = 0.0
+    router_policy: RouterPolicy = "dynamo"  # ttft: the least predicted time to first token (cost.py)
     track_active_blocks: bool = True
     assume_kv_reuse: bool = True
     track_prefill_tokens: bool = True
@@ -87,6 +89,7 @@ class Settings:
                    "router_predicted_ttl_secs requires use_kv_events=true")
         _check("queue_policy", self.queue_policy in ("fcfs", "lcfs", "wspt"),
                "must be one of fcfs, lcfs, wspt")
+        _check("router_policy", self.router_policy in ("dynamo", "ttft"), "must be one of dynamo, ttft")
         if self.overlap_score_credit is not None:
             _check("overlap_score_credit",
                    _is_number(self.overlap_score_credit) and 0 <= self.overlap_score_credit <= 1,

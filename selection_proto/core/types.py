@@ -90,6 +90,10 @@ def _credit_rule(v: float) -> str | None:
     return "must be in [0, 1]; to weight prefill load more, raise prefill_load_scale instead"
 
 
+def _positive(v: float) -> str | None:
+    return None if 0.0 < v < float("inf") else "must be a finite number greater than 0"
+
+
 def _finite_nonneg(v: float) -> str | None:
     return None if v >= 0.0 and v != float("inf") else "must be a finite number >= 0"
 
@@ -154,6 +158,8 @@ class WorkerRequest(_Checked):
     kv_transfer_domain: str | None = member(STR)
     kv_transfer_enforcement: str | None = member(ENUM("required", "preferred"))
     kv_transfer_preferred_weight: float | None = member(F32)
+    # Ours: the worker's prefill speed, for `router_policy=ttft` in a mixed fleet (listed when set).
+    prefill_tokens_per_sec: float | None = member(F64, rule=_positive)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -169,6 +175,8 @@ class WorkerRequest(_Checked):
             elif name == "taints":
                 value = list(value)
             out[name] = value
+        if self.prefill_tokens_per_sec is not None:
+            out["prefill_tokens_per_sec"] = self.prefill_tokens_per_sec
         return out
 
 
@@ -192,6 +200,7 @@ class WorkerPatchRequest(_Checked):
     kv_transfer_domain: str | None = member(STR)
     kv_transfer_enforcement: str | None = member(ENUM("required", "preferred"))
     kv_transfer_preferred_weight: float | None = member(F32)
+    prefill_tokens_per_sec: float | None = member(F64, rule=_positive)
 
 
 @attrs.frozen(kw_only=True)
