@@ -1,0 +1,111 @@
+"""`router_policy=ttft` (issue 25): the least predicted time to first token, in the core. Each test
+asserts a choice a user would see, and the predicted parts `explain` reports."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from conftest import Client, stored, worker
+
+from selection_proto.core.cost import ATTENTION_CONTEXT_TOKENS, DECODE_DRAG, DEFAULT_PREFILL_TOKENS_PER_SEC
+from selection_proto.core.hashing import block_hashes
+from selection_proto.core.settings import Settings
+
+PROMPT = list(range(64))  # 16 blocks of 4
+
+
+def _cache(c: Client, worker_id: int, blocks: int) -> None:
+    """`worker_id` holds the first `blocks` blocks of PROMPT (engine hash = 1000 + i)."""
+    local = block_hashes(PROMPT, 4)
+    c.ok("POST", "/kv_events", [stored(worker_id, 1, [(1000 + i, local[i]) for i in range(blocks)])])
+
+
+def _explained(c: Client, prompt: list[int] = PROMPT) -> dict[int, dict[str, Any]]:
+    answer = c.ok("POST", "/select", {"model_name": "m", "token_ids": prompt, "explain": True})
+    return {row["worker_id"]: {**row, "chosen": row["worker_id"] == answer["worker_id"]}
+            for row in answer["candidates"]}
+
+
+def _disagreements(c: Client) -> float:
+    text = c.service.metrics_text(now=c.now)
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("selection_proto_policy_disagreements_total{"))
+
+
+def test_ttft_follows_the_cache_until_its_queue_costs_more_than_the_cache_saves(
+        make_client: Callable[..., Client]) -> None:
+    c = make_client(router_policy="ttft")
+    for wid in (1, 2):
+        c.ok("POST", "/workers", worker(wid), status=201)
+    _cache(c, 1, 12)  # 48 of 64 tokens cached on worker 1
+    rows = _explained(c)
+    assert rows[1]["chosen"]
+    rate = DEFAULT_PREFILL_TOKENS_PER_SEC
+    new = 64 - 48
+    assert rows[1]["predicted_wait_secs"] == 0.0
+    assert rows[1]["predicted_prefill_secs"] == pytest.approx((new + new * (48 + new / 2) / ATTENTION_CONTEXT_TOKENS)
+                                                               / rate)
+    assert rows[2]["predicted_prefill_secs"] == pytest.approx((64 + 64 * 32 / ATTENTION_CONTEXT_TOKENS) / rate)
+    assert rows[1]["logit"] == pytest.approx(rows[1]["predicted_wait_secs"] + rows[1]["predicted_prefill_secs"])
+    # Prefill booked on worker 1 and not complete: 60 tokens of queue cost more than the 48 cached
+    # tokens save there.
+    c.ok("POST", "/reservations", {"model_name": "m", "token_ids": list(range(500, 560)), "worker_id": 1,
+                                   "reservation_id": "q"}, status=201)
+    rows = _explained(c)
+    assert rows[2]["chosen"] and rows[1]["predicted_wait_secs"] == pytest.approx(60 / rate)
+    # Its prefill completes: the queue is gone, the cache wins again.
+    c.ok("POST", "/reservations/q/prefill_complete")
+    assert _explained(c)[1]["chosen"]
+
+
+def test_ttft_and_dynamo_differ_on_decode_load_and_the_disagreements_are_counted(
+        make_client: Callable[..., Client]) -> None:
+    clients = {policy: make_client(router_policy=policy) for policy in ("dynamo", "ttft")}
+    for c in clients.values():
+        for wid in (1, 2):
+            c.ok("POST", "/workers", worker(wid), status=201)
+        _cache(c, 1, 8)
+        for n in range(3):  # decoding requests on worker 1: their prefill is done
+            c.ok("POST", "/reservations", {"model_name": "m", "token_ids": list(range(1000 * n, 1000 * n + 64)),
+                                           "worker_id": 1, "reservation_id": f"d{n}"}, status=201)
+            c.ok("POST", f"/reservations/d{n}/prefill_complete")
+    chosen = {p: c.ok("POST", "/select", {"model_name": "m", "token_ids": PROMPT})["worker_id"]
+              for p, c in clients.items()}
+    # Dynamo counts the 48 decode blocks against worker 1; the TTFT policy sees no queue there
+    # and half the prompt cached (its KV capacity unknown: no memory pressure to predict).
+    assert chosen == {"dynamo": 2, "ttft": 1}
+    assert _disagreements(clients["ttft"]) == 1.0 and _disagreements(clients["dynamo"]) == 0.0
+    assert "predicted_wait_secs" not in _explained(clients["dynamo"])[1]  # the default answers as before
+
+
+def test_ttft_weighs_each_workers_speed_and_kv_capacity(make_client: Callable[..., Client]) -> None:
+    c = make_client(router_policy="ttft")
+    c.ok("POST", "/workers", worker(1, prefill_tokens_per_sec=1000.0), status=201)
+    record = c.ok("POST", "/workers", worker(2, prefill_tokens_per_sec=4000.0, total_kv_blocks=20), status=201)
+    assert record["prefill_tokens_per_sec"] == 4000.0
+    assert "prefill_tokens_per_sec" not in c.ok("POST", "/workers", worker(3), status=201)
+    c.ok("DELETE", "/workers/3")
+    rows = _explained(c)
+    assert rows[2]["chosen"]  # four times as fast, nothing cached anywhere
+    drag = 1 + DECODE_DRAG * 16 / 20  # worker 2's KV use once this prompt's 16 blocks are on it
+    assert rows[1]["predicted_prefill_secs"] == pytest.approx(4 * rows[2]["predicted_prefill_secs"] / drag)
+    # Worker 2 holds 20 blocks: two running prompts of 50 blocks each overflow it, and the next
+    # would wait for room: longer than the slower worker takes.
+    for n in range(2):
+        c.ok("POST", "/reservations", {"model_name": "m", "token_ids": list(range(1000 * n, 1000 * n + 200)),
+                                       "worker_id": 2, "reservation_id": f"r{n}"}, status=201)
+        c.ok("POST", f"/reservations/r{n}/prefill_complete")
+    rows = _explained(c)
+    assert rows[1]["chosen"] and rows[2]["predicted_wait_secs"] > 0.0
+
+
+def test_the_policy_and_the_speed_are_checked(make_client: Callable[..., Client]) -> None:
+    with pytest.raises(ValueError, match="router_policy: must be one of dynamo, ttft"):
+        Settings(router_policy="fastest")  # type: ignore[arg-type]
+    c = make_client()
+    for bad in (0, -1.0, "fast"):
+        status, message = c.error("POST", "/workers", worker(1, prefill_tokens_per_sec=bad))
+        assert status == 422 and "prefill_tokens_per_sec" in message
+    assert c.ok("GET", "/workers") == []
