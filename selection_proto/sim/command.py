@@ -48,6 +48,9 @@ def add_parser(sub: Any) -> None:
     command.add_argument("--event-delay", type=float, default=0.0, help="seconds KV events take to arrive (0)")
     command.add_argument("--compare", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                          help="a setting of the service to run (repeat to compare); default: the defaults")
+    command.add_argument("--service", action="append", default=[], metavar="URL",
+                         help="also route through a running selection service over HTTP (ours, or Dynamo "
+                              "1.6.1's), its engines publishing ZMQ KV events to it (repeat for several)")
     command.add_argument("--no-baselines", action="store_true", help="skip the random and round-robin runs")
     command.add_argument("--json", metavar="OUT.json", help="write the results as JSON")
     command.add_argument("--report", metavar="OUT.html", help="write a self-contained HTML report")
@@ -85,8 +88,14 @@ def run(args: argparse.Namespace) -> int:
     config = FleetConfig(engines=args.engines, kv_blocks=args.kv_blocks, trace_block_size=args.trace_block_size,
                          load=args.load, event_delay_secs=args.event_delay, seed=args.seed, model=model)
     base = Settings(kv_events="push")
-    runs: list[tuple[str, Settings | None]] = [
-        (text, settings_with(base, text, "--compare")) for text in args.compare] or [("default", base)]
+    runs: list[tuple[str, Settings | str | None]] = [
+        (text, settings_with(base, text, "--compare")) for text in args.compare]
+    if not runs and not args.service:
+        runs.append(("default", base))
+    for url in args.service:
+        if not url.startswith("http://"):
+            raise UsageError(f"--service: expected http://HOST:PORT, not {url!r}")
+        runs.append((f"service {url}", url))
     if not args.no_baselines:
         runs += [(name, None) for name in BASELINES]
 
@@ -100,9 +109,12 @@ def run(args: argparse.Namespace) -> int:
     except TraceError as exc:
         print(f"selection-proto simulate: error: {exc}", file=sys.stderr)
         return 2
-    except (OSError, EOFError, zlib.error) as exc:  # a truncated or corrupt gzip file
+    except (EOFError, zlib.error, gzip.BadGzipFile) as exc:  # a truncated or corrupt gzip file
         print(f"selection-proto simulate: error: {args.trace}: {exc}", file=sys.stderr)
         return 2
+    except (OSError, RuntimeError) as exc:  # a service that does not answer, or refuses the fleet
+        print(f"selection-proto simulate: error: {exc}", file=sys.stderr)
+        return 1
     seconds = time.perf_counter() - started
     sys.stdout.write(table(results))
     requests = sum(r.requests for r in results)

@@ -93,12 +93,13 @@ class SimRequest:
     __slots__ = ("rid", "arrival", "isl", "osl", "seqs", "locals", "full", "engine", "cached", "left",
                  "context", "started", "first_token", "private", "blocks_held")
 
-    def __init__(self, rid: str, arrival: float, trace: TraceRequest, block_size: int) -> None:
+    def __init__(self, rid: str, arrival: float, trace: TraceRequest, block_size: int,
+                 local_hashes: list[int]) -> None:
         self.rid = rid
         self.arrival = arrival
         self.isl = trace.input_length
         self.osl = max(1, trace.output_length)
-        self.locals = [block_hash(h) for h in trace.hash_ids]
+        self.locals = local_hashes  # the router-side hash of each of its blocks
         self.seqs = sequence_hashes(self.locals)
         self.full = trace.input_length // block_size  # cacheable blocks: the full ones
         self.engine = -1

@@ -21,7 +21,8 @@ from ..core.responses import Pending, SelectResponse
 from ..core.service import SelectionService
 from ..core.settings import Settings
 from ..core.types import SelectAndReserveRequest, WorkerRequest
-from .engine import Engine, EngineModel, SimRequest
+from .engine import Engine, EngineModel, SimRequest, block_hash
+from .service import ServiceRouter
 from .trace import TraceRequest
 
 __all__ = ["BASELINES", "FleetConfig", "SettingRun", "simulate"]
@@ -101,6 +102,9 @@ class _Router:
                     block_size=config.trace_block_size, total_kv_blocks=config.kv_blocks,
                     max_num_batched_tokens=config.model.max_batched_tokens), now=0.0)
 
+    def local_hashes(self, hash_ids: tuple[int, ...]) -> list[int]:
+        return [block_hash(h) for h in hash_ids]
+
     def choose(self, req: SimRequest, now: float) -> int | Pending | None:
         if self.service is None:
             if self.name == "random":
@@ -136,13 +140,21 @@ class _Router:
             if isinstance(out, SelectionReady):
                 yield out
 
+    def close(self) -> None:
+        """Nothing to let go of in process."""
+
 
 _ARRIVE, _STEP, _EVENTS, _SAMPLE, _TICK = range(5)
 
 
-def _run(name: str, settings: Settings | None, arrivals: Iterable[tuple[float, TraceRequest]], end: float,
+def _run(name: str, setting: Settings | str | None, arrivals: Iterable[tuple[float, TraceRequest]], end: float,
          config: FleetConfig) -> SettingRun:
-    router = _Router(name, settings, config)
+    settings = setting if isinstance(setting, Settings) else None
+    router: _Router | ServiceRouter
+    if isinstance(setting, str):  # a running service's URL
+        router = ServiceRouter(setting, config)
+    else:
+        router = _Router(name, settings, config)
     heap: list[tuple[float, int, int, Any]] = []
     order = 0
 
@@ -177,7 +189,8 @@ def _run(name: str, settings: Settings | None, arrivals: Iterable[tuple[float, T
         if item is not None:
             at, trace = item
             count += 1
-            push(at, _ARRIVE, SimRequest(f"r{count}", at, trace, config.trace_block_size))
+            push(at, _ARRIVE, SimRequest(f"r{count}", at, trace, config.trace_block_size,
+                                         router.local_hashes(trace.hash_ids)))
 
     def dispatch(req: SimRequest, engine: int, now: float) -> None:
         req.engine = engine
@@ -256,6 +269,7 @@ def _run(name: str, settings: Settings | None, arrivals: Iterable[tuple[float, T
             if live or more:
                 push(now + interval, _SAMPLE, None)
         answered(now)
+    router.close()
     prompt = sum(e.prompt_tokens for e in engines)
     cdf_values = sorted(ttft)
     step = max(1, len(cdf_values) // 200)
@@ -263,7 +277,8 @@ def _run(name: str, settings: Settings | None, arrivals: Iterable[tuple[float, T
     if cdf_values:
         cdf.append((cdf_values[-1], 1.0))
     return SettingRun(
-        name=name, settings={} if settings is None else _changed(settings),
+        name=name, settings={"service": setting} if isinstance(setting, str) else
+        {} if settings is None else _changed(settings),
         ttft=_stats(ttft), queue_wait=_stats(waits),
         hit_rate=(sum(e.cached_tokens for e in engines) / prompt) if prompt else 0.0,
         busy_max_mean=(sum(busy_max) / len(busy_max)) if busy_max else 0.0,
@@ -279,9 +294,10 @@ def _changed(settings: Settings) -> dict[str, Any]:
 
 
 def simulate(trace: Callable[[], Iterable[TraceRequest]], config: FleetConfig,
-             settings: list[tuple[str, Settings | None]]) -> list[SettingRun]:
+             settings: list[tuple[str, Settings | str | None]]) -> list[SettingRun]:
     """Replay `trace()` (called once for its totals and once per setting: a stream, never held
-    whole) through a fleet for each named setting (None: a baseline of `BASELINES`)."""
+    whole) through a fleet for each named setting: `Settings` for the core in process, a URL for
+    a running service (`ServiceRouter`), None for a baseline of `BASELINES`."""
     first = last = None
     count = isl = osl = blocks = 0
     for req in trace():
