@@ -174,7 +174,7 @@ def test_cli_usage_errors_and_help() -> None:
     assert run("--version").stdout.strip() == "selection-proto 0.1.0"
     for args, env, line in [
         (("serve", "--frob"), {}, "selection-proto: error: unrecognized arguments: --frob"),
-        ((), {}, "selection-proto: error: a command is required (serve, stdio, relay)"),
+        ((), {}, "selection-proto: error: a command is required (serve, stdio, relay, simulate)"),
         (("serve", "--queue-threshold", "0"), {}, "selection-proto: error: --queue-threshold: must be greater than 0"),
         (("serve",), {"SELECTION_PROTO_TRACK_PREFILL_TOKENS": "maybe"},
          "selection-proto: error: SELECTION_PROTO_TRACK_PREFILL_TOKENS: invalid boolean value 'maybe'"),
