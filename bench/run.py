@@ -51,6 +51,12 @@ def ours() -> dict[str, tuple[float, float]]:
         items = prompts(n, count)
         results[f"select_{n}"] = best_rate(
             lambda p: service.select(SelectRequest(model_name="m", token_ids=p), now=1.0), items)
+    ttft = SelectionService(Settings(kv_events="push", router_policy="ttft"), random.Random(0))
+    for w in range(WORKERS):  # the same selects, chosen by the least predicted time to first token
+        ttft.upsert_worker(WorkerRequest(worker_id=w, model_name="m", endpoint=f"http://w{w}",
+                                         block_size=BLOCK_SIZE), now=0.0)
+    results["select_1024_ttft"] = best_rate(
+        lambda p: ttft.select(SelectRequest(model_name="m", token_ids=p), now=1.0), prompts(1024, 400))
     pairs = prompts(1024, 400)
     counter = iter(range(10**9))
 

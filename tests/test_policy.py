@@ -9,7 +9,12 @@ from typing import Any
 import pytest
 from conftest import Client, stored, worker
 
-from selection_proto.core.cost import ATTENTION_CONTEXT_TOKENS, DECODE_DRAG, DEFAULT_PREFILL_TOKENS_PER_SEC
+from selection_proto.core.cost import (
+    ATTENTION_CONTEXT_TOKENS,
+    DECODE_DRAG,
+    DEFAULT_PREFILL_TOKENS_PER_SEC,
+    KV_PRESSURE,
+)
 from selection_proto.core.hashing import block_hashes
 from selection_proto.core.settings import Settings
 
@@ -44,7 +49,8 @@ def test_ttft_follows_the_cache_until_its_queue_costs_more_than_the_cache_saves(
     assert rows[1]["chosen"]
     rate = DEFAULT_PREFILL_TOKENS_PER_SEC
     new = 64 - 48
-    assert rows[1]["predicted_wait_secs"] == 0.0
+    # Nothing booked: the wait is the pressure of the blocks this prompt would hold there.
+    assert rows[1]["predicted_wait_secs"] == pytest.approx(KV_PRESSURE * rows[1]["potential_decode_blocks"] * 4 / rate)
     assert rows[1]["predicted_prefill_secs"] == pytest.approx((new + new * (48 + new / 2) / ATTENTION_CONTEXT_TOKENS)
                                                                / rate)
     assert rows[2]["predicted_prefill_secs"] == pytest.approx((64 + 64 * 32 / ATTENTION_CONTEXT_TOKENS) / rate)
@@ -54,7 +60,8 @@ def test_ttft_follows_the_cache_until_its_queue_costs_more_than_the_cache_saves(
     c.ok("POST", "/reservations", {"model_name": "m", "token_ids": list(range(500, 560)), "worker_id": 1,
                                    "reservation_id": "q"}, status=201)
     rows = _explained(c)
-    assert rows[2]["chosen"] and rows[1]["predicted_wait_secs"] == pytest.approx(60 / rate)
+    assert rows[2]["chosen"] and rows[1]["predicted_wait_secs"] == pytest.approx(
+        (60 + KV_PRESSURE * rows[1]["potential_decode_blocks"] * 4) / rate)
     # Its prefill completes: the queue is gone, the cache wins again.
     c.ok("POST", "/reservations/q/prefill_complete")
     assert _explained(c)[1]["chosen"]
