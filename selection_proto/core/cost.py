@@ -29,8 +29,6 @@ __all__ = [
     "effective_blocks",
     "estimates",
     "explain",
-    "policy_scores",
-    "predict_ttft",
     "score",
     "tracks_prefill",
 ]
@@ -112,9 +110,17 @@ def assumes_kv_reuse(s: Settings, o: RouterConfigOverride | None) -> bool:
 
 
 def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: list[Rank],
-          estimates: Estimates, s: Settings) -> list[Scored]:
-    """Every candidate's cost (core.md §9.5). The hot loop of a selection: one pass, locals
-    bound once, the rounding of `cached_tokens` inlined."""
+          estimates: Estimates, s: Settings) -> tuple[list[Scored], set[Rank] | None]:
+    """Every candidate's cost (core.md §9.5), and with `router_policy=ttft` the ranks Dynamo's
+    cost would have chosen among (the decisions where the two differ are counted). The hot loop
+    of a selection: one pass, locals bound once, the rounding of `cached_tokens` inlined.
+
+    `ttft`: the cost is the predicted time to first token, in seconds: the prefill booked on the
+    rank and not complete, then this prompt's own prefill after what the rank holds cached (its
+    attention over that context growing with it), both slowed by the drag of the rank's decoding
+    requests; plus the pressure of the blocks its running requests hold and, when its KV blocks
+    would not hold this request beside them, the time for the overflow to drain. From bookings,
+    completions, frees and KV events alone: no clock."""
     o = req.router_config_override or NO_OVERRIDE
     base_scale, base_credit = resolve_weights(s.overlap_score_weight, s.prefill_load_scale,
                                               s.overlap_score_credit, 1.0, 1.0)
@@ -140,6 +146,10 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
     make = tuple.__new__  # a Scored without the Python-level __new__ of a NamedTuple
     scored: list[Scored] = []
     append = scored.append
+    ttft = s.router_policy == "ttft"
+    speeds, unknown, pressure = state.speeds, (None, None), KV_PRESSURE * bs
+    by_cost: list[Rank] = []
+    low = math.inf
     for r in candidates:
         load = loads[r]
         d = device.get(r, 0)
@@ -169,51 +179,32 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
         logit = scale * (excess if excess > 0.0 else 0.0) + decode_blocks + w_req * load.requests
         if preferred:
             taints = state.taints[r[0]]
-            weight = sum(w for t, w in preferred.items() if t in taints)
-            logit *= math.exp(-math.tanh(weight))
-        append(make(Scored, (r, logit, active_prefill + (new_prefill if track else 0),
-                             decode_blocks, d, h, k, effective, cached, 0.0, 0.0)))
-    return scored
-
-
-def predict_ttft(state: Pool, prompt: PromptHashes, scored: list[Scored]) -> list[Scored]:
-    """`router_policy=ttft`: each candidate's cost becomes its predicted time to first token, in
-    seconds: the prefill already booked on the rank and not complete (`prefill_tokens`), then
-    this prompt's own prefill after what the rank holds cached, its attention over that context
-    growing with it; both slowed by the drag of the rank's decoding requests; plus the pressure
-    of the blocks its running requests hold and, when its KV blocks would not hold this request
-    beside them, the time for the overflow to drain. From bookings, completions, frees and KV
-    events alone: no clock."""
-    isl = prompt.isl
-    bs = state.block_size
-    loads = state.tracker.loads
-    speeds = state.speeds
-    unknown = (None, None)
-    make = tuple.__new__  # as in `score`: no NamedTuple __new__ frame per candidate
-    out: list[Scored] = []
-    append = out.append
-    for r, _, tokens, decode_blocks, d, h, k, effective, cached, _, _ in scored:
+            preference = math.exp(-math.tanh(sum(w for t, w in preferred.items() if t in taints)))
+            logit *= preference
+        if not ttft:
+            append(make(Scored, (r, logit, active_prefill + (new_prefill if track else 0),
+                                 decode_blocks, d, h, k, effective, cached, 0.0, 0.0)))
+            continue
+        if logit < low:
+            low, by_cost = logit, [r]
+        elif logit == low:
+            by_cost.append(r)
         rate, kv_blocks = speeds.get(r[0], unknown)
-        rate = rate or DEFAULT_PREFILL_TOKENS_PER_SEC
-        new = isl - cached if isl > cached else 0
-        attention = new * (cached + new / 2) / ATTENTION_CONTEXT_TOKENS
-        drag = 1.0 + DECODE_DRAG * min(1.0, decode_blocks / kv_blocks) if kv_blocks else 1.0
-        wait = loads[r].prefill_tokens / rate * drag + KV_PRESSURE * decode_blocks * bs / rate
-        if kv_blocks and decode_blocks > kv_blocks:
-            wait += (decode_blocks - kv_blocks) * bs / rate
-        prefill = (new + attention) / rate * drag
-        append(make(Scored, (r, wait + prefill, tokens, decode_blocks, d, h, k, effective, cached, wait, prefill)))
-    return out
-
-
-def policy_scores(state: Pool, prompt: PromptHashes, scored: list[Scored], s: Settings
-                  ) -> tuple[set[Rank] | None, list[Scored]]:
-    """The costs the router policy chooses by; with `ttft`, also the ranks Dynamo's cost would
-    have chosen among (to count the decisions where the two differ)."""
-    if s.router_policy != "ttft":
-        return None, scored
-    low = min(map(LOGIT, scored))
-    return {c.rank for c in scored if c.logit == low}, predict_ttft(state, prompt, scored)
+        if rate is None:
+            rate = DEFAULT_PREFILL_TOKENS_PER_SEC
+        drag = 1.0
+        wait = active_prefill + pressure * decode_blocks
+        if kv_blocks:
+            drag += DECODE_DRAG if decode_blocks >= kv_blocks else DECODE_DRAG * decode_blocks / kv_blocks
+            wait = active_prefill * drag + pressure * decode_blocks
+            if decode_blocks > kv_blocks:
+                wait += (decode_blocks - kv_blocks) * bs
+        wait /= rate
+        prefill = new_prefill * (1.0 + (cached + new_prefill / 2) / ATTENTION_CONTEXT_TOKENS) / rate * drag
+        predicted = (wait + prefill) * preference if preferred else wait + prefill
+        append(make(Scored, (r, predicted, active_prefill + (new_prefill if track else 0),
+                             decode_blocks, d, h, k, effective, cached, wait, prefill)))
+    return scored, set(by_cost) if ttft else None
 
 
 def choose(state: Pool, scored: list[Scored], temperature: float, rng: random.Random) -> Scored:

@@ -26,7 +26,6 @@ from .cost import (
     choose,
     estimates,
     explain,
-    policy_scores,
     score,
     tracks_prefill,
 )
@@ -256,8 +255,7 @@ class Selector:
     def _finish(self, sel: Selection, now: float) -> SelectResponse:
         """Steps 9-11: overload filter, cost, choice, booking, answer."""
         pool, req, prompt = sel.pool, sel.req, sel.prompt
-        scored = score(req, pool, prompt, self._filter_overloaded(sel), sel.found, self._settings)
-        by_cost, scored = policy_scores(pool, prompt, scored, self._settings)
+        scored, by_cost = score(req, pool, prompt, self._filter_overloaded(sel), sel.found, self._settings)
         o = req.router_config_override
         temperature = (o.router_temperature if o is not None and o.router_temperature is not None
                        else self._settings.temperature)
