@@ -122,8 +122,10 @@ class Journal:
         strict = (self.settings.admission == "strict" and self.connected and self.in_request
                   and self.tries < self.settings.strict_tries)
         seen = self.adds.get(rk, 0) + len(self.own.get(rk, ())) if strict else None
-        self.ended.pop(booking.rid, None)
-        self._push(LedgerOp(ADD, booking.rid, encode_add(record), rk, seen, self.seen), sync=strict)
+        # An id used again after its booking ended is answered once the ledger has the booking:
+        # a free of it sent after that answer, to any replica, then finds it there (not `gone`).
+        reused = self.ended.pop(booking.rid, None) is not None and self.connected
+        self._push(LedgerOp(ADD, booking.rid, encode_add(record), rk, seen, self.seen), sync=strict or reused)
 
     def prefilled(self, booking: Booking) -> None:
         self._push(LedgerOp(PREFILL, booking.rid, owner=self._owner(booking)))
@@ -159,11 +161,11 @@ class Journal:
             del ended[next(iter(ended))]
 
     def free_unknown(self, rid: str) -> None:
-        """A free of an id this replica does not hold. Ended here lately: a retry, 404 as in one
-        process. Otherwise its booking may still be on its way from another replica: written
-        through, the ledger frees it, says it ended (404), or remembers the free."""
-        if rid in self.ended:
-            return
+        """A free of an id this replica does not hold: written through, and the ledger decides by
+        its order. It frees the booking it holds (200); or the id's booking has ended (a retry:
+        404 at once); or it has never seen the id, whose booking may still be on its way from
+        another replica's journal: it remembers the free, which refuses that booking (200), or
+        answers 404 after the grace."""
         if not self.connected:  # another replica may hold it: "not found" would be a guess
             raise NotReady(f"{LEDGER_DOWN}: reservation {rid} may be booked on another replica")
         self.through.add(rid)

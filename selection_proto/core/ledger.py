@@ -310,7 +310,8 @@ class Ledger:
             self._settle(waiting, now)
         if mine and kind != EXPIRE and not (kind == FREE and rid in self.journal.through):
             return  # applied when made (an id may be booked again since: its echo must not touch it)
-        self.journal.through.discard(rid)  # a written-through free is applied here, from the feed
+        if kind in (FREE, EXPIRE):  # a written-through free is applied here, from the feed
+            self.journal.through.discard(rid)
         pool = self._pool_of(rid)
         if pool is None:
             return
