@@ -105,6 +105,9 @@ def test_sixty_four_clients_over_two_replicas_leave_every_load_at_zero(ledger: L
         for worker_id in (1, 2, 3):
             assert call(a, "POST", "/workers", {**WORKER, "worker_id": worker_id})[0] == 201
         wait_for(lambda: len(call(b, "GET", "/workers")[1]) == 3)
+        # B may list the workers from A's /dump while it still warms, before it has joined the
+        # ledger (frees of ids it does not hold answer 503 then): wait until both are ready.
+        wait_for(lambda: call(a, "GET", "/ready")[0] == call(b, "GET", "/ready")[0] == 200)
         failures: list[Any] = []
 
         def client(index: int) -> None:
