@@ -11,6 +11,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import urllib.request
 import zlib
 from pathlib import Path
 from typing import Any
@@ -204,3 +205,28 @@ def test_the_report_renders_in_chromium_with_a_curve_per_setting(tmp_path: Path)
         assert count(color) > 150, color
     dark = sum(1 for row in rows for i in range(0, len(row), channels) if sum(row[i:i + 3]) < 150)
     assert dark > 2000  # the title, the table and the axes' text
+
+
+def test_a_running_service_over_http_routes_as_the_core_in_process(tmp_path: Path) -> None:
+    """`--service`: the fleet routed by a real `serve` over HTTP, its engines publishing vLLM KV
+    events over ZMQ to it, decides exactly as the same core in process."""
+    from test_http import Server
+
+    server = Server(mode="subscribe")
+    try:
+        out = tmp_path / "runs.json"
+        done = run(str(trace_file()), "--requests", "300", "--skip", "100", "--engines", "3", "--no-baselines",
+                   "--compare", "router_policy=dynamo", "--service", f"http://127.0.0.1:{server.port}",
+                   "--json", str(out))
+        assert done.returncode == 0, done.stderr
+        local, remote = json.loads(out.read_text())["settings"]
+        assert remote["name"] == f"service http://127.0.0.1:{server.port}" and remote["events_failed"] == 0
+        for key in ("ttft", "queue_wait", "hit_rate", "requests", "failed"):
+            assert remote[key] == local[key], key
+        assert remote["hit_rate"] > 0  # its index was fed by the engines' events
+        # The run's workers are gone again, and their bookings with them.
+        assert json.loads(urllib.request.urlopen(f"http://127.0.0.1:{server.port}/loads").read()) == []
+    finally:
+        server.stop()
+    done = run(str(trace_file()), "--requests", "10", "--service", "http://127.0.0.1:1")
+    assert done.returncode == 1 and "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
