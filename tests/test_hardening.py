@@ -260,3 +260,22 @@ def test_subscriptions_and_connections_fit_the_descriptor_limit() -> None:
             assert not any('"accept_failed"' in line for line in server.logs)
         finally:
             server.stop()
+
+
+def test_hostile_worker_speeds_and_eagle_flags_are_refused_and_the_server_answers_on() -> None:
+    """The new members of a worker record (issue 24's `is_eagle`, issue 25's
+    `prefill_tokens_per_sec`) over a real socket: a 5,000-digit number, a lone surrogate, the
+    wrong types; each a 422, nothing stored."""
+    server = Server()
+    try:
+        head = b'{"worker_id": 1, "model_name": "m", "block_size": 4, "endpoint": "http://w", '
+        for member in (b'"prefill_tokens_per_sec": 1' + b"0" * 5000, b'"prefill_tokens_per_sec": 1e999',
+                       b'"prefill_tokens_per_sec": "\\ud800"', b'"prefill_tokens_per_sec": [1]',
+                       b'"is_eagle": 1', b'"is_eagle": "true"', b'"is_eagle": {"a": true}'):
+            status, body = post(server, "/workers", head + member + b"}")
+            assert status in (400, 422), (member[:40], body)
+        assert json.loads(get(server, "/workers")[1]) == []
+        assert post(server, "/workers", head + b'"prefill_tokens_per_sec": 2500.5, "is_eagle": false}')[0] == 201
+        assert_healthy(server)
+    finally:
+        server.stop()
