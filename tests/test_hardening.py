@@ -24,6 +24,12 @@ def rss_bytes(pid: int) -> int:
     return int(line.split()[1]) * 1024
 
 
+def rejections(server: Server) -> float:
+    text = get(server, "/metrics")[1].decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith('selection_proto_limit_rejections_total{limit="buffer_bytes"}'))
+
+
 def stalled_body(server: Server) -> socket.socket:
     """A connection that sends the head of an 8 MiB body and all of it but 10 bytes, then stalls."""
     sock = server.connect()
@@ -38,7 +44,7 @@ def stalled_body(server: Server) -> socket.socket:
 
 def refused(sock: socket.socket) -> int | None:
     """The status the server answered on a stalled connection, if it answered."""
-    sock.settimeout(2)
+    sock.settimeout(0.5)
     try:
         status, _, _ = read_response(sock, bytearray())
     except (OSError, ValueError, AssertionError):
@@ -55,10 +61,14 @@ def test_stalled_bodies_stop_at_the_buffer_budget_and_the_server_answers_on() ->
         grown = rss_bytes(server.proc.pid) - before
         assert grown < 4 * BODY + 60 * MIB, grown  # 12 x 8 MiB were sent; the budget holds 4
         assert get(server, "/health")[0] == 200
-        statuses = [refused(s) for s in socks[4:]]
-        assert statuses.count(503) >= 7, statuses
-        metrics = get(server, "/metrics")[1].decode()
-        assert 'selection_proto_limit_rejections_total{limit="buffer_bytes"}' in metrics
+        # At most four bodies fit at once: every other connection was refused (503, or closed
+        # under the client's feet while it was still sending), and counted.
+        deadline = time.monotonic() + 10
+        while rejections(server) < 8:
+            assert time.monotonic() < deadline, rejections(server)
+            time.sleep(0.1)
+        statuses = [refused(s) for s in socks]
+        assert set(statuses) <= {503, None} and statuses.count(503) >= 4, statuses
         for sock in socks:
             sock.close()
         time.sleep(0.3)
@@ -101,15 +111,18 @@ def test_unfinished_websocket_messages_stop_at_the_buffer_budget() -> None:
             except OSError:
                 pass
             socks.append(sock)
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10
+        while rejections(server) < 6:  # two 6 MiB messages fit in 16 MiB; the others were closed
+            assert time.monotonic() < deadline, rejections(server)
+            time.sleep(0.1)
         for sock in socks:
-            sock.settimeout(1)
+            sock.settimeout(0.5)
             try:
                 data = sock.recv(256)
             except OSError:
                 continue
             closes += b"\x03\xf5" in data[:8]  # close code 1013
-        assert closes >= 5, closes  # two 6 MiB messages fit in 16 MiB; the others were closed
+        assert closes >= 1, closes
         assert rss_bytes(server.proc.pid) - before < 2 * BODY + 80 * MIB
         assert_healthy(server)
     finally:
