@@ -2,7 +2,7 @@
 Mooncake trace, loads and fleet sizes, for both router policies in process, Dynamo 1.6.1 over
 HTTP (`--service`, when `--reference-python` is given) and the baselines.
 
-    python bench/routing.py [--reference-python .venv-reference/bin/python] [--requests 3000]
+    python bench/routing.py [--reference-python .venv-reference/bin/python] [--requests 3000] [--synthetic]
 """
 
 from __future__ import annotations
@@ -39,12 +39,40 @@ def wait_for(port: int) -> None:
             time.sleep(0.1)
 
 
+def synthetic_trace(path: str, requests: int, seed: int = 1) -> None:
+    """A high-reuse trace in Mooncake's format: 40 system prompts of 8 blocks, 400 conversations
+    each on one of them, whose turns resend the conversation so far plus 1-3 new blocks; Poisson
+    arrivals (the rate does not matter: `--load` rescales it)."""
+    import random
+
+    rng = random.Random(seed)
+    history: dict[int, list[int]] = {}
+    next_id, clock = 1_000_000, 0.0
+    with open(path, "w") as out:
+        for _ in range(requests):
+            clock += rng.expovariate(1.0)
+            conversation = rng.randrange(400)
+            blocks = history.setdefault(conversation, [100 * (conversation % 40) + j for j in range(8)])
+            for _ in range(rng.randint(1, 3)):
+                blocks.append(next_id)
+                next_id += 1
+            if len(blocks) > 48:  # a conversation that grew too long starts over on its prompt
+                del blocks[8:]
+            out.write(json.dumps({"timestamp": int(clock * 1000), "input_length": len(blocks) * 512 - rng.randrange(512),
+                                  "output_length": rng.randint(50, 400), "hash_ids": list(blocks)}) + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reference-python", default=None)
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--trace", default=TRACE)
+    parser.add_argument("--synthetic", action="store_true",
+                        help="a generated high-reuse trace instead (synthetic_trace), one slice")
     args = parser.parse_args()
+    if args.synthetic:
+        args.trace = os.path.join(tempfile.mkdtemp(), "synthetic.jsonl")
+        synthetic_trace(args.trace, args.requests)
     reference = None
     if args.reference_python:
         port = free_port()
@@ -54,6 +82,8 @@ def main() -> int:
         wait_for(port)
     cases = [(skip, load, engines) for skip in (0, 4000, 8000) for load, engines in ((0.8, 8),)]
     cases += [(4000, load, 8) for load in (0.5, 1.0)] + [(4000, 0.8, engines) for engines in (4, 16)]
+    if args.synthetic:
+        cases = [(0, load, engines) for load, engines in ((0.5, 8), (0.8, 8), (1.0, 8), (0.8, 4), (0.8, 16))]
     print("| slice | load | engines | setting | TTFT mean | p50 | p90 | p99 | hit rate |")
     print("|---|---|---|---|---|---|---|---|---|")
     try:
