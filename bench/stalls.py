@@ -2,7 +2,7 @@
 another connection sends, over and over, one of the heaviest requests a client may send
 (docs/INVARIANTS.md, "No single request stalls everyone"; goal: p99 under 50 ms).
 
-    python bench/stalls.py [--scenarios ws_events,delete_bookings,ready,select_1m,post_events,snapshot]
+    python bench/stalls.py [--scenarios ws_events,delete_bookings,ready,select_1m,select_booked,post_events,snapshot]
         [--seconds 5] [--bookings 100000] [--workers 100000] [--blocks 200000]
 
 Each scenario starts its own `selection-proto serve --kv-events push` and prepares its state
@@ -244,6 +244,28 @@ def scenario_select_1m(opts: argparse.Namespace) -> dict[str, float]:
         proc.wait()
 
 
+def scenario_select_booked(opts: argparse.Namespace) -> dict[str, float]:
+    """`POST /select` with 1,048,576 token ids to a worker of `block_size` 1 that holds nine
+    bookings of 850,000 sequence hashes each (issue 27, case 2)."""
+    proc, port = start([])
+    try:
+        setup = Conn(port)
+        setup.call("POST", "/workers", json.dumps(worker(1, block_size=1)).encode())
+        for n in range(9):
+            booking = {"reservation_id": f"b{n}", "worker_id": 1, "model_name": "m", "isl_tokens": 850_000,
+                       "sequence_hashes": list(range(n * 850_000 + 1, (n + 1) * 850_000 + 1))}
+            assert setup.call("POST", "/reservations", json.dumps(booking).encode())[0] == 201
+        body = json.dumps({"model_name": "m", "token_ids": list(range(1_048_576))}, separators=(",", ":")).encode()
+
+        def heavy(conn: Conn) -> None:
+            assert conn.call("POST", "/select", body)[0] == 200
+
+        return measure(port, heavy, opts.seconds)
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
 def scenario_snapshot(opts: argparse.Namespace) -> dict[str, float]:
     """Periodic snapshots (`--snapshot`, every second) of --blocks indexed blocks, restored at
     start from that same file; the heavy part is waiting for the next one to be written."""
@@ -270,7 +292,8 @@ def scenario_snapshot(opts: argparse.Namespace) -> dict[str, float]:
 
 
 SCENARIOS = {"ws_events": scenario_ws_events, "delete_bookings": scenario_delete_bookings,
-             "ready": scenario_ready, "select_1m": scenario_select_1m, "post_events": scenario_post_events,
+             "ready": scenario_ready, "select_1m": scenario_select_1m,
+             "select_booked": scenario_select_booked, "post_events": scenario_post_events,
              "snapshot": scenario_snapshot}
 
 

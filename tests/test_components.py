@@ -380,3 +380,51 @@ def test_the_quick_read_of_a_store_is_the_typed_read(inner: dict[str, Any]) -> N
     fast = quick(inner)
     assert fast is None or [KvEvent(worker_id=None, dp_rank=None, tier="device", event_id=1, kind="stored",
                                     parent_hash=fast[0], blocks=fast[1])] == typed
+
+
+def test_a_prompt_hashed_and_counted_ahead_selects_exactly_as_one_hashed_on_the_spot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ahead.prepare_ahead` hashes a huge prompt, and counts its new blocks on
+    each booked rank, in a worker thread; the answers are the same, a rank changed since is
+    counted again, and a body of other tokens never borrows them."""
+    import random
+
+    from selection_proto.core import prompt as prompt_module
+    from selection_proto.core.ahead import prepare_ahead
+    from selection_proto.core.hashing import block_hashes
+    from selection_proto.core.service import SelectionService
+    from selection_proto.core.settings import Settings
+
+    monkeypatch.setattr(prompt_module, "PREHASH_SLICE_BLOCKS", 3)  # slices cut inside the prompt
+    tokens = list(range(40))
+    JSON = [("content-type", "application/json")]
+
+    def fleet() -> SelectionService:
+        service = SelectionService(Settings(kv_events="push"), random.Random(7))
+        for wid in (1, 2):
+            worker = {"worker_id": wid, "model_name": "m", "endpoint": f"http://w{wid}", "block_size": 2}
+            assert service.handle("POST", "/workers", "", JSON, json.dumps(worker).encode(), now=0.0).status == 201
+        booking = {"reservation_id": "a", "worker_id": 1, "model_name": "m", "token_ids": tokens[:30]}
+        assert service.handle("POST", "/reservations", "", JSON, json.dumps(booking).encode(), now=0.0).status == 201
+        return service
+
+    def select(service: SelectionService, body: Any) -> Any:
+        response = service.handle("POST", "/select", "", JSON, body, now=1.0)
+        assert response.status == 200
+        return json.loads(response.body)
+
+    raw = json.dumps({"model_name": "m", "token_ids": tokens, "explain": True}).encode()
+    plain, ahead = fleet(), fleet()
+    prepared = prepare_ahead(ahead.pools, "/select", raw)
+    assert prepared is not None and prepared.prehashed is not None
+    (hashes,) = prepared.prehashed.by_key.values()
+    assert hashes.blocks == block_hashes(tokens, 2) and len(hashes.counted) == 1
+    assert select(ahead, prepared) == select(plain, raw)
+    # Worker 1 books the whole prompt after the count: it is counted again, on the spot.
+    later = {"reservation_id": "b", "worker_id": 1, "model_name": "m", "token_ids": tokens}
+    for service in (plain, ahead):
+        service.handle("POST", "/reservations", "", JSON, json.dumps(later).encode(), now=1.0)
+    assert select(ahead, prepared) == select(plain, raw)
+    # A body of other tokens borrows nothing from a prehashed one of the same length.
+    other = json.dumps({"model_name": "m", "token_ids": tokens[::-1], "explain": True}).encode()
+    prepared.value["token_ids"] = tokens[::-1]
+    assert select(ahead, prepared) == select(plain, other)

@@ -10,6 +10,7 @@ import struct
 import threading
 import time
 import urllib.request
+from typing import Any
 
 from test_hostile import assert_healthy, get, post
 from test_http import Server, read_response
@@ -168,6 +169,37 @@ def test_a_large_dump_is_written_by_a_child_and_health_answers_meanwhile() -> No
         assert len(document["events"]) == 150_000 and document["workers"][0]["worker_id"] == 1
         assert len(seconds) >= 3, seconds  # the dump took a while, and /health was served meanwhile
         assert max(seconds) < 0.25, sorted(seconds)[-5:]
+        assert_healthy(server)
+    finally:
+        server.stop()
+
+
+def test_a_huge_select_beside_huge_bookings_leaves_health_its_turn() -> None:
+    """Issue 27, case 2: a worker of block size 1 holding bookings of 850,000 sequence hashes,
+    then selections of 1,048,576 token ids; the prompt is hashed and counted in a worker thread."""
+    server = Server("--max-state-bytes", str(8 << 30))
+    try:
+        assert post(server, "/workers", b'{"worker_id": 1, "model_name": "m", "block_size": 1, '
+                                        b'"endpoint": "http://w"}')[0] == 201
+        for n in range(3):
+            booking = {"reservation_id": f"b{n}", "worker_id": 1, "model_name": "m", "isl_tokens": 850_000,
+                       "sequence_hashes": list(range(n * 850_000 + 1, (n + 1) * 850_000 + 1))}
+            assert post(server, "/reservations", json.dumps(booking).encode())[0] == 201
+        body = json.dumps({"model_name": "m", "token_ids": list(range(1 << 20)), "explain": True}).encode()
+        answers: list[dict[str, Any]] = []
+
+        def select() -> None:
+            for _ in range(3):
+                status, answer = post(server, "/select", body)
+                assert status == 200
+                answers.append(answer)
+
+        selector = threading.Thread(target=select)
+        selector.start()
+        seconds = sorted(health_latencies(server, selector))
+        selector.join()
+        assert len(answers) == 3 and answers[0]["worker_id"] == 1
+        assert seconds[int(len(seconds) * 0.99)] < 0.1 and seconds[-1] < 0.25, seconds[-5:]
         assert_healthy(server)
     finally:
         server.stop()

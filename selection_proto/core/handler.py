@@ -6,7 +6,7 @@ Order of checks: route (404/405), body size (413), query (400), content type (41
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import msgpack
@@ -24,6 +24,7 @@ from .errors import (
     UnsupportedMediaType,
 )
 from .events import decode_json_events
+from .prompt import prehash
 from .responses import Pending
 from .routes import (
     EVENT_QUERY,
@@ -66,6 +67,10 @@ __all__ = ["handle", "prepare_large_body"]
 
 
 T = TypeVar("T")
+
+# The routes whose prompt a selection or booking hashes (`prepare_large_body` does it ahead).
+PROMPT_PATHS: Final = frozenset(("/select", "/select_and_reserve", "/reservations", "/potential_loads",
+                                 "/overlap_scores"))
 
 
 def _allow(methods: tuple[str, ...]) -> str:
@@ -143,6 +148,8 @@ def handle(service: SelectionService, method: str, path: str, query: str,
            headers: Iterable[tuple[str, str]], body: Body, now: float) -> Response | Pending:
     matched = match(path)
     route = matched[0] if matched else "unmatched"
+    if isinstance(body, ParsedBody):
+        service.limits.prehashed = body.prehashed
     try:
         result = _dispatch(service, method, matched, query, headers, body, now)
     except SelectionError as exc:
@@ -153,6 +160,8 @@ def handle(service: SelectionService, method: str, path: str, query: str,
     except Exception:  # noqa: BLE001 - the bytes API never raises (core.md §4.2)
         service.internal_error("handle")
         result = error_response(500, "internal error")
+    finally:
+        service.limits.prehashed = None
     status = "pending" if isinstance(result, Pending) else str(result.status)
     service.metrics.request(method, route, status)
     return result
@@ -318,10 +327,12 @@ def _parse_events_large(raw: bytes) -> tuple[Any, bool] | None:
         return None
 
 
-def prepare_large_body(path: str, raw: bytes, media: str | None = None) -> ParsedBody | None:
+def prepare_large_body(path: str, raw: bytes, media: str | None = None,
+                       block_sizes: Collection[int] = ()) -> ParsedBody | None:
     """A large JSON (or, `media` says, msgpack) body parsed, and for `POST /kv_events` its events
-    decoded, as `handle` would; None when it does not parse (then `handle` reports it). Pure: for
-    a worker thread."""
+    decoded, as `handle` would; None when it does not parse (then `handle` reports it). A prompt
+    is hashed ahead in `block_sizes` (`ahead.prepare_ahead`). Pure: for a worker
+    thread."""
     if media in MSGPACK_TYPES:
         try:
             with jsonio.gc_paused():
@@ -332,6 +343,9 @@ def prepare_large_body(path: str, raw: bytes, media: str | None = None) -> Parse
     if parsed is None:
         return None
     body = ParsedBody(parsed[0], parsed[1], len(raw), lambda: jsonio.loads_exact(raw))
+    if path in PROMPT_PATHS and block_sizes:
+        with jsonio.gc_paused():
+            body.prehashed = prehash(body.value, block_sizes)
     if path == "/kv_events":
         try:
             with jsonio.gc_paused():

@@ -11,7 +11,7 @@ from .budget import InsufficientStorage, StateBudget
 from .errors import BadRequest, Conflict, PayloadTooLarge, SelectionError, TooManyRequests
 from .metrics import Metrics
 from .pool import Key, Pool, key_label
-from .prompt import PromptHashes, PromptTooLong, booking_prompt, selection_prompt
+from .prompt import Prehashed, PromptHashes, PromptTooLong, booking_prompt, selection_prompt
 from .settings import Settings
 from .tracking import KeyedTracking
 
@@ -21,7 +21,7 @@ __all__ = ["Limits"]
 class Limits:
     """Every limit the core enforces; a method raises the refusal after counting it."""
 
-    __slots__ = ("_settings", "_metrics", "_budget", "_tracking")
+    __slots__ = ("_settings", "_metrics", "_budget", "_tracking", "prehashed")
 
     def __init__(self, settings: Settings, metrics: Metrics, budget: StateBudget,
                  tracking: KeyedTracking | None = None) -> None:
@@ -29,6 +29,8 @@ class Limits:
         self._metrics = metrics
         self._budget = budget
         self._tracking = tracking  # keyed tracking hashes of prompts (tracking.py)
+        # The hashes of the huge prompt being handled, when computed ahead (`handler.handle`).
+        self.prehashed: Prehashed | None = None
 
     def _refuse(self, name: str, error: SelectionError) -> SelectionError:
         self._metrics.limit(name)
@@ -90,7 +92,8 @@ class Limits:
         """The request's prompt in the pool's block size, within `max_prompt_tokens`."""
         make = booking_prompt if booking else selection_prompt
         try:
-            return make(req, pool.block_size, self._settings.max_prompt_tokens, self._tracking, pool.eagle)
+            return make(req, pool.block_size, self._settings.max_prompt_tokens, self._tracking, pool.eagle,
+                        self.prehashed)
         except PromptTooLong as exc:
             raise self._refuse("prompt_tokens", exc) from None
 

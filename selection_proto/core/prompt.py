@@ -3,16 +3,19 @@ computed only when needed (core.md §9.1), with the length limits every prompt f
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Iterable
 from typing import Any
 
 from .errors import BadRequest
-from .hashing import block_hashes, sequence_hashes
+from .hashing import block_hashes, pack_tokens, sequence_hashes
 from .tracker import RankLoad
 from .tracking import KeyedTracking
 
-__all__ = ["PromptHashes", "PromptTooLong", "booking_prompt", "selection_prompt"]
+__all__ = ["Prehashed", "PromptHashes", "PromptTooLong", "booking_prompt", "prehash", "selection_prompt"]
 
 PROMPT_FIELDS = ("token_ids", "block_hashes", "sequence_hashes", "block_mm_infos")
+PREHASH_SLICE_BLOCKS = 16_384
 
 
 class PromptTooLong(BadRequest):
@@ -27,13 +30,16 @@ class PromptHashes:
     distinct prefixes, so their count is the block count (a 64-bit collision would already
     confuse the index); hashes a client sent are counted as given, duplicates merged."""
 
-    __slots__ = ("blocks", "isl", "_seqs", "_distinct")
+    __slots__ = ("blocks", "isl", "_seqs", "_distinct", "counted")
 
     def __init__(self, blocks: list[int], seqs: list[int] | None, isl: int) -> None:
         self.blocks = blocks
         self.isl = isl
         self._seqs = seqs
         self._distinct: set[int] | None = None
+        # `new_blocks` counted ahead (`ahead.prepare_ahead`): id(load) -> (load, its
+        # `changes` then, the count); used while the load has not changed since.
+        self.counted: dict[int, tuple[RankLoad, int, int]] = {}
 
     @property
     def seqs(self) -> list[int]:
@@ -41,17 +47,64 @@ class PromptHashes:
             self._seqs = sequence_hashes(self.blocks)
         return self._seqs
 
+    def distinct(self) -> set[int]:
+        """The sequence hashes as a set (kept)."""
+        if self._distinct is None:
+            self._distinct = set(self.seqs)
+        return self._distinct
+
     def new_blocks(self, load: RankLoad) -> int:
         """How many of this prompt's blocks `load` does not hold yet."""
-        if self._distinct is None:
-            if not load.unique and self._seqs is None:
-                return len(self.blocks)
-            self._distinct = set(self.seqs)
-        return load.new_blocks(self._distinct)
+        if not load.unique and self._distinct is None and self._seqs is None:
+            return len(self.blocks)
+        ahead = self.counted.get(id(load))
+        if ahead is not None and ahead[0] is load and ahead[1] == load.changes:
+            return ahead[2]
+        return load.new_blocks(self.distinct())
+
+
+class Prehashed:
+    """A huge plain prompt hashed ahead, in a worker thread, in each block size its service's
+    pools use (`prehash`): a selection then looks its hashes up instead of computing them on
+    the event loop. `tokens` ties them to the one prompt they were computed from."""
+
+    __slots__ = ("tokens", "by_key")
+
+    def __init__(self, tokens: array[int], by_key: dict[tuple[int, str | None, str | None], PromptHashes]) -> None:
+        self.tokens = tokens
+        self.by_key = by_key
+
+    def find(self, req: Any, block_size: int) -> PromptHashes | None:
+        """The hashes of `req`'s `token_ids` in `block_size`, if these are its tokens."""
+        found = self.by_key.get((block_size, req.lora_name, req.cache_namespace))
+        return found if found is not None and req.token_ids == self.tokens else None
+
+
+def prehash(value: Any, block_sizes: Iterable[int]) -> Prehashed | None:
+    """A parsed request body's plain prompt (`token_ids`; no multimodal or eagle fields) hashed in
+    each of `block_sizes`, sequence hashes included; None for any other body. Pure,
+    and worth it only for huge prompts: for a worker thread."""
+    if not isinstance(value, dict) or any(value.get(f) is not None for f in ("mm_routing_info", "block_mm_infos", "is_eagle")):
+        return None
+    tokens, lora, namespace = value.get("token_ids"), value.get("lora_name"), value.get("cache_namespace")
+    if not isinstance(tokens, list) or not all(v is None or isinstance(v, str) for v in (lora, namespace)):
+        return None
+    try:
+        packed = pack_tokens(tokens)
+    except (OverflowError, TypeError):
+        return None  # the selection refuses it, with the usual message
+    by_key = {}
+    for size in block_sizes:
+        blocks: list[int] = []
+        step = PREHASH_SLICE_BLOCKS * size  # each slice one C call holding the GIL (~1.5 ms)
+        for start in range(0, len(packed) if size else 0, step):
+            blocks += block_hashes(packed[start:start + step], size, lora, namespace)
+        by_key[(size, lora, namespace)] = PromptHashes(blocks, sequence_hashes(blocks), len(tokens))
+    return Prehashed(packed, by_key)
 
 
 def _from_tokens(req: Any, block_size: int, limit: int, tracking: KeyedTracking | None,
-                 eagle_default: bool) -> PromptHashes | None:
+                 eagle_default: bool, prehashed: Prehashed | None = None) -> PromptHashes | None:
     """Enforce the length limits; the prompt of `token_ids` when the request has them, with its
     keyed tracking hashes when `tracking` is given."""
     for field in PROMPT_FIELDS:
@@ -63,6 +116,8 @@ def _from_tokens(req: Any, block_size: int, limit: int, tracking: KeyedTracking 
     if routing is None and not req.block_mm_infos and not eagle and tracking is None:
         if req.token_ids is None:
             return None  # the plain prompt, by far the most common: nothing more to decide
+        if prehashed is not None and (found := prehashed.find(req, block_size)) is not None:
+            return found
         blocks = block_hashes(req.token_ids, block_size, req.lora_name, req.cache_namespace)
         return PromptHashes(blocks, None, len(req.token_ids))
     if routing is not None:
@@ -93,9 +148,9 @@ def _required(req: Any, names: tuple[str, ...]) -> None:
 
 
 def selection_prompt(req: Any, block_size: int, limit: int, tracking: KeyedTracking | None = None,
-                     eagle_default: bool = False) -> PromptHashes:
+                     eagle_default: bool = False, prehashed: Prehashed | None = None) -> PromptHashes:
     """The prompt of a selection (`select`, `select_and_reserve`, scores, potential loads)."""
-    prompt = _from_tokens(req, block_size, limit, tracking, eagle_default)
+    prompt = _from_tokens(req, block_size, limit, tracking, eagle_default, prehashed)
     if prompt is not None:
         return prompt
     _required(req, ("block_hashes", "sequence_hashes", "isl_tokens"))
@@ -108,9 +163,9 @@ def selection_prompt(req: Any, block_size: int, limit: int, tracking: KeyedTrack
 
 
 def booking_prompt(req: Any, block_size: int, limit: int, tracking: KeyedTracking | None = None,
-                   eagle_default: bool = False) -> PromptHashes:
+                   eagle_default: bool = False, prehashed: Prehashed | None = None) -> PromptHashes:
     """The prompt of a direct booking (`POST /reservations`): no block hashes needed."""
-    prompt = _from_tokens(req, block_size, limit, tracking, eagle_default)
+    prompt = _from_tokens(req, block_size, limit, tracking, eagle_default, prehashed)
     if prompt is not None:
         return prompt
     _required(req, ("sequence_hashes", "isl_tokens"))

@@ -136,7 +136,7 @@ class ParsedBody:
     (JSON lines parse each whole line once). `exact` re-reads the same value with exact integers
     (see `jsonio.loads_exact`); `size` is the length of the text it came from."""
 
-    __slots__ = ("value", "may_contain_bools", "size", "exact", "events")
+    __slots__ = ("value", "may_contain_bools", "size", "exact", "events", "prehashed")
 
     def __init__(self, value: Any, may_contain_bools: bool, size: int, exact: Callable[[], Any]) -> None:
         self.value = value
@@ -146,3 +146,10 @@ class ParsedBody:
         # For `POST /kv_events`: the events already decoded from `value` (or why they are not),
         # when the caller decoded them in another thread (`handler.prepare_large_body`).
         self.events: Any = None
+        # For selections and bookings: the prompt's hashes computed ahead (`prompt.prehash`).
+        self.prehashed: Any = None
+
+    def release(self) -> None:
+        """Drop what was parsed: freeing millions of objects takes tens of milliseconds, so a
+        server calls this in a worker thread once the request is answered."""
+        self.value = self.events = self.prehashed = None

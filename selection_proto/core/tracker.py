@@ -31,7 +31,7 @@ class DuplicateReservation(Conflict):
 
 
 class RankLoad:
-    __slots__ = ("prefill_tokens", "requests", "unique", "weights", "extra")
+    __slots__ = ("prefill_tokens", "requests", "unique", "weights", "extra", "changes")
 
     def __init__(self) -> None:
         self.prefill_tokens = 0
@@ -39,6 +39,7 @@ class RankLoad:
         self.unique: dict[int, int] = {}  # booked prompt block -> how many bookings hold it
         self.weights: dict[int, float] = {}  # the prompt blocks that do not weigh 1
         self.extra = 0.0  # the output blocks' weight, plus each weighted block's weight - 1
+        self.changes = 0  # bumped whenever `unique` changes (what was counted against it is stale)
 
     def decode_blocks(self) -> int:
         """Active decode blocks: distinct prompt blocks and output blocks, weighted."""
@@ -47,13 +48,13 @@ class RankLoad:
         return math.floor(len(self.unique) + self.extra + 0.5)
 
     def new_blocks(self, distinct: set[int]) -> int:
-        """How many of `distinct` this rank does not hold yet (iterating the smaller side)."""
-        unique = self.unique
-        if not unique:
+        """How many of `distinct` this rank does not hold yet."""
+        if not self.unique:
             return len(distinct)
-        if len(unique) < len(distinct):
-            return len(distinct) - sum(1 for h in unique if h in distinct)
-        return sum(1 for h in distinct if h not in unique)
+        # In C, over the smaller side (a set's difference with a dict looks each item up in it).
+        if len(distinct) <= len(unique := self.unique):
+            return len(distinct.difference(unique))
+        return len(distinct) - len(unique) + len(unique.keys() - distinct)
 
 
 class Booking:
@@ -130,6 +131,7 @@ class Tracker:
             unique = load.unique
             for h in blocks:
                 unique[h] = unique.get(h, 0) + 1
+            load.changes += 1  # after the change: a count made meanwhile (another thread) is stale
         return booking
 
     def get(self, rid: str) -> Booking:
@@ -192,6 +194,7 @@ class Tracker:
                         weight = weights.pop(h, None)
                         if weight is not None:
                             load.extra -= weight - 1.0
+            load.changes += 1
         if not load.weights and load.requests == 0:
             load.extra = 0.0  # no rounding error outlives the bookings
         return booking

@@ -19,7 +19,7 @@ from .._version import __version__
 from ..adapters.http import HttpConnection
 from ..adapters.inflight import InFlight
 from ..adapters.ws import PushSession
-from ..core.handler import prepare_large_body
+from ..core.ahead import prepare_ahead
 from ..core.metrics import CONNECTIONS, INTERNAL_ERRORS, LIMIT_REJECTIONS
 from ..core.outputs import CloseEventStream, InternalError, Notice, OutputEvent, SelectionReady
 from ..core.routes import media_type
@@ -37,9 +37,7 @@ from .subscriber import Subscriptions
 __all__ = ["LedgerOptions", "ServerConfig", "serve"]
 
 _GONE = (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
-# While a request waits in the queue its connection reads on only up to this many buffered bytes
-# (pipelined requests); then it stops reading until the answer is out.
-MAX_PENDING_BUFFER = 65536
+MAX_PENDING_BUFFER = 65536  # read on while a request is queued (pipelined ones), then wait for it
 # After answering a request whose body was not read (413, a refused upgrade...), read and
 # discard for this long before closing, so that the client is not reset before it reads it.
 LINGER_SECS = 2.0
@@ -341,12 +339,15 @@ class _Server:
                 await flush(partial(self.send, stream), conn, lock)
                 if conn.large_request is None:
                     break
-                large = conn.large_request  # a dump is written by a child; megabytes of JSON parsed
-                if large.path == "/dump":  # in a worker thread, while others are served
+                # A dump is written by a child; megabytes of JSON parsed (and freed) in a thread.
+                if (large := conn.large_request).path == "/dump":
                     conn.answer_with(await dump_in_child(self.service, large, self.clock))
-                else:
-                    conn.complete_large(await anyio.to_thread.run_sync(
-                        prepare_large_body, large.path, large.body, media_type(large.headers)))
+                    continue
+                parsed = await anyio.to_thread.run_sync(
+                    prepare_ahead, self.service.pools, large.path, large.body, media_type(large.headers))
+                conn.complete_large(parsed)
+                if parsed is not None:
+                    await anyio.to_thread.run_sync(parsed.release)
             if conn.pending_ticket is not None:
                 self.waiting[conn.pending_ticket] = (conn, stream, lock)
             if conn.upgrade is not None:
@@ -443,8 +444,7 @@ async def serve(service: SelectionService, config: ServerConfig,
     """Listen until SIGTERM or SIGINT, then drain (transports.md §9)."""
     server = _Server(service, config)
     # Large bodies are decoded in worker threads; a thread in C code keeps the GIL for up to the
-    # switch interval (5 ms by default) each time the loop wants it back, several times per
-    # answer. 1 ms took /health's p99 under an 8 MB WebSocket message from 64 to 27 ms.
+    # switch interval (5 ms by default) each time the loop wants it back, several times per answer.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_SECS)
     try:
         listener = await anyio.create_tcp_listener(local_host=config.host, local_port=config.port,

@@ -1,0 +1,50 @@
+"""Work done ahead for a huge request, in a worker thread while the event loop serves others: its
+body parsed (`handler.prepare_large_body`), its prompt hashed in each block size the pools use,
+and its new blocks on every booked rank counted.
+
+The state is read here only by single C-level operations (a list of a dict's values, a slice of
+hash lookups), each atomic under the GIL; a count carries its rank's change counter and is used
+only while the rank has not changed since (`PromptHashes.new_blocks`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Final
+
+from .handler import prepare_large_body
+from .pool import Key, Pool
+from .prompt import PromptHashes
+from .routes import ParsedBody
+from .tracker import RankLoad
+
+__all__ = ["prepare_ahead"]
+
+MAX_BLOCK_SIZES: Final = 4  # past this many, a huge prompt is hashed where it is selected
+COUNT_SLICE: Final = 8_192  # lookups per GIL-holding step: a few ms, mostly cache misses
+
+
+def prepare_ahead(pools: Mapping[Key, Pool], path: str, raw: bytes, media: str | None = None) -> ParsedBody | None:
+    """`handler.prepare_large_body` with the pools' block sizes, and the prompt's new blocks on
+    each rank with bookings counted."""
+    listed = list(pools.values())
+    sizes = frozenset(pool.block_size for pool in listed)
+    body = prepare_large_body(path, raw, media, sizes if len(sizes) <= MAX_BLOCK_SIZES else ())
+    if body is None or body.prehashed is None:
+        return body
+    for pool in listed:
+        for load in list(pool.tracker.loads.values()):
+            if not load.unique:
+                continue  # nothing to count: every block is new
+            for (size, _, _), prompt in body.prehashed.by_key.items():
+                if size == pool.block_size:
+                    prompt.counted[id(load)] = (load, load.changes, _new_blocks_in_slices(prompt, load))
+    return body
+
+
+def _new_blocks_in_slices(prompt: PromptHashes, load: RankLoad) -> int:
+    """`prompt.new_blocks(load)` in slices, the GIL let go between them. The prompt's sequence
+    hashes were chained from tokens (`prompt.prehash`): distinct, so their count is the set's."""
+    held, unique, seqs = 0, load.unique, prompt.seqs
+    for start in range(0, len(seqs), COUNT_SLICE):
+        held += sum(map(unique.__contains__, seqs[start:start + COUNT_SLICE]))
+    return len(seqs) - held
