@@ -4,12 +4,18 @@ the interpreter parses, upgrade variants, framing conflicts, deep nesting), agai
 `selection-proto serve` subprocess. It stops at the first case after which the process is gone,
 an internal error was counted, or a read no longer answers 200, and prints that case.
 
-    python fuzz/server_fuzz.py [--seconds 600] [--seed N] [--mode push|subscribe]
+With `--heavy`, one more client cycles through the loads that once held the event loop or grew
+memory without bound (issue 27): huge prompts beside huge bookings, a WebSocket event flood,
+bodies stalled just short of their end. `/health` is then timed throughout: its p99 and maximum
+are reported, and a probe over `--max-health-ms` (default 1,000) fails the run.
+
+    python fuzz/server_fuzz.py [--seconds 600] [--seed N] [--mode push|subscribe] [--heavy]
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import random
 import socket
@@ -165,6 +171,14 @@ class Gen:
         return out
 
 
+def text_frame(payload: bytes) -> bytes:
+    """A client's final text frame (masked with a zero key: the bytes stay as they are)."""
+    n = len(payload)
+    size = bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + n.to_bytes(2, "big") if n < 65536 else \
+        bytes([0x80 | 127]) + n.to_bytes(8, "big")
+    return b"\x81" + size + b"\0\0\0\0" + payload
+
+
 class Target:
     def __init__(self, mode: str) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "selection_proto", "serve", "--port", "0", "--kv-events",
@@ -197,10 +211,16 @@ class Target:
                 pass
             return out
 
-    def get(self, path: str) -> tuple[int, bytes]:
-        out = self.send(f"GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n".encode())
-        head, _, body = out.partition(b"\r\n\r\n")
-        return (int(head.split()[1]) if head.startswith(b"HTTP/1.1 ") else 0), body
+    def get(self, path: str, conn: http.client.HTTPConnection | None = None) -> tuple[int, bytes]:
+        """A read the server must answer (status 0: it did not, within 10 s)."""
+        conn = conn or http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        try:
+            conn.request("GET", path)
+            response = conn.getresponse()
+            return response.status, response.read()
+        except (OSError, http.client.HTTPException):
+            conn.close()
+            return 0, b""
 
     def problem(self) -> str | None:
         """Why the server is not fine, or None."""
@@ -222,7 +242,49 @@ class Target:
         self.proc.wait(timeout=15)
 
 
-def run(seconds: float, seed: int, mode: str = "push", clients: int = 4, check_every: int = 50) -> dict[str, Any]:
+def heavy_loads(target: Target, rng: random.Random, until: float) -> None:
+    """The heavy shapes, one after another until `until`: each is a case the server must survive
+    while answering everyone else."""
+    def post(path: str, body: bytes) -> bytes:
+        return target.send(b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                           b"content-length: %d\r\n\r\n" % (path.encode(), len(body)) + body)
+
+    post("/workers", b'{"worker_id": 9, "model_name": "big", "endpoint": "http://w9", "block_size": 1}')
+    n = 0
+    while time.monotonic() < until:
+        n += 1
+        shape = rng.choice(("prompt", "flood", "stall"))
+        if shape == "prompt":  # a huge prompt beside huge bookings, then the bookings freed
+            size = rng.choice((100_000, 400_000, 850_000))
+            for k in range(2):
+                post("/reservations", json.dumps({"reservation_id": f"h{n}-{k}", "worker_id": 9, "model_name": "big",
+                                                  "isl_tokens": size, "sequence_hashes": list(range(
+                                                      k * size + 1, (k + 1) * size + 1))}).encode())
+            post("/select", json.dumps({"model_name": "big", "token_ids": list(range(1 << 20))}).encode())
+            for k in range(2):
+                target.send(f"DELETE /reservations/h{n}-{k}?model_name=big HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+        elif shape == "flood":  # thousands of small stored events on one WebSocket
+            frames = b"".join(text_frame(json.dumps({"event_id": n * 100_000 + i, "data": {"stored": {
+                "parent_hash": None, "blocks": [{"block_hash": i, "tokens_hash": i}]}}}).encode())
+                for i in range(20_000))
+            target.send(b"GET /kv_events?worker_id=1 HTTP/1.1\r\nhost: x\r\n" + UPGRADE[0] + b"\r\n", frames)
+        else:  # bodies 10 bytes short of their 8 MiB, held a moment
+            socks = []
+            for _ in range(rng.randint(4, 16)):
+                sock = socket.create_connection(("127.0.0.1", target.port), timeout=2)
+                try:
+                    sock.sendall(b"POST /workers HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                                 b"content-length: 8388608\r\n\r\n" + b" " * (8388608 - 10))
+                except OSError:
+                    pass  # refused past the buffer budget
+                socks.append(sock)
+            time.sleep(rng.uniform(0.1, 1.0))
+            for sock in socks:
+                sock.close()
+
+
+def run(seconds: float, seed: int, mode: str = "push", clients: int = 4, check_every: int = 50,
+        heavy: bool = False, max_health_ms: float = 1000.0) -> dict[str, Any]:
     """`clients` threads send cases at once (each from its own seeded generator); every
     `check_every` cases the server is checked. Returns the counts, or raises with the cases."""
     target = Target(mode)
@@ -230,6 +292,17 @@ def run(seconds: float, seed: int, mode: str = "push", clients: int = 4, check_e
     counts = [0] * clients
     recent: list[tuple[bytes, bytes]] = []
     failure: list[str] = []
+    health_ms: list[float] = []
+
+    def prober() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", target.port, timeout=10)  # its own, kept alive
+        while time.monotonic() - started < seconds and not failure:
+            began = time.perf_counter()
+            status, _ = target.get("/health", conn)
+            health_ms.append(1000 * (time.perf_counter() - began))
+            if status != 200 or health_ms[-1] > max_health_ms:
+                failure.append(f"/health answered {status} in {health_ms[-1]:.0f} ms")
+            time.sleep(0.01)
 
     def client(i: int) -> None:
         rng = random.Random(seed * 1000 + i)
@@ -247,6 +320,10 @@ def run(seconds: float, seed: int, mode: str = "push", clients: int = 4, check_e
         target.send(b'POST /workers HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 57\r\n\r\n'
                     b'{"worker_id": 1, "endpoint": "http://w1", "block_size": 4}')
         threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+        if heavy:
+            threads.append(threading.Thread(target=heavy_loads, args=(
+                target, random.Random(seed), started + seconds)))
+            threads.append(threading.Thread(target=prober))
         for thread in threads:
             thread.start()
         checked = 0
@@ -264,7 +341,13 @@ def run(seconds: float, seed: int, mode: str = "push", clients: int = 4, check_e
             raise AssertionError(f"after {sum(counts)} cases (seed {seed}): {why}\nthe latest cases:\n{cases}")
     finally:
         target.stop()
-    return {"cases": sum(counts), "seconds": round(time.monotonic() - started, 1), "seed": seed, "mode": mode}
+    out: dict[str, Any] = {"cases": sum(counts), "seconds": round(time.monotonic() - started, 1), "seed": seed,
+                           "mode": mode}
+    if health_ms:
+        health_ms.sort()
+        out.update(health_probes=len(health_ms), health_p99_ms=round(health_ms[int(len(health_ms) * 0.99)], 1),
+                   health_max_ms=round(health_ms[-1], 1))
+    return out
 
 
 def main() -> None:
@@ -272,9 +355,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=600)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--mode", default="push", choices=("push", "subscribe"))
+    parser.add_argument("--heavy", action="store_true", help="add the heavy shapes and time /health")
+    parser.add_argument("--max-health-ms", type=float, default=1000.0)
     opts = parser.parse_args()
     seed = opts.seed if opts.seed is not None else random.randrange(1 << 32)
-    print(json.dumps(run(opts.seconds, seed, opts.mode)))
+    print(json.dumps(run(opts.seconds, seed, opts.mode, heavy=opts.heavy, max_health_ms=opts.max_health_ms)))
 
 
 if __name__ == "__main__":

@@ -52,3 +52,12 @@ def test_the_running_server_survives_hostile_clients(mode: str) -> None:
 
     result = run(seconds=8, seed=11 if mode == "push" else 12, mode=mode)
     assert result["cases"] > 200
+
+
+def test_the_running_server_survives_the_heavy_shapes_and_answers_health_throughout() -> None:
+    """fuzz/server_fuzz.py --heavy: huge prompts beside huge bookings, event floods and stalled
+    bodies among the hostile cases; every /health probe answered within a second."""
+    from fuzz.server_fuzz import run
+
+    result = run(seconds=10, seed=13, heavy=True)
+    assert result["cases"] > 200 and result["health_probes"] > 100
