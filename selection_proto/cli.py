@@ -24,6 +24,7 @@ from .config import (
     TRANSPORT,
     UsageError,
     env_name,
+    ext_proc_options,
     flag_name,
     flag_on,
     kind_of,
@@ -37,7 +38,7 @@ from .core.service import SelectionService
 from .core.settings import Settings
 
 if TYPE_CHECKING:
-    from .transports.server import LedgerOptions
+    from .transports.config import LedgerOptions
 
 __all__ = ["main"]
 
@@ -125,6 +126,10 @@ _SERVE_OPTIONS: Final = (
     ("processes", "N", "serve from N processes on one port (SO_REUSEPORT); N > 1 needs --ledger"),
     ("advertise_url", "URL", "where peers reach this replica for /dump at their start (registered in "
                              "the ledger; default: the listening address unless it is a wildcard)"),
+    ("ext_proc_port", "PORT", "also be Envoy's endpoint picker: its ext_proc gRPC service on this port"),
+    ("ext_proc_host", "ADDRESS", "the ext_proc listen address (default: --host)"),
+    ("tokenizer", "MODEL=PATH[,...]", "tokenize MODEL's text prompts and chats with this tokenizer.json "
+                                      "(or its folder, with tokenizer_config.json's chat template)"),
 )
 
 
@@ -352,8 +357,9 @@ def _stdio(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
 
 def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    from .transports.config import ServerConfig
     from .transports.logs import log
-    from .transports.server import ServerConfig, serve
+    from .transports.server import serve
 
     service, backend = _service_and_backend(args, env)
     port = transport_value(args, env, "port", TRANSPORT["port"], int)
@@ -387,7 +393,7 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
                           auth_token=_auth_token(args, env),
                           tls=_tls_context(args, env), access_log=flag_on(args, env, "access_log"),
                           snapshot=transport_value(args, env, "snapshot", TRANSPORT["snapshot"], str),
-                          **timeouts, **pauses)
+                          ext_proc=ext_proc_options(args, env, host, backend), **timeouts, **pauses)
     import anyio
 
     peers = transport_value(args, env, "indexer_peers", TRANSPORT["indexer_peers"], str)
@@ -453,7 +459,7 @@ def _ledger(args: argparse.Namespace, env: Mapping[str, str], service: Selection
     from .core.journal import LedgerSettings
 
     origin = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
-    from .transports.server import LedgerOptions
+    from .transports.config import LedgerOptions
 
     service.share(LedgerSettings(admission=values["admission"],
                                  failure=values["ledger_failure"],

@@ -14,7 +14,7 @@ import attrs
 
 from .core.settings import Settings
 
-__all__ = ["DYNAMO_ENV", "DYNAMO_FLAGS", "SETTING_FIELDS", "TRANSPORT", "UsageError", "config_file", "env_name", "flag_name", "settings_with",
+__all__ = ["DYNAMO_ENV", "DYNAMO_FLAGS", "SETTING_FIELDS", "TRANSPORT", "UsageError", "config_file", "env_name", "ext_proc_options", "flag_name", "settings_with",
            "flag_on", "kind_of", "print_config", "settings_from", "transport_value", "warn_unknown_env"]
 
 
@@ -202,6 +202,7 @@ TRANSPORT: Final[Mapping[str, Any]] = {
     "drain_delay_secs": 0.0, "ledger": None, "ledger_scope": "default", "admission": "advisory",
     "ledger_failure": "open", "ledger_batch": 64, "ledger_outbox_max": 100_000, "ledger_feed_max": 1_000_000,
     "processes": 1, "advertise_url": None, "ledger_free_grace_secs": 2.0,
+    "ext_proc_port": None, "ext_proc_host": None, "tokenizer": None,
 }
 
 
@@ -371,3 +372,30 @@ def _toml(value: Any) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def ext_proc_options(args: argparse.Namespace, env: Mapping[str, str], host: str, backend: str) -> Any:
+    """`serve`'s endpoint picker options (a `transports.config.ExtProcOptions`), or None without
+    `--ext-proc-port`."""
+    port = transport_value(args, env, "ext_proc_port", None, int)
+    if port is None:
+        return None
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--ext-proc-port: must be between 1 and 65535 (0: any free port), not {port}")
+    if backend != "asyncio":
+        raise UsageError("--ext-proc-port: needs the asyncio backend (grpc.aio runs on asyncio only)")
+    pairs = []
+    for item in (transport_value(args, env, "tokenizer", None, str) or "").split(","):
+        model, sep, path = item.strip().partition("=")
+        if item.strip() and (not sep or not model or not path):
+            raise UsageError(f"--tokenizer: expected MODEL=PATH, not {item.strip()!r}")
+        if item.strip():
+            pairs.append((model, path))
+    try:
+        import envoy.service.ext_proc.v3.external_processor_pb2  # noqa: F401
+        import grpc  # noqa: F401 - the gateway extra's
+
+        from .transports.config import ExtProcOptions
+    except ImportError as exc:
+        raise UsageError(f"--ext-proc-port: {exc}; install selection-proto[gateway]") from None
+    return ExtProcOptions(port, transport_value(args, env, "ext_proc_host", None, str) or host, tuple(pairs))

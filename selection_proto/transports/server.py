@@ -25,7 +25,9 @@ from ..core.outputs import CloseEventStream, InternalError, Notice, OutputEvent,
 from ..core.routes import media_type
 from ..core.service import SelectionService
 from ..core.streams import decode_or_error
-from ..core.wire import error_response
+from ..core.wire import Response, error_response
+from .config import LedgerOptions, ServerConfig
+from .ext_proc import serve_ext_proc
 from .ledger import LedgerLink
 from .logs import log, log_internal_error
 from .peers import recover_from_peers
@@ -44,43 +46,6 @@ LINGER_SECS = 2.0
 SEND_CHUNK = 1 << 20
 ACCEPT_BACKOFF_START = 0.01
 ACCEPT_BACKOFF_MAX = 1.0
-
-
-@attrs.frozen
-class LedgerOptions:
-    url: str
-    scope: str = "default"
-    batch: int = 64
-    feed_max: int = 1_000_000
-    advertise_url: str | None = None  # this replica's URL for peers; default: the listening one
-    warm_from: tuple[str, ...] = ()  # peers whose /dump fills the index before the ledger is joined
-    warm_timeout_secs: float = 10.0
-
-
-class ServerConfig:
-    def __init__(self, host: str = "127.0.0.1", port: int = 8092, max_connections: int = 1024,
-                 keep_alive_timeout_secs: float = 5.0, request_timeout_secs: float = 30.0,
-                 shutdown_timeout_secs: float = 10.0, ws_ping_interval_secs: float = 20.0,
-                 auth_token: bytes | None = None, tls: ssl.SSLContext | None = None,
-                 access_log: bool = False, snapshot: str | None = None,
-                 snapshot_interval_secs: float = 60.0, drain_delay_secs: float = 0.0,
-                 ledger: LedgerOptions | None = None, reuse_port: bool = False,
-                 supervisor_pid: int | None = None, max_buffer_bytes: int = 256 << 20) -> None:
-        self.max_buffer_bytes = max_buffer_bytes  # request bodies and WebSocket messages in flight
-        self.supervisor_pid = supervisor_pid  # --processes: stop when this parent is gone
-        self.ledger = ledger  # share bookings and the catalog through this ledger (service.share first)
-        self.reuse_port = reuse_port  # several processes on one port (--processes)
-        self.drain_delay_secs = drain_delay_secs  # serve, marked not ready, before draining
-        self.snapshot = snapshot  # write the dump here periodically and at shutdown
-        self.snapshot_interval_secs = snapshot_interval_secs  # 0: only at shutdown
-        self.access_log = access_log  # log every answer (method, path, status, milliseconds)
-        self.ws_ping_interval_secs = ws_ping_interval_secs
-        self.tls = tls  # serve HTTPS and wss:// with this context
-        self.auth_token = auth_token  # bearer token every route but the open ones needs
-        self.host, self.port, self.max_connections = host, port, max_connections
-        self.keep_alive_timeout_secs = keep_alive_timeout_secs
-        self.request_timeout_secs = request_timeout_secs
-        self.shutdown_timeout_secs = shutdown_timeout_secs
 
 
 GIL_SWITCH_INTERVAL_SECS = 0.001
@@ -102,6 +67,7 @@ class _Server:
         self.idle = anyio.Event()
         self.waits: dict[HttpConnection, anyio.CancelScope] = {}  # idle receives, cut by shutdown
         self.waiting: dict[int, tuple[HttpConnection, anyio.abc.ByteStream, anyio.Lock]] = {}
+        self.resolvers: dict[int, Callable[[Response], None]] = {}  # other queued selections' takers
         self.woken: set[HttpConnection] = set()  # readers cancelled by `pump`, not by a deadline
         self.wake = anyio.Event()
         self.timer_target = float("inf")
@@ -238,6 +204,8 @@ class _Server:
         elif isinstance(out, SelectionReady):
             waiter = self.waiting.pop(out.ticket, None)
             if waiter is None:
+                if (resolver := self.resolvers.pop(out.ticket, None)) is not None:
+                    resolver(out.response)  # an ext_proc stream's (transports/ext_proc.py)
                 return
             conn, stream, lock = waiter
             conn.resolve(out.response)
@@ -471,6 +439,8 @@ async def serve(service: SelectionService, config: ServerConfig,
 
         tg.start_soon(run_accept)
         tg.start_soon(server.timer)
+        if config.ext_proc is not None:
+            tg.start_soon(serve_ext_proc, server, config.ext_proc, tg)
         server.subscriptions = Subscriptions(service, tg, server.pump)
         if config.ledger is not None and service.ledger is not None:
             options = config.ledger

@@ -1,0 +1,260 @@
+"""Sans-IO endpoint picker: one Envoy ext_proc stream (one HTTP request through the gateway), as a
+state machine over Envoy's `ProcessingRequest` and `ProcessingResponse` messages, booking through
+the core's `handle` as an HTTP client would (docs/GATEWAY.md).
+
+Feed each message to `receive`, hand the answer of a queued selection to `resolve`, send what
+`replies` yields, end the stream when `finished`, and call `close` once when the stream ends
+however it ends: it frees the booking if the response's end did not. The order of replies is
+the one Envoy demands under FULL_DUPLEX_STREAMED: nothing until the request body is whole, then
+the request headers' reply (the destination in the header and in `envoy.lb` metadata), then the
+body in pieces of at most 62,000 bytes; each response chunk echoed at once."""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Iterator, Mapping
+from typing import Any, Final
+from urllib.parse import quote, urlsplit
+
+from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    BodyMutation,
+    BodyResponse,
+    CommonResponse,
+    HeaderMutation,
+    HeadersResponse,
+    ImmediateResponse,
+    ProcessingRequest,
+    ProcessingResponse,
+    StreamedBodyResponse,
+    TrailersResponse,
+)
+from envoy.type.v3.http_status_pb2 import HttpStatus
+
+from ..core.responses import Pending
+from ..core.routes import MAX_BODY
+from ..core.service import SelectionService
+from ..core.wire import Response
+from .openai import ChatTokenizer, OpenAIError, error_body, parse_request
+
+__all__ = ["CHUNK_BYTES", "DESTINATION", "ExtProcStream"]
+
+DESTINATION: Final = "x-gateway-destination-endpoint"
+SUBSET_NAMESPACE: Final = "envoy.lb.subset_hint"
+SUBSET_KEY: Final = "x-gateway-destination-endpoint-subset"
+LB_NAMESPACE: Final = "envoy.lb"
+CHUNK_BYTES: Final = 62_000  # under the 64 KiB some Envoys allow per streamed chunk
+_JSON: Final = (("content-type", "application/json"),)
+_DEFAULT_PORTS: Final = {"http": 80, "https": 443, "grpc": 80}
+
+
+class ExtProcStream:
+    __slots__ = ("_service", "_tokenizers", "_max_body", "_headers", "_subset", "_body", "_body_done",
+                 "_buffered", "_response_buffered", "_headers_answered", "_out", "pending_ticket", "booking", "_prefilled",
+                 "finished", "destination")
+
+    def __init__(self, service: SelectionService, tokenizers: Mapping[str, ChatTokenizer] | None = None,
+                 max_body: int = MAX_BODY) -> None:
+        self._service = service
+        self._tokenizers = tokenizers or {}
+        self._max_body = max_body
+        self._headers: dict[str, str] = {}
+        self._subset: list[str] | None = None
+        self._body = bytearray()
+        self._body_done = False
+        self._buffered = False  # request_body_mode BUFFERED: headers answered at once
+        self._response_buffered = False
+        self._headers_answered = False
+        self._out: deque[ProcessingResponse] = deque()
+        self.pending_ticket: int | None = None  # a queued selection's ticket (its answer: `resolve`)
+        self.booking: tuple[str, str, str] | None = None  # reservation id, model, tenant
+        self._prefilled = False
+        self.finished = False  # an immediate response was sent: end the stream
+        self.destination: str | None = None
+
+    def replies(self) -> Iterator[ProcessingResponse]:
+        while self._out:
+            yield self._out.popleft()
+
+    def receive(self, message: ProcessingRequest, now: float) -> None:
+        if self.finished:
+            return
+        if message.HasField("protocol_config"):
+            config = message.protocol_config
+            self._buffered = config.request_body_mode == ProcessingMode.BUFFERED
+            self._response_buffered = config.response_body_mode == ProcessingMode.BUFFERED
+        kind = message.WhichOneof("request")
+        if kind == "request_headers":
+            self._request_headers(message, now)
+        elif kind == "request_body":
+            if self._body_done:
+                return  # Envoy may deliver the last chunk twice (envoyproxy/envoy#46237)
+            self._body += message.request_body.body
+            if len(self._body) > self._max_body:
+                self._refuse(413, f"the request body exceeds {self._max_body} bytes")
+            elif message.request_body.end_of_stream:
+                self._route(now)
+        elif kind == "request_trailers":
+            if not self._body_done:
+                self._route(now)  # the body ended with trailers, not with end_of_stream
+            if not self.finished:
+                self._out.append(ProcessingResponse(request_trailers=TrailersResponse()))
+        elif kind == "response_headers":
+            self._out.append(ProcessingResponse(response_headers=HeadersResponse()))
+            if message.response_headers.end_of_stream:
+                self.close(now)
+        elif kind == "response_body":
+            self._response_body(message.response_body.body, message.response_body.end_of_stream, now)
+        elif kind == "response_trailers":
+            self._out.append(ProcessingResponse(response_trailers=TrailersResponse()))
+            self.close(now)
+
+    def _request_headers(self, message: ProcessingRequest, now: float) -> None:
+        for header in message.request_headers.headers.headers:
+            # Envoy sends values in `raw_value` (`value` stays empty), keys lower-cased.
+            self._headers[header.key.lower()] = header.raw_value.decode("utf-8", "replace") or header.value
+        hint = message.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
+        if hint is not None and SUBSET_KEY in hint.fields:
+            listed = hint.fields[SUBSET_KEY].list_value.values
+            self._subset = [v.string_value for v in listed]
+        if message.request_headers.end_of_stream:
+            self._body_done = True
+            self._route_bodyless()
+        elif self._buffered:
+            self._headers_answered = True
+            self._out.append(ProcessingResponse(request_headers=HeadersResponse()))
+
+    def _route(self, now: float) -> None:
+        self._body_done = True
+        try:
+            prompt = parse_request(bytes(self._body), self._tokenizers)
+            allowed = self._allowed(prompt.model)
+        except OpenAIError as exc:
+            self._refuse(exc.status, exc.message, exc.param)
+            return
+        request: dict[str, Any] = {"model_name": prompt.model, "token_ids": prompt.token_ids}
+        if allowed is not None:
+            request["allowed_worker_ids"] = allowed
+        answer = self._service.handle("POST", "/select_and_reserve", "", _JSON, json.dumps(request).encode(), now=now)
+        if isinstance(answer, Pending):
+            self.pending_ticket = answer.ticket
+        else:
+            self.resolve(answer, now)
+
+    def _allowed(self, model: str) -> list[int] | None:
+        """The model's workers the subset hint allows (None: no hint). Matched on the IP, as
+        the reference picker does; 404 for a model no worker serves, 503 for an empty subset."""
+        records = [r for r in self._service.catalog.values()
+                   if r.request.model_name == model and r.lifecycle != "unschedulable"]
+        if not records:
+            raise OpenAIError(404, f"The model `{model}` does not exist.", "model")
+        if self._subset is None:
+            return None
+        hosts = {entry.rsplit(":", 1)[0].strip("[]") for entry in self._subset}
+        allowed = sorted(r.worker_id for r in records
+                         if r.request.endpoint and _host_port(r.request.endpoint)[0] in hosts)
+        if not allowed:
+            raise OpenAIError(503, "no endpoint of the subset hint serves this model")
+        return allowed
+
+    def resolve(self, response: Response, now: float) -> None:
+        """The answer of `/select_and_reserve` (at once, or of the queued `pending_ticket`)."""
+        self.pending_ticket = None
+        if self.finished:
+            return
+        if response.status != 200:
+            message = json.loads(response.body).get("error", "selection failed")
+            self._refuse(response.status if response.status in (400, 404, 413, 429, 503) else 500, message)
+            return
+        answer = json.loads(response.body)
+        self.booking = (answer["reservation_id"], answer["model_name"], answer["tenant_id"])
+        self._send_destination(answer["endpoint"])
+        if self._buffered:
+            return  # the body goes on unchanged: the destination rode on its reply
+        body = bytes(self._body)
+        for start in range(0, max(len(body), 1), CHUNK_BYTES):
+            piece = body[start:start + CHUNK_BYTES]
+            last = start + CHUNK_BYTES >= len(body)
+            self._out.append(ProcessingResponse(request_body=BodyResponse(response=CommonResponse(
+                body_mutation=BodyMutation(streamed_response=StreamedBodyResponse(body=piece, end_of_stream=last))))))
+        self._body = bytearray()
+
+    def _route_bodyless(self) -> None:
+        """A request without a body (`GET /v1/models`): any schedulable worker, nothing booked."""
+        endpoints = sorted({r.request.endpoint for r in self._service.catalog.values()
+                            if r.lifecycle == "schedulable" and r.request.endpoint})
+        if self._subset is not None:
+            hosts = {entry.rsplit(":", 1)[0].strip("[]") for entry in self._subset}
+            endpoints = [e for e in endpoints if _host_port(e)[0] in hosts]
+        if not endpoints:
+            self._refuse(503, "no endpoints available to route work")
+            return
+        self._send_destination(self._service.rng.choice(endpoints))
+
+    def _send_destination(self, endpoint: str) -> None:
+        host, port = _host_port(endpoint)
+        self.destination = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        mutation = HeaderMutation(set_headers=[HeaderValueOption(header=HeaderValue(
+            key=DESTINATION, raw_value=self.destination.encode()))])
+        if not self._buffered and self._body:
+            mutation.set_headers.append(HeaderValueOption(header=HeaderValue(
+                key="content-length", raw_value=str(len(self._body)).encode())))
+        common = CommonResponse(header_mutation=mutation, clear_route_cache=True)
+        reply = ProcessingResponse(request_body=BodyResponse(response=common)) if self._headers_answered \
+            else ProcessingResponse(request_headers=HeadersResponse(response=common))
+        self._headers_answered = True
+        reply.dynamic_metadata.update({LB_NAMESPACE: {DESTINATION: self.destination}})
+        self._out.append(reply)
+
+    def _response_body(self, chunk: bytes, end: bool, now: float) -> None:
+        if self.booking is not None and not self._prefilled and (chunk or end):
+            self._prefilled = True  # the first bytes of the answer: the prompt is prefilled
+            rid, model, tenant = self.booking
+            self._service.handle("POST", f"/reservations/{quote(rid, safe='')}/prefill_complete",
+                                 _query(model, tenant), (), b"", now=now)
+        if self._response_buffered:
+            self._out.append(ProcessingResponse(response_body=BodyResponse()))
+        else:
+            for start in range(0, max(len(chunk), 1), CHUNK_BYTES):
+                piece = chunk[start:start + CHUNK_BYTES]
+                self._out.append(ProcessingResponse(response_body=BodyResponse(response=CommonResponse(
+                    body_mutation=BodyMutation(streamed_response=StreamedBodyResponse(
+                        body=piece, end_of_stream=end and start + CHUNK_BYTES >= len(chunk)))))))
+        if end:
+            self.close(now)
+
+    def _refuse(self, status: int, message: str, param: str | None = None) -> None:
+        """An immediate response in OpenAI's error shape; the stream ends after it."""
+        self._out.append(ProcessingResponse(immediate_response=ImmediateResponse(
+            status=HttpStatus(code=status),
+            headers=HeaderMutation(set_headers=[HeaderValueOption(header=HeaderValue(
+                key="content-type", raw_value=b"application/json"))]),
+            body=error_body(status, message, param), details=f"selection_proto_{status}")))
+        self.finished = True
+
+    def close(self, now: float) -> None:
+        """The booking freed (once), or a queued selection given up. Idempotent."""
+        if self.pending_ticket is not None:
+            self._service.cancel(self.pending_ticket, now=now)
+            self.pending_ticket = None
+        if self.booking is not None:
+            rid, model, tenant = self.booking
+            self.booking = None
+            self._service.handle("DELETE", f"/reservations/{quote(rid, safe='')}", _query(model, tenant), (), b"", now=now)
+
+
+def _query(model: str, tenant: str) -> str:
+    return f"model_name={quote(model, safe='')}&tenant_id={quote(tenant, safe='')}"
+
+
+def _host_port(endpoint: str) -> tuple[str, int]:
+    """A worker endpoint's host and port (`http://10.0.0.1:8000/v1` -> ("10.0.0.1", 8000)); a
+    bare `host:port` is read as such; without a port, the scheme's."""
+    parts = urlsplit(endpoint if "://" in endpoint else f"http://{endpoint}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    return parts.hostname or "", port or _DEFAULT_PORTS.get(parts.scheme, 80)

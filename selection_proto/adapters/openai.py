@@ -1,0 +1,158 @@
+"""OpenAI request bodies as the router sees them: the model, and the prompt as token ids (given by
+the client, tokenized with the model's own tokenizer and chat template, or, with neither, the
+text's own "text tokens"); and errors in OpenAI's shape. Pure: files are read by the caller.
+
+Text tokens (docs/GATEWAY.md): the UTF-8 bytes of the prompt, four to a token (little-endian,
+the last padded with zero bytes). Two prompts sharing a prefix share their leading blocks, so
+`--kv-events approximate` routes them together; they never match an engine's KV events."""
+
+from __future__ import annotations
+
+import json
+from array import array
+from collections.abc import Mapping
+from typing import Any, Final
+
+__all__ = ["TEXT_TOKEN_BYTES", "ChatTokenizer", "OpenAIError", "RoutingPrompt", "error_body", "parse_request",
+           "text_tokens"]
+
+TEXT_TOKEN_BYTES: Final = 4
+_ERROR_TYPES: Final = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+                       429: "rate_limit_error", 503: "service_unavailable_error"}
+
+
+class OpenAIError(Exception):
+    """A request refused before it reaches an engine, with its HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def error_body(status: int, message: str, param: str | None = None) -> bytes:
+    """OpenAI's error object: `{"error": {"message", "type", "param", "code"}}`."""
+    return json.dumps({"error": {"message": message, "type": _ERROR_TYPES.get(status, "internal_error"),
+                                 "param": param, "code": status}}).encode()
+
+
+class RoutingPrompt:
+    """What a selection needs from one request: the model and the prompt's token ids; `exact`
+    when those are the engine's own tokens (given, or tokenized as the engine does)."""
+
+    __slots__ = ("model", "token_ids", "exact")
+
+    def __init__(self, model: str, token_ids: list[int], exact: bool) -> None:
+        self.model, self.token_ids, self.exact = model, token_ids, exact
+
+
+def text_tokens(text: str) -> list[int]:
+    """The text's UTF-8 bytes as u32 tokens, four bytes each (the module docstring)."""
+    data = text.encode("utf-8", "surrogatepass")
+    data += b"\0" * (-len(data) % TEXT_TOKEN_BYTES)
+    tokens = array("I")
+    tokens.frombytes(data)
+    if tokens.itemsize != TEXT_TOKEN_BYTES:  # pragma: no cover - no such platform in practice
+        raise RuntimeError("array('I') is not 32 bits wide on this platform")
+    return tokens.tolist()
+
+
+class ChatTokenizer:
+    """A model's tokenizer (the text of its `tokenizer.json`) and chat template (from its
+    `tokenizer_config.json`), applied as vLLM applies them: a completion's prompt with special
+    tokens added, a chat rendered by the template (Jinja2 in a sandbox, as transformers does) and
+    tokenized without adding them again."""
+
+    def __init__(self, tokenizer_json: str, config: Mapping[str, Any] | None = None) -> None:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from tokenizers import Tokenizer
+
+        self._tokenizer = Tokenizer.from_str(tokenizer_json)
+        config = config or {}
+        self._special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "unk_token",
+                                                                          "pad_token")}
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        self._template = None
+        if isinstance(template, str):
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_template_error
+            env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+            self._template = env.from_string(template)
+
+    def completion(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=True).ids)
+
+    def chat(self, messages: list[Any], body: Mapping[str, Any]) -> list[int]:
+        if self._template is None:
+            raise OpenAIError(400, "this model's tokenizer has no chat template", "messages")
+        kwargs = body.get("chat_template_kwargs")
+        try:
+            text = self._template.render(
+                messages=messages, tools=body.get("tools"), add_generation_prompt=body.get("add_generation_prompt", True),
+                **self._special, **(kwargs if isinstance(kwargs, dict) else {}))
+        except OpenAIError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a template error is the request's
+            raise OpenAIError(400, f"the chat template failed: {exc}", "messages") from None
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # {"content": "<s>", ...} in older configs
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _raise_template_error(message: str) -> None:
+    raise OpenAIError(400, f"the chat template refused the messages: {message}", "messages")
+
+
+def parse_request(body: bytes, tokenizers: Mapping[str, ChatTokenizer]) -> RoutingPrompt:
+    """The model and prompt of an OpenAI request body: `prompt` (text, token ids, or a batch of
+    either: its first is routed) for completions, `messages` for chats, `input` for embeddings;
+    none of them routes on load alone. Raises OpenAIError (400) for a body that is not that."""
+    try:
+        value = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise OpenAIError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise OpenAIError(400, "the request body must be a JSON object")
+    model = value.get("model")
+    if not isinstance(model, str) or not model:
+        raise OpenAIError(400, "model is required (a non-empty string)", "model")
+    tokenizer = tokenizers.get(model)
+    messages = value.get("messages")
+    if messages is not None:
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise OpenAIError(400, "messages must be an array of objects", "messages")
+        if tokenizer is not None:
+            return RoutingPrompt(model, tokenizer.chat(messages, value), True)
+        return RoutingPrompt(model, text_tokens(_chat_text(messages)), False)
+    prompt = value.get("prompt", value.get("input"))
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+        prompt = prompt[0]  # a batch: routed by its first prompt
+    if prompt is None or prompt == []:
+        return RoutingPrompt(model, [], True)
+    if isinstance(prompt, str):
+        if tokenizer is not None:
+            return RoutingPrompt(model, tokenizer.completion(prompt), True)
+        return RoutingPrompt(model, text_tokens(prompt), False)
+    if isinstance(prompt, list) and all(type(t) is int and 0 <= t < 1 << 32 for t in prompt):
+        return RoutingPrompt(model, prompt, True)
+    raise OpenAIError(400, "prompt must be a string, an array of token ids, or an array of either", "prompt")
+
+
+def _chat_text(messages: list[dict[str, Any]]) -> str:
+    """A chat as one canonical text, for text tokens: each message's role and content in order
+    (content parts that are not text as their JSON)."""
+    parts = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") if isinstance(p, dict) and p.get("type") == "text"
+                              else json.dumps(p, sort_keys=True) for p in content)
+        elif not isinstance(content, str):
+            content = "" if content is None else json.dumps(content, sort_keys=True)
+        parts.append(f"<|{message.get('role', '')}|>\n{content}\n")
+    return "".join(parts)

@@ -1,0 +1,129 @@
+"""The endpoint picker's gRPC server: Envoy's `ExternalProcessor` service and gRPC health, on
+grpc.aio in `serve`'s own asyncio event loop, so that it shares the HTTP API's service, queue and
+ledger (docs/GATEWAY.md). Each stream is an `adapters.ext_proc.ExtProcStream`; this module only
+moves its messages and waits for its queued selections."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Final
+
+import anyio
+import anyio.abc
+
+from .logs import log
+
+if TYPE_CHECKING:
+    from ..adapters.openai import ChatTokenizer
+    from .config import ExtProcOptions
+    from .server import _Server
+
+__all__ = ["SERVICE_NAME", "load_tokenizers", "serve_ext_proc"]
+
+SERVICE_NAME: Final = "envoy.service.ext_proc.v3.ExternalProcessor"
+HEALTH_NAMES: Final = ("", SERVICE_NAME, "liveness", "readiness")
+MAX_MESSAGE_BYTES: Final = 16 << 20  # a chunk is at most Envoy's buffer; room for a whole 8 MiB body
+STOP_GRACE_SECS: Final = 5.0
+
+
+def load_tokenizers(pairs: tuple[tuple[str, str], ...]) -> dict[str, ChatTokenizer]:
+    """`--tokenizer MODEL=PATH`: PATH is a `tokenizer.json` or the folder holding it (and its
+    `tokenizer_config.json`, whose `chat_template` is used). Raises RuntimeError with the reason."""
+    from ..adapters.openai import ChatTokenizer
+
+    out = {}
+    for model, path in pairs:
+        folder, name = (path, "tokenizer.json") if os.path.isdir(path) else os.path.split(path)
+        config: dict[str, Any] = {}
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as fh:
+                text = fh.read()
+            config_path = os.path.join(folder, "tokenizer_config.json")
+            if os.path.exists(config_path):
+                with open(config_path, encoding="utf-8") as fh:
+                    config = json.load(fh)
+            out[model] = ChatTokenizer(text, config)
+        except (OSError, ValueError, Exception) as exc:  # noqa: BLE001 - the tokenizers wheel raises its own
+            raise RuntimeError(f"--tokenizer {model}={path}: {exc}") from exc
+    return out
+
+
+async def serve_ext_proc(server: _Server, options: ExtProcOptions, tg: anyio.abc.TaskGroup) -> None:
+    """Serve until cancelled, then stop within STOP_GRACE_SECS."""
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as rpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    tokenizers = load_tokenizers(options.tokenizers)
+    grpc_server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                           ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                                           ("grpc.so_reuseport", 0)])
+    rpc.add_ExternalProcessorServicer_to_server(_Picker(server, tokenizers, tg), grpc_server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
+    for name in HEALTH_NAMES:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    host = f"[{options.host}]" if ":" in options.host else options.host
+    try:
+        port = grpc_server.add_insecure_port(f"{host}:{options.port}")
+    except RuntimeError as exc:
+        raise RuntimeError(f"cannot listen on {options.host}:{options.port} for ext_proc: {exc}") from exc
+    await grpc_server.start()
+    log("info", "ext_proc_listening", url=f"grpc://{host}:{port}", tokenizers=sorted(tokenizers))
+    try:
+        await anyio.sleep_forever()
+    finally:
+        with anyio.CancelScope(shield=True):
+            for name in HEALTH_NAMES:
+                await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await grpc_server.stop(STOP_GRACE_SECS)
+
+
+class _Picker:
+    """The `ExternalProcessor` servicer: one `ExtProcStream` per gRPC stream."""
+
+    def __init__(self, server: _Server, tokenizers: Mapping[str, ChatTokenizer], tg: anyio.abc.TaskGroup) -> None:
+        self.server = server
+        self.tokenizers = tokenizers
+        self.tg = tg
+        self.streams = 0
+
+    async def Process(self, request_iterator: Any, context: Any) -> None:  # noqa: N802 - gRPC's name
+        import grpc
+
+        from ..adapters.ext_proc import ExtProcStream
+
+        server = self.server
+        stream = ExtProcStream(server.service, self.tokenizers)
+        self.streams += 1
+        try:
+            while (message := await context.read()) is not grpc.aio.EOF:
+                stream.receive(message, server.clock())
+                if stream.pending_ticket is not None:
+                    await self._wait(stream)
+                for reply in stream.replies():
+                    await context.write(reply)
+                await server.pump()
+                if stream.finished:
+                    return
+        finally:
+            self.streams -= 1
+            if stream.pending_ticket is not None:
+                server.resolvers.pop(stream.pending_ticket, None)
+            stream.close(server.clock())  # frees the booking if the response's end did not
+            self.tg.start_soon(server.pump)  # not awaited: this task may be cancelled
+
+    async def _wait(self, stream: Any) -> None:
+        """Until the queued selection is answered (`_Server._deliver` calls the resolver)."""
+        answered = anyio.Event()
+        ticket = stream.pending_ticket
+
+        def resolve(response: Any) -> None:
+            stream.resolve(response, self.server.clock())
+            answered.set()
+
+        self.server.resolvers[ticket] = resolve
+        await self.server.pump()
+        await answered.wait()
