@@ -145,9 +145,9 @@ class ExtProcStream:
 
     def _allowed(self, model: str) -> list[int] | None:
         """The model's workers the subset hint allows (None: no hint). Matched on the IP, as
-        the reference picker does; 404 for a model no worker serves, 503 for an empty subset."""
-        records = [r for r in self._service.catalog.values()
-                   if r.request.model_name == model and r.lifecycle != "unschedulable"]
+        the reference picker does; 404 for a model no worker ever served (deleted ones count:
+        their model is unavailable, 503 from the core), 503 for an empty subset."""
+        records = [r for r in self._service.catalog.values() if r.request.model_name == model]
         if not records:
             raise OpenAIError(404, f"The model `{model}` does not exist.", "model")
         if self._subset is None:

@@ -1,0 +1,119 @@
+"""The endpoint picker behind a real Envoy (issue 26): Envoy's ext_proc filter in FULL_DUPLEX_STREAMED
+mode both ways with trailers SEND asks our `serve --ext-proc-port` where each OpenAI request goes,
+and an ORIGINAL_DST cluster sends it to that engine (tests/gateway.py has the parts)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from gateway import Gateway
+
+
+@pytest.fixture(scope="module")
+def gateway() -> Iterator[Gateway]:
+    gw = Gateway()
+    try:
+        yield gw
+    finally:
+        gw.stop()
+
+
+def assert_serving(gw: Gateway) -> None:
+    """Envoy and the picker both alive, a request routed and answered, nothing left booked."""
+    assert gw.envoy.poll() is None and gw.server.proc.poll() is None
+    status, _, body = gw.request("/v1/completions", {"model": "m", "prompt": [7, 7, 7, 7, 7]})
+    assert status == 200, body
+    assert gw.wait_idle() == 0
+
+
+def test_a_streamed_completion_of_token_ids_reaches_the_picked_engine_whole(gateway: Gateway) -> None:
+    seen = [len(e.requests) for e in gateway.engines]
+    events = list(gateway.stream_events({"model": "m", "prompt": list(range(100, 140)), "stream": True}))
+    assert events[-1] == b"data: [DONE]" and len(events) == 5
+    ports = {json.loads(e[len(b"data: "):])["port"] for e in events[:-1]}
+    assert len(ports) == 1  # one engine streamed all of it
+    engine = gateway.engine_of(str(ports.pop()))
+    assert [len(e.requests) - n for e, n in zip(gateway.engines, seen)] == [int(i == engine) for i in range(2)]
+    path, headers, body = gateway.engines[engine].requests[-1]
+    assert path == "/v1/completions" and json.loads(body)["prompt"] == list(range(100, 140))
+    assert headers["x-gateway-destination-endpoint"] == f"127.0.0.1:{gateway.engines[engine].port}"
+    assert gateway.wait_idle() == 0  # the booking ended with the stream
+
+
+def test_requests_sharing_a_prefix_land_on_one_engine(gateway: Gateway) -> None:
+    prefix = list(range(1000, 1064))
+    first = gateway.request("/v1/completions", {"model": "m", "prompt": prefix + [1]})
+    assert first[0] == 200
+    engine = gateway.engine_of(str(json.loads(first[2])["port"]))
+    for tail in range(2, 8):
+        status, _, body = gateway.request("/v1/completions", {"model": "m", "prompt": prefix + [tail]})
+        assert status == 200 and gateway.engine_of(str(json.loads(body)["port"])) == engine
+    # A text prompt without a tokenizer is routed on its text tokens, the same way.
+    text = "You are a helpful assistant. " * 20
+    first = gateway.request("/v1/completions", {"model": "m", "prompt": text + "first"})
+    engine = gateway.engine_of(str(json.loads(first[2])["port"]))
+    for tail in ("second", "third", "fourth"):
+        status, _, body = gateway.request("/v1/completions", {"model": "m", "prompt": text + tail})
+        assert status == 200 and gateway.engine_of(str(json.loads(body)["port"])) == engine
+    assert gateway.wait_idle() == 0
+
+
+def test_bad_bodies_and_unknown_models_get_openai_errors_and_the_next_request_is_served(gateway: Gateway) -> None:
+    status, headers, body = gateway.request("/v1/completions", b'{"model": "m", "prompt": [1, 2')
+    assert status == 400 and headers["content-type"] == "application/json"
+    assert json.loads(body)["error"]["type"] == "invalid_request_error"
+    status, _, body = gateway.request("/v1/completions", {"model": "nope", "prompt": [1, 2, 3]})
+    assert status == 404 and json.loads(body)["error"]["param"] == "model"
+    status, _, body = gateway.request("/v1/chat/completions", {"model": "m", "messages": "hi"})
+    assert status == 400 and "messages" in json.loads(body)["error"]["message"]
+    assert_serving(gateway)
+
+
+def slow_engines(gw: Gateway, delay: float) -> None:
+    for engine in gw.engines:
+        engine.delay = delay
+
+
+def test_sse_events_are_echoed_as_they_come_not_buffered(gateway: Gateway) -> None:
+    slow_engines(gateway, 0.4)
+    try:
+        started = time.monotonic()
+        arrivals = [time.monotonic() - started for _ in gateway.stream_events(
+            {"model": "m", "prompt": list(range(30)), "stream": True})]
+    finally:
+        slow_engines(gateway, 0.02)
+    assert len(arrivals) == 5 and arrivals[0] < 0.35 and arrivals[-1] > 1.5, arrivals
+    assert gateway.wait_idle() == 0
+
+
+def test_a_client_leaving_mid_stream_frees_its_booking(gateway: Gateway) -> None:
+    slow_engines(gateway, 2.0)  # the stream would end on its own only after 8 s
+    try:
+        with socket.create_connection(("127.0.0.1", gateway.port), timeout=10) as sock:
+            body = json.dumps({"model": "m", "prompt": list(range(50)), "stream": True}).encode()
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            received = b""
+            while b"data: " not in received:  # the stream has begun
+                received += sock.recv(65536)
+            assert gateway.active_requests() == 1
+        left = time.monotonic()
+        assert gateway.wait_idle(timeout=3) == 0  # freed when Envoy reset the stream
+        assert time.monotonic() - left < 2.0
+    finally:
+        slow_engines(gateway, 0.02)
+    assert_serving(gateway)
+
+
+def test_large_bodies_pass_whole_in_pieces_under_64_kib(gateway: Gateway) -> None:
+    prompt = list(range(150_000))  # about 1 MB of JSON: Envoy's duplicate end-of-stream zone
+    status, _, body = gateway.request("/v1/completions", {"model": "m", "prompt": prompt})
+    assert status == 200
+    engine = gateway.engines[gateway.engine_of(str(json.loads(body)["port"]))]
+    assert json.loads(engine.requests[-1][2])["prompt"] == prompt
+    assert gateway.wait_idle() == 0
