@@ -44,9 +44,9 @@ class Engine:
     """A fake OpenAI engine: `POST /v1/completions` and `/v1/chat/completions` answer JSON, or SSE
     in `chunks` events `delay` seconds apart when the body says `"stream": true`."""
 
-    def __init__(self, chunks: int = 4, delay: float = 0.02) -> None:
+    def __init__(self, chunks: int = 4, delay: float = 0.02, first_delay: float = 0.0, host: str = "127.0.0.1") -> None:
         self.requests: list[tuple[str, dict[str, str], bytes]] = []
-        self.chunks, self.delay = chunks, delay
+        self.chunks, self.delay, self.first_delay = chunks, delay, first_delay
         self.streams_done = 0
         engine = self
 
@@ -67,6 +67,7 @@ class Engine:
                 if not request.get("stream"):
                     self._send(200, json.dumps({"object": "text_completion", "port": engine.port}).encode())
                     return
+                time.sleep(engine.first_delay)  # the prefill
                 self.send_response(200)
                 self.send_header("content-type", "text/event-stream")
                 self.send_header("transfer-encoding", "chunked")
@@ -103,7 +104,8 @@ class Engine:
                 self.end_headers()
                 self.wfile.write(body)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = ThreadingHTTPServer((host, 0), Handler)
+        self.host = host
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
@@ -117,18 +119,21 @@ class Gateway:
     """Our picker (`serve --ext-proc-port`), two engines registered with it, and Envoy in front."""
 
     def __init__(self, *serve_args: str, engines: int = 2, block_size: int = 4, chunks: int = 4,
-                 delay: float = 0.02) -> None:
-        self.server = Server("--ext-proc-port", "0", *serve_args, mode="approximate")
+                 delay: float = 0.02, first_delay: float = 0.0, mode: str = "approximate",
+                 worker: dict[str, Any] | None = None, body_mode: str = "FULL_DUPLEX_STREAMED",
+                 subset: list[str] | None = None) -> None:
+        self.server = Server("--ext-proc-port", "0", *serve_args, mode=mode)
         deadline = time.monotonic() + 30
         while not any('"ext_proc_listening"' in line for line in self.server.logs):
             assert time.monotonic() < deadline, "".join(self.server.logs)
             time.sleep(0.05)
         record = next(json.loads(line) for line in self.server.logs if '"ext_proc_listening"' in line)
         self.ext_proc_port = int(record["url"].rsplit(":", 1)[1])
-        self.engines = [Engine(chunks, delay) for _ in range(engines)]
+        # Each engine on its own loopback address, as pods have theirs (the subset hint matches IPs).
+        self.engines = [Engine(chunks, delay, first_delay, f"127.0.0.{2 + i}") for i in range(engines)]
         for wid, engine in enumerate(self.engines, 1):
             status, _ = self.api("POST", "/workers", {"worker_id": wid, "model_name": "m", "block_size": block_size,
-                                                      "endpoint": f"http://127.0.0.1:{engine.port}"})
+                                                      "endpoint": f"http://{engine.host}:{engine.port}", **(worker or {})})
             assert status == 201
         self.port, admin = free_port(), free_port()
         with open(ENVOY_YAML) as fh:
@@ -141,6 +146,15 @@ class Gateway:
         picker["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"][
             "socket_address"]["port_value"] = self.ext_proc_port
         config["admin"]["address"]["socket_address"]["port_value"] = admin
+        manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        ext_proc = manager["http_filters"][0]["typed_config"]
+        ext_proc["processing_mode"]["request_body_mode"] = body_mode
+        if subset is not None:  # a filter before the picker sets the hint, as a gateway would
+            manager["http_filters"].insert(0, {"name": "envoy.filters.http.set_metadata", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config",
+                "metadata": [{"metadata_namespace": "envoy.lb.subset_hint", "allow_overwrite": True,
+                              "value": {"x-gateway-destination-endpoint-subset": subset}}]}})
+            ext_proc["metadata_options"] = {"forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint"]}}
         self.folder = tempfile.mkdtemp()
         path = os.path.join(self.folder, "envoy.yaml")
         with open(path, "w") as fh:

@@ -41,7 +41,8 @@ def test_a_streamed_completion_of_token_ids_reaches_the_picked_engine_whole(gate
     assert [len(e.requests) - n for e, n in zip(gateway.engines, seen)] == [int(i == engine) for i in range(2)]
     path, headers, body = gateway.engines[engine].requests[-1]
     assert path == "/v1/completions" and json.loads(body)["prompt"] == list(range(100, 140))
-    assert headers["x-gateway-destination-endpoint"] == f"127.0.0.1:{gateway.engines[engine].port}"
+    chosen = gateway.engines[engine]
+    assert headers["x-gateway-destination-endpoint"] == f"{chosen.host}:{chosen.port}"
     assert gateway.wait_idle() == 0  # the booking ended with the stream
 
 
@@ -117,3 +118,80 @@ def test_large_bodies_pass_whole_in_pieces_under_64_kib(gateway: Gateway) -> Non
     engine = gateway.engines[gateway.engine_of(str(json.loads(body)["port"]))]
     assert json.loads(engine.requests[-1][2])["prompt"] == prompt
     assert gateway.wait_idle() == 0
+
+
+def test_a_queued_selection_holds_the_request_until_a_rank_frees_and_a_full_queue_answers_429() -> None:
+    """Queueing on: both engines busy prefilling, a third request waits in the picker's queue (Envoy
+    waits for its header reply), a fourth finds the queue full; the third runs once a prefill ends."""
+    gw = Gateway("--queue-threshold", "0.5", "--queue-max-pending", "1", first_delay=1.0,
+                 worker={"max_num_batched_tokens": 16})
+    try:
+        results: dict[int, tuple[int, bytes]] = {}
+
+        def send(n: int) -> None:
+            status, _, body = gw.request("/v1/completions", {"model": "m", "prompt": [n] * 40, "stream": True})
+            results[n] = (status, body)
+
+        import threading
+
+        threads = [threading.Thread(target=send, args=(n,)) for n in (1, 2)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 5
+        while gw.active_requests() < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        queued = threading.Thread(target=send, args=(3,))
+        queued.start()
+        time.sleep(0.2)
+        status, _, body = gw.request("/v1/completions", {"model": "m", "prompt": [4] * 40})
+        assert status == 429 and "queue is full" in json.loads(body)["error"]["message"]
+        for thread in (*threads, queued):
+            thread.join(20)
+        assert [results[n][0] for n in (1, 2, 3)] == [200, 200, 200]
+        assert results[3][1].endswith(b"data: [DONE]\n\n")
+        assert gw.wait_idle() == 0
+        assert_serving(gw)
+    finally:
+        gw.stop()
+
+
+def test_the_subset_hint_limits_the_pick_and_a_model_without_workers_answers_503() -> None:
+    """A filter before the picker sets `envoy.lb.subset_hint` (forwarded by `metadata_options`):
+    every request lands on the one engine it lists, whatever its prefix."""
+    gw = Gateway(subset=["127.0.0.3:1"])  # the second engine's IP (any port: matched on the IP, as the reference)
+    try:
+        ports = {json.loads(gw.request("/v1/completions", {"model": "m", "prompt": [n] * 40})[2])["port"]
+                 for n in range(12)}
+        assert ports == {gw.engines[1].port}
+        # A model whose workers were all deleted is known but unavailable: 503.
+        assert gw.api("POST", "/workers", {"worker_id": 9, "model_name": "gone", "block_size": 4,
+                                           "endpoint": "http://127.0.0.1:9"})[0] == 201
+        assert gw.api("DELETE", "/workers/9")[0] == 200
+        status, _, body = gw.request("/v1/completions", {"model": "gone", "prompt": [1, 2, 3, 4]})
+        assert status == 503 and json.loads(body)["error"]["type"] == "service_unavailable_error"
+        assert_serving(gw)
+    finally:
+        gw.stop()
+    other = Gateway(subset=["10.9.9.9:8000"])  # no engine of the pool is in the hint
+    try:
+        status, _, body = other.request("/v1/completions", {"model": "m", "prompt": [1, 2, 3, 4]})
+        assert status == 503 and "subset" in json.loads(body)["error"]["message"]
+    finally:
+        other.stop()
+
+
+def test_buffered_request_bodies_are_routed_too() -> None:
+    """`request_body_mode: BUFFERED` (what kgateway's older plugin generated): the headers are
+    answered at once, the destination rides on the body's reply."""
+    gw = Gateway(body_mode="BUFFERED")
+    try:
+        prefix = list(range(500, 564))
+        ports = {json.loads(gw.request("/v1/completions", {"model": "m", "prompt": prefix + [n]})[2])["port"]
+                 for n in range(5)}
+        assert len(ports) == 1
+        events = list(gw.stream_events({"model": "m", "prompt": prefix, "stream": True}))
+        assert events[-1] == b"data: [DONE]"
+        assert gw.wait_idle() == 0
+    finally:
+        gw.stop()
