@@ -17,7 +17,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import yaml
-
 from test_http import Server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

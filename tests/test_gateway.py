@@ -10,7 +10,6 @@ import time
 from collections.abc import Iterator
 
 import pytest
-
 from gateway import Gateway
 
 
@@ -38,7 +37,7 @@ def test_a_streamed_completion_of_token_ids_reaches_the_picked_engine_whole(gate
     ports = {json.loads(e[len(b"data: "):])["port"] for e in events[:-1]}
     assert len(ports) == 1  # one engine streamed all of it
     engine = gateway.engine_of(str(ports.pop()))
-    assert [len(e.requests) - n for e, n in zip(gateway.engines, seen)] == [int(i == engine) for i in range(2)]
+    assert [len(e.requests) - n for e, n in zip(gateway.engines, seen, strict=True)] == [int(i == engine) for i in range(2)]
     path, headers, body = gateway.engines[engine].requests[-1]
     assert path == "/v1/completions" and json.loads(body)["prompt"] == list(range(100, 140))
     chosen = gateway.engines[engine]

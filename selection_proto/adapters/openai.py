@@ -81,7 +81,13 @@ class ChatTokenizer:
             self._template = env.from_string(template)
 
     def completion(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=True).ids)
+        return self._encode(text, True)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        try:
+            return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        except Exception as exc:  # noqa: BLE001 - a lone surrogate, say: the request's fault
+            raise OpenAIError(400, f"the prompt cannot be tokenized: {exc}", "prompt") from None
 
     def chat(self, messages: list[Any], body: Mapping[str, Any]) -> list[int]:
         if self._template is None:
@@ -95,7 +101,7 @@ class ChatTokenizer:
             raise
         except Exception as exc:  # noqa: BLE001 - a template error is the request's
             raise OpenAIError(400, f"the chat template failed: {exc}", "messages") from None
-        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        return self._encode(text, False)
 
 
 def _token_text(value: Any) -> str | None:
@@ -114,8 +120,8 @@ def parse_request(body: bytes, tokenizers: Mapping[str, ChatTokenizer]) -> Routi
     none of them routes on load alone. Raises OpenAIError (400) for a body that is not that."""
     try:
         value = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise OpenAIError(400, f"the request body is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
+        raise OpenAIError(400, f"the request body is not valid JSON: {type(exc).__name__}: {exc}") from None
     if not isinstance(value, dict):
         raise OpenAIError(400, "the request body must be a JSON object")
     model = value.get("model")

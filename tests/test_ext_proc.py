@@ -1,0 +1,342 @@
+"""The endpoint picker's stream state machine (adapters/ext_proc.py) fed Envoy's messages directly,
+each rule of docs/GATEWAY.md and each trap of ../shared/notes/gateway.md one test; then the gRPC
+server itself over a real socket (cancellation, health) and the tokenizers (adapters/openai.py)."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    HttpBody,
+    HttpHeaders,
+    HttpTrailers,
+    ProcessingRequest,
+    ProcessingResponse,
+    ProtocolConfiguration,
+)
+
+from selection_proto.adapters.ext_proc import CHUNK_BYTES, DESTINATION, ExtProcStream
+from selection_proto.adapters.openai import ChatTokenizer, OpenAIError, parse_request, text_tokens
+from selection_proto.core.service import SelectionService
+from selection_proto.core.settings import Settings
+
+JSON = [("content-type", "application/json")]
+
+
+def fleet(**settings: Any) -> SelectionService:
+    service = SelectionService(Settings(kv_events="approximate", **settings), random.Random(3))
+    for wid in (1, 2):
+        worker = {"worker_id": wid, "model_name": "m", "block_size": 4, "endpoint": f"http://10.0.0.{wid}:8000"}
+        assert service.handle("POST", "/workers", "", JSON, json.dumps(worker).encode(), now=0.0).status == 201
+    return service
+
+
+def headers(path: str = "/v1/completions", end: bool = False, config: ProtocolConfiguration | None = None,
+            ) -> ProcessingRequest:
+    message = ProcessingRequest(request_headers=HttpHeaders(headers=HeaderMap(headers=[
+        HeaderValue(key=":path", raw_value=path.encode()), HeaderValue(key=":method", raw_value=b"POST")]),
+        end_of_stream=end))
+    if config is not None:
+        message.protocol_config.CopyFrom(config)
+    return message
+
+
+def body(data: bytes, end: bool = False) -> ProcessingRequest:
+    return ProcessingRequest(request_body=HttpBody(body=data, end_of_stream=end))
+
+
+def response_body(data: bytes, end: bool = False) -> ProcessingRequest:
+    return ProcessingRequest(response_body=HttpBody(body=data, end_of_stream=end))
+
+
+def run(stream: ExtProcStream, *messages: ProcessingRequest) -> list[ProcessingResponse]:
+    out: list[ProcessingResponse] = []
+    for message in messages:
+        stream.receive(message, 1.0)
+        out.extend(stream.replies())
+    return out
+
+
+def active(service: SelectionService) -> int:
+    return sum(load.requests for pool in service.pools.values() for load in pool.tracker.loads.values())
+
+
+def completion(prompt: Any, model: str = "m", **extra: Any) -> bytes:
+    return json.dumps({"model": model, "prompt": prompt, **extra}).encode()
+
+
+def test_nothing_is_answered_until_the_body_is_whole_then_headers_then_pieces_in_order() -> None:
+    service = fleet()
+    stream = ExtProcStream(service)
+    raw = completion(list(range(30_000)))  # ~180 KB: several pieces
+    assert run(stream, headers(), body(raw[:1000]), body(raw[1000:5000])) == []
+    replies = run(stream, body(raw[5000:], end=True))
+    kinds = [r.WhichOneof("response") for r in replies]
+    assert kinds[0] == "request_headers" and set(kinds[1:]) == {"request_body"}
+    mutation = replies[0].request_headers.response
+    assert mutation.clear_route_cache
+    set_headers = {h.header.key: h.header.raw_value for h in mutation.header_mutation.set_headers}
+    assert set_headers[DESTINATION] in (b"10.0.0.1:8000", b"10.0.0.2:8000") and not any(
+        h.header.value for h in mutation.header_mutation.set_headers)  # raw_value only (envoy#31555)
+    assert set_headers["content-length"] == str(len(raw)).encode()
+    lb = replies[0].dynamic_metadata.fields["envoy.lb"].struct_value.fields[DESTINATION].string_value
+    assert lb.encode() == set_headers[DESTINATION]
+    pieces = [r.request_body.response.body_mutation.streamed_response for r in replies[1:]]
+    assert all(0 < len(p.body) <= CHUNK_BYTES for p in pieces) and b"".join(p.body for p in pieces) == raw
+    assert [p.end_of_stream for p in pieces] == [False] * (len(pieces) - 1) + [True]
+    assert active(service) == 1
+
+
+def test_a_duplicate_end_of_stream_is_ignored() -> None:
+    """Envoy 1.35+ may deliver the final body chunk twice for bodies near 1 MB (envoy#46237)."""
+    service = fleet()
+    stream = ExtProcStream(service)
+    raw = completion([1, 2, 3, 4, 5])
+    first = run(stream, headers(), body(raw, end=True))
+    assert len(first) == 2 and run(stream, body(raw, end=True)) == [] and active(service) == 1
+
+
+def test_the_response_is_echoed_at_once_prefill_marked_by_the_first_chunk_and_freed_once() -> None:
+    service = fleet()
+    stream = ExtProcStream(service)
+    run(stream, headers(), body(completion(list(range(40))), end=True))
+    (rid, _, _), = [stream.booking]  # type: ignore[misc]
+    pool = next(iter(service.pools.values()))
+    assert run(stream, ProcessingRequest(response_headers=HttpHeaders()))[0].HasField("response_headers")
+    assert not pool.tracker.bookings[rid].prefill_done
+    echoed = run(stream, response_body(b"data: 1\n\n"))
+    assert echoed[0].response_body.response.body_mutation.streamed_response.body == b"data: 1\n\n"
+    assert pool.tracker.bookings[rid].prefill_done and active(service) == 1
+    big = b"x" * (CHUNK_BYTES * 2 + 5)  # a response chunk larger than Envoy allows back: cut
+    assert [len(r.response_body.response.body_mutation.streamed_response.body)
+            for r in run(stream, response_body(big))] == [CHUNK_BYTES, CHUNK_BYTES, 5]
+    last = run(stream, response_body(b"data: [DONE]\n\n", end=True))
+    assert last[-1].response_body.response.body_mutation.streamed_response.end_of_stream
+    assert active(service) == 0
+    stream.close(2.0)  # the gRPC stream's own end afterwards frees nothing more
+    run(stream, ProcessingRequest(response_trailers=HttpTrailers()))
+    assert active(service) == 0 and "selection_proto_internal_errors_total{" not in service.metrics_text(now=2.0)
+
+
+def test_response_trailers_and_a_cancelled_stream_each_free_the_booking() -> None:
+    service = fleet()
+    ended = ExtProcStream(service)
+    run(ended, headers(), body(completion([1] * 8), end=True))
+    replies = run(ended, ProcessingRequest(response_headers=HttpHeaders()), response_body(b"{}"),
+                  ProcessingRequest(response_trailers=HttpTrailers()))
+    assert replies[-1].HasField("response_trailers") and active(service) == 0
+    cancelled = ExtProcStream(service)
+    run(cancelled, headers(), body(completion([2] * 8), end=True))
+    assert active(service) == 1
+    cancelled.close(2.0)
+    cancelled.close(2.0)
+    assert active(service) == 0
+
+
+def test_a_body_ended_by_request_trailers_is_routed_and_the_trailers_answered() -> None:
+    service = fleet()
+    stream = ExtProcStream(service)
+    replies = run(stream, headers(), body(completion([3] * 8)), ProcessingRequest(request_trailers=HttpTrailers()))
+    assert [r.WhichOneof("response") for r in replies] == ["request_headers", "request_body", "request_trailers"]
+
+
+@pytest.mark.parametrize(("raw", "status", "needle"), [
+    (b'{"model": "m", "prompt": [1, 2', 400, "not valid JSON"),
+    (b'[1, 2, 3]', 400, "JSON object"),
+    (b'{"prompt": [1, 2, 3]}', 400, "model is required"),
+    (b'{"model": "m", "prompt": [1, -2]}', 400, "prompt must be"),
+    (b'{"model": "m", "prompt": [1, 1e400]}', 400, "prompt must be"),
+    (b'{"model": "m", "prompt": [' + b"9" * 5000 + b"]}", 400, ""),
+    (b'{"model": "m", "prompt": "\\ud800 lone"}', 200, ""),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "\\udfff"}]}', 200, ""),
+    (b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, ""),
+    (b'{"model": "nope", "prompt": [1, 2, 3]}', 404, "does not exist"),
+    (b'{"model": "m", "prompt": [1, 2, 3], "extra": "' + b"a" * (9 << 20) + b'"}', 413, "exceeds"),
+])
+def test_hostile_bodies_get_an_immediate_openai_error_and_change_nothing(raw: bytes, status: int, needle: str) -> None:
+    service = fleet()
+    stream = ExtProcStream(service)
+    replies = run(stream, headers(), *[body(raw[i:i + 65536], end=i + 65536 >= len(raw))
+                                        for i in range(0, len(raw), 65536)])
+    if status == 200:
+        assert replies[0].HasField("request_headers") and active(service) == 1
+        return
+    assert len(replies) == 1 and stream.finished and active(service) == 0
+    immediate = replies[0].immediate_response
+    assert immediate.status.code == status
+    error = json.loads(immediate.body)["error"]
+    assert needle in error["message"] and error["code"] == status
+    assert {h.header.key: h.header.raw_value for h in immediate.headers.set_headers} == {
+        "content-type": b"application/json"}
+    assert run(stream, response_body(b"late", end=True)) == []  # nothing after the end
+
+
+def test_the_subset_hint_is_read_from_metadata_and_an_empty_one_answers_503() -> None:
+    service = fleet()
+    for hint, expected in ((["10.0.0.2:8000"], b"10.0.0.2:8000"), (["10.0.0.1:1"], b"10.0.0.1:8000"), ([], None)):
+        stream = ExtProcStream(service)
+        message = headers()
+        message.metadata_context.filter_metadata["envoy.lb.subset_hint"].update(
+            {"x-gateway-destination-endpoint-subset": hint})
+        replies = run(stream, message, body(completion([5] * 8), end=True))
+        if expected is None:
+            assert replies[0].immediate_response.status.code == 503
+        else:
+            set_headers = replies[0].request_headers.response.header_mutation.set_headers
+            assert set_headers[0].header.raw_value == expected
+        stream.close(2.0)
+
+
+def test_a_request_without_a_body_is_routed_at_once_and_books_nothing() -> None:
+    service = fleet()
+    stream = ExtProcStream(service)
+    replies = run(stream, headers("/v1/models", end=True))
+    assert replies[0].request_headers.response.header_mutation.set_headers[0].header.key == DESTINATION
+    assert active(service) == 0 and stream.booking is None
+
+
+def test_buffered_mode_answers_the_headers_at_once_and_routes_on_the_body_reply() -> None:
+    service = fleet()
+    stream = ExtProcStream(service)
+    config = ProtocolConfiguration(request_body_mode=ProcessingMode.BUFFERED,
+                                   response_body_mode=ProcessingMode.BUFFERED)
+    first = run(stream, headers(config=config))
+    assert first[0].HasField("request_headers") and not first[0].request_headers.response.HasField("header_mutation")
+    routed = run(stream, body(completion([6] * 8), end=True))
+    assert len(routed) == 1 and routed[0].request_body.response.header_mutation.set_headers[0].header.key == DESTINATION
+    assert not routed[0].request_body.response.HasField("body_mutation")
+    answered = run(stream, response_body(b"{}", end=True))
+    assert answered[0].HasField("response_body") and not answered[0].response_body.response.HasField("body_mutation")
+    assert active(service) == 0
+
+
+def test_a_queued_selection_waits_and_a_stream_ended_meanwhile_gives_it_up() -> None:
+    service = fleet(queue_threshold=0.5)
+    for wid in (1, 2):
+        patch = {"max_num_batched_tokens": 4}
+        assert service.handle("PATCH", f"/workers/{wid}", "", JSON, json.dumps(patch).encode(), now=0.0).status == 200
+    busy = [ExtProcStream(service) for _ in range(2)]
+    for n, stream in enumerate(busy):
+        run(stream, headers(), body(completion([n] * 40), end=True))
+    waiting = ExtProcStream(service)
+    assert run(waiting, headers(), body(completion([9] * 40), end=True)) == []
+    assert waiting.pending_ticket is not None
+    gone = ExtProcStream(service)
+    run(gone, headers(), body(completion([8] * 40), end=True))
+    gone.close(1.5)  # left while queued: its ticket is cancelled
+    busy[0].close(2.0)  # a rank frees: the first queued selection runs
+    ready = service.next_output()
+    while ready is not None and getattr(ready, "ticket", None) != waiting.pending_ticket:
+        ready = service.next_output()
+    assert ready is not None
+    waiting.resolve(ready.response, 2.0)  # type: ignore[attr-defined]
+    assert next(waiting.replies()).HasField("request_headers")
+    waiting.close(3.0)
+    busy[1].close(3.0)
+    assert active(service) == 0
+
+
+def test_text_tokens_share_their_leading_blocks() -> None:
+    a, b = text_tokens("hello world, this is shared" + "A"), text_tokens("hello world, this is shared" + "B")
+    assert a[:6] == b[:6] and a != b and text_tokens("") == [] and text_tokens("ab") == [ord("a") | ord("b") << 8]
+
+
+def small_tokenizer() -> tuple[str, dict[str, Any]]:
+    """A word-level tokenizer built here (nothing is fetched), with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "hello", "world", "how",
+                                         "are", "you", "?", ",", "\n"])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="removed")
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    config = {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template":
+              "{{ bos_token }}{% for m in messages %} <|{{ m['role'] }}|> {{ m['content'] }}{% endfor %}"
+              "{% if add_generation_prompt %} <|assistant|>{% endif %}"}
+    return tokenizer.to_str(), config
+
+
+def test_a_models_tokenizer_and_chat_template_give_the_engines_token_ids() -> None:
+    text, config = small_tokenizer()
+    tokenizers = {"m": ChatTokenizer(text, config)}
+    completion_prompt = parse_request(completion("hello world"), tokenizers)
+    assert completion_prompt.exact and completion_prompt.token_ids == [1, 5, 6]  # <s> added, as vLLM adds it
+    chat = parse_request(json.dumps({"model": "m", "messages": [{"role": "user", "content": "how are you ?"}]}).encode(),
+                         tokenizers)
+    assert chat.token_ids == [1, 3, 7, 8, 9, 10, 4]  # the template's <s>, not a second one
+    other = parse_request(completion("hello world", model="x"), tokenizers)
+    assert not other.exact and other.token_ids == text_tokens("hello world")
+    with pytest.raises(OpenAIError, match="cannot be tokenized"):
+        parse_request(b'{"model": "m", "prompt": "\\ud800"}', tokenizers)
+    with pytest.raises(OpenAIError, match="chat template"):
+        ChatTokenizer(text, {**config, "chat_template": "{{ raise_exception('no system role') }}"}).chat(
+            [{"role": "system", "content": "x"}], {})
+
+
+def test_tokenized_chats_route_to_the_engine_holding_their_blocks() -> None:
+    """With the model's tokenizer the picker hashes exactly what the engine reported in its KV
+    events (kv_events push), so a chat goes where its prefix is cached."""
+    from selection_proto.core.hashing import block_hashes
+
+    text, config = small_tokenizer()
+    tokenizer = ChatTokenizer(text, config)
+    service = SelectionService(Settings(kv_events="push"), random.Random(1))
+    for wid in (1, 2):
+        worker = {"worker_id": wid, "model_name": "m", "block_size": 2, "endpoint": f"http://10.0.0.{wid}:8000"}
+        service.handle("POST", "/workers", "", JSON, json.dumps(worker).encode(), now=0.0)
+    messages = [{"role": "user", "content": "hello world how are you ?"}]
+    tokens = tokenizer.chat(messages, {})
+    hashes = block_hashes(tokens, 2)
+    stored = [{"event_id": 1, "data": {"stored": {"parent_hash": None, "blocks": [
+        {"block_hash": h, "tokens_hash": h} for h in hashes]}}}]
+    assert service.handle("POST", "/kv_events", "worker_id=2", JSON, json.dumps(stored).encode(), now=0.0).status == 200
+    for _ in range(4):
+        stream = ExtProcStream(service, {"m": tokenizer})
+        replies = run(stream, headers("/v1/chat/completions"), body(json.dumps(
+            {"model": "m", "messages": messages}).encode(), end=True))
+        assert replies[0].request_headers.response.header_mutation.set_headers[0].header.raw_value == b"10.0.0.2:8000"
+        stream.close(2.0)
+
+
+def test_the_grpc_server_frees_a_cancelled_streams_booking_and_serves_health() -> None:
+    """Over a real socket: a client that cancels its Process call mid-response leaves nothing
+    booked; health answers SERVING for the names gateways probe."""
+    import queue
+    import time
+
+    import grpc
+    from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
+    from gateway import Gateway
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    gw = Gateway(engines=2)  # its Envoy is not used here: the picker is called directly
+    channel = grpc.insecure_channel(f"127.0.0.1:{gw.ext_proc_port}")
+    try:
+        health = health_pb2_grpc.HealthStub(channel)
+        for name in ("", "envoy.service.ext_proc.v3.ExternalProcessor", "liveness", "readiness"):
+            assert health.Check(health_pb2.HealthCheckRequest(service=name)).status == health_pb2.HealthCheckResponse.SERVING
+        outgoing: queue.Queue[ProcessingRequest | None] = queue.Queue()
+        for message in (headers(), body(completion(list(range(64))), end=True),
+                        ProcessingRequest(response_headers=HttpHeaders()), response_body(b"data: 1\n\n")):
+            outgoing.put(message)
+        call = ExternalProcessorStub(channel).Process(iter(outgoing.get, None))
+        replies = [next(call) for _ in range(4)]
+        assert replies[-1].response_body.response.body_mutation.streamed_response.body == b"data: 1\n\n"
+        assert gw.active_requests() == 1
+        call.cancel()  # the gateway's stream reset
+        assert gw.wait_idle(timeout=5) == 0
+        # An immediate response ends its stream; the next stream is served.
+        refused = list(ExternalProcessorStub(channel).Process(iter([headers(), body(b"{", end=True)])))
+        assert len(refused) == 1 and refused[0].immediate_response.status.code == 400
+        served = list(ExternalProcessorStub(channel).Process(iter([headers(), body(completion([1] * 8), end=True)])))
+        assert served[0].HasField("request_headers")
+        time.sleep(0.2)
+        assert gw.wait_idle() == 0  # the stream ended after its body: freed at the stream's end
+    finally:
+        channel.close()
+        gw.stop()
