@@ -398,4 +398,5 @@ def ext_proc_options(args: argparse.Namespace, env: Mapping[str, str], host: str
         from .transports.config import ExtProcOptions
     except ImportError as exc:
         raise UsageError(f"--ext-proc-port: {exc}; install selection-proto[gateway]") from None
-    return ExtProcOptions(port, transport_value(args, env, "ext_proc_host", None, str) or host, tuple(pairs))
+    return ExtProcOptions(port, transport_value(args, env, "ext_proc_host", None, str) or host, tuple(pairs),
+                          transport_value(args, env, "tls_cert", None, str), transport_value(args, env, "tls_key", None, str))

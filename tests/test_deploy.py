@@ -60,9 +60,10 @@ def test_the_manifests_agree_with_the_service() -> None:
     gets = {r.template for r in ROUTES if r.method == "GET"}
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz" and "/readyz" in gets
-    (port,) = container["ports"]
+    port, ext_proc = container["ports"]
     assert int(env["SELECTION_PROTO_PORT"]) == port["containerPort"]
-    assert by_kind["Service"]["spec"]["ports"][0]["targetPort"] == port["name"]
+    assert int(env["SELECTION_PROTO_EXT_PROC_PORT"]) == ext_proc["containerPort"]
+    assert [p["targetPort"] for p in by_kind["Service"]["spec"]["ports"]] == [port["name"], ext_proc["name"]]
     assert container["readinessProbe"]["httpGet"]["port"] == port["name"]
     # The snapshot lives on the claimed volume; the image's user owns it.
     (mount,) = container["volumeMounts"]
@@ -78,6 +79,24 @@ def test_the_manifests_agree_with_the_service() -> None:
                            capture_output=True, text=True, timeout=60, env={**os.environ, **env})
     assert shown.returncode == 0, shown.stderr
     assert "drain_delay_secs = 5.0  # SELECTION_PROTO_DRAIN_DELAY_SECS" in shown.stdout
+
+
+def test_the_gateway_example_points_at_the_picker() -> None:
+    """deploy/kubernetes/gateway.yaml: the HTTPRoute sends to the InferencePool, whose endpoint
+    picker is selection-proto's Service on its ext_proc port."""
+    service = next(d for d in yaml.safe_load_all(MANIFEST.read_text()) if d["kind"] == "Service")
+    by_kind = {d["kind"]: d for d in yaml.safe_load_all((MANIFEST.parent / "gateway.yaml").read_text())}
+    assert set(by_kind) == {"InferencePool", "Gateway", "HTTPRoute"}
+    pool = by_kind["InferencePool"]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    picker = pool["spec"]["endpointPickerRef"]
+    assert picker["name"] == service["metadata"]["name"]
+    ext_proc = next(p for p in service["spec"]["ports"] if p["name"] == "ext-proc")
+    assert picker["port"]["number"] == ext_proc["port"] and ext_proc["appProtocol"] == "kubernetes.io/h2c"
+    (rule,) = by_kind["HTTPRoute"]["spec"]["rules"]
+    assert rule["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                                    "name": pool["metadata"]["name"]}]
+    assert by_kind["HTTPRoute"]["spec"]["parentRefs"][0]["name"] == by_kind["Gateway"]["metadata"]["name"]
 
 
 def _free_port() -> int:

@@ -340,3 +340,48 @@ def test_the_grpc_server_frees_a_cancelled_streams_booking_and_serves_health() -
     finally:
         channel.close()
         gw.stop()
+
+
+@pytest.mark.parametrize(("endpoint", "destination"), [
+    ("http://10.1.2.3:8000/v1", b"10.1.2.3:8000"), ("10.1.2.3:9", b"10.1.2.3:9"), ("https://10.1.2.3", b"10.1.2.3:443"),
+    ("http://localhost:8001", b"127.0.0.1:8001"), ("http://[fd00::1]:8000", b"[fd00::1]:8000"),
+])
+def test_the_destination_is_the_workers_endpoint_as_ip_and_port(endpoint: str, destination: bytes) -> None:
+    service = SelectionService(Settings(kv_events="approximate"), random.Random(3))
+    worker = {"worker_id": 1, "model_name": "m", "block_size": 4, "endpoint": endpoint}
+    assert service.handle("POST", "/workers", "", JSON, json.dumps(worker).encode(), now=0.0).status == 201
+    stream = ExtProcStream(service)
+    replies = run(stream, headers(), body(completion([1] * 8), end=True))
+    assert replies[0].request_headers.response.header_mutation.set_headers[0].header.raw_value == destination
+
+
+def test_with_tls_flags_the_picker_serves_grpc_over_tls(tmp_path: Any) -> None:
+    """`--tls-cert/--tls-key` secure the ext_proc port too, as the gateways' generated configs
+    expect (TLS with ALPN h2, certificate not verified by them; verified here)."""
+    import time
+
+    import grpc
+    import trustme
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from test_http import Server
+
+    authority = trustme.CA()
+    certificate = authority.issue_cert("127.0.0.1")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    certificate.cert_chain_pems[0].write_to_path(str(cert))
+    certificate.private_key_pem.write_to_path(str(key))
+    server = Server("--tls-cert", str(cert), "--tls-key", str(key), "--ext-proc-port", "0")
+    try:
+        deadline = time.monotonic() + 20
+        while not (lines := [line for line in server.logs if '"ext_proc_listening"' in line]):
+            assert time.monotonic() < deadline, "".join(server.logs)
+            time.sleep(0.05)
+        url = json.loads(lines[0])["url"]
+        assert url.startswith("grpcs://127.0.0.1:")
+        credentials = grpc.ssl_channel_credentials(authority.cert_pem.bytes())
+        with grpc.secure_channel(url[len("grpcs://"):], credentials) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        server.stop()

@@ -257,4 +257,6 @@ def _host_port(endpoint: str) -> tuple[str, int]:
         port = parts.port
     except ValueError:
         port = None
-    return parts.hostname or "", port or _DEFAULT_PORTS.get(parts.scheme, 80)
+    host = parts.hostname or ""
+    # Envoy's ORIGINAL_DST cluster takes an IP; `localhost` is the one name known without DNS.
+    return "127.0.0.1" if host == "localhost" else host, port or _DEFAULT_PORTS.get(parts.scheme, 80)

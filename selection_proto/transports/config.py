@@ -56,3 +56,5 @@ class ExtProcOptions:
     port: int
     host: str = "127.0.0.1"
     tokenizers: tuple[tuple[str, str], ...] = ()  # (model, path of tokenizer.json or its folder)
+    tls_cert: str | None = None  # serve's --tls-cert and --tls-key: gRPC over TLS too (ALPN h2)
+    tls_key: str | None = None

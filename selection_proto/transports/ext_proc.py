@@ -67,11 +67,18 @@ async def serve_ext_proc(server: _Server, options: ExtProcOptions, tg: anyio.abc
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     host = f"[{options.host}]" if ":" in options.host else options.host
     try:
-        port = grpc_server.add_insecure_port(f"{host}:{options.port}")
-    except RuntimeError as exc:
+        address = f"{host}:{options.port}"
+        if options.tls_cert and options.tls_key:
+            with open(options.tls_key, "rb") as key, open(options.tls_cert, "rb") as chain:
+                credentials = grpc.ssl_server_credentials([(key.read(), chain.read())])
+            port = grpc_server.add_secure_port(address, credentials)
+        else:
+            port = grpc_server.add_insecure_port(address)
+    except (RuntimeError, OSError) as exc:
         raise RuntimeError(f"cannot listen on {options.host}:{options.port} for ext_proc: {exc}") from exc
     await grpc_server.start()
-    log("info", "ext_proc_listening", url=f"grpc://{host}:{port}", tokenizers=sorted(tokenizers))
+    scheme = "grpcs" if options.tls_cert and options.tls_key else "grpc"
+    log("info", "ext_proc_listening", url=f"{scheme}://{host}:{port}", tokenizers=sorted(tokenizers))
     try:
         await anyio.sleep_forever()
     finally:
