@@ -174,6 +174,7 @@ def test_hostile_bodies_get_an_immediate_openai_error_and_change_nothing(raw: by
     assert {h.header.key: h.header.raw_value for h in immediate.headers.set_headers} == {
         "content-type": b"application/json"}
     assert run(stream, response_body(b"late", end=True)) == []  # nothing after the end
+    assert f'selection_proto_ext_proc_streams_total{{outcome="{status}"}} 1' in service.metrics_text(now=2.0)
 
 
 def test_the_subset_hint_is_read_from_metadata_and_an_empty_one_answers_503() -> None:
@@ -363,7 +364,6 @@ def test_with_tls_flags_the_picker_serves_grpc_over_tls(tmp_path: Any) -> None:
     import grpc
     import trustme
     from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     from test_http import Server
 
     authority = trustme.CA()

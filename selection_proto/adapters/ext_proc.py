@@ -33,6 +33,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 )
 from envoy.type.v3.http_status_pb2 import HttpStatus
 
+from ..core.metrics import EXT_PROC_STREAMS
 from ..core.responses import Pending
 from ..core.routes import MAX_BODY
 from ..core.service import SelectionService
@@ -195,6 +196,7 @@ class ExtProcStream:
 
     def _send_destination(self, endpoint: str) -> None:
         host, port = _host_port(endpoint)
+        self._service.observe(EXT_PROC_STREAMS, ("routed",), 1.0)
         self.destination = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         mutation = HeaderMutation(set_headers=[HeaderValueOption(header=HeaderValue(
             key=DESTINATION, raw_value=self.destination.encode()))])
@@ -227,6 +229,7 @@ class ExtProcStream:
 
     def _refuse(self, status: int, message: str, param: str | None = None) -> None:
         """An immediate response in OpenAI's error shape; the stream ends after it."""
+        self._service.observe(EXT_PROC_STREAMS, (str(status),), 1.0)
         self._out.append(ProcessingResponse(immediate_response=ImmediateResponse(
             status=HttpStatus(code=status),
             headers=HeaderMutation(set_headers=[HeaderValueOption(header=HeaderValue(

@@ -10,6 +10,7 @@ from typing import Final
 
 __all__ = [
     "CONNECTIONS",
+    "EXT_PROC_STREAMS",
     "FAMILIES",
     "INTERNAL_ERRORS",
     "JSONRPC_MESSAGES",
@@ -53,6 +54,7 @@ PROCESS_CPU: Final = "process_cpu_seconds_total"
 PROCESS_FDS: Final = "process_open_fds"
 PROCESS_START: Final = "process_start_time_seconds"
 JSONRPC_MESSAGES: Final = "selection_proto_jsonrpc_messages_total"
+EXT_PROC_STREAMS: Final = "selection_proto_ext_proc_streams_total"
 SNAPSHOTS: Final = "selection_proto_snapshots_total"
 SNAPSHOT_LAST_SUCCESS: Final = "selection_proto_snapshot_last_success_timestamp_seconds"
 LEDGER_CONNECTED: Final = "selection_proto_ledger_connected"
@@ -139,6 +141,8 @@ FAMILIES: Final[Mapping[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]
     SUBSCRIPTION_FAILURES: ("counter", "Subscription failures.",
                                                        ("scheme", "reason"), ()),
     JSONRPC_MESSAGES: ("counter", "JSON-RPC messages.", ("outcome",), ()),
+    EXT_PROC_STREAMS: ("counter", "Envoy ext_proc streams by outcome: routed, or the status of the "
+                                  "immediate response that refused them.", ("outcome",), ()),
 }
 
 Labels = tuple[str, ...]
