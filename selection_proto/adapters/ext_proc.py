@@ -35,7 +35,7 @@ from envoy.type.v3.http_status_pb2 import HttpStatus
 
 from ..core.metrics import EXT_PROC_STREAMS
 from ..core.responses import Pending
-from ..core.routes import MAX_BODY
+from ..core.routes import MAX_BODY, ParsedBody
 from ..core.service import SelectionService
 from ..core.wire import Response
 from .openai import ChatTokenizer, OpenAIError, error_body, parse_request
@@ -138,7 +138,9 @@ class ExtProcStream:
         request: dict[str, Any] = {"model_name": prompt.model, "token_ids": prompt.token_ids}
         if allowed is not None:
             request["allowed_worker_ids"] = allowed
-        answer = self._service.handle("POST", "/select_and_reserve", "", _JSON, json.dumps(request).encode(), now=now)
+        # Handed over parsed, checked by the core as any `/select_and_reserve` body is.
+        parsed = ParsedBody(request, True, len(self._body), lambda: request)
+        answer = self._service.handle("POST", "/select_and_reserve", "", _JSON, parsed, now=now)
         if isinstance(answer, Pending):
             self.pending_ticket = answer.ticket
         else:
@@ -167,7 +169,8 @@ class ExtProcStream:
             return
         if response.status != 200:
             message = json.loads(response.body).get("error", "selection failed")
-            self._refuse(response.status if response.status in (400, 404, 413, 429, 503) else 500, message)
+            status = response.status  # the core's 409, 415 and 422 are the request's fault too: 400
+            self._refuse(status if status in (404, 413, 429, 503) else 400 if status < 500 else 500, message)
             return
         answer = json.loads(response.body)
         self.booking = (answer["reservation_id"], answer["model_name"], answer["tenant_id"])

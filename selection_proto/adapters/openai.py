@@ -36,8 +36,9 @@ def error_body(status: int, message: str, param: str | None = None) -> bytes:
 
 
 class RoutingPrompt:
-    """What a selection needs from one request: the model and the prompt's token ids; `exact`
-    when those are the engine's own tokens (given, or tokenized as the engine does)."""
+    """What a selection needs from one request: the model and the prompt's token ids (as the
+    client sent them: not yet checked to be u32); `exact` when those are the engine's own tokens
+    (given, or tokenized as the engine does)."""
 
     __slots__ = ("model", "token_ids", "exact")
 
@@ -144,8 +145,8 @@ def parse_request(body: bytes, tokenizers: Mapping[str, ChatTokenizer]) -> Routi
         if tokenizer is not None:
             return RoutingPrompt(model, tokenizer.completion(prompt), True)
         return RoutingPrompt(model, text_tokens(prompt), False)
-    if isinstance(prompt, list) and all(type(t) is int and 0 <= t < 1 << 32 for t in prompt):
-        return RoutingPrompt(model, prompt, True)
+    if isinstance(prompt, list):
+        return RoutingPrompt(model, prompt, True)  # the core checks each id as it checks `token_ids`
     raise OpenAIError(400, "prompt must be a string, an array of token ids, or an array of either", "prompt")
 
 
