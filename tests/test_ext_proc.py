@@ -179,6 +179,23 @@ def test_hostile_bodies_get_an_immediate_openai_error_and_change_nothing(raw: by
     assert f'selection_proto_ext_proc_streams_total{{outcome="{status}"}} 1' in service.metrics_text(now=2.0)
 
 
+def test_bodies_being_received_count_against_the_servers_buffer_budget() -> None:
+    from selection_proto.adapters.inflight import InFlight
+
+    service, budget = fleet(), InFlight(100_000)
+    stalled = ExtProcStream(service, in_flight=budget)
+    assert run(stalled, headers(), body(b"x" * 60_000)) == [] and budget.used == 60_000
+    refused = ExtProcStream(service, in_flight=budget)
+    replies = run(refused, headers(), body(b"y" * 50_000))
+    assert replies[0].immediate_response.status.code == 503 and budget.used == 60_000
+    whole = ExtProcStream(service, in_flight=budget)
+    run(whole, headers(), body(completion([1] * 8), end=True))
+    assert budget.used == 60_000 and active(service) == 1  # given back once the body was whole
+    stalled.close(2.0)
+    whole.close(2.0)
+    assert budget.used == 0 and active(service) == 0
+
+
 def test_the_subset_hint_is_read_from_metadata_and_an_empty_one_answers_503() -> None:
     service = fleet()
     for hint, expected in ((["10.0.0.2:8000"], b"10.0.0.2:8000"), (["10.0.0.1:1"], b"10.0.0.1:8000"), ([], None)):

@@ -71,6 +71,24 @@ def test_bad_bodies_and_unknown_models_get_openai_errors_and_the_next_request_is
     assert status == 404 and json.loads(body)["error"]["param"] == "model"
     status, _, body = gateway.request("/v1/chat/completions", {"model": "m", "messages": "hi"})
     assert status == 400 and "messages" in json.loads(body)["error"]["message"]
+    status, _, body = gateway.request("/v1/completions", b'{"model": "m", "prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}")
+    assert status == 400
+    assert_serving(gateway)
+
+
+def test_a_body_over_8_mib_is_refused_413_while_envoy_still_streams_it(gateway: Gateway) -> None:
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=10) as sock:
+        size = 9 << 20
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n" % size)
+        try:
+            sock.sendall(b'{"model": "m", "prompt": "' + b"a" * (size - 28) + b'"}')
+        except OSError:
+            pass  # Envoy answered and closed before taking it all
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += sock.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
     assert_serving(gateway)
 
 

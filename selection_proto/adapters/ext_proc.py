@@ -38,6 +38,7 @@ from ..core.responses import Pending
 from ..core.routes import MAX_BODY, ParsedBody
 from ..core.service import SelectionService
 from ..core.wire import Response
+from .inflight import InFlight
 from .openai import ChatTokenizer, OpenAIError, error_body, parse_request
 
 __all__ = ["CHUNK_BYTES", "DESTINATION", "ExtProcStream"]
@@ -52,15 +53,17 @@ _DEFAULT_PORTS: Final = {"http": 80, "https": 443, "grpc": 80}
 
 
 class ExtProcStream:
-    __slots__ = ("_service", "_tokenizers", "_max_body", "_headers", "_subset", "_body", "_body_done",
+    __slots__ = ("_service", "_tokenizers", "_max_body", "_in_flight", "_held", "_headers", "_subset", "_body", "_body_done",
                  "_buffered", "_response_buffered", "_headers_answered", "_out", "pending_ticket", "booking", "_prefilled",
                  "finished", "destination")
 
     def __init__(self, service: SelectionService, tokenizers: Mapping[str, ChatTokenizer] | None = None,
-                 max_body: int = MAX_BODY) -> None:
+                 max_body: int = MAX_BODY, in_flight: InFlight | None = None) -> None:
         self._service = service
         self._tokenizers = tokenizers or {}
         self._max_body = max_body
+        self._in_flight = in_flight  # the server's budget of bytes being received (`--max-buffer-bytes`)
+        self._held = 0
         self._headers: dict[str, str] = {}
         self._subset: list[str] | None = None
         self._body = bytearray()
@@ -92,10 +95,19 @@ class ExtProcStream:
         elif kind == "request_body":
             if self._body_done:
                 return  # Envoy may deliver the last chunk twice (envoyproxy/envoy#46237)
-            self._body += message.request_body.body
+            chunk = message.request_body.body
+            if self._in_flight is not None:
+                if not self._in_flight.take(len(chunk)):
+                    self._refuse(503, "the server's budget of bytes in flight is spent; retry later")
+                    self._release()
+                    return
+                self._held += len(chunk)
+            self._body += chunk
             if len(self._body) > self._max_body:
                 self._refuse(413, f"the request body exceeds {self._max_body} bytes")
+                self._release()
             elif message.request_body.end_of_stream:
+                self._release()
                 self._route(now)
         elif kind == "request_trailers":
             if not self._body_done:
@@ -240,8 +252,16 @@ class ExtProcStream:
             body=error_body(status, message, param), details=f"selection_proto_{status}")))
         self.finished = True
 
+    def _release(self) -> None:
+        """The budget's bytes given back: the body is whole (or refused)."""
+        if self._in_flight is not None and self._held:
+            self._in_flight.give(self._held)
+        self._held = 0
+
     def close(self, now: float) -> None:
-        """The booking freed (once), or a queued selection given up. Idempotent."""
+        """The booking freed (once), or a queued selection given up, the budget's bytes given
+        back. Idempotent."""
+        self._release()
         if self.pending_ticket is not None:
             self._service.cancel(self.pending_ticket, now=now)
             self.pending_ticket = None

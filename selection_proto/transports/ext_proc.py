@@ -103,7 +103,7 @@ class _Picker:
         from ..adapters.ext_proc import ExtProcStream
 
         server = self.server
-        stream = ExtProcStream(server.service, self.tokenizers)
+        stream = ExtProcStream(server.service, self.tokenizers, in_flight=server.in_flight)
         self.streams += 1
         try:
             while (message := await context.read()) is not grpc.aio.EOF:
