@@ -45,6 +45,8 @@ DECODE_DRAG: Final = 0.2
 # a full KV cache delays admission (docs/ROUTING.md: 0.1 kept the p99 no worse than Dynamo's cost
 # in every simulated case, where 0 lost it on some).
 KV_PRESSURE: Final = 0.1
+# Each block booked beyond a rank's total_kv_blocks counts as this many of its tokens to wait for.
+OVERFLOW_WEIGHT: Final = 1.0
 
 NO_OVERRIDE: Final = RouterConfigOverride()
 # Device prefix, host extension and disk+external extension blocks per rank (core.md §7.4).
@@ -148,6 +150,9 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
     append = scored.append
     ttft = s.router_policy == "ttft"
     speeds, unknown, pressure = state.speeds, (None, None), KV_PRESSURE * bs
+    # The constants as locals: this loop runs once per candidate of every selection.
+    default_rate, drag_full, overflow_tokens = DEFAULT_PREFILL_TOKENS_PER_SEC, DECODE_DRAG, OVERFLOW_WEIGHT * bs
+    per_context = 1.0 / ATTENTION_CONTEXT_TOKENS
     by_cost: list[Rank] = []
     low = math.inf
     for r in candidates:
@@ -191,16 +196,16 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
             by_cost.append(r)
         rate, kv_blocks = speeds.get(r[0], unknown)
         if rate is None:
-            rate = DEFAULT_PREFILL_TOKENS_PER_SEC
-        drag = 1.0
-        wait = active_prefill + pressure * decode_blocks
+            rate = default_rate
         if kv_blocks:
-            drag += DECODE_DRAG if decode_blocks >= kv_blocks else DECODE_DRAG * decode_blocks / kv_blocks
+            drag = 1.0 + (drag_full if decode_blocks >= kv_blocks else drag_full * decode_blocks / kv_blocks)
             wait = active_prefill * drag + pressure * decode_blocks
             if decode_blocks > kv_blocks:
-                wait += (decode_blocks - kv_blocks) * bs
+                wait += (decode_blocks - kv_blocks) * overflow_tokens
+        else:
+            drag, wait = 1.0, active_prefill + pressure * decode_blocks
         wait /= rate
-        prefill = new_prefill * (1.0 + (cached + new_prefill / 2) / ATTENTION_CONTEXT_TOKENS) / rate * drag
+        prefill = new_prefill * (1.0 + (cached + new_prefill * 0.5) * per_context) / rate * drag
         predicted = (wait + prefill) * preference if preferred else wait + prefill
         append(make(Scored, (r, predicted, active_prefill + (new_prefill if track else 0),
                              decode_blocks, d, h, k, effective, cached, wait, prefill)))
