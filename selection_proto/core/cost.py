@@ -40,11 +40,11 @@ DEFAULT_PREFILL_TOKENS_PER_SEC: Final = 10_000.0
 ATTENTION_CONTEXT_TOKENS: Final = 65_536.0
 # How much slower prefill runs on a rank whose KV cache is full of decoding requests (each
 # iteration also runs their decode step).
-DECODE_DRAG: Final = 0.2
+DECODE_DRAG: Final = 0.1
 # Each block a rank's running requests hold counts as this many of its tokens still to wait for:
-# a full KV cache delays admission (docs/ROUTING.md: 0.1 kept the p99 no worse than Dynamo's cost
-# in every simulated case, where 0 lost it on some).
-KV_PRESSURE: Final = 0.1
+# a full KV cache delays admission. These three were chosen on a grid over 13 simulated cases and
+# checked on 8 others (docs/ROUTING.md, "How the weights were chosen").
+KV_PRESSURE: Final = 0.15
 # Each block booked beyond a rank's total_kv_blocks counts as this many of its tokens to wait for.
 OVERFLOW_WEIGHT: Final = 1.0
 
