@@ -226,44 +226,42 @@ def scenario_ready(opts: argparse.Namespace) -> dict[str, float]:
         os.unlink(fh.name)
 
 
-def scenario_select_1m(opts: argparse.Namespace) -> dict[str, float]:
-    """`POST /select` with 1,048,576 token ids (the default max_prompt_tokens), 8 workers."""
-    proc, port = start([])
-    try:
-        setup = Conn(port)
-        for wid in range(8):
-            setup.call("POST", "/workers", json.dumps(worker(wid)).encode())
-        body = json.dumps({"model_name": "m", "token_ids": list(range(1_048_576))}, separators=(",", ":")).encode()
+def _select_million(setup: Callable[[Conn], None]) -> Callable[[argparse.Namespace], dict[str, float]]:
+    """A scenario: `setup` on a fresh server, then `POST /select` of 1,048,576 token ids over and over."""
+    def scenario(opts: argparse.Namespace) -> dict[str, float]:
+        proc, port = start([])
+        try:
+            setup(Conn(port))
+            body = json.dumps({"model_name": "m", "token_ids": list(range(1_048_576))}, separators=(",", ":")).encode()
 
-        def heavy(conn: Conn) -> None:
-            assert conn.call("POST", "/select", body)[0] == 200
+            def heavy(conn: Conn) -> None:
+                assert conn.call("POST", "/select", body)[0] == 200
 
-        return measure(port, heavy, opts.seconds)
-    finally:
-        proc.terminate()
-        proc.wait()
+            return measure(port, heavy, opts.seconds)
+        finally:
+            proc.terminate()
+            proc.wait()
+
+    return scenario
 
 
-def scenario_select_booked(opts: argparse.Namespace) -> dict[str, float]:
-    """`POST /select` with 1,048,576 token ids to a worker of `block_size` 1 that holds nine
-    bookings of 850,000 sequence hashes each (issue 27, case 2)."""
-    proc, port = start([])
-    try:
-        setup = Conn(port)
-        setup.call("POST", "/workers", json.dumps(worker(1, block_size=1)).encode())
-        for n in range(9):
-            booking = {"reservation_id": f"b{n}", "worker_id": 1, "model_name": "m", "isl_tokens": 850_000,
-                       "sequence_hashes": list(range(n * 850_000 + 1, (n + 1) * 850_000 + 1))}
-            assert setup.call("POST", "/reservations", json.dumps(booking).encode())[0] == 201
-        body = json.dumps({"model_name": "m", "token_ids": list(range(1_048_576))}, separators=(",", ":")).encode()
+def _eight_workers(conn: Conn) -> None:
+    """The default max_prompt_tokens' worth of prompt, 8 workers."""
+    for wid in range(8):
+        conn.call("POST", "/workers", json.dumps(worker(wid)).encode())
 
-        def heavy(conn: Conn) -> None:
-            assert conn.call("POST", "/select", body)[0] == 200
 
-        return measure(port, heavy, opts.seconds)
-    finally:
-        proc.terminate()
-        proc.wait()
+def _nine_huge_bookings(conn: Conn) -> None:
+    """A worker of `block_size` 1 holding nine bookings of 850,000 sequence hashes (issue 27, case 2)."""
+    conn.call("POST", "/workers", json.dumps(worker(1, block_size=1)).encode())
+    for n in range(9):
+        booking = {"reservation_id": f"b{n}", "worker_id": 1, "model_name": "m", "isl_tokens": 850_000,
+                   "sequence_hashes": list(range(n * 850_000 + 1, (n + 1) * 850_000 + 1))}
+        assert conn.call("POST", "/reservations", json.dumps(booking).encode())[0] == 201
+
+
+scenario_select_1m = _select_million(_eight_workers)
+scenario_select_booked = _select_million(_nine_huge_bookings)
 
 
 def scenario_snapshot(opts: argparse.Namespace) -> dict[str, float]:
