@@ -14,6 +14,7 @@ from selection_proto.core.cost import (
     DECODE_DRAG,
     DEFAULT_PREFILL_TOKENS_PER_SEC,
     KV_PRESSURE,
+    REUSE_CREDIT,
 )
 from selection_proto.core.hashing import block_hashes
 from selection_proto.core.settings import Settings
@@ -54,14 +55,17 @@ def test_ttft_follows_the_cache_until_its_queue_costs_more_than_the_cache_saves(
     assert rows[1]["predicted_prefill_secs"] == pytest.approx((new + new * (48 + new / 2) / ATTENTION_CONTEXT_TOKENS)
                                                                / rate)
     assert rows[2]["predicted_prefill_secs"] == pytest.approx((64 + 64 * 32 / ATTENTION_CONTEXT_TOKENS) / rate)
-    assert rows[1]["logit"] == pytest.approx(rows[1]["predicted_wait_secs"] + rows[1]["predicted_prefill_secs"])
-    # Prefill booked on worker 1 and not complete: 60 tokens of queue cost more than the 48 cached
-    # tokens save there.
-    c.ok("POST", "/reservations", {"model_name": "m", "token_ids": list(range(500, 560)), "worker_id": 1,
+    # The cost credits cached tokens beyond their prefill now: later turns find them there too.
+    assert rows[1]["logit"] == pytest.approx(rows[1]["predicted_wait_secs"] + rows[1]["predicted_prefill_secs"]
+                                             - REUSE_CREDIT * 48 / rate)
+    assert rows[2]["logit"] == pytest.approx(rows[2]["predicted_wait_secs"] + rows[2]["predicted_prefill_secs"])
+    # Prefill booked on worker 1 and not complete: 80 tokens of queue cost more than the 48 cached
+    # tokens save there, credit included.
+    c.ok("POST", "/reservations", {"model_name": "m", "token_ids": list(range(500, 580)), "worker_id": 1,
                                    "reservation_id": "q"}, status=201)
     rows = _explained(c)
     assert rows[2]["chosen"] and rows[1]["predicted_wait_secs"] == pytest.approx(
-        (60 + KV_PRESSURE * rows[1]["potential_decode_blocks"] * 4) / rate)
+        (80 + KV_PRESSURE * rows[1]["potential_decode_blocks"] * 4) / rate)
     # Its prefill completes: the queue is gone, the cache wins again.
     c.ok("POST", "/reservations/q/prefill_complete")
     assert _explained(c)[1]["chosen"]

@@ -42,11 +42,14 @@ ATTENTION_CONTEXT_TOKENS: Final = 65_536.0
 # iteration also runs their decode step).
 DECODE_DRAG: Final = 0.1
 # Each block a rank's running requests hold counts as this many of its tokens still to wait for:
-# a full KV cache delays admission. These three were chosen on a grid over 13 simulated cases and
-# checked on 8 others (docs/ROUTING.md, "How the weights were chosen").
+# a full KV cache delays admission. The weights here were chosen on a grid over 13 simulated cases
+# and checked on 8 others (docs/ROUTING.md, "How the weights were chosen").
 KV_PRESSURE: Final = 0.15
 # Each block booked beyond a rank's total_kv_blocks counts as this many of its tokens to wait for.
 OVERFLOW_WEIGHT: Final = 1.0
+# Each cached prompt token lowers the cost by this fraction of its prefill time beyond what it
+# saves now: what staying where a conversation's cache is saves its later turns.
+REUSE_CREDIT: Final = 0.5
 
 NO_OVERRIDE: Final = RouterConfigOverride()
 # Device prefix, host extension and disk+external extension blocks per rank (core.md §7.4).
@@ -152,7 +155,7 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
     speeds, unknown, pressure = state.speeds, (None, None), KV_PRESSURE * bs
     # The constants as locals: this loop runs once per candidate of every selection.
     default_rate, drag_full, overflow_tokens = DEFAULT_PREFILL_TOKENS_PER_SEC, DECODE_DRAG, OVERFLOW_WEIGHT * bs
-    per_context = 1.0 / ATTENTION_CONTEXT_TOKENS
+    per_context, reuse_credit = 1.0 / ATTENTION_CONTEXT_TOKENS, REUSE_CREDIT
     by_cost: list[Rank] = []
     low = math.inf
     for r in candidates:
@@ -206,7 +209,9 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
             drag, wait = 1.0, active_prefill + pressure * decode_blocks
         wait /= rate
         prefill = new_prefill * (1.0 + (cached + new_prefill * 0.5) * per_context) / rate * drag
-        predicted = (wait + prefill) * preference if preferred else wait + prefill
+        predicted = wait + prefill - reuse_credit * cached / rate if reuse_credit else wait + prefill
+        if preferred:
+            predicted *= preference
         append(make(Scored, (r, predicted, active_prefill + (new_prefill if track else 0),
                              decode_blocks, d, h, k, effective, cached, wait, prefill)))
     return scored, set(by_cost) if ttft else None
