@@ -30,6 +30,7 @@ __all__ = [
     "estimates",
     "explain",
     "score",
+    "worker_speed",
     "tracks_prefill",
 ]
 
@@ -52,6 +53,12 @@ OVERFLOW_WEIGHT: Final = 1.0
 REUSE_CREDIT: Final = 0.5
 
 NO_OVERRIDE: Final = RouterConfigOverride()
+
+
+def worker_speed(prefill_tokens_per_sec: float | None, total_kv_blocks: int | None) -> tuple[float, int]:
+    """What `score` reads of a worker record under `router_policy=ttft` (`Pool.speeds`): seconds
+    per prefilled token, and its KV blocks (0: unknown)."""
+    return 1.0 / (prefill_tokens_per_sec or DEFAULT_PREFILL_TOKENS_PER_SEC), total_kv_blocks or 0
 # Device prefix, host extension and disk+external extension blocks per rank (core.md §7.4).
 Estimates = tuple[dict[Rank, int], dict[Rank, int], dict[Rank, int]]
 
@@ -70,9 +77,11 @@ class Scored(NamedTuple):
     cached: int
     wait: float = 0.0  # router_policy=ttft: predicted seconds before its prefill starts
     prefill: float = 0.0  # and the seconds of its own prefill
+    dynamo_logit: float = 0.0  # and Dynamo's cost, which `logit` replaces
 
 
 LOGIT: Final = itemgetter(1)  # Scored.logit, for map()
+DYNAMO_LOGIT: Final = itemgetter(11)  # Scored.dynamo_logit
 DEVICE: Final = itemgetter(4)  # Scored.device
 
 
@@ -115,9 +124,9 @@ def assumes_kv_reuse(s: Settings, o: RouterConfigOverride | None) -> bool:
 
 
 def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: list[Rank],
-          estimates: Estimates, s: Settings) -> tuple[list[Scored], set[Rank] | None]:
-    """Every candidate's cost (core.md §9.5), and with `router_policy=ttft` the ranks Dynamo's
-    cost would have chosen among (the decisions where the two differ are counted). The hot loop
+          estimates: Estimates, s: Settings) -> tuple[list[Scored], float | None]:
+    """Every candidate's cost (core.md §9.5), and with `router_policy=ttft` the lowest of Dynamo's
+    costs (a choice above it is one Dynamo's cost would not have made: they are counted). The hot loop
     of a selection: one pass, locals bound once, the rounding of `cached_tokens` inlined.
 
     `ttft`: the cost is the predicted time to first token, in seconds: the prefill booked on the
@@ -152,12 +161,10 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
     scored: list[Scored] = []
     append = scored.append
     ttft = s.router_policy == "ttft"
-    speeds, unknown, pressure = state.speeds, (None, None), KV_PRESSURE * bs
+    speeds, unknown, pressure = state.speeds, worker_speed(None, None), KV_PRESSURE * bs
     # The constants as locals: this loop runs once per candidate of every selection.
-    default_rate, drag_full, overflow_tokens = DEFAULT_PREFILL_TOKENS_PER_SEC, DECODE_DRAG, OVERFLOW_WEIGHT * bs
+    drag_full, overflow_tokens = DECODE_DRAG, OVERFLOW_WEIGHT * bs
     per_context, reuse_credit = 1.0 / ATTENTION_CONTEXT_TOKENS, REUSE_CREDIT
-    by_cost: list[Rank] = []
-    low = math.inf
     for r in candidates:
         load = loads[r]
         d = device.get(r, 0)
@@ -191,30 +198,25 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
             logit *= preference
         if not ttft:
             append(make(Scored, (r, logit, active_prefill + (new_prefill if track else 0),
-                                 decode_blocks, d, h, k, effective, cached, 0.0, 0.0)))
+                                 decode_blocks, d, h, k, effective, cached, 0.0, 0.0, logit)))
             continue
-        if logit < low:
-            low, by_cost = logit, [r]
-        elif logit == low:
-            by_cost.append(r)
-        rate, kv_blocks = speeds.get(r[0], unknown)
-        if rate is None:
-            rate = default_rate
+        per_token, kv_blocks = speeds.get(r[0], unknown)
         if kv_blocks:
             drag = 1.0 + (drag_full if decode_blocks >= kv_blocks else drag_full * decode_blocks / kv_blocks)
             wait = active_prefill * drag + pressure * decode_blocks
             if decode_blocks > kv_blocks:
                 wait += (decode_blocks - kv_blocks) * overflow_tokens
+            wait *= per_token
+            prefill = new_prefill * (1.0 + (cached + new_prefill * 0.5) * per_context) * per_token * drag
         else:
-            drag, wait = 1.0, active_prefill + pressure * decode_blocks
-        wait /= rate
-        prefill = new_prefill * (1.0 + (cached + new_prefill * 0.5) * per_context) / rate * drag
-        predicted = wait + prefill - reuse_credit * cached / rate if reuse_credit else wait + prefill
+            wait = (active_prefill + pressure * decode_blocks) * per_token
+            prefill = new_prefill * (1.0 + (cached + new_prefill * 0.5) * per_context) * per_token
+        predicted = wait + prefill - reuse_credit * cached * per_token
         if preferred:
             predicted *= preference
         append(make(Scored, (r, predicted, active_prefill + (new_prefill if track else 0),
-                             decode_blocks, d, h, k, effective, cached, wait, prefill)))
-    return scored, set(by_cost) if ttft else None
+                             decode_blocks, d, h, k, effective, cached, wait, prefill, logit)))
+    return scored, min(map(DYNAMO_LOGIT, scored)) if ttft else None
 
 
 def choose(state: Pool, scored: list[Scored], temperature: float, rng: random.Random) -> Scored:

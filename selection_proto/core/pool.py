@@ -41,7 +41,7 @@ class Pool:
         self.block_size = block_size
         self.eagle = False  # its workers' `is_eagle`: prompts that do not say use eagle windows
         # worker -> (prefill tokens a second, KV blocks) as its record says, for router_policy=ttft
-        self.speeds: dict[int, tuple[float | None, int | None]] = {}
+        self.speeds: dict[int, tuple[float, int]] = {}  # cost.worker_speed of each worker
         self.index = KeyIndex()
         self.budget = budget
         self.tracker = Tracker(settings.max_reservations_per_key, self.label, budget)

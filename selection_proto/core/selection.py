@@ -255,7 +255,7 @@ class Selector:
     def _finish(self, sel: Selection, now: float) -> SelectResponse:
         """Steps 9-11: overload filter, cost, choice, booking, answer."""
         pool, req, prompt = sel.pool, sel.req, sel.prompt
-        scored, by_cost = score(req, pool, prompt, self._filter_overloaded(sel), sel.found, self._settings)
+        scored, lowest = score(req, pool, prompt, self._filter_overloaded(sel), sel.found, self._settings)
         o = req.router_config_override
         temperature = (o.router_temperature if o is not None and o.router_temperature is not None
                        else self._settings.temperature)
@@ -274,7 +274,7 @@ class Selector:
             self.pending.remember(pool.key, req.selection_id, PendingSelection(
                 chosen.rank, prompt, chosen.cached, track, reuse, req.expected_output_tokens, session,
                 now, entry_size(pool.key, req.selection_id, prompt, req.lora_name, session)), now)
-        differs = by_cost is not None and chosen.rank not in by_cost  # Dynamo's cost would choose otherwise
+        differs = lowest is not None and chosen.dynamo_logit > lowest  # Dynamo's cost would choose otherwise
         self._metrics.selected(pool.key, chosen.cached / prompt.isl if prompt.isl > 0 else None,
                                chosen.device < max(map(DEVICE, scored)), differs)
         if self.log_decisions:
@@ -318,7 +318,7 @@ class Selector:
             isl_tokens=None if booked is None else prompt.isl,
             track_prefill_tokens=None if booked is None else track, worker_load=worker_load)
         if req.explain:
-            response = attrs.evolve(response, candidates=explain(scored, by_cost is not None),
+            response = attrs.evolve(response, candidates=explain(scored, lowest is not None),
                                     excluded=tuple(Excluded(worker_id=r[0], dp_rank=r[1], reason=why)
                                                    for r, why in sorted(sel.excluded.items())))
         return response
