@@ -165,6 +165,8 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
     # The constants as locals: this loop runs once per candidate of every selection.
     drag_full, overflow_tokens = DECODE_DRAG, OVERFLOW_WEIGHT * bs
     per_context, reuse_credit = 1.0 / ATTENTION_CONTEXT_TOKENS, REUSE_CREDIT
+    # The prefill work of the whole prompt, on every rank that has none of it cached.
+    uncached_work = isl * (1.0 + (0 + isl * 0.5) * per_context) if isl > 0 else 0.0
     for r in candidates:
         load = loads[r]
         d = device.get(r, 0)
@@ -201,17 +203,18 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
                                  decode_blocks, d, h, k, effective, cached, 0.0, 0.0, logit)))
             continue
         per_token, kv_blocks = speeds.get(r[0], unknown)
+        work = new_prefill * (1.0 + (cached + new_prefill * 0.5) * per_context) if cached else uncached_work
         if kv_blocks:
             drag = 1.0 + (drag_full if decode_blocks >= kv_blocks else drag_full * decode_blocks / kv_blocks)
             wait = active_prefill * drag + pressure * decode_blocks
             if decode_blocks > kv_blocks:
                 wait += (decode_blocks - kv_blocks) * overflow_tokens
             wait *= per_token
-            prefill = new_prefill * (1.0 + (cached + new_prefill * 0.5) * per_context) * per_token * drag
+            prefill = work * per_token * drag
         else:
             wait = (active_prefill + pressure * decode_blocks) * per_token
-            prefill = new_prefill * (1.0 + (cached + new_prefill * 0.5) * per_context) * per_token
-        predicted = wait + prefill - reuse_credit * cached * per_token
+            prefill = work * per_token
+        predicted = wait + prefill - reuse_credit * cached * per_token if cached else wait + prefill
         if preferred:
             predicted *= preference
         append(make(Scored, (r, predicted, active_prefill + (new_prefill if track else 0),
