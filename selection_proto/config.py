@@ -396,7 +396,12 @@ def ext_proc_options(args: argparse.Namespace, env: Mapping[str, str], host: str
         import grpc  # noqa: F401 - the gateway extra's
 
         from .transports.config import ExtProcOptions
+        from .transports.ext_proc import load_tokenizers
     except ImportError as exc:
         raise UsageError(f"--ext-proc-port: {exc}; install selection-proto[gateway]") from None
-    return ExtProcOptions(port, transport_value(args, env, "ext_proc_host", None, str) or host, tuple(pairs),
+    try:
+        tokenizers = load_tokenizers(tuple(pairs))
+    except RuntimeError as exc:
+        raise UsageError(str(exc)) from None
+    return ExtProcOptions(port, transport_value(args, env, "ext_proc_host", None, str) or host, tokenizers,
                           transport_value(args, env, "tls_cert", None, str), transport_value(args, env, "tls_key", None, str))

@@ -404,3 +404,56 @@ def test_with_tls_flags_the_picker_serves_grpc_over_tls(tmp_path: Any) -> None:
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         server.stop()
+
+
+def test_serve_loads_a_models_tokenizer_folder_and_refuses_bad_flags_in_one_line(tmp_path: Any) -> None:
+    """`--tokenizer m=FOLDER` (tokenizer.json and tokenizer_config.json): a chat through the picker
+    is booked on its tokens; a missing file, a malformed pair and a port in use each end `serve`
+    with one line and no traceback."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import grpc
+    from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
+    from test_http import Server
+
+    text, config = small_tokenizer()
+    (tmp_path / "tokenizer.json").write_text(text)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    server = Server("--ext-proc-port", "0", "--tokenizer", f"m={tmp_path}", mode="approximate")
+    try:
+        deadline = time.monotonic() + 20
+        while not (lines := [line for line in server.logs if '"ext_proc_listening"' in line]):
+            assert time.monotonic() < deadline, "".join(server.logs)
+            time.sleep(0.05)
+        record = json.loads(lines[0])
+        assert record["tokenizers"] == ["m"]
+        worker = {"worker_id": 1, "model_name": "m", "block_size": 2, "endpoint": "http://10.0.0.1:8000"}
+        from test_hostile import post
+
+        assert post(server, "/workers", json.dumps(worker).encode())[0] == 201
+        chat = json.dumps({"model": "m", "messages": [{"role": "user", "content": "how are you ?"}]}).encode()
+        with grpc.insecure_channel(record["url"][len("grpc://"):]) as channel:
+            call = ExternalProcessorStub(channel).Process(iter([headers("/v1/chat/completions"), body(chat, end=True)]))
+            replies = list(call)
+        assert replies[0].request_headers.response.header_mutation.set_headers[0].header.raw_value == b"10.0.0.1:8000"
+        # Approximate mode predicts the booked prompt cached there: the template's tokens, exactly.
+        status, scores = post(server, "/overlap_scores", json.dumps(
+            {"model_name": "m", "token_ids": [1, 3, 7, 8, 9, 10, 4]}).encode())
+        assert status == 200 and [(w["worker_id"], w["device_blocks"]) for w in scores["workers"]] == [(1, 3)]
+    finally:
+        server.stop()
+    for flags, message in ((["--tokenizer", f"m={tmp_path / 'missing'}"], "--tokenizer m="),
+                           (["--tokenizer", "m"], "expected MODEL=PATH"),
+                           (["--backend", "trio"], "needs the asyncio backend")):
+        done = subprocess.run([sys.executable, "-m", "selection_proto", "serve", "--port", "0", "--ext-proc-port", "0",
+                               *flags], capture_output=True, text=True, timeout=30)
+        assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        done = subprocess.run([sys.executable, "-m", "selection_proto", "serve", "--port", "0", "--ext-proc-port",
+                               str(taken.getsockname()[1])], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 1 and "for ext_proc" in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -4,6 +4,8 @@ ledger replicas share, and the gateway's endpoint picker."""
 from __future__ import annotations
 
 import ssl
+from collections.abc import Mapping
+from typing import Any
 
 import attrs
 
@@ -55,6 +57,6 @@ class ExtProcOptions:
 
     port: int
     host: str = "127.0.0.1"
-    tokenizers: tuple[tuple[str, str], ...] = ()  # (model, path of tokenizer.json or its folder)
+    tokenizers: Mapping[str, Any] = attrs.field(factory=dict)  # model -> adapters.openai.ChatTokenizer
     tls_cert: str | None = None  # serve's --tls-cert and --tls-key: gRPC over TLS too (ALPN h2)
     tls_key: str | None = None

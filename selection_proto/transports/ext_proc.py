@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from .config import ExtProcOptions
     from .server import _Server
 
-__all__ = ["SERVICE_NAME", "load_tokenizers", "serve_ext_proc"]
+__all__ = ["SERVICE_NAME", "ExtProcServer", "load_tokenizers"]
 
 SERVICE_NAME: Final = "envoy.service.ext_proc.v3.ExternalProcessor"
 HEALTH_NAMES: Final = ("", SERVICE_NAME, "liveness", "readiness")
@@ -50,51 +50,67 @@ def load_tokenizers(pairs: tuple[tuple[str, str], ...]) -> dict[str, ChatTokeniz
     return out
 
 
-async def serve_ext_proc(server: _Server, options: ExtProcOptions, tg: anyio.abc.TaskGroup) -> None:
-    """Serve until cancelled, then stop within STOP_GRACE_SECS."""
-    import grpc
-    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as rpc
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+class ExtProcServer:
+    """The gRPC server, listening once `start` returns (so that a port in use fails `serve` at
+    its start, with one line), serving until `run` is cancelled."""
 
-    tokenizers = load_tokenizers(options.tokenizers)
-    grpc_server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                           ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                           ("grpc.so_reuseport", 0)])
-    rpc.add_ExternalProcessorServicer_to_server(_Picker(server, tokenizers, tg), grpc_server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
-    for name in HEALTH_NAMES:
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    host = f"[{options.host}]" if ":" in options.host else options.host
-    try:
-        address = f"{host}:{options.port}"
-        if options.tls_cert and options.tls_key:
-            with open(options.tls_key, "rb") as key, open(options.tls_cert, "rb") as chain:
-                credentials = grpc.ssl_server_credentials([(key.read(), chain.read())])
-            port = grpc_server.add_secure_port(address, credentials)
-        else:
-            port = grpc_server.add_insecure_port(address)
-    except (RuntimeError, OSError) as exc:
-        raise RuntimeError(f"cannot listen on {options.host}:{options.port} for ext_proc: {exc}") from exc
-    await grpc_server.start()
-    scheme = "grpcs" if options.tls_cert and options.tls_key else "grpc"
-    log("info", "ext_proc_listening", url=f"{scheme}://{host}:{port}", tokenizers=sorted(tokenizers))
-    try:
-        await anyio.sleep_forever()
-    finally:
-        with anyio.CancelScope(shield=True):
-            for name in HEALTH_NAMES:
-                await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-            await grpc_server.stop(STOP_GRACE_SECS)
+    def __init__(self, server: _Server, options: ExtProcOptions) -> None:
+        self.server, self.options = server, options
+        self.picker = _Picker(server, options.tokenizers)
+
+    async def start(self) -> None:
+        import grpc
+        from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as rpc
+        from grpc_health.v1 import health, health_pb2_grpc
+
+        options = self.options
+        self.grpc = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                                             ("grpc.so_reuseport", 0)])
+        rpc.add_ExternalProcessorServicer_to_server(self.picker, self.grpc)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        host = f"[{options.host}]" if ":" in options.host else options.host
+        try:
+            address = f"{host}:{options.port}"
+            if options.tls_cert and options.tls_key:
+                with open(options.tls_key, "rb") as key, open(options.tls_cert, "rb") as chain:
+                    credentials = grpc.ssl_server_credentials([(key.read(), chain.read())])
+                port = self.grpc.add_secure_port(address, credentials)
+            else:
+                port = self.grpc.add_insecure_port(address)
+        except (RuntimeError, OSError) as exc:
+            raise RuntimeError(f"cannot listen on {options.host}:{options.port} for ext_proc: {exc}") from exc
+        await self.grpc.start()
+        await self._serving(True)
+        scheme = "grpcs" if options.tls_cert and options.tls_key else "grpc"
+        log("info", "ext_proc_listening", url=f"{scheme}://{host}:{port}", tokenizers=sorted(options.tokenizers))
+
+    async def _serving(self, serving: bool) -> None:
+        from grpc_health.v1 import health_pb2
+
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in HEALTH_NAMES:
+            await self.health.set(name, status)
+
+    async def run(self, tg: anyio.abc.TaskGroup) -> None:
+        """Serve until cancelled, then stop within STOP_GRACE_SECS."""
+        self.picker.tg = tg
+        try:
+            await anyio.sleep_forever()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._serving(False)
+                await self.grpc.stop(STOP_GRACE_SECS)
 
 
 class _Picker:
     """The `ExternalProcessor` servicer: one `ExtProcStream` per gRPC stream."""
 
-    def __init__(self, server: _Server, tokenizers: Mapping[str, ChatTokenizer], tg: anyio.abc.TaskGroup) -> None:
+    def __init__(self, server: _Server, tokenizers: Mapping[str, ChatTokenizer]) -> None:
         self.server = server
         self.tokenizers = tokenizers
-        self.tg = tg
+        self.tg: anyio.abc.TaskGroup | None = None  # serve's, once running
         self.streams = 0
 
     async def Process(self, request_iterator: Any, context: Any) -> None:  # noqa: N802 - gRPC's name
@@ -120,7 +136,8 @@ class _Picker:
             if stream.pending_ticket is not None:
                 server.resolvers.pop(stream.pending_ticket, None)
             stream.close(server.clock())  # frees the booking if the response's end did not
-            self.tg.start_soon(server.pump)  # not awaited: this task may be cancelled
+            if self.tg is not None:
+                self.tg.start_soon(server.pump)  # not awaited: this task may be cancelled
 
     async def _wait(self, stream: Any) -> None:
         """Until the queued selection is answered (`_Server._deliver` calls the resolver)."""

@@ -27,7 +27,7 @@ from ..core.service import SelectionService
 from ..core.streams import decode_or_error
 from ..core.wire import Response, error_response
 from .config import LedgerOptions, ServerConfig
-from .ext_proc import serve_ext_proc
+from .ext_proc import ExtProcServer
 from .ledger import LedgerLink
 from .logs import log, log_internal_error
 from .peers import recover_from_peers
@@ -424,6 +424,9 @@ async def serve(service: SelectionService, config: ServerConfig,
     scheme = "https" if config.tls is not None else "http"
     log("info", "listening", url=f"{scheme}://{host}:{port}", version=__version__,
         settings=attrs.asdict(service.settings))
+    ext_proc = ExtProcServer(server, config.ext_proc) if config.ext_proc is not None else None
+    if ext_proc is not None:
+        await ext_proc.start()  # a port in use ends serve here, as the HTTP port's does above
     if ready is not None:
         ready(config.host, port)
     async with anyio.create_task_group() as tg:
@@ -439,8 +442,8 @@ async def serve(service: SelectionService, config: ServerConfig,
 
         tg.start_soon(run_accept)
         tg.start_soon(server.timer)
-        if config.ext_proc is not None:
-            tg.start_soon(serve_ext_proc, server, config.ext_proc, tg)
+        if ext_proc is not None:
+            tg.start_soon(ext_proc.run, tg)
         server.subscriptions = Subscriptions(service, tg, server.pump)
         if config.ledger is not None and service.ledger is not None:
             options = config.ledger
