@@ -391,14 +391,14 @@ def ext_proc_options(args: argparse.Namespace, env: Mapping[str, str], host: str
             raise UsageError(f"--tokenizer: expected MODEL=PATH, not {item.strip()!r}")
         if item.strip():
             pairs.append((model, path))
-    try:
-        import envoy.service.ext_proc.v3.external_processor_pb2  # noqa: F401
-        import grpc  # noqa: F401 - the gateway extra's
+    import importlib.util
 
-        from .transports.config import ExtProcOptions
-        from .transports.ext_proc import load_tokenizers
-    except ImportError as exc:
-        raise UsageError(f"--ext-proc-port: {exc}; install selection-proto[gateway]") from None
+    # Found, not imported: gRPC is first imported by transports/ext_proc, which configures it.
+    for module in ("grpc", "grpc_health", "envoy", "tokenizers", "jinja2"):
+        if importlib.util.find_spec(module) is None:
+            raise UsageError(f"--ext-proc-port: no module named {module!r}; install selection-proto[gateway]")
+    from .transports.config import ExtProcOptions
+    from .transports.ext_proc import load_tokenizers
     try:
         tokenizers = load_tokenizers(tuple(pairs))
     except RuntimeError as exc:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from selection_proto import cli
+from selection_proto.adapters.ext_proc import ExtProcStream
 from selection_proto.adapters.http import HttpConnection
 from selection_proto.adapters.jsonl import JsonRpcSession
 from selection_proto.adapters.ws import PushSession
@@ -59,6 +60,8 @@ FAULTS: dict[str, Callable[[], None]] = {
     # queue dispatch: a queued selection fails when it is finally run (not when run at once)
     "dispatch": lambda: _raising("dispatch", lambda self, *a: self._dispatching)(
         Selector, "_finish"),
+    # the endpoint picker's routing of a request body that names the model "boom"
+    "ext_proc": lambda: _raising("ext_proc", lambda self, now: b'"boom"' in self._body)(ExtProcStream, "_route"),
 }
 
 if __name__ == "__main__":

@@ -203,3 +203,33 @@ def test_running_out_of_descriptors_backs_off_and_recovers() -> None:
     records = [json.loads(line) for line in proc.stderr.read().splitlines()]
     failures = [r for r in records if r["event"] == "accept_failed"]
     assert failures and failures[0]["errno"] == 24  # EMFILE
+
+
+def test_a_failing_picker_stream_ends_alone_counted_and_logged_once() -> None:
+    """The endpoint picker's adapter raising for one request: that gRPC stream ends (Envoy, not
+    answered, fails that request), the error is counted and logged once, nothing stays booked,
+    and the next stream is routed."""
+    import grpc
+    from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
+    from test_ext_proc import body, headers
+
+    server = Server("--ext-proc-port", "0", fault="ext_proc", mode="approximate")
+    try:
+        assert wait_for(lambda: any('"ext_proc_listening"' in line for line in server.logs))
+        url = next(json.loads(line) for line in server.logs if '"ext_proc_listening"' in line)["url"]
+        for model in ("m", "boom"):
+            record = {"worker_id": len(model), "model_name": model, "endpoint": "http://10.0.0.1:8000", "block_size": 4}
+            assert post(server, "/workers", json.dumps(record).encode())[0] == 201
+        with grpc.insecure_channel(url[len("grpc://"):]) as channel:
+            stub = ExternalProcessorStub(channel)
+            failed = list(stub.Process(iter([headers(), body(b'{"model": "boom", "prompt": [1, 2, 3, 4]}', end=True)])))
+            assert failed == []
+            routed = list(stub.Process(iter([headers(), body(b'{"model": "m", "prompt": [1, 2, 3, 4]}', end=True)])))
+            assert routed[0].HasField("request_headers")
+        assert wait_for(lambda: internal_errors(server) == {"ext_proc": 1.0})
+        assert len(logged(server, "ext_proc")) == 1
+        assert wait_for(lambda: all(load["active_requests"] == 0 for key in json.loads(get(server, "/loads")[1])
+                                    for load in key["loads"]))
+        assert_healthy(server)
+    finally:
+        server.stop()

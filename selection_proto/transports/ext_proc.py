@@ -15,6 +15,11 @@ import anyio.abc
 
 from .logs import log
 
+# `serve` forks children to write dumps and snapshots. gRPC's fork handlers, on by default, made
+# such a child abort (SIGABRT) when gRPC's threads were busy at the fork; the children never use
+# gRPC, so its handlers are turned off, before gRPC is first imported (importing this module).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 if TYPE_CHECKING:
     from ..adapters.openai import ChatTokenizer
     from .config import ExtProcOptions
@@ -123,7 +128,11 @@ class _Picker:
         self.streams += 1
         try:
             while (message := await context.read()) is not grpc.aio.EOF:
-                stream.receive(message, server.clock())
+                try:
+                    stream.receive(message, server.clock())
+                except Exception:  # noqa: BLE001 - confined to this stream: Envoy sees it end
+                    server.service.internal_error("ext_proc")
+                    return
                 if stream.pending_ticket is not None:
                     await self._wait(stream)
                 for reply in stream.replies():
