@@ -25,6 +25,7 @@ def gateway() -> Iterator[Gateway]:
 def assert_serving(gw: Gateway) -> None:
     """Envoy and the picker both alive, a request routed and answered, nothing left booked."""
     assert gw.envoy.poll() is None and gw.server.proc.poll() is None
+    assert gw.api("GET", "/health") == (200, {"status": "ok"})
     status, _, body = gw.request("/v1/completions", {"model": "m", "prompt": [7, 7, 7, 7, 7]})
     assert status == 200, body
     assert gw.wait_idle() == 0

@@ -55,7 +55,7 @@ _DEFAULT_PORTS: Final = {"http": 80, "https": 443, "grpc": 80}
 class ExtProcStream:
     __slots__ = ("_service", "_tokenizers", "_max_body", "_in_flight", "_held", "_headers", "_subset", "_body", "_body_done",
                  "_buffered", "_response_buffered", "_headers_answered", "_out", "pending_ticket", "booking", "_prefilled",
-                 "finished", "destination")
+                 "finished")
 
     def __init__(self, service: SelectionService, tokenizers: Mapping[str, ChatTokenizer] | None = None,
                  max_body: int = MAX_BODY, in_flight: InFlight | None = None) -> None:
@@ -76,7 +76,6 @@ class ExtProcStream:
         self.booking: tuple[str, str, str] | None = None  # reservation id, model, tenant
         self._prefilled = False
         self.finished = False  # an immediate response was sent: end the stream
-        self.destination: str | None = None
 
     def replies(self) -> Iterator[ProcessingResponse]:
         while self._out:
@@ -212,9 +211,9 @@ class ExtProcStream:
     def _send_destination(self, endpoint: str) -> None:
         host, port = _host_port(endpoint)
         self._service.observe(EXT_PROC_STREAMS, ("routed",), 1.0)
-        self.destination = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        destination = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         mutation = HeaderMutation(set_headers=[HeaderValueOption(header=HeaderValue(
-            key=DESTINATION, raw_value=self.destination.encode()))])
+            key=DESTINATION, raw_value=destination.encode()))])
         if not self._buffered and self._body:
             mutation.set_headers.append(HeaderValueOption(header=HeaderValue(
                 key="content-length", raw_value=str(len(self._body)).encode())))
@@ -222,7 +221,7 @@ class ExtProcStream:
         reply = ProcessingResponse(request_body=BodyResponse(response=common)) if self._headers_answered \
             else ProcessingResponse(request_headers=HeadersResponse(response=common))
         self._headers_answered = True
-        reply.dynamic_metadata.update({LB_NAMESPACE: {DESTINATION: self.destination}})
+        reply.dynamic_metadata.update({LB_NAMESPACE: {DESTINATION: destination}})
         self._out.append(reply)
 
     def _response_body(self, chunk: bytes, end: bool, now: float) -> None:

@@ -116,7 +116,6 @@ class _Picker:
         self.server = server
         self.tokenizers = tokenizers
         self.tg: anyio.abc.TaskGroup | None = None  # serve's, once running
-        self.streams = 0
 
     async def Process(self, request_iterator: Any, context: Any) -> None:  # noqa: N802 - gRPC's name
         import grpc
@@ -125,7 +124,6 @@ class _Picker:
 
         server = self.server
         stream = ExtProcStream(server.service, self.tokenizers, in_flight=server.in_flight)
-        self.streams += 1
         try:
             while (message := await context.read()) is not grpc.aio.EOF:
                 try:
@@ -141,7 +139,6 @@ class _Picker:
                 if stream.finished:
                     return
         finally:
-            self.streams -= 1
             if stream.pending_ticket is not None:
                 server.resolvers.pop(stream.pending_ticket, None)
             stream.close(server.clock())  # frees the booking if the response's end did not
