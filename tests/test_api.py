@@ -471,7 +471,9 @@ def test_restore_replays_a_dump_and_validates_first(client: Client) -> None:
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("last_event")} for r in rows]  # noqa: E731
     assert strip(fresh.ok("POST", "/overlap_scores", query)["workers"]) == strip(
         client.ok("POST", "/overlap_scores", query)["workers"])
-    assert fresh.ok("GET", "/workers") == client.ok("GET", "/workers")
+    # The catalog is restored; the verdict is evidence gathered live, not part of a dump.
+    records = lambda rows: [{k: v for k, v in r.items() if k != "kv_routing"} for r in rows]  # noqa: E731
+    assert records(fresh.ok("GET", "/workers")) == records(client.ok("GET", "/workers"))
     with pytest.raises(Exception) as busy:
         fresh.service.restore(dump, now=2.0)
     assert str(busy.value) == "restore needs an empty catalog"

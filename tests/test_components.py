@@ -16,7 +16,7 @@ from selection_proto.core import jsonio
 from selection_proto.core.admission import AdmissionQueue, QueuedSelection, order_key
 from selection_proto.core.budget import BLOCK_BYTES, InsufficientStorage, StateBudget
 from selection_proto.core.catalog import LIFECYCLE, RECONCILE, Catalog
-from selection_proto.core.freshness import GAP, REWIND, RankFreshness
+from selection_proto.core.freshness import GAP, RESTART, REWIND, RankFreshness
 from selection_proto.core.prompt import PromptHashes
 from selection_proto.core.routes import ROUTES, allowed_methods, match, route_of
 from selection_proto.core.tracker import Tracker
@@ -81,9 +81,20 @@ def test_freshness_continuity_step() -> None:
     assert fresh.note_event_id(9, now=3.0) == (GAP, 2) and fresh.stale and fresh.missing_events == 2
     fresh.mark_cleared()
     assert not fresh.stale
-    assert fresh.note_seq(4) is None and fresh.note_seq(3) == (REWIND, 0) and fresh.rewinds == 1
+    # A seq that goes back is an engine restart; seen mid-way (not from 0), events are missing.
+    assert fresh.note_seq(4) is None and fresh.note_seq(3) == (RESTART, 0) and fresh.rewinds == 1
+    assert fresh.restarts == 1 and fresh.stale and not fresh.recovering
     fresh.loss_pending = True
     assert fresh.note_seq(4) is None and not fresh.loss_pending and fresh.age(5.0) == 2.0
+    assert fresh.stale  # in order again, but what was missed is still missed
+    # Seen from its first batch, the next batch in order proves the (dropped) index whole again.
+    assert fresh.note_seq(0) == (RESTART, 0) and fresh.recovering and fresh.restarts == 2
+    assert fresh.note_seq(1) is None and not fresh.stale and not fresh.recovering
+    assert fresh.note_seq(1) == (REWIND, 0) and fresh.restarts == 2  # a repeat is no restart
+    fresh.mark_cleared()
+    assert fresh.note_seq(0) == (RESTART, 0) and fresh.recovering
+    fresh.mark_stale()  # any other loss voids the recovery
+    assert fresh.note_seq(1) is None and fresh.stale
 
 
 def test_state_budget_refuses_once_used_up() -> None:

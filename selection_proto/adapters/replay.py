@@ -3,7 +3,12 @@ the recent ones behind a ROUTER socket (the worker's `replay_endpoint`). When th
 a number (also when a new subscription's first batch is not 0), the missing batches are asked for
 (`want`), the live ones that keep arriving are held, and everything is handed on in order, each
 number once (`ready`). Numbers the engine no longer has are counted as unrecovered and the next
-batch is handed on anyway: the core sees the jump, counts the gap and marks the rank stale."""
+batch is handed on anyway: the core sees the jump, counts the gap and marks the rank stale.
+
+A live number below the expected one is the live copy of a batch a replay brought only when it lies
+in the replayed range; any other is an engine that restarted (its numbers begin again at 0, issue
+34): it is handed on, so that the core drops the rank's index, and what the new engine published
+before it is asked for from 0."""
 
 from __future__ import annotations
 
@@ -39,7 +44,7 @@ class SeqOrder:
     """One subscription's batches, put back in order with the engine's help."""
 
     __slots__ = ("next", "replaying", "want", "_held", "_ready", "requested", "recovered", "unrecovered",
-                 "overflowed")
+                 "overflowed", "restarts", "_replayed")
 
     def __init__(self) -> None:
         self.next: int | None = None  # the number the index expects next
@@ -47,7 +52,8 @@ class SeqOrder:
         self.want: int | None = None  # a replay to request from this number (the transport clears it)
         self._held: dict[int, bytes] = {}
         self._ready: list[tuple[int, bytes]] = []
-        self.requested = self.recovered = self.unrecovered = self.overflowed = 0
+        self.requested = self.recovered = self.unrecovered = self.overflowed = self.restarts = 0
+        self._replayed = range(0)  # numbers the last replay handed on: their live copies may follow
 
     def ready(self) -> list[tuple[int, bytes]]:
         """The batches to apply now, in order."""
@@ -58,7 +64,13 @@ class SeqOrder:
         """A batch from the live stream."""
         expected = 0 if self.next is None else self.next
         if seq < expected:
-            return  # already applied (a replay brought it first)
+            if seq in self._replayed:
+                return  # already applied (a replay brought it first)
+            self.restarts += 1  # the engine started again: its numbers did
+            self.next, expected = None, 0
+            self._held.clear()
+        elif seq == expected and not self.replaying:
+            self._replayed = range(0)  # the live stream caught up: no copy is left to come
         if self.replaying or (seq > expected and can_replay):
             if len(self._held) >= MAX_HELD:
                 self.overflowed += 1  # dropped: the stream will show the gap
@@ -67,6 +79,7 @@ class SeqOrder:
             if not self.replaying:
                 self.replaying = True
                 self.want = expected
+                self._replayed = range(expected, expected)  # its start; its end when it is done
                 self.requested += 1
             return
         self._hand_on(seq, payload)
@@ -95,6 +108,8 @@ class SeqOrder:
                 self.unrecovered += seq - expected
             self._hand_on(seq, self._held[seq])
         self._held.clear()
+        if self.next is not None:
+            self._replayed = range(self._replayed.start, self.next)
 
     def _hand_on(self, seq: int, payload: bytes) -> None:
         self._ready.append((seq, payload))

@@ -231,6 +231,10 @@ class Catalog:
                 out.append(cached[wid])
         return out
 
+    def records_json_of(self, worker_id: int) -> bytes:
+        """One record's JSON (the worker is in the catalog)."""
+        return self._json[worker_id]
+
     def spliced(self, head: bytes, tail: bytes) -> bytes:
         """`head`, every record's JSON in order and comma-separated, `tail`: the body of `/ready`
         or of an unfiltered `/workers`. Kept until the catalog changes, so that a probe asking

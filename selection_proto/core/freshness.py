@@ -2,17 +2,20 @@
 
 Event ids and stream seqs follow the same continuity rule, written once in `RankFreshness._step`:
 the next number is fine; a jump forward is a gap (the numbers in between are missing); anything
-else is a rewind (the engine may have restarted). Either break marks the rank stale until a
-`cleared` event, or a continuous stream after a reconnect, proves the index whole again."""
+else is a rewind. Either break marks the rank stale until a `cleared` event proves the index whole
+again. A stream seq that goes back is an engine restart (its cache is empty, its numbers begin
+again): the caller drops the rank's index, and when the batch is the engine's first (seq 0) the next
+batch in order proves the index whole again (issue 34)."""
 
 from __future__ import annotations
 
 from typing import Final, NamedTuple
 
-__all__ = ["GAP", "REWIND", "Break", "RankFreshness"]
+__all__ = ["GAP", "RESTART", "REWIND", "Break", "RankFreshness"]
 
 GAP: Final = "gap"
 REWIND: Final = "rewind"
+RESTART: Final = "restart"
 
 
 class Break(NamedTuple):
@@ -26,7 +29,7 @@ class RankFreshness:
     """Per rank: the last event id and seq seen, what broke, and the streams that feed it."""
 
     __slots__ = ("last_event_id", "last_event_at", "last_seq", "event_gaps", "missing_events",
-                 "rewinds", "stale", "open_streams", "loss_pending")
+                 "rewinds", "restarts", "stale", "recovering", "open_streams", "loss_pending")
 
     def __init__(self) -> None:
         self.last_event_id: int | None = None
@@ -35,7 +38,9 @@ class RankFreshness:
         self.event_gaps = 0
         self.missing_events = 0
         self.rewinds = 0
+        self.restarts = 0
         self.stale = False
+        self.recovering = False  # stale by a restart seen from its first batch: the next in order heals
         self.open_streams = 0
         self.loss_pending = False  # a stream that fed this rank was lost; continuity unproven
 
@@ -48,8 +53,10 @@ class RankFreshness:
             return None
         if value == last + 1:
             self.loss_pending = False
+            if self.recovering:
+                self.recovering = self.stale = False
             return None
-        self.stale = True
+        self.mark_stale()
         if value > last + 1:
             self.event_gaps += 1
             self.missing_events += value - last - 1
@@ -67,10 +74,21 @@ class RankFreshness:
         return broken
 
     def note_seq(self, seq: int) -> Break | None:
-        """A batch with a stream seq arrived (the caller also marks the batch's own rank stale)."""
-        broken = self._step(self.last_seq, seq)
+        """A batch with a stream seq arrived (the caller also marks the batch's own rank stale, and
+        on a restart drops the index)."""
+        last = self.last_seq
+        broken = self._step(last, seq)
         self.last_seq = seq
+        if broken is not None and last is not None and seq < last:
+            self.restarts += 1
+            self.recovering = seq == 0
+            return Break(RESTART, 0)
         return broken
+
+    def mark_stale(self) -> None:
+        """The index may be missing events (a recovery under way is void)."""
+        self.stale = True
+        self.recovering = False
 
     def count_event(self, now: float) -> None:
         """An engine event: engines number batches, not events, so ids are only counted."""

@@ -40,6 +40,7 @@ from .routes import (
 )
 from .selection import SHUTTING_DOWN
 from .types import (
+    ObservedCache,
     OutputBlockRequest,
     OverlapScoresRequest,
     PotentialLoadsRequest,
@@ -224,11 +225,12 @@ def _h_ready(service: SelectionService, param: str | None, query: str, body: Bod
 
 def _h_workers_get(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
     params = parse_query(query, KEY_QUERY)
-    model_name, tenant_id = params.get("model_name"), params.get("tenant_id")
-    if model_name is None and tenant_id is None:
-        return raw_json_response(200, service.catalog.spliced(b"[", b"]"))
-    records = service.records_json(model_name, tenant_id)
+    records = service.workers_json(params.get("model_name"), params.get("tenant_id"), now=now)
     return raw_json_response(200, b",".join(frame(b"[", records, b"]")))
+
+
+def _h_worker_get(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+    return raw_json_response(200, service.worker_json(_worker_id(param or ""), now=now))
 
 
 def _h_workers_post(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
@@ -266,18 +268,37 @@ def _h_reserve(service: SelectionService, param: str | None, query: str, body: B
     return _ok(service.reserve(req, now=now), 201)
 
 
+def _observed_cached_tokens(body: Body) -> int | None:
+    """`cached_tokens` an engine reported, carried by a prefill_complete or a free. These routes
+    ignore their body as 1.6.1 does, unless it is a JSON object with that member: then the member
+    must be a u64 (422 otherwise)."""
+    if isinstance(body, ParsedBody):
+        value = body.value
+    elif not body.strip():
+        return None
+    else:
+        try:
+            value, _ = _parse_json(body)
+        except InvalidJson:
+            return None
+    if not isinstance(value, dict) or "cached_tokens" not in value:
+        return None
+    return _decode(body, lambda v, ctx: from_json(ObservedCache, v, "", ctx)).cached_tokens
+
+
 def _h_prefill(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
     rid = _reservation_id(param or "")
     params = parse_query(query, KEY_QUERY)
-    service.prefill_complete(rid, model_name=params.get("model_name"),
-                       tenant_id=params.get("tenant_id"), now=now)
+    service.prefill_complete(rid, model_name=params.get("model_name"), tenant_id=params.get("tenant_id"),
+                             cached_tokens=_observed_cached_tokens(body), now=now)
     return _ok(service.health())
 
 
 def _h_free(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
     rid = _reservation_id(param or "")
     params = parse_query(query, KEY_QUERY)
-    service.free(rid, model_name=params.get("model_name"), tenant_id=params.get("tenant_id"), now=now)
+    service.free(rid, model_name=params.get("model_name"), tenant_id=params.get("tenant_id"),
+                 cached_tokens=_observed_cached_tokens(body), now=now)
     return _ok(service.health())
 
 
@@ -397,6 +418,7 @@ _HANDLERS: Final[dict[str, Callable[..., Response | Pending]]] = {
     "ready": _h_ready,
     "readyz": _h_readyz,
     "list_workers": _h_workers_get,
+    "get_worker": _h_worker_get,
     "upsert_worker": _h_workers_post,
     "patch_worker": _h_worker_patch,
     "delete_worker": _h_worker_delete,

@@ -26,7 +26,7 @@ from .errors import (
     Unprocessable,
 )
 from .events import KvEvent, require_worker
-from .freshness import GAP, Break
+from .freshness import GAP, RESTART, Break
 from .index import IndexEventError, Rank
 from .limits import Limits
 from .metrics import Metrics
@@ -205,6 +205,7 @@ class Ingest:
                 broken = pool.fresh[rank].note_event_id(event.event_id, now)
                 if broken is not None:
                     self._count_break(pool.key, rank, broken)
+                pool.watch[rank].event(now)
             self._apply(pool, rank, event, over_budget, tally, i if indices is None else indices[i])
         return tally
 
@@ -214,6 +215,8 @@ class Ingest:
             self._metrics.kv_gap(labels, broken.missing)
         else:
             self._metrics.kv_rewind(labels)
+            if broken.kind == RESTART:
+                self._metrics.kv_restart(labels)
         self._outbox.append(Notice(f"kv_{broken.kind}", (("worker_id", rank[0]), ("dp_rank", rank[1]),
                                                           ("missing", broken.missing))))
 
@@ -235,7 +238,7 @@ class Ingest:
             # Removes and clears still apply (they free memory); the rank misses these stores.
             fresh = pool.fresh.get(rank)  # none for a rank recovered from a peer, not registered
             if fresh is not None:
-                fresh.stale = True
+                fresh.mark_stale()
             self._limits.stale_store()
             return STATE_BUDGET_EXHAUSTED
         if event.tier == "device":
@@ -289,17 +292,27 @@ class Ingest:
         if start > 0:
             pass  # a later slice: the batch's seq was noted with its first
         elif seq is not None:
-            broken = pool.fresh[stream_rank].note_seq(seq)
+            stream_fresh = pool.fresh[stream_rank]
+            broken = stream_fresh.note_seq(seq)
             if broken is not None:
                 self._count_break(pool.key, stream_rank, broken)
-                fresh.stale = True
+                if broken.kind == RESTART:  # the engine's cache is empty: forget what it held
+                    pool.drop_index(stream_rank)
+                    if rank != stream_rank:
+                        pool.drop_index(rank)
+                if fresh is not stream_fresh:
+                    fresh.mark_stale()
         elif source is not None and source.first and fresh.loss_pending:
-            fresh.stale = True  # a reconnect without proof of continuity
+            fresh.mark_stale()  # a reconnect without proof of continuity
         memory = pool.memory.setdefault(rank, NamespaceMemory())
         events = batch.events if start == 0 and stop is None else batch.events[start:stop]
         tally = Tally(len(events))
+        watch = pool.watch.get(rank)
         for i, raw in enumerate(events, start):
             event = convert(raw, pool.block_size, memory)
+            if watch is not None:
+                watch.event(now, raw.block_size if raw.tag == "BlockStored" else None,
+                            event == "block_size_mismatch")
             if isinstance(event, str):
                 tally.dropped += 1
                 self._metrics.kv_dropped(pool.key, event)

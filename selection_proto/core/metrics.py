@@ -39,6 +39,7 @@ _WAIT_BUCKETS: Final = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0
 _DURATION_BUCKETS: Final = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                             0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _RANK_LABELS: Final = ("model_name", "tenant_id", "worker_id", "dp_rank")
+_WORKER_LABELS: Final = ("model_name", "tenant_id", "worker_id")
 
 # The families reported from outside the core, by name.
 LIMIT_REJECTIONS: Final = "selection_proto_limit_rejections_total"
@@ -98,6 +99,16 @@ FAMILIES: Final[Mapping[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]
                                                 _RANK_LABELS, ()),
     "selection_proto_kv_event_rewinds_total": ("counter", "Event ids that went backwards.",
                                                _RANK_LABELS, ()),
+    "selection_proto_kv_restarts_total": ("counter", "Engine restarts seen (stream seqs that began again); "
+                                          "each dropped the rank's index.", _RANK_LABELS, ()),
+    "selection_proto_kv_routing_state": ("gauge", "Each worker's KV routing verdict: 1 for its state "
+                                         "(docs/VERDICT.md).", (*_WORKER_LABELS, "state"), ()),
+    "selection_proto_kv_observations_total": ("counter", "Bookings whose engine reported its cached tokens.",
+                                              _WORKER_LABELS, ()),
+    "selection_proto_kv_predicted_cached_tokens_total": (
+        "counter", "Cached tokens the index predicted for those bookings.", _WORKER_LABELS, ()),
+    "selection_proto_kv_observed_cached_tokens_total": (
+        "counter", "Cached tokens their engines reported.", _WORKER_LABELS, ()),
     "selection_proto_kv_stale_ranks": ("gauge", "Ranks whose index may miss events.",
                                        ("model_name", "tenant_id"), ()),
     "selection_proto_index_blocks": ("gauge", "Indexed blocks per tier.",
@@ -264,6 +275,16 @@ class Metrics:
 
     def kv_rewind(self, rank_labels: Labels) -> None:
         self.inc("selection_proto_kv_event_rewinds_total", rank_labels)
+
+    def kv_restart(self, rank_labels: Labels) -> None:
+        self.inc("selection_proto_kv_restarts_total", rank_labels)
+
+    def kv_observed(self, key: tuple[str, str], worker_id: int, predicted: int, observed: int) -> None:
+        """An engine reported a booking's cached tokens (verdict.py)."""
+        labels = (*key, str(worker_id))
+        self.inc("selection_proto_kv_observations_total", labels)
+        self.inc("selection_proto_kv_predicted_cached_tokens_total", labels, predicted)
+        self.inc("selection_proto_kv_observed_cached_tokens_total", labels, observed)
 
     def value(self, name: str, labels: Labels = ()) -> float:
         return self._values.get(name, {}).get(labels, 0.0)

@@ -75,7 +75,12 @@ _ANSWERS: Final[dict[str, dict[str, Any]]] = {
                      "properties": {"worker_id": _INT, "routing_group": _STR, "is_eagle": {"type": ["boolean", "null"]},
                                     "lifecycle": {"enum": ["incomplete", "schedulable",
                                                                               "draining", "unschedulable"]},
-                                    "not_schedulable_reasons": {"type": "array", "items": _STR}},
+                                    "not_schedulable_reasons": {"type": "array", "items": _STR},
+                                    "kv_routing": {"type": "object", "description": "GET /workers only: "
+                                                   "is KV routing working (docs/VERDICT.md)", "properties": {
+                                        "state": {"enum": ["ok", "waiting", "no_events", "block_size_mismatch",
+                                                           "stale", "misses"]},
+                                        "reasons": {"type": "array", "items": _STR}}}},
                      "required": ["worker_id", "lifecycle"]},
     "ReadyResponse": {"type": "object", "properties": {
         "ready": {"type": "boolean"}, "schedulable_workers": _INT, "recovered_from": _STR,
@@ -115,7 +120,7 @@ _ANSWER_OF: Final[dict[str, tuple[str, str]]] = {  # operation -> (schema, media
     "health": ("StatusOk", "application/json"), "ready": ("ReadyResponse", "application/json"),
     "readyz": ("StatusOk", "application/json"),
     "upsert_worker": ("WorkerRecord", "application/json"), "patch_worker": ("WorkerRecord", "application/json"),
-    "delete_worker": ("WorkerRecord", "application/json"),
+    "delete_worker": ("WorkerRecord", "application/json"), "get_worker": ("WorkerRecord", "application/json"),
     "select": ("SelectResponse", "application/json"), "select_and_reserve": ("SelectResponse", "application/json"),
     "reserve": ("ReservationResponse", "application/json"),
     "prefill_complete": ("StatusOk", "application/json"), "output_block": ("StatusOk", "application/json"),

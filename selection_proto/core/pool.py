@@ -18,6 +18,7 @@ from .sessions import SessionTable
 from .settings import Settings
 from .tiers import KeyIndex
 from .tracker import Booking, Tracker
+from .verdict import RankWatch
 
 __all__ = ["Key", "Pool", "key_label"]
 
@@ -32,7 +33,7 @@ class Pool:
     """Everything a key (model, tenant) holds while it has a schedulable rank (core.md §6.4)."""
 
     __slots__ = ("key", "label", "block_size", "eagle", "speeds", "index", "tracker", "fresh", "memory", "epoch",
-                 "workers", "taints", "queue", "_ranks", "budget", "sessions", "side", "predictions")
+                 "workers", "taints", "queue", "_ranks", "budget", "sessions", "side", "predictions", "watch")
 
     def __init__(self, key: Key, block_size: int, now: float, settings: Settings,
                  budget: StateBudget) -> None:
@@ -47,6 +48,7 @@ class Pool:
         self.tracker = Tracker(settings.max_reservations_per_key, self.label, budget)
         self.fresh: dict[Rank, RankFreshness] = {}
         self.memory: dict[Rank, NamespaceMemory] = {}  # engine-event cache namespaces (events.md §4.5)
+        self.watch: dict[Rank, RankWatch] = {}  # is KV routing working (verdict.py)
         self.epoch = now
         self.workers: dict[int, tuple[Rank, ...]] = {}  # schedulable worker -> its ranks
         self.taints: dict[int, frozenset[str]] = {}
@@ -93,6 +95,7 @@ class Pool:
         self.tracker.add_rank(rank)
         self.index.device.ensure(rank)
         self.fresh[rank] = RankFreshness()
+        self.watch[rank] = RankWatch()
         self._ranks = None
 
     def drop_ranks(self, ranks: set[Rank], now: float) -> list[Booking]:
@@ -104,6 +107,7 @@ class Pool:
                 self.budget.index_blocks -= self.side.size(rank)
                 self.side.clear(rank)
             self.fresh.pop(rank, None)
+            self.watch.pop(rank, None)
             self.memory.pop(rank, None)
         self._ranks = None
         return self._released(self.tracker.drop_ranks(ranks), now)
@@ -122,9 +126,15 @@ class Pool:
                 self.sessions.release(booking.lease, now)
         return bookings
 
-    def reset_rank_events(self, rank: Rank) -> None:
+    def drop_index(self, rank: Rank) -> None:
+        """Forget every block the rank's engine was said to hold (its cache is gone)."""
         self.budget.index_blocks -= self.index.rank_size(rank)
         self.index.drop_rank(rank)
         self.index.device.ensure(rank)
-        self.fresh[rank] = RankFreshness()
         self.memory.pop(rank, None)
+
+    def reset_rank_events(self, rank: Rank) -> None:
+        """The rank's event source changed: its index and everything known of its events start anew."""
+        self.drop_index(rank)
+        self.fresh[rank] = RankFreshness()
+        self.watch[rank] = RankWatch()

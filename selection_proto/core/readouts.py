@@ -18,18 +18,36 @@ from .prompt import PromptHashes
 from .responses import ModelLoadResponse, OverlapScoresResponse, PotentialLoad
 from .settings import Settings
 from .types import RouterConfigOverride, WorkerCatalogRecord
+from .verdict import STATES, judge, not_schedulable
 
-__all__ = ["gauges", "loads", "overlap_scores", "potential_loads"]
+__all__ = ["gauges", "kv_routing", "loads", "overlap_scores", "potential_loads"]
 
 Samples = dict[tuple[str, ...], float]
 
 
+def kv_routing(record: WorkerCatalogRecord, pools: Mapping[Key, Pool], settings: Settings,
+               now: float) -> dict[str, Any]:
+    """A worker's verdict: is KV routing working for it (verdict.py)."""
+    pool = pools.get(record.key)
+    ranks = pool.workers.get(record.worker_id) if pool is not None else None
+    if pool is None or not ranks:
+        return not_schedulable(record.lifecycle)
+    expected = settings.kv_events in ("subscribe", "push")
+    return judge([(r[1], pool.watch[r], pool.fresh[r]) for r in ranks], pool.block_size, expected,
+                 settings.kv_verdict_window_secs, now)
+
+
 def gauges(records: Iterable[WorkerCatalogRecord], pools: Mapping[Key, Pool], budget: StateBudget,
-           pending: PendingSelections) -> dict[str, Samples]:
+           pending: PendingSelections, settings: Settings, now: float) -> dict[str, Samples]:
     """The gauge families that mirror state, sampled now (api.md §5)."""
     lifecycles: Samples = {("incomplete",): 0.0, ("schedulable",): 0.0, ("unschedulable",): 0.0}
+    verdicts: Samples = {}
     for r in records:
         lifecycles[(r.lifecycle,)] = lifecycles.get((r.lifecycle,), 0.0) + 1
+        if r.lifecycle == "schedulable":  # bounded by the worker limits
+            state = kv_routing(r, pools, settings, now)["state"]
+            for name in STATES:
+                verdicts[(*r.key, str(r.worker_id), name)] = 1.0 if name == state else 0.0
     ranks: Samples = {}
     active: Samples = {}
     queued: Samples = {}
@@ -61,6 +79,7 @@ def gauges(records: Iterable[WorkerCatalogRecord], pools: Mapping[Key, Pool], bu
         "selection_proto_reservations_active": active,
         "selection_proto_queue_pending": queued,
         "selection_proto_kv_stale_ranks": stale,
+        "selection_proto_kv_routing_state": verdicts,
         "selection_proto_index_blocks": blocks,
         "selection_proto_state_bytes": {(): float(budget.used)},
         "selection_proto_state_budget_bytes": {(): float(budget.limit)},

@@ -52,6 +52,7 @@ from .sessions import check_session_id, mismatch
 from .settings import Settings
 from .tracker import Booking, DuplicateReservation, rank_text
 from .types import ReservationRequest, SelectAndReserveRequest, SelectRequest
+from .verdict import visible_cached
 from .wire import error_response, json_response
 
 __all__ = ["SHUTTING_DOWN", "Selection", "Selector"]
@@ -440,6 +441,9 @@ class Selector:
             blocks = list(prompt.seqs) if reuse else [self._rng.getrandbits(64) for _ in prompt.seqs]
         prefill = max(0, prompt.isl - cached) if track_prefill else 0
         booking = pool.tracker.book(rid, rank, blocks, prefill, expected_output_tokens, now)
+        booking.predicted_cached = visible_cached(cached, prompt.isl, pool.block_size)
+        booking.prompt_tokens = prompt.isl
+        pool.watch[rank].booked(len(prompt.blocks) - cached // pool.block_size, now)
         self._metrics.booking(pool.key, "booked")
         if self.journal is not None:
             self.journal.booked(pool.key, booking)
@@ -529,8 +533,9 @@ class Selector:
         self._metrics.booking(pool.key, "output_block")
 
     def finish_booking(self, rid: str, model_name: str | None, tenant_id: str | None, now: float, *,
-                       free: bool) -> Pool:
-        """Prefill completion or free of a booking; its pool (both release load)."""
+                       free: bool, cached_tokens: int | None = None) -> Pool:
+        """Prefill completion or free of a booking; its pool (both release load). `cached_tokens`
+        is what the engine reported it found cached: the first report of a booking is observed."""
         try:
             pool = self.booked_in(rid, model_name, tenant_id)
         except NotFound:
@@ -538,6 +543,12 @@ class Selector:
                 self.journal.free_unknown(rid)  # its booking may be on its way from a replica
             raise
         booking = pool.free(rid, now) if free else pool.tracker.prefill_complete(rid)
+        predicted = booking.predicted_cached
+        if cached_tokens is not None and predicted is not None and booking.rank in pool.watch:
+            observed = min(cached_tokens, booking.prompt_tokens)
+            pool.watch[booking.rank].observe(predicted, observed)
+            self._metrics.kv_observed(pool.key, booking.rank[0], predicted, observed)
+            booking.predicted_cached = None
         if self.journal is not None:
             (self.journal.freed if free else self.journal.prefilled)(booking)
         self._metrics.booking(pool.key, "freed" if free else "prefill_complete")

@@ -18,6 +18,7 @@ from typing import Any, Final
 
 import attrs
 
+from . import jsonio
 from .admission import Tickets
 from .budget import StateBudget
 from .catalog import Catalog
@@ -29,9 +30,9 @@ from .journal import LedgerSettings
 from .ledger import Ledger
 from .limits import Limits
 from .metrics import Metrics
-from .outputs import InternalError, OutputEvent
+from .outputs import InternalError, Notice, OutputEvent
 from .pool import Key, Pool
-from .readouts import gauges, loads, overlap_scores, potential_loads
+from .readouts import gauges, kv_routing, loads, overlap_scores, potential_loads
 from .responses import (
     ApplyReport,
     ModelLoadResponse,
@@ -205,6 +206,20 @@ class SelectionService:
                 if (model_name is None or r.key[0] == model_name)
                 and (tenant_id is None or r.key[1] == tenant_id)]
 
+    def workers_json(self, model_name: str | None = None, tenant_id: str | None = None, *,
+                     now: float) -> list[bytes]:
+        """`/workers`: each record's JSON with its `kv_routing` verdict, filtered by key."""
+        now = self._advance(now)
+        records = self.list_workers(model_name, tenant_id)
+        encoded = self.catalog.records_json(model_name, tenant_id)
+        return [_with_verdict(raw, kv_routing(r, self._pools, self.settings, now))
+                for r, raw in zip(records, encoded, strict=True)]
+
+    def worker_json(self, worker_id: int, *, now: float) -> bytes:
+        """`GET /workers/{worker_id}`: its record with its verdict. Raises NotFound."""
+        verdict = self.kv_routing(worker_id, now=now)
+        return _with_verdict(self.catalog.records_json_of(worker_id), verdict)
+
     def upsert_worker(self, req: WorkerRequest, *, now: float) -> WorkerCatalogRecord:
         """Register or replace a worker (core.md §6.5); raises SelectionError (400, 409, 507)."""
         return self._workers.reconcile(req, self.catalog.get(req.worker_id), self._advance(now))
@@ -249,18 +264,30 @@ class SelectionService:
         return self._selector.reserve(req, self._advance(now))
 
     def prefill_complete(self, reservation_id: str, *, model_name: str | None = None,
-                         tenant_id: str | None = None, now: float) -> None:
-        """The booking's prefill is done: its prefill tokens stop counting. Raises NotFound."""
+                         tenant_id: str | None = None, cached_tokens: int | None = None,
+                         now: float) -> None:
+        """The booking's prefill is done: its prefill tokens stop counting. `cached_tokens`, when
+        the engine reported it, is checked against the prediction (verdict.py). Raises NotFound."""
         now = self._advance(now)
-        pool = self._selector.finish_booking(reservation_id, model_name, tenant_id, now, free=False)
+        pool = self._selector.finish_booking(reservation_id, model_name, tenant_id, now, free=False,
+                                             cached_tokens=cached_tokens)
         self._selector.dispatch(pool, now)
 
     def free(self, reservation_id: str, *, model_name: str | None = None,
-             tenant_id: str | None = None, now: float) -> None:
-        """End a booking: its load goes, and queued selections may run. Raises NotFound."""
+             tenant_id: str | None = None, cached_tokens: int | None = None, now: float) -> None:
+        """End a booking: its load goes, and queued selections may run. `cached_tokens` as in
+        `prefill_complete`. Raises NotFound."""
         now = self._advance(now)
-        pool = self._selector.finish_booking(reservation_id, model_name, tenant_id, now, free=True)
+        pool = self._selector.finish_booking(reservation_id, model_name, tenant_id, now, free=True,
+                                             cached_tokens=cached_tokens)
         self._selector.dispatch(pool, now)
+
+    def kv_routing(self, worker_id: int, *, now: float) -> dict[str, Any]:
+        """Is KV routing working for the worker: its `kv_routing` verdict (verdict.py). Raises NotFound."""
+        record = self.catalog.get(worker_id)
+        if record is None:
+            raise NotFound(f"worker {worker_id} not found")
+        return kv_routing(record, self._pools, self.settings, self._advance(now))
 
     def output_block(self, reservation_id: str, decay_fraction: float | None = None, *,
                      now: float) -> None:
@@ -373,7 +400,25 @@ class SelectionService:
         if source is not None:
             source.failing = True
         if fresh is not None:
-            fresh.stale = True
+            fresh.mark_stale()
+
+    def engine_disconnected(self, stream: int, *, now: float) -> None:
+        """The engine behind a subscription closed its connection: its process went away, and its
+        cache with it. The ranks it fed forget what it held (stale) and are trusted again once its
+        batches follow in order, from 0 if it restarted (issue 34)."""
+        self._advance(now)
+        source = self._streams.get(stream)
+        pool = self._pools.get(source.key) if source is not None else None
+        if source is None or pool is None:
+            return
+        for rank in source.delivered:  # nothing to forget where it never published
+            fresh = pool.fresh.get(rank)
+            if fresh is not None:
+                pool.drop_index(rank)
+                fresh.mark_stale()
+                fresh.recovering = fresh.loss_pending = True
+        self._outbox.append(Notice("kv_engine_disconnected", (("worker_id", source.worker_id),
+                                                              ("dp_rank", source.dp_rank))))
 
     # -- dump ----------------------------------------------------------------------------------
 
@@ -435,7 +480,7 @@ class SelectionService:
         if self.ledger is not None:
             self.ledger.report()
         return self.metrics.render(gauges(self.catalog.values(), self._pools, self.budget,
-                                          self._selector.pending))
+                                          self._selector.pending, self.settings, now))
 
     # -- bytes ---------------------------------------------------------------------------------
 
@@ -448,3 +493,8 @@ class SelectionService:
         request = (method, path, query, tuple(headers), body)
         self.ledger.begin_request()
         return self.ledger.held(request, handle_request(self, *request, now), now)
+
+
+def _with_verdict(record_json: bytes, verdict: dict[str, Any]) -> bytes:
+    """A record's cached JSON with `kv_routing` as its last member."""
+    return record_json[:-1] + b',"kv_routing":' + jsonio.dumps(verdict) + b"}"

@@ -67,6 +67,7 @@ class Settings:
     max_record_bytes: int = 65536
     max_state_bytes: int = 4 * 1024**3
     max_events_per_step: int | None = 1024
+    kv_verdict_window_secs: float = 60.0  # bookings with new blocks and no event this long: no_events
     router_ttl_secs: float = 120.0  # kv_events=approximate: how long a booked prompt is assumed cached
     predicted_ttl_secs: float | None = None  # with real events: a predicted side index, this TTL
     router_tracking_hash: TrackingHash = "public-xxh3-v1"
@@ -107,7 +108,7 @@ class Settings:
             value = getattr(self, name)
             if value is not None:
                 _check(name, _is_number(value) and value > 0, "must be greater than 0")
-        for name in ("queue_timeout_secs", "active_request_expiry_secs"):
+        for name in ("queue_timeout_secs", "active_request_expiry_secs", "kv_verdict_window_secs"):
             value = getattr(self, name)
             _check(name, _is_number(value) and value > 0, "must be greater than 0")
         if self.max_events_per_step is not None:

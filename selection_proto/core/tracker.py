@@ -60,7 +60,7 @@ class RankLoad:
 class Booking:
     __slots__ = ("rid", "rank", "blocks", "prefill_tokens", "prefill_done", "expected_output_tokens",
                  "booked_at", "outputs", "output_weight", "lease", "owner",
-                 "outputs_by")
+                 "outputs_by", "predicted_cached", "prompt_tokens")
 
     def __init__(self, rid: str, rank: Rank, blocks: list[int] | None, prefill_tokens: int,
                  expected_output_tokens: int | None, booked_at: float) -> None:
@@ -76,6 +76,9 @@ class Booking:
         self.output_weight = 0.0  # their weight (a decay re-weighs them all)
         self.owner: str | None = None  # the replica that made it, when not this one (ledger.py)
         self.outputs_by: dict[str, int] | None = None  # output blocks per replica that reported them
+        # For the verdict (verdict.py): the cached tokens the engine should report, until it has.
+        self.predicted_cached: int | None = None
+        self.prompt_tokens = 0
 
 
 class Tracker:

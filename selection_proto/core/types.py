@@ -34,6 +34,7 @@ __all__ = [
     "Lifecycle",
     "MmObject",
     "MmRoutingInfo",
+    "ObservedCache",
     "OutputBlockRequest",
     "OverlapScoresRequest",
     "PinnedWorker",
@@ -235,6 +236,13 @@ class WorkerCatalogRecord:
         if self.not_schedulable_reasons:
             out["not_schedulable_reasons"] = list(self.not_schedulable_reasons)
         return out
+
+
+@attrs.frozen(kw_only=True)
+class ObservedCache(_Checked):
+    """The body a prefill_complete or a free may carry: what the engine found cached (verdict.py)."""
+
+    cached_tokens: int | None = member(U64)
 
 
 @attrs.frozen(kw_only=True)

@@ -104,6 +104,8 @@ async def _zmq_loop(relays: list[Relay], endpoint: str, topic: bytes) -> None:
     hub = ZmqHub()
     try:
         async for messages in hub.batches(endpoint, topic):
+            if isinstance(messages, str):
+                continue  # the engine's end came or went: the service sees it in the seqs
             for frames in messages:
                 for relay in relays:
                     relay.offer(frames)

@@ -7,13 +7,17 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Final
 
 import anyio
 import anyio.from_thread
 import anyio.lowlevel
 
-__all__ = ["REPLAY_TIMEOUT", "ZmqHub", "fetch_replay"]
+__all__ = ["CONNECTED", "DISCONNECTED", "REPLAY_TIMEOUT", "ZmqHub", "fetch_replay"]
+
+# What `ZmqHub.batches` yields, beside lists of messages, when the engine's end connects or goes.
+CONNECTED: Final = "connected"
+DISCONNECTED: Final = "disconnected"
 
 REPLAY_TIMEOUT = 1.0  # seconds the engine may take for each replayed batch
 MAX_REPLAYED = 100_000
@@ -63,6 +67,10 @@ class ZmqHub:
         self._address = f"inproc://selection-proto-hub-{id(self)}"
         self._wake = self._context.socket(zmq.PAIR)  # the loop's end: one byte per command
         self._wake.bind(self._address)
+        # The poller's end, connected before its thread starts (handed over by the start): a wake-up
+        # sent before it connected would be dropped, and the first command never seen.
+        self._woken = self._context.socket(zmq.PAIR)
+        self._woken.connect(self._address)
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._poll, name="zmq-hub", daemon=True)
@@ -81,9 +89,10 @@ class ZmqHub:
     def stop(self) -> None:
         self._command("stop")
 
-    async def batches(self, endpoint: str, topic: bytes = b"") -> AsyncIterator[list[list[bytes]]]:
-        """Lists of multipart messages from `endpoint` as they arrive. Raises what connecting
-        raised (an address ZMQ refuses)."""
+    async def batches(self, endpoint: str, topic: bytes = b"") -> AsyncIterator[list[list[bytes]] | str]:
+        """Lists of multipart messages from `endpoint` as they arrive, and `CONNECTED` or
+        `DISCONNECTED` as the engine's end comes and goes. Raises what connecting raised (an
+        address ZMQ refuses)."""
         send, receive = anyio.create_memory_object_stream[Any](4)
         key = object()
         self._command("add", key, endpoint, topic, send, anyio.lowlevel.current_token())
@@ -98,18 +107,25 @@ class ZmqHub:
 
     def _poll(self) -> None:  # the poller thread
         import zmq
+        from zmq.utils.monitor import recv_monitor_message
 
-        wake = self._context.socket(zmq.PAIR)
-        wake.connect(self._address)
+        wake = self._woken
         poller = zmq.Poller()
         poller.register(wake, zmq.POLLIN)
         subscribers: dict[Any, tuple[Any, Any, Any]] = {}  # socket -> (key, stream, loop token)
         by_key: dict[object, Any] = {}
+        monitors: dict[Any, Any] = {}  # monitor socket -> its SUB socket
+        monitor_of: dict[Any, Any] = {}
 
         def drop(socket: Any) -> None:
             key, _, _ = subscribers.pop(socket)
             by_key.pop(key, None)
             poller.unregister(socket)
+            monitor = monitor_of.pop(socket, None)
+            if monitor is not None:
+                monitors.pop(monitor, None)
+                poller.unregister(monitor)
+                monitor.close(linger=0)
             socket.close(linger=0)
 
         try:
@@ -142,6 +158,25 @@ class ZmqHub:
                             subscribers[sub] = (key, stream, token)
                             by_key[key] = sub
                             poller.register(sub, zmq.POLLIN)
+                            # The engine's side of the TCP connection: its process going away
+                            # takes its cache along (DISCONNECTED below).
+                            monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+                            monitors[monitor] = sub
+                            monitor_of[sub] = monitor
+                            poller.register(monitor, zmq.POLLIN)
+                        continue
+                    if socket in monitors:
+                        sub = monitors[socket]
+                        while True:
+                            try:
+                                event = recv_monitor_message(socket, zmq.NOBLOCK)
+                            except zmq.Again:
+                                break
+                            _, stream, token = subscribers[sub]
+                            state = CONNECTED if event["event"] == zmq.EVENT_CONNECTED else DISCONNECTED
+                            if not _deliver(stream, token, state):
+                                drop(sub)
+                                break
                         continue
                     if socket not in subscribers:
                         continue
@@ -155,6 +190,8 @@ class ZmqHub:
                     if messages and not _deliver(stream, token, messages):
                         drop(socket)  # its subscription, or the loop, has gone
         finally:
+            for socket in list(monitors):
+                socket.close(linger=0)
             for socket in list(subscribers):
                 socket.close(linger=0)
             wake.close(linger=0)

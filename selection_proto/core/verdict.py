@@ -1,0 +1,161 @@
+"""Whether KV routing works for a worker (issue 34): what its engine's events and its own reports of
+cached tokens say about the index's predictions, reduced to one state and reasons an operator can
+act on (docs/VERDICT.md).
+
+Each rank keeps a `RankWatch`, fed by ingestion (events, block sizes, restarts), by bookings (a
+prompt with blocks the engine does not hold must make it publish) and by observations (the engine's
+own `cached_tokens` for a booking). `judge` turns a worker's watches into its `kv_routing` member.
+The states, worst first (a worker shows its worst rank's):
+
+| state | when |
+|---|---|
+| `block_size_mismatch` | the engine's stored events carry a block size other than the record's |
+| `stale` | a rank's index may be missing events: a gap not replayed, or an engine restart seen |
+| `misses` | over the last observations, the engine found well under what the index predicted |
+| `no_events` | bookings that must make the engine publish, and no event within the window |
+| `waiting` | nothing to judge yet: no event and no observation, or the worker is not schedulable |
+| `ok` | events arrive (or observations agree) and nothing above holds |
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Final
+
+from .freshness import RankFreshness
+
+__all__ = ["MIN_OBSERVATIONS", "MISS_RATIO", "RECENT", "RankWatch", "STATES", "judge", "not_schedulable",
+           "visible_cached"]
+
+STATES: Final = ("ok", "waiting", "no_events", "block_size_mismatch", "stale", "misses")
+_SEVERITY: Final = {"block_size_mismatch": 5, "stale": 4, "misses": 3, "no_events": 2, "waiting": 1, "ok": 0}
+RECENT: Final = 32  # observations with a prediction kept per rank for `misses`
+MIN_OBSERVATIONS: Final = 5  # of them, before `misses` may be said
+MISS_RATIO: Final = 0.5  # `misses` when the engine found less than this share of the prediction
+
+
+def visible_cached(predicted: int, prompt_tokens: int, block_size: int) -> int:
+    """The predicted cached tokens an engine can report: whole blocks, and never the prompt's last
+    token (an engine computes at least one token of every prompt, as vLLM and SGLang do)."""
+    return max(0, min(predicted, (prompt_tokens - 1) // block_size * block_size))
+
+
+class RankWatch:
+    """One rank's evidence. Reset when the rank joins or its endpoint changes, as its freshness."""
+
+    __slots__ = ("events", "last_event_at", "engine_block_size", "mismatched", "awaiting_since",
+                 "awaiting_bookings", "predicted", "observed", "observations", "recent")
+
+    def __init__(self) -> None:
+        self.events = 0  # events that arrived for the rank, applied or dropped
+        self.last_event_at: float | None = None
+        self.engine_block_size: int | None = None  # of the last stored engine event
+        self.mismatched = 0  # stored events dropped: their block size is not the record's
+        self.awaiting_since: float | None = None  # first booking with new blocks since the last event
+        self.awaiting_bookings = 0
+        self.predicted = 0  # totals over observations
+        self.observed = 0
+        self.observations = 0
+        self.recent: deque[tuple[int, int]] = deque(maxlen=RECENT)  # (predicted, observed), predicted > 0
+
+    def event(self, now: float, block_size: int | None = None, mismatched: bool = False) -> None:
+        """An event arrived for the rank (engine events say their block size when they store)."""
+        self.events += 1
+        self.last_event_at = now
+        self.awaiting_since = None
+        self.awaiting_bookings = 0
+        if block_size is not None:
+            self.engine_block_size = block_size
+        if mismatched:
+            self.mismatched += 1
+
+    def booked(self, new_blocks: int, now: float) -> None:
+        """A booking landed on the rank; `new_blocks` of its prompt the index does not place there."""
+        if new_blocks > 0:
+            if self.awaiting_since is None:
+                self.awaiting_since = now
+            self.awaiting_bookings += 1
+
+    def observe(self, predicted: int, observed: int) -> None:
+        """The engine reported `observed` cached tokens where the index predicted `predicted`
+        (already cut to what the engine can report: `visible_cached`)."""
+        self.predicted += predicted
+        self.observed += observed
+        self.observations += 1
+        if predicted > 0:
+            self.recent.append((predicted, observed))
+
+    def state(self, fresh: RankFreshness, block_size: int, events_expected: bool, window: float,
+              now: float) -> tuple[str, list[str]]:
+        """This rank's state and the reasons behind it (every finding, worst first)."""
+        found: list[tuple[str, str]] = []
+        if self.engine_block_size is not None and self.engine_block_size != block_size:
+            found.append(("block_size_mismatch",
+                          f"the engine stores blocks of {self.engine_block_size} tokens but the worker "
+                          f"record says block_size {block_size}: {self.mismatched} stored events were "
+                          f"dropped; register the worker with block_size {self.engine_block_size}"))
+        if fresh.stale:
+            if fresh.recovering:
+                found.append(("stale", "the engine restarted or its event stream dropped: the index "
+                                       "forgot what it held for it, and trusts it again once its next "
+                                       "events follow in order"))
+            else:
+                found.append(("stale", "KV events were lost (a gap the engine could not replay, a stream "
+                                       "lost without proof of continuity, or stores over the state "
+                                       "budget): the index may be wrong for this worker until its engine "
+                                       "clears its cache or restarts"))
+        predicted = sum(p for p, _ in self.recent)
+        observed = sum(o for _, o in self.recent)
+        if len(self.recent) >= MIN_OBSERVATIONS and observed < MISS_RATIO * predicted:
+            found.append(("misses", f"over the last {len(self.recent)} observed requests the engine "
+                                    f"found {observed} of {predicted} predicted cached tokens: is prefix "
+                                    "caching on in the engine, and do the router and the engine "
+                                    "tokenize alike (tokenizer, chat template, BOS)?"))
+        if (events_expected and self.awaiting_since is not None
+                and now - self.awaiting_since >= window):
+            found.append(("no_events", f"{self.awaiting_bookings} bookings with new blocks and no KV event "
+                                       f"in {now - self.awaiting_since:.0f} s: is the engine running and "
+                                       "publishing to the worker's kv_events_endpoint, with prefix caching "
+                                       "and KV events enabled?"))
+        if found:
+            found.sort(key=lambda f: -_SEVERITY[f[0]])
+            return found[0][0], [text for _, text in found]
+        if self.events == 0 and self.observations == 0:
+            return "waiting", ["no KV event and no observed cached tokens yet"]
+        return "ok", []
+
+
+def judge(watches: list[tuple[int, RankWatch, RankFreshness]], block_size: int, events_expected: bool,
+          window: float, now: float) -> dict[str, Any]:
+    """A worker's `kv_routing` from its ranks' (dp_rank, watch, freshness): its worst rank's state."""
+    state, reasons = "ok", []
+    for dp_rank, watch, fresh in watches:
+        rank_state, rank_reasons = watch.state(fresh, block_size, events_expected, window, now)
+        if len(watches) > 1:
+            rank_reasons = [f"dp_rank {dp_rank}: {r}" for r in rank_reasons]
+        if _SEVERITY[rank_state] > _SEVERITY[state]:
+            state = rank_state
+        if rank_state != "ok":
+            reasons.extend(rank_reasons)
+    if state == "ok":
+        reasons = []
+    last = [w.last_event_at for _, w, _ in watches if w.last_event_at is not None]
+    sizes = [w.engine_block_size for _, w, _ in watches if w.engine_block_size is not None]
+    return {
+        "state": state,
+        "reasons": reasons,
+        "events_total": sum(w.events for _, w, _ in watches),
+        "last_event_age_secs": max(0.0, now - max(last)) if last else None,
+        "engine_block_size": sizes[-1] if sizes else None,
+        "restarts": sum(f.restarts for _, _, f in watches),
+        "predicted_cached_tokens": sum(w.predicted for _, w, _ in watches),
+        "observed_cached_tokens": sum(w.observed for _, w, _ in watches),
+        "observations": sum(w.observations for _, w, _ in watches),
+    }
+
+
+def not_schedulable(lifecycle: str) -> dict[str, Any]:
+    """The `kv_routing` of a worker with no ranks to judge."""
+    return {"state": "waiting", "reasons": [f"the worker is {lifecycle}: nothing is routed to it"],
+            "events_total": 0, "last_event_age_secs": None, "engine_block_size": None, "restarts": 0,
+            "predicted_cached_tokens": 0, "observed_cached_tokens": 0, "observations": 0}
