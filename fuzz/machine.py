@@ -219,7 +219,8 @@ class ServiceMachine(RuleBasedStateMachine):
         for query, model, tenant in (("", None, None), ("model_name=default", "default", None),
                                      ("model_name=default&tenant_id=t1", "default", "t1")):
             answer = s.handle("GET", "/workers", query, [], b"", now=self.now)
-            assert answer.body == jsonio.dumps([r.to_json() for r in records if model in (None, r.key[0])
+            assert answer.body == jsonio.dumps([{**r.to_json(), "kv_routing": s.kv_routing(r.worker_id, now=self.now)}
+                                                for r in records if model in (None, r.key[0])
                                                 and tenant in (None, r.key[1])])
 
     @invariant()

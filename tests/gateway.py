@@ -120,7 +120,8 @@ class Gateway:
     def __init__(self, *serve_args: str, engines: int = 2, block_size: int = 4, chunks: int = 4,
                  delay: float = 0.02, first_delay: float = 0.0, mode: str = "approximate",
                  worker: dict[str, Any] | None = None, body_mode: str = "FULL_DUPLEX_STREAMED",
-                 subset: list[str] | None = None) -> None:
+                 subset: list[str] | None = None, records: list[dict[str, Any]] | None = None) -> None:
+        """`records`: register these workers (real engines) instead of starting fake ones."""
         self.server = Server("--ext-proc-port", "0", *serve_args, mode=mode)
         deadline = time.monotonic() + 30
         while not any('"ext_proc_listening"' in line for line in self.server.logs):
@@ -129,10 +130,14 @@ class Gateway:
         record = next(json.loads(line) for line in self.server.logs if '"ext_proc_listening"' in line)
         self.ext_proc_port = int(record["url"].rsplit(":", 1)[1])
         # Each engine on its own loopback address, as pods have theirs (the subset hint matches IPs).
-        self.engines = [Engine(chunks, delay, first_delay, f"127.0.0.{2 + i}") for i in range(engines)]
+        self.engines = [] if records is not None else [
+            Engine(chunks, delay, first_delay, f"127.0.0.{2 + i}") for i in range(engines)]
         for wid, engine in enumerate(self.engines, 1):
             status, _ = self.api("POST", "/workers", {"worker_id": wid, "model_name": "m", "block_size": block_size,
                                                       "endpoint": f"http://{engine.host}:{engine.port}", **(worker or {})})
+            assert status == 201
+        for record in records or ():
+            status, _ = self.api("POST", "/workers", record)
             assert status == 201
         self.port, admin = free_port(), free_port()
         with open(ENVOY_YAML) as fh:

@@ -64,7 +64,10 @@ def test_the_first_peer_that_restores_is_used() -> None:
         try:
             status, ready = call(warm.port, "GET", "/ready")
             assert status == 200 and ready["recovered_from"] == peers[-1]
-            assert call(warm.port, "GET", "/workers")[1] == call(source.port, "GET", "/workers")[1]
+            # The catalog is restored; the verdict is evidence gathered live, not part of a dump.
+            records = lambda port: [{k: v for k, v in r.items() if k != "kv_routing"}  # noqa: E731
+                                    for r in call(port, "GET", "/workers")[1]]
+            assert records(warm.port) == records(source.port)
             assert overlap(warm)["workers"][0]["device_blocks"] == 2
             failed = [json.loads(line) for line in warm.logs if "peer_recovery_failed" in line]
             assert [f["peer"] for f in failed] == peers[:3]

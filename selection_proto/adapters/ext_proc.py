@@ -7,11 +7,14 @@ Feed each message to `receive`, hand the answer of a queued selection to `resolv
 however it ends: it frees the booking if the response's end did not. The order of replies is
 the one Envoy demands under FULL_DUPLEX_STREAMED: nothing until the request body is whole, then
 the request headers' reply (the destination in the header and in `envoy.lb` metadata), then the
-body in pieces of at most 62,000 bytes; each response chunk echoed at once."""
+body in pieces of at most 62,000 bytes; each response chunk echoed at once. The engine's own count of
+cached prompt tokens (`usage.prompt_tokens_details.cached_tokens`, in a JSON answer or a stream's
+last event) goes back with the free, for the verdict (docs/VERDICT.md)."""
 
 from __future__ import annotations
 
 import json
+import re
 from collections import deque
 from collections.abc import Iterator, Mapping
 from typing import Any, Final
@@ -50,12 +53,14 @@ LB_NAMESPACE: Final = "envoy.lb"
 CHUNK_BYTES: Final = 62_000  # under the 64 KiB some Envoys allow per streamed chunk
 _JSON: Final = (("content-type", "application/json"),)
 _DEFAULT_PORTS: Final = {"http": 80, "https": 443, "grpc": 80}
+_CACHED: Final = re.compile(rb'"prompt_tokens_details"\s*:\s*\{[^{}]{0,512}?"cached_tokens"\s*:\s*(\d{1,12})')
+_CARRY: Final = 1024  # bytes of a chunk kept to find a usage split across two
 
 
 class ExtProcStream:
     __slots__ = ("_service", "_tokenizers", "_max_body", "_in_flight", "_held", "_headers", "_subset", "_body", "_body_done",
                  "_buffered", "_response_buffered", "_headers_answered", "_out", "pending_ticket", "booking", "_prefilled",
-                 "finished")
+                 "finished", "cached_tokens", "_carry")
 
     def __init__(self, service: SelectionService, tokenizers: Mapping[str, ChatTokenizer] | None = None,
                  max_body: int = MAX_BODY, in_flight: InFlight | None = None) -> None:
@@ -76,6 +81,8 @@ class ExtProcStream:
         self.booking: tuple[str, str, str] | None = None  # reservation id, model, tenant
         self._prefilled = False
         self.finished = False  # an immediate response was sent: end the stream
+        self.cached_tokens: int | None = None  # what the engine said it found cached
+        self._carry = b""
 
     def replies(self) -> Iterator[ProcessingResponse]:
         while self._out:
@@ -224,7 +231,17 @@ class ExtProcStream:
         reply.dynamic_metadata.update({LB_NAMESPACE: {DESTINATION: destination}})
         self._out.append(reply)
 
+    def _usage(self, chunk: bytes) -> None:
+        """Read the engine's `cached_tokens` where the response carries it (the last one wins)."""
+        window = self._carry + chunk
+        if b"cached_tokens" in window:
+            for match in _CACHED.finditer(window):
+                self.cached_tokens = int(match.group(1))
+        self._carry = window[-_CARRY:]
+
     def _response_body(self, chunk: bytes, end: bool, now: float) -> None:
+        if self.booking is not None:
+            self._usage(chunk)
         if self.booking is not None and not self._prefilled and (chunk or end):
             self._prefilled = True  # the first bytes of the answer: the prompt is prefilled
             rid, model, tenant = self.booking
@@ -267,7 +284,9 @@ class ExtProcStream:
         if self.booking is not None:
             rid, model, tenant = self.booking
             self.booking = None
-            self._service.handle("DELETE", f"/reservations/{quote(rid, safe='')}", _query(model, tenant), (), b"", now=now)
+            observed = b"" if self.cached_tokens is None else b'{"cached_tokens":%d}' % self.cached_tokens
+            self._service.handle("DELETE", f"/reservations/{quote(rid, safe='')}", _query(model, tenant), (),
+                                 observed, now=now)
 
 
 def _query(model: str, tenant: str) -> str:

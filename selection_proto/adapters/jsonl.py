@@ -339,7 +339,14 @@ def _request(method: str, route: tuple[str, str, str | None, bool], params: dict
         return http_method, path, query, headers, parsed(lambda p: p.get("events", []))
     if has_body:
         return http_method, path, "", headers, parsed(lambda p: _without(p, path_param))
+    if "cached_tokens" in rest and method in _OBSERVING:  # the engine's count, as the HTTP body
+        del rest["cached_tokens"]
+        return http_method, path, _query(rest), headers, parsed(lambda p: {"cached_tokens": p["cached_tokens"]})
     return http_method, path, _query(rest), headers, b""
+
+
+# The body-less routes that take the engine's `cached_tokens` (docs/VERDICT.md).
+_OBSERVING: Final = ("reservations.prefill_complete", "reservations.free")
 
 
 def _without(params: dict[str, Any], name: str | None) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from .errors import (
 )
 from .events import decode_json_events
 from .prompt import prehash
+from .readouts import with_verdict
 from .responses import Pending
 from .routes import (
     EVENT_QUERY,
@@ -225,12 +226,15 @@ def _h_ready(service: SelectionService, param: str | None, query: str, body: Bod
 
 def _h_workers_get(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
     params = parse_query(query, KEY_QUERY)
-    records = service.workers_json(params.get("model_name"), params.get("tenant_id"), now=now)
+    records = [with_verdict(service.catalog.records_json_of(r.worker_id), service.kv_routing(r.worker_id, now=now))
+               for r in service.list_workers(params.get("model_name"), params.get("tenant_id"))]
     return raw_json_response(200, b",".join(frame(b"[", records, b"]")))
 
 
 def _h_worker_get(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
-    return raw_json_response(200, service.worker_json(_worker_id(param or ""), now=now))
+    worker_id = _worker_id(param or "")
+    verdict = service.kv_routing(worker_id, now=now)
+    return raw_json_response(200, with_verdict(service.catalog.records_json_of(worker_id), verdict))
 
 
 def _h_workers_post(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:

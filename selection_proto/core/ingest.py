@@ -73,7 +73,7 @@ class Ingest:
                  "_outbox", "_jobs")
 
     def __init__(self, settings: Settings, metrics: Metrics, limits: Limits, budget: StateBudget,
-                 catalog: Catalog, pools: Mapping[Key, Pool], tickets: Tickets,
+                 catalog: Catalog, pools: dict[Key, Pool], tickets: Tickets,
                  outbox: deque[OutputEvent]) -> None:
         self._settings = settings
         self._metrics = metrics
@@ -325,6 +325,40 @@ class Ingest:
             if stop is None or stop >= len(batch.events):
                 source.first = False
         return tally.report()
+
+    def replay(self, events: Sequence[KvEvent], now: float) -> None:
+        """A dump's events (`restore`), freshness untouched; those of a worker that did not become
+        schedulable here (e.g. in another kv_events mode) are left out."""
+        bound = []
+        for event in events:
+            try:
+                bound.append((event, *self.bind(event.worker_id or 0, event.dp_rank, None, None)))
+            except SelectionError:
+                continue
+        self.apply_bound(bound, now, touch_freshness=False)
+
+    def seed(self, partitions: Mapping[Key, tuple[int, Sequence[KvEvent]]], now: float) -> None:
+        """A 1.6.1 peer's index (`recover`): each partition a pool of its block size, filled."""
+        for key, (block_size, events) in partitions.items():
+            pool = self._pools[key] = Pool(key, block_size, now, self._settings, self._budget)
+            self.apply_bound([(e, pool, (e.worker_id or 0, e.dp_rank or 0)) for e in events], now,
+                             touch_freshness=False)
+
+    def engine_gone(self, source: EventSource) -> None:
+        """The engine behind a subscription closed its connection: its process went away, and its
+        cache with it. The ranks it fed forget what it held (stale) and are trusted again once its
+        batches follow in order, from 0 if it restarted (docs/VERDICT.md)."""
+        pool = self._pools.get(source.key)
+        if pool is None or not source.delivered:  # nothing to forget where it never published
+            return
+        for rank in source.delivered:
+            fresh = pool.fresh.get(rank)
+            if fresh is not None:
+                pool.drop_index(rank)
+                fresh.mark_stale()
+                fresh.recovering = fresh.loss_pending = True
+        self._outbox.append(Notice("kv_engine_disconnected", (("worker_id", source.worker_id),
+                                                              ("dp_rank", source.dp_rank))))
 
     def stream_message(self, source: EventSource, data: bytes | str | DecodedMessage | SelectionError,
                        seq: int | None, now: float, start: int = 0, stop: int | None = None

@@ -8,9 +8,12 @@ their entries, so they cannot drift apart."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from .admission import AdmissionQueue
 from .budget import StateBudget
 from .engine import NamespaceMemory
+from .errors import NotFound
 from .freshness import RankFreshness
 from .index import DeviceTree, Rank
 from .predictions import Predictions
@@ -20,13 +23,23 @@ from .tiers import KeyIndex
 from .tracker import Booking, Tracker
 from .verdict import RankWatch
 
-__all__ = ["Key", "Pool", "key_label"]
+__all__ = ["Key", "Pool", "holding", "key_label"]
 
 Key = tuple[str, str]
 
 
 def key_label(key: Key) -> str:
     return f"model={key[0]} tenant={key[1]}"
+
+
+def holding(pools: Mapping[Key, Pool], rid: str, model_name: str | None, tenant_id: str | None) -> Pool:
+    """The pool that holds the booking `rid` (the first in key order), or 404."""
+    for key in sorted(pools):
+        if (model_name is None or key[0] == model_name) and (tenant_id is None or key[1] == tenant_id):
+            pool = pools[key]
+            if rid in pool.tracker.bookings:
+                return pool
+    raise NotFound(f"reservation {rid} not found")
 
 
 class Pool:

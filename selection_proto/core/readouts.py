@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .._version import __version__
+from . import jsonio
 from .budget import StateBudget
 from .cost import cached_tokens, effective_blocks, estimates, tracks_prefill
 from .freshness import RankFreshness
@@ -20,7 +21,7 @@ from .settings import Settings
 from .types import RouterConfigOverride, WorkerCatalogRecord
 from .verdict import STATES, judge, not_schedulable
 
-__all__ = ["gauges", "kv_routing", "loads", "overlap_scores", "potential_loads"]
+__all__ = ["gauges", "kv_routing", "loads", "overlap_scores", "potential_loads", "with_verdict"]
 
 Samples = dict[tuple[str, ...], float]
 
@@ -35,6 +36,11 @@ def kv_routing(record: WorkerCatalogRecord, pools: Mapping[Key, Pool], settings:
     expected = settings.kv_events in ("subscribe", "push")
     return judge([(r[1], pool.watch[r], pool.fresh[r]) for r in ranks], pool.block_size, expected,
                  settings.kv_verdict_window_secs, now)
+
+
+def with_verdict(record_json: bytes, verdict: dict[str, Any]) -> bytes:
+    """A record's cached JSON with `kv_routing` as its last member."""
+    return record_json[:-1] + b',"kv_routing":' + jsonio.dumps(verdict) + b"}"
 
 
 def gauges(records: Iterable[WorkerCatalogRecord], pools: Mapping[Key, Pool], budget: StateBudget,

@@ -45,14 +45,13 @@ from .limits import Limits
 from .metrics import Metrics
 from .outputs import Notice, OutputEvent, SelectionReady
 from .pending import MISSING, PendingSelection, PendingSelections, entry_size
-from .pool import Key, Pool, key_label
+from .pool import Key, Pool, holding, key_label
 from .prompt import PromptHashes
 from .responses import Excluded, Overlap, Pending, ReservationResponse, SelectResponse
 from .sessions import check_session_id, mismatch
 from .settings import Settings
 from .tracker import Booking, DuplicateReservation, rank_text
 from .types import ReservationRequest, SelectAndReserveRequest, SelectRequest
-from .verdict import visible_cached
 from .wire import error_response, json_response
 
 __all__ = ["SHUTTING_DOWN", "Selection", "Selector"]
@@ -441,9 +440,7 @@ class Selector:
             blocks = list(prompt.seqs) if reuse else [self._rng.getrandbits(64) for _ in prompt.seqs]
         prefill = max(0, prompt.isl - cached) if track_prefill else 0
         booking = pool.tracker.book(rid, rank, blocks, prefill, expected_output_tokens, now)
-        booking.predicted_cached = visible_cached(cached, prompt.isl, pool.block_size)
-        booking.prompt_tokens = prompt.isl
-        pool.watch[rank].booked(len(prompt.blocks) - cached // pool.block_size, now)
+        pool.watch[rank].booked(booking, len(prompt.blocks), prompt.isl, cached, pool.block_size, now)
         self._metrics.booking(pool.key, "booked")
         if self.journal is not None:
             self.journal.booked(pool.key, booking)
@@ -515,12 +512,7 @@ class Selector:
 
     def booked_in(self, rid: str, model_name: str | None, tenant_id: str | None) -> Pool:
         """The pool that holds the booking `rid` (the first in key order), or 404."""
-        for key in sorted(self._pools):
-            if (model_name is None or key[0] == model_name) and (tenant_id is None or key[1] == tenant_id):
-                pool = self._pools[key]
-                if rid in pool.tracker.bookings:
-                    return pool
-        raise NotFound(f"reservation {rid} not found")
+        return holding(self._pools, rid, model_name, tenant_id)
 
     def output_block(self, rid: str, decay_fraction: float | None) -> None:
         """One more decode block for a booking (1.6.1); the range is checked before the lookup."""
@@ -534,8 +526,8 @@ class Selector:
 
     def finish_booking(self, rid: str, model_name: str | None, tenant_id: str | None, now: float, *,
                        free: bool, cached_tokens: int | None = None) -> Pool:
-        """Prefill completion or free of a booking; its pool (both release load). `cached_tokens`
-        is what the engine reported it found cached: the first report of a booking is observed."""
+        """Prefill completion or free of a booking; its pool (both release load). `cached_tokens`:
+        what the engine found cached (verdict.py)."""
         try:
             pool = self.booked_in(rid, model_name, tenant_id)
         except NotFound:
@@ -543,12 +535,9 @@ class Selector:
                 self.journal.free_unknown(rid)  # its booking may be on its way from a replica
             raise
         booking = pool.free(rid, now) if free else pool.tracker.prefill_complete(rid)
-        predicted = booking.predicted_cached
-        if cached_tokens is not None and predicted is not None and booking.rank in pool.watch:
-            observed = min(cached_tokens, booking.prompt_tokens)
-            pool.watch[booking.rank].observe(predicted, observed)
-            self._metrics.kv_observed(pool.key, booking.rank[0], predicted, observed)
-            booking.predicted_cached = None
+        watch = pool.watch.get(booking.rank)
+        if cached_tokens is not None and watch is not None and (seen := watch.observe(booking, cached_tokens)):
+            self._metrics.kv_observed(pool.key, booking.rank[0], *seen)
         if self.journal is not None:
             (self.journal.freed if free else self.journal.prefilled)(booking)
         self._metrics.booking(pool.key, "freed" if free else "prefill_complete")

@@ -18,7 +18,6 @@ from typing import Any, Final
 
 import attrs
 
-from . import jsonio
 from .admission import Tickets
 from .budget import StateBudget
 from .catalog import Catalog
@@ -30,7 +29,7 @@ from .journal import LedgerSettings
 from .ledger import Ledger
 from .limits import Limits
 from .metrics import Metrics
-from .outputs import InternalError, Notice, OutputEvent
+from .outputs import InternalError, OutputEvent
 from .pool import Key, Pool
 from .readouts import gauges, kv_routing, loads, overlap_scores, potential_loads
 from .responses import (
@@ -195,30 +194,12 @@ class SelectionService:
         count = self.catalog.schedulable
         return count > 0 and self.serving() and (self.ledger is None or self.ledger.ready()), count
 
-    def records_json(self, model_name: str | None = None, tenant_id: str | None = None) -> list[bytes]:
-        """The JSON of each record in (model, tenant, worker) order, as `to_json` encodes it."""
-        return self.catalog.records_json(model_name, tenant_id)
-
     def list_workers(self, model_name: str | None = None, tenant_id: str | None = None
                      ) -> list[WorkerCatalogRecord]:
         """The catalog's records in (model, tenant, worker) order, filtered by key."""
         return [r for r in self.catalog.sorted()
                 if (model_name is None or r.key[0] == model_name)
                 and (tenant_id is None or r.key[1] == tenant_id)]
-
-    def workers_json(self, model_name: str | None = None, tenant_id: str | None = None, *,
-                     now: float) -> list[bytes]:
-        """`/workers`: each record's JSON with its `kv_routing` verdict, filtered by key."""
-        now = self._advance(now)
-        records = self.list_workers(model_name, tenant_id)
-        encoded = self.catalog.records_json(model_name, tenant_id)
-        return [_with_verdict(raw, kv_routing(r, self._pools, self.settings, now))
-                for r, raw in zip(records, encoded, strict=True)]
-
-    def worker_json(self, worker_id: int, *, now: float) -> bytes:
-        """`GET /workers/{worker_id}`: its record with its verdict. Raises NotFound."""
-        verdict = self.kv_routing(worker_id, now=now)
-        return _with_verdict(self.catalog.records_json_of(worker_id), verdict)
 
     def upsert_worker(self, req: WorkerRequest, *, now: float) -> WorkerCatalogRecord:
         """Register or replace a worker (core.md §6.5); raises SelectionError (400, 409, 507)."""
@@ -259,15 +240,13 @@ class SelectionService:
         return self._selector.cancel(ticket)
 
     def reserve(self, req: ReservationRequest, *, now: float) -> ReservationResponse:
-        """Book a prompt on a given rank (`POST /reservations`); raises SelectionError (400, 404, 409,
-        429, 503, 507)."""
+        """Book a prompt on a given rank (`POST /reservations`); raises SelectionError."""
         return self._selector.reserve(req, self._advance(now))
 
-    def prefill_complete(self, reservation_id: str, *, model_name: str | None = None,
-                         tenant_id: str | None = None, cached_tokens: int | None = None,
-                         now: float) -> None:
-        """The booking's prefill is done: its prefill tokens stop counting. `cached_tokens`, when
-        the engine reported it, is checked against the prediction (verdict.py). Raises NotFound."""
+    def prefill_complete(self, reservation_id: str, *, model_name: str | None = None, tenant_id: str | None = None,
+                         cached_tokens: int | None = None, now: float) -> None:
+        """The booking's prefill is done: its prefill tokens stop counting. `cached_tokens`: what
+        the engine found cached, for the verdict (verdict.py). Raises NotFound."""
         now = self._advance(now)
         pool = self._selector.finish_booking(reservation_id, model_name, tenant_id, now, free=False,
                                              cached_tokens=cached_tokens)
@@ -275,15 +254,14 @@ class SelectionService:
 
     def free(self, reservation_id: str, *, model_name: str | None = None,
              tenant_id: str | None = None, cached_tokens: int | None = None, now: float) -> None:
-        """End a booking: its load goes, and queued selections may run. `cached_tokens` as in
-        `prefill_complete`. Raises NotFound."""
+        """End a booking: its load goes, and queued selections may run. Raises NotFound."""
         now = self._advance(now)
         pool = self._selector.finish_booking(reservation_id, model_name, tenant_id, now, free=True,
                                              cached_tokens=cached_tokens)
         self._selector.dispatch(pool, now)
 
     def kv_routing(self, worker_id: int, *, now: float) -> dict[str, Any]:
-        """Is KV routing working for the worker: its `kv_routing` verdict (verdict.py). Raises NotFound."""
+        """Is KV routing working for the worker: its verdict (verdict.py). Raises NotFound."""
         record = self.catalog.get(worker_id)
         if record is None:
             raise NotFound(f"worker {worker_id} not found")
@@ -379,11 +357,14 @@ class SelectionService:
         if source is not None:
             self._streams.move(source, "closed")
 
-    def subscription_state(self, stream: int, connected: bool, *, now: float) -> None:
-        """An outbound subscription connected or was lost."""
+    def subscription_state(self, stream: int, connected: bool, *, now: float, engine_gone: bool = False) -> None:
+        """An outbound subscription connected or was lost; `engine_gone`: the engine closed the
+        connection, so its process went away, and its cache with it (`Ingest.engine_gone`)."""
         self._advance(now)
         source = self._streams.get(stream)
         if source is not None and source.kind == "subscription":
+            if engine_gone:
+                self._ingest.engine_gone(source)
             self._streams.move(source, "connected" if connected else "lost")
 
     def stream_dropped(self, stream: int, reason: str) -> None:
@@ -402,24 +383,6 @@ class SelectionService:
         if fresh is not None:
             fresh.mark_stale()
 
-    def engine_disconnected(self, stream: int, *, now: float) -> None:
-        """The engine behind a subscription closed its connection: its process went away, and its
-        cache with it. The ranks it fed forget what it held (stale) and are trusted again once its
-        batches follow in order, from 0 if it restarted (issue 34)."""
-        self._advance(now)
-        source = self._streams.get(stream)
-        pool = self._pools.get(source.key) if source is not None else None
-        if source is None or pool is None:
-            return
-        for rank in source.delivered:  # nothing to forget where it never published
-            fresh = pool.fresh.get(rank)
-            if fresh is not None:
-                pool.drop_index(rank)
-                fresh.mark_stale()
-                fresh.recovering = fresh.loss_pending = True
-        self._outbox.append(Notice("kv_engine_disconnected", (("worker_id", source.worker_id),
-                                                              ("dp_rank", source.dp_rank))))
-
     # -- dump ----------------------------------------------------------------------------------
 
     def dump(self, model_name: str | None = None, tenant_id: str | None = None) -> dict[str, Any]:
@@ -435,13 +398,7 @@ class SelectionService:
         plan = parse_dump(dump)
         for req in plan.workers:
             self.upsert_worker(req, now=now)
-        bound = []
-        for event in plan.events:
-            try:
-                bound.append((event, *self._ingest.bind(event.worker_id or 0, event.dp_rank, None, None)))
-            except SelectionError:
-                continue  # its worker did not become schedulable here (e.g. another kv_events mode)
-        self._ingest.apply_bound(bound, now, touch_freshness=False)
+        self._ingest.replay(plan.events, now)
 
     def recover(self, dump: Any, source: str, *, now: float) -> None:
         """Start warm from a peer's `/dump` (`--indexer-peers`): ours is restored whole (catalog
@@ -456,10 +413,7 @@ class SelectionService:
                 raise Conflict("recovery needs an empty service")
             if len(partitions) > self.settings.max_keys:
                 raise Conflict(f"key limit reached: at most {self.settings.max_keys} model/tenant keys")
-            for key, (block_size, events) in partitions.items():
-                pool = self._pools[key] = Pool(key, block_size, now, self.settings, self.budget)
-                self._ingest.apply_bound([(e, pool, (e.worker_id or 0, e.dp_rank or 0)) for e in events],
-                                         now, touch_freshness=False)
+            self._ingest.seed(partitions, now)
         self.recovered_from = source
 
     # -- metrics -------------------------------------------------------------------------------
@@ -494,7 +448,3 @@ class SelectionService:
         self.ledger.begin_request()
         return self.ledger.held(request, handle_request(self, *request, now), now)
 
-
-def _with_verdict(record_json: bytes, verdict: dict[str, Any]) -> bytes:
-    """A record's cached JSON with `kv_routing` as its last member."""
-    return record_json[:-1] + b',"kv_routing":' + jsonio.dumps(verdict) + b"}"

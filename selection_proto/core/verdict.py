@@ -23,6 +23,7 @@ from collections import deque
 from typing import Any, Final
 
 from .freshness import RankFreshness
+from .tracker import Booking
 
 __all__ = ["MIN_OBSERVATIONS", "MISS_RATIO", "RECENT", "RankWatch", "STATES", "judge", "not_schedulable",
            "visible_cached"]
@@ -69,57 +70,67 @@ class RankWatch:
         if mismatched:
             self.mismatched += 1
 
-    def booked(self, new_blocks: int, now: float) -> None:
-        """A booking landed on the rank; `new_blocks` of its prompt the index does not place there."""
-        if new_blocks > 0:
+    def booked(self, booking: Booking, blocks: int, prompt_tokens: int, cached: int, block_size: int,
+               now: float) -> None:
+        """A booking of a prompt of `blocks` blocks landed on the rank with `cached` tokens
+        predicted: the blocks beyond them must make the engine publish."""
+        booking.predicted_cached = visible_cached(cached, prompt_tokens, block_size)
+        booking.prompt_tokens = prompt_tokens
+        if blocks > cached // block_size:
             if self.awaiting_since is None:
                 self.awaiting_since = now
             self.awaiting_bookings += 1
 
-    def observe(self, predicted: int, observed: int) -> None:
-        """The engine reported `observed` cached tokens where the index predicted `predicted`
-        (already cut to what the engine can report: `visible_cached`)."""
+    def observe(self, booking: Booking, cached_tokens: int) -> tuple[int, int] | None:
+        """The engine reported the booking's cached tokens (capped at its prompt): the first report
+        counts. (predicted, observed), or None when the booking has none to compare."""
+        predicted = booking.predicted_cached
+        if predicted is None:
+            return None
+        booking.predicted_cached = None
+        observed = min(cached_tokens, booking.prompt_tokens)
         self.predicted += predicted
         self.observed += observed
         self.observations += 1
         if predicted > 0:
             self.recent.append((predicted, observed))
+        return predicted, observed
 
     def state(self, fresh: RankFreshness, block_size: int, events_expected: bool, window: float,
               now: float) -> tuple[str, list[str]]:
         """This rank's state and the reasons behind it (every finding, worst first)."""
-        found: list[tuple[str, str]] = []
+        found: list[tuple[float, str, str]] = []  # (severity, state, reason)
         if self.engine_block_size is not None and self.engine_block_size != block_size:
-            found.append(("block_size_mismatch",
+            found.append((_SEVERITY["block_size_mismatch"], "block_size_mismatch",
                           f"the engine stores blocks of {self.engine_block_size} tokens but the worker "
                           f"record says block_size {block_size}: {self.mismatched} stored events were "
                           f"dropped; register the worker with block_size {self.engine_block_size}"))
         if fresh.stale:
-            if fresh.recovering:
-                found.append(("stale", "the engine restarted or its event stream dropped: the index "
+            if fresh.recovering:  # awaiting proof: an engine that never comes back is `no_events`
+                found.append((1.5, "stale", "the engine restarted or its event stream dropped: the index "
                                        "forgot what it held for it, and trusts it again once its next "
                                        "events follow in order"))
             else:
-                found.append(("stale", "KV events were lost (a gap the engine could not replay, a stream "
+                found.append((_SEVERITY["stale"], "stale", "KV events were lost (a gap the engine could not replay, a stream "
                                        "lost without proof of continuity, or stores over the state "
                                        "budget): the index may be wrong for this worker until its engine "
                                        "clears its cache or restarts"))
         predicted = sum(p for p, _ in self.recent)
         observed = sum(o for _, o in self.recent)
         if len(self.recent) >= MIN_OBSERVATIONS and observed < MISS_RATIO * predicted:
-            found.append(("misses", f"over the last {len(self.recent)} observed requests the engine "
+            found.append((_SEVERITY["misses"], "misses", f"over the last {len(self.recent)} observed requests the engine "
                                     f"found {observed} of {predicted} predicted cached tokens: is prefix "
                                     "caching on in the engine, and do the router and the engine "
                                     "tokenize alike (tokenizer, chat template, BOS)?"))
         if (events_expected and self.awaiting_since is not None
                 and now - self.awaiting_since >= window):
-            found.append(("no_events", f"{self.awaiting_bookings} bookings with new blocks and no KV event "
+            found.append((_SEVERITY["no_events"], "no_events", f"{self.awaiting_bookings} bookings with new blocks and no KV event "
                                        f"in {now - self.awaiting_since:.0f} s: is the engine running and "
                                        "publishing to the worker's kv_events_endpoint, with prefix caching "
                                        "and KV events enabled?"))
         if found:
-            found.sort(key=lambda f: -_SEVERITY[f[0]])
-            return found[0][0], [text for _, text in found]
+            found.sort(key=lambda f: -f[0])
+            return found[0][1], [text for _, _, text in found]
         if self.events == 0 and self.observations == 0:
             return "waiting", ["no KV event and no observed cached tokens yet"]
         return "ok", []

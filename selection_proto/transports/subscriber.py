@@ -18,7 +18,7 @@ from ..core.outputs import OutputEvent, SubscribeKvEvents, UnsubscribeKvEvents
 from ..core.service import SelectionService
 from .logs import log
 from .pump import flush, receive
-from .zmq_sub import ZmqHub, fetch_replay
+from .zmq_sub import DISCONNECTED, ZmqHub, fetch_replay
 
 __all__ = ["BACKOFF_MAX", "BACKOFF_START", "Subscriptions", "backoff_delays", "connect"]
 
@@ -166,12 +166,16 @@ class Subscriptions:
         except ImportError:
             self._failed(scheme, "zmq_unavailable", sub, "pyzmq is not installed")
             return
-        self.service.subscription_state(sub.stream, True, now=anyio.current_time())
-        order = SeqOrder()
+        order = SeqOrder()  # connected once the engine's handshake is done (ZmqHub's CONNECTED)
         try:
             if self.hub is None:
                 self.hub = ZmqHub()
             async for messages in self.hub.batches(sub.endpoint):
+                if isinstance(messages, str):
+                    self.service.subscription_state(sub.stream, messages != DISCONNECTED, now=anyio.current_time(),
+                                                    engine_gone=messages == DISCONNECTED)
+                    await self.changed()
+                    continue
                 for frames in messages:
                     if len(frames) != 3 or len(frames[1]) != 8:  # [topic, 8-byte seq, payload]
                         self.service.stream_dropped(sub.stream, "bad_zmq_frames")

@@ -15,7 +15,8 @@ import anyio.lowlevel
 
 __all__ = ["CONNECTED", "DISCONNECTED", "REPLAY_TIMEOUT", "ZmqHub", "fetch_replay"]
 
-# What `ZmqHub.batches` yields, beside lists of messages, when the engine's end connects or goes.
+# What `ZmqHub.batches` yields, beside lists of messages, when the engine's end has connected (its
+# handshake done: from then on it sends us what it publishes) or gone.
 CONNECTED: Final = "connected"
 DISCONNECTED: Final = "disconnected"
 
@@ -160,7 +161,8 @@ class ZmqHub:
                             poller.register(sub, zmq.POLLIN)
                             # The engine's side of the TCP connection: its process going away
                             # takes its cache along (DISCONNECTED below).
-                            monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+                            monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED
+                                                             | zmq.EVENT_DISCONNECTED)
                             monitors[monitor] = sub
                             monitor_of[sub] = monitor
                             poller.register(monitor, zmq.POLLIN)
@@ -173,7 +175,7 @@ class ZmqHub:
                             except zmq.Again:
                                 break
                             _, stream, token = subscribers[sub]
-                            state = CONNECTED if event["event"] == zmq.EVENT_CONNECTED else DISCONNECTED
+                            state = CONNECTED if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED else DISCONNECTED
                             if not _deliver(stream, token, state):
                                 drop(sub)
                                 break
