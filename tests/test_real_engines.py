@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import random
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -99,8 +100,9 @@ def until(check: Callable[[], bool], what: str, seconds: float = 30) -> None:
 
 
 def tokens(start: int, n: int) -> list[int]:
-    """`n` token ids from a range of the test's own (the vocabulary has 1,024)."""
-    return [(start + i) % 1000 + 2 for i in range(n)]
+    """`n` token ids of a sequence of the caller's own (`start` names it; the vocabulary has 1,024)."""
+    rng = random.Random(start)
+    return [rng.randrange(2, 1024) for _ in range(n)]
 
 
 def run_booked(fleet: Fleet, prompt: list[int], rid: str) -> tuple[int, int, int]:
@@ -161,13 +163,15 @@ def test_text_and_chat_through_the_picker_are_predicted_as_the_engine_finds_them
         def events() -> int:
             return sum(gateway.api("GET", f"/workers/{w}")[1]["kv_routing"]["events_total"] for w in (1, 2))
 
-        system = "You are a helpful assistant. Answer briefly and precisely. " * 3
+        system = "You are a helpful assistant. Answer briefly and precisely. " * 8  # ~4 blocks
         bodies: list[tuple[str, dict[str, Any]]] = []
-        for i, question in enumerate(("Which worker holds the cache?", "How are blocks hashed?",
-                                      "Once upon a time there was a small engine.")):
+        for i, topic in enumerate(("Which worker holds the cache?", "How are blocks hashed?",
+                                   "Once upon a time there was a small engine.")):
+            # A tail of its own (two blocks or more), so that every request stores new blocks.
+            question = topic + " " + " ".join(f"w{i}x{j}" for j in range(24))
             bodies.append(("/v1/completions", {"model": "tiny", "prompt": system + question, "max_tokens": 1}))
             bodies.append(("/v1/chat/completions", {"model": "tiny", "max_tokens": 1, "messages": [
-                {"role": "system", "content": system}, {"role": "user", "content": question * (i + 1)}]}))
+                {"role": "system", "content": system}, {"role": "user", "content": question + " again"}]}))
         found = []
         for path, body in bodies:
             before = events()

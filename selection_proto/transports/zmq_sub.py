@@ -149,20 +149,23 @@ class ZmqHub:
                             _, key, endpoint, topic, stream, token = command
                             sub = self._context.socket(zmq.SUB)
                             sub.setsockopt(zmq.LINGER, 0)
+                            # The engine's side of the connection, watched before it is made (a
+                            # handshake on loopback can beat a later watch): its process going
+                            # away takes its cache along (DISCONNECTED below).
+                            monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED
+                                                             | zmq.EVENT_DISCONNECTED)
                             try:
                                 sub.setsockopt(zmq.SUBSCRIBE, topic)
                                 sub.connect(endpoint)
                             except zmq.ZMQError as exc:
+                                sub.disable_monitor()
+                                monitor.close(linger=0)
                                 sub.close(linger=0)
                                 _deliver(stream, token, exc)
                                 continue
                             subscribers[sub] = (key, stream, token)
                             by_key[key] = sub
                             poller.register(sub, zmq.POLLIN)
-                            # The engine's side of the TCP connection: its process going away
-                            # takes its cache along (DISCONNECTED below).
-                            monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED
-                                                             | zmq.EVENT_DISCONNECTED)
                             monitors[monitor] = sub
                             monitor_of[sub] = monitor
                             poller.register(monitor, zmq.POLLIN)
