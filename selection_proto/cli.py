@@ -108,6 +108,7 @@ _SERVE_OPTIONS: Final = (
                          "every --snapshot-interval-secs and at shutdown"),
     ("snapshot_interval_secs", "SECONDS", "seconds between snapshots, written by a forked child "
                                           "(0: only at shutdown)"),
+    ("engine_metrics_interval_secs", "SECONDS", "seconds between scrapes of workers' metrics_endpoint"),
     ("drain_delay_secs", "SECONDS", "on SIGTERM, keep serving this long with /ready and /readyz "
                                     "answering 503 (a load balancer's time to stop sending), then drain"),
     ("ledger", "URL", "share bookings and the catalog with other replicas through this Valkey/Redis: "
@@ -371,8 +372,8 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     max_buffer_bytes = transport_value(args, env, "max_buffer_bytes", TRANSPORT["max_buffer_bytes"], int)
     if max_buffer_bytes < MAX_BODY:
         raise UsageError(f"--max-buffer-bytes: must be at least {MAX_BODY} (one whole body), not {max_buffer_bytes}")
-    timeouts = {name: transport_value(args, env, name, TRANSPORT[name], float) for name in (
-        "keep_alive_timeout_secs", "request_timeout_secs", "shutdown_timeout_secs", "ws_ping_interval_secs")}
+    timeouts = {name: transport_value(args, env, name, TRANSPORT[name], float) for name in (  # each > 0
+        "keep_alive_timeout_secs", "request_timeout_secs", "shutdown_timeout_secs", "ws_ping_interval_secs", "engine_metrics_interval_secs")}
     for name, value in timeouts.items():
         if not (value > 0 and math.isfinite(value)):  # NaN fails both
             raise UsageError(f"{flag_name(name)}: must be a finite number greater than 0, not {value}")

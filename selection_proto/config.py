@@ -204,7 +204,7 @@ TRANSPORT: Final[Mapping[str, Any]] = {
     "drain_delay_secs": 0.0, "ledger": None, "ledger_scope": "default", "admission": "advisory",
     "ledger_failure": "open", "ledger_batch": 64, "ledger_outbox_max": 100_000, "ledger_feed_max": 1_000_000,
     "processes": 1, "advertise_url": None, "ledger_free_grace_secs": 2.0,
-    "ext_proc_port": None, "ext_proc_host": None, "tokenizer": None,
+    "ext_proc_port": None, "ext_proc_host": None, "tokenizer": None, "engine_metrics_interval_secs": 10.0,
 }
 
 

@@ -146,3 +146,15 @@ def test_each_counted_family_is_named_once_outside_the_table() -> None:
                if path.parent.name in ("adapters", "transports")
                for name in FAMILIES if f'"{name}"' in text]
     assert outside == []
+
+
+def test_the_routes_that_hash_a_prompt_ahead_are_those_whose_body_has_one() -> None:
+    """Issue 35: a route's prompt is a fact of the route table, not a second list beside it."""
+    import attrs
+
+    from selection_proto.core.routes import ROUTES
+
+    with_prompt = {r.template for r in ROUTES
+                   if r.body_type is not None and "token_ids" in {f.name for f in attrs.fields(r.body_type)}}
+    assert {r.template for r in ROUTES if r.prompt} == with_prompt
+    assert with_prompt == {"/select", "/select_and_reserve", "/reservations", "/potential_loads", "/overlap_scores"}

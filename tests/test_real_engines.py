@@ -35,9 +35,10 @@ class Fleet:
             engine.start()
         for engine in self.engines:
             engine.wait_healthy()
-        self.server = Server("--kv-verdict-window-secs", str(WINDOW), mode="subscribe")
+        self.server = Server("--kv-verdict-window-secs", str(WINDOW), "--engine-metrics-interval-secs", "0.5",
+                             mode="subscribe")
         for worker_id, engine in ((1, self.a), (2, self.b)):
-            assert self.api("POST", "/workers", engine.worker(worker_id))[0] == 201
+            assert self.api("POST", "/workers", engine.worker(worker_id, metrics_endpoint=engine.url + "/metrics"))[0] == 201
         self.by_worker = {1: self.a, 2: self.b}
         self.wait_subscribed(1, 2)
 
@@ -130,6 +131,15 @@ def test_token_prompts_are_predicted_as_the_engine_finds_them_and_routed_to_thei
     assert verdict["observations"] == 4 and verdict["engine_block_size"] == BLOCK
     assert verdict["predicted_cached_tokens"] == verdict["observed_cached_tokens"] == 320
     assert verdict["events_total"] >= 4 and verdict["last_event_age_secs"] < 60
+
+    def engine() -> dict[str, Any]:  # what the engine's own /metrics says, as /loads shows it
+        engines = fleet.ok("GET", "/loads")[0].get("engines", [])
+        return next((e for e in engines if e["worker_id"] == holder), {})
+
+    until(lambda: (engine().get("prefix_cache_hits") or 0) >= 320, "the engine's own count of hits")
+    seen = engine()
+    assert seen["error"] is None and seen["prefix_cache_queries"] > seen["prefix_cache_hits"] > 0
+    assert seen["running_requests"] == 0 and seen["waiting_requests"] == 0 and 0 <= seen["kv_usage"] <= 1
 
 
 def test_evictions_are_followed_block_for_block(fleet: Fleet) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from typing import Final
 
 from .budget import StateBudget
+from .errors import NotFound
 from .settings import Settings
 from .types import WorkerCatalogRecord, WorkerRequest
 from .wire import parse_uint
@@ -202,6 +203,18 @@ class Catalog:
 
     def get(self, worker_id: int) -> WorkerCatalogRecord | None:
         return self._records.get(worker_id)
+
+    def require(self, worker_id: int) -> WorkerCatalogRecord:
+        """The worker's record, or 404."""
+        record = self._records.get(worker_id)
+        if record is None:
+            raise NotFound(f"worker {worker_id} not found")
+        return record
+
+    def metrics_endpoints(self) -> list[tuple[int, str]]:
+        """(worker, metrics_endpoint) of each schedulable worker that has one, to scrape."""
+        return [(wid, r.request.metrics_endpoint) for wid, r in sorted(self._records.items())
+                if r.request.metrics_endpoint is not None and r.lifecycle == "schedulable"]
 
     def __getitem__(self, worker_id: int) -> WorkerCatalogRecord:
         return self._records[worker_id]

@@ -70,11 +70,6 @@ __all__ = ["handle", "prepare_large_body"]
 
 T = TypeVar("T")
 
-# The routes whose prompt a selection or booking hashes (`prepare_large_body` does it ahead).
-PROMPT_PATHS: Final = frozenset(("/select", "/select_and_reserve", "/reservations", "/potential_loads",
-                                 "/overlap_scores"))
-
-
 def _allow(methods: tuple[str, ...]) -> str:
     return ", ".join((*methods, "HEAD") if "GET" in methods else methods)
 
@@ -368,7 +363,8 @@ def prepare_large_body(path: str, raw: bytes, media: str | None = None,
     if parsed is None:
         return None
     body = ParsedBody(parsed[0], parsed[1], len(raw), lambda: jsonio.loads_exact(raw))
-    if path in PROMPT_PATHS and block_sizes:
+    route = route_of("POST", path)
+    if route is not None and route.prompt and block_sizes:
         with jsonio.gc_paused():
             body.prehashed = prehash(body.value, block_sizes)
     if path == "/kv_events":

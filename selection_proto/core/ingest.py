@@ -19,7 +19,6 @@ from .errors import (
     BadRequest,
     Conflict,
     InvalidJson,
-    NotFound,
     SelectionError,
     ShapeError,
     StreamError,
@@ -104,9 +103,7 @@ class Ingest:
     def bind(self, worker_id: int, dp_rank: int | None, model_name: str | None,
              tenant_id: str | None) -> tuple[Pool, Rank]:
         """The §7.2 checks of events.md for one worker and rank."""
-        record = self._catalog.get(worker_id)
-        if record is None:
-            raise NotFound(f"worker {worker_id} not found")
+        record = self._catalog.require(worker_id)
         if record.lifecycle != "schedulable":
             raise Conflict(f"worker {worker_id} is not schedulable")
         if (model_name is not None and model_name != record.key[0]) or (

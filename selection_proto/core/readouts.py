@@ -11,6 +11,7 @@ from .._version import __version__
 from . import jsonio
 from .budget import StateBudget
 from .cost import cached_tokens, effective_blocks, estimates, tracks_prefill
+from .engine_metrics import EngineMetrics
 from .freshness import RankFreshness
 from .index import LOWER_TIERS
 from .pending import PendingSelections
@@ -98,9 +99,10 @@ def gauges(records: Iterable[WorkerCatalogRecord], pools: Mapping[Key, Pool], bu
     }
 
 
-def loads(pools: Mapping[Key, Pool], model_name: str | None, tenant_id: str | None
-          ) -> list[ModelLoadResponse]:
-    """Each key's per-rank load and its queue, in key order, filtered by key."""
+def loads(pools: Mapping[Key, Pool], model_name: str | None, tenant_id: str | None,
+          engines: EngineMetrics | None = None, now: float = 0.0) -> list[ModelLoadResponse]:
+    """Each key's per-rank load and its queue, in key order, filtered by key; with `engines`, what
+    each worker's engine last reported of itself."""
     out = []
     for key in sorted(pools):
         if (model_name is not None and key[0] != model_name) or (
@@ -120,6 +122,8 @@ def loads(pools: Mapping[Key, Pool], model_name: str | None, tenant_id: str | No
                         for r in pool.ranks()),
             pending_count=len(pool.queue),
             pending_isl_tokens=sum(e.prompt.isl for e in pool.queue),
+            engines=() if engines is None else tuple(
+                v for w in sorted(pool.workers) if (v := engines.view(w, now)) is not None),
         ))
     return out
 

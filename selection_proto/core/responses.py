@@ -72,9 +72,10 @@ class ModelLoadResponse:
     loads: tuple[PotentialLoad, ...]
     pending_count: int = 0
     pending_isl_tokens: int = 0
+    engines: tuple[dict[str, Any], ...] = ()  # ours: what each engine's metrics_endpoint reported
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "model_name": self.model_name,
             "tenant_id": self.tenant_id,
             "routing_group": self.tenant_id,  # 1.6.1's name
@@ -82,6 +83,9 @@ class ModelLoadResponse:
             "pending_count": self.pending_count,
             "pending_isl_tokens": self.pending_isl_tokens,
         }
+        if self.engines:
+            out["engines"] = list(self.engines)
+        return out
 
 
 @attrs.frozen(kw_only=True)

@@ -37,6 +37,7 @@ class Route(NamedTuple):
     statuses: tuple[int, ...]  # what it may answer
     rpc: str | None  # the JSON-RPC method name (transports.md §6.3)
     summary: str = ""  # one line for the OpenAPI document
+    prompt: bool = False  # its body carries a prompt to hash (`prepare_large_body` hashes it ahead)
 
 
 _WRITE: Final = (400, 413, 415, 422)
@@ -55,11 +56,12 @@ ROUTES: Final[tuple[Route, ...]] = (
           (200, 400, 404, 409, 413, 415, 422, 503), "workers.update", "Change members of a worker's record."),
     Route("DELETE", "/workers/{worker_id}", "delete_worker", False, None, (), (200, 400, 404, 503), "workers.delete",
           "Make a worker unschedulable (a tombstone); 503 while a shared ledger is unreachable."),
-    Route("POST", "/select", "select", True, SelectRequest, (), (200, 400, 413, 415, 422, 429, 503), "select", "Choose a worker for a prompt (a pending selection with selection_id)."),
+    Route("POST", "/select", "select", True, SelectRequest, (), (200, 400, 413, 415, 422, 429, 503), "select",
+          "Choose a worker for a prompt (a pending selection with selection_id).", prompt=True),
     Route("POST", "/select_and_reserve", "select_and_reserve", True, SelectAndReserveRequest, (),
-          (200, 400, 409, 413, 415, 422, 429, 500, 503), "select_and_reserve", "Choose a worker and book the prompt on it."),
+          (200, 400, 409, 413, 415, 422, 429, 500, 503), "select_and_reserve", "Choose a worker and book the prompt on it.", prompt=True),
     Route("POST", "/reservations", "reserve", True, ReservationRequest, (),
-          (201, 400, 404, 409, 413, 415, 422, 429, 503), "reservations.create", "Book on a given worker, or book a pending selection."),
+          (201, 400, 404, 409, 413, 415, 422, 429, 503), "reservations.create", "Book on a given worker, or book a pending selection.", prompt=True),
     Route("POST", "/reservations/{reservation_id}/prefill_complete", "prefill_complete", False, None, KEY_QUERY,
           (200, 400, 404), "reservations.prefill_complete", "A booking's prefill is done."),
     Route("POST", "/reservations/{reservation_id}/output_block", "output_block", True, OutputBlockRequest, (),
@@ -68,9 +70,11 @@ ROUTES: Final[tuple[Route, ...]] = (
           "reservations.free", "End a booking."),
     Route("GET", "/loads", "loads", False, None, KEY_QUERY, (200, 400), "loads", "Each key's per-rank load and queue."),
     Route("POST", "/potential_loads", "potential_loads", True, PotentialLoadsRequest, (),
-          (200, 400, 413, 415, 422, 503), "potential_loads", "What each rank's load would be with a prompt."),
+          (200, 400, 413, 415, 422, 503), "potential_loads", "What each rank's load would be with a prompt.",
+          prompt=True),
     Route("POST", "/overlap_scores", "overlap_scores", True, OverlapScoresRequest, (),
-          (200, 400, 413, 415, 422, 503), "overlap_scores", "Cached blocks per rank and tier for a prompt."),
+          (200, 400, 413, 415, 422, 503), "overlap_scores", "Cached blocks per rank and tier for a prompt.",
+          prompt=True),
     Route("POST", "/kv_events", "kv_events", True, None, EVENT_QUERY, (200, 400, 404, 409, 413, 415, 422),
           "kv_events", "Apply KV events (Dynamo JSON, or an engine msgpack batch)."),
     Route("GET", "/kv_events", "kv_events_stream", False, None, PUSH_QUERY, (101, 400, 426), None, "Push KV events over a WebSocket."),

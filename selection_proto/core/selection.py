@@ -285,9 +285,10 @@ class Selector:
                 ("booked", sel.rid), ("session", sel.session)), "debug"))
         record = self._catalog[chosen.rank[0]].request
         bs, (device, host, disk), worker = pool.block_size, sel.found, chosen.rank[0]
-        if host or disk:
+        allowed = req.allowed_worker_ids  # 1.6.1 matches the prompt against the allowed workers only
+        if host or disk or allowed is not None:
             longest = max((device.get(r, 0) + host.get(r, 0) + disk.get(r, 0)
-                           for r in {*device, *host, *disk}), default=0)
+                           for r in {*device, *host, *disk} if allowed is None or r[0] in allowed), default=0)
         else:  # the common case: device blocks only
             longest = max(device.values(), default=0)
         ranks = pool.workers[worker]
@@ -465,7 +466,7 @@ class Selector:
         pool = self.gate(req.model_name, req.tenant_id, now)
         prompt = self._limits.prompt(req, pool, booking=True)
         if req.worker_id not in pool.workers:
-            raise NotFound(f"schedulable worker {req.worker_id} not found for {pool.label}")
+            raise NotFound(f"schedulable worker {req.worker_id} not found for model={key[0]} routing_group={key[1]}")
         rank = (req.worker_id, 0 if req.dp_rank is None else req.dp_rank)
         if rank not in pool.workers[req.worker_id]:
             raise NotFound(f"Worker {rank_text(rank)} not found")

@@ -21,7 +21,8 @@ import attrs
 from .admission import Tickets
 from .budget import StateBudget
 from .catalog import Catalog
-from .errors import Conflict, NotFound, NotReady, SelectionError, StreamError
+from .engine_metrics import EngineMetrics, EngineSample
+from .errors import Conflict, NotReady, SelectionError, StreamError
 from .events import KvEvent
 from .handler import handle as handle_request
 from .ingest import Ingest
@@ -103,6 +104,7 @@ class SelectionService:
         self._shutting_down = False
         self._draining = False  # marked not ready, still serving (`begin_drain`)
         self.recovered_from: str | None = None  # the peer this service started from (`recover`)
+        self.engines = EngineMetrics()  # what each engine's metrics_endpoint last reported
 
     def share(self, settings: LedgerSettings, origin: str) -> Ledger:
         """Share bookings and catalog through a ledger (docs/REPLICATION.md), fed and drained by the transport."""
@@ -153,8 +155,7 @@ class SelectionService:
         return min(deadlines) if deadlines else None
 
     def begin_drain(self, *, now: float) -> None:
-        """Answer `/ready` and `/readyz` 503 while serving as before, so that load balancers stop
-        sending before `begin_shutdown` (transports.md §9, `--drain-delay-secs`)."""
+        """`/ready` and `/readyz` answer 503 while serving goes on (`--drain-delay-secs`)."""
         self._advance(now)
         self._draining = True
 
@@ -210,9 +211,7 @@ class SelectionService:
         """Change the given members of a worker's record and reconcile it; raises NotFound, or as
         `upsert_worker`."""
         now = self._advance(now)
-        previous = self.catalog.get(worker_id)
-        if previous is None:
-            raise NotFound(f"worker {worker_id} not found")
+        previous = self.catalog.require(worker_id)
         changes = {n: getattr(patch, n) for n in _PATCH_FIELDS if getattr(patch, n) is not None}
         merged = attrs.evolve(previous.request, **changes) if changes else previous.request
         return self._workers.reconcile(merged, previous, now)
@@ -262,10 +261,11 @@ class SelectionService:
 
     def kv_routing(self, worker_id: int, *, now: float) -> dict[str, Any]:
         """Is KV routing working for the worker: its verdict (verdict.py). Raises NotFound."""
-        record = self.catalog.get(worker_id)
-        if record is None:
-            raise NotFound(f"worker {worker_id} not found")
-        return kv_routing(record, self._pools, self.settings, self._advance(now))
+        return kv_routing(self.catalog.require(worker_id), self._pools, self.settings, self._advance(now))
+
+    def engine_scraped(self, worker_id: int, sample: EngineSample | None, error: str | None, *, now: float) -> None:
+        """A scrape of the worker's `metrics_endpoint`: its sample (`engine_metrics.parse`) or why not."""
+        self.engines.record(worker_id, sample, error, self._advance(now))
 
     def output_block(self, reservation_id: str, decay_fraction: float | None = None, *,
                      now: float) -> None:
@@ -277,7 +277,7 @@ class SelectionService:
     def loads(self, model_name: str | None = None, tenant_id: str | None = None
               ) -> list[ModelLoadResponse]:
         """Each key's per-rank load and its queue, filtered by key."""
-        return loads(self._pools, model_name, tenant_id)
+        return loads(self._pools, model_name, tenant_id, self.engines, self._now)
 
     def potential_loads(self, req: PotentialLoadsRequest, *, now: float) -> list[PotentialLoad]:
         """What each rank's load would be if the prompt ran there (no booking)."""

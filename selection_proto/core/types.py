@@ -10,6 +10,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
+from urllib.parse import urlsplit
 
 import attrs
 
@@ -95,6 +96,16 @@ def _positive(v: float) -> str | None:
     return None if 0.0 < v < float("inf") else "must be a finite number greater than 0"
 
 
+def _http_url(v: str) -> str | None:
+    """An engine's metrics URL: `http://host[:port]/path`, at most 2,048 characters."""
+    parts = urlsplit(v) if len(v) <= 2048 and v.isascii() and v.isprintable() else None
+    try:
+        ok = parts is not None and parts.scheme == "http" and bool(parts.hostname) and parts.port != 0
+    except ValueError:  # a port that is not a number, or out of range
+        ok = False
+    return None if ok else "must be an http://host[:port]/path URL of at most 2048 characters"
+
+
 def _finite_nonneg(v: float) -> str | None:
     return None if v >= 0.0 and v != float("inf") else "must be a finite number >= 0"
 
@@ -161,6 +172,8 @@ class WorkerRequest(_Checked):
     kv_transfer_preferred_weight: float | None = member(F32)
     # Ours: the worker's prefill speed, for `router_policy=ttft` in a mixed fleet (listed when set).
     prefill_tokens_per_sec: float | None = member(F64, rule=_positive)
+    # Ours: the engine's Prometheus metrics, scraped now and then and shown in `/loads` (listed when set).
+    metrics_endpoint: str | None = member(STR, rule=_http_url)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -178,6 +191,8 @@ class WorkerRequest(_Checked):
             out[name] = value
         if self.prefill_tokens_per_sec is not None:
             out["prefill_tokens_per_sec"] = self.prefill_tokens_per_sec
+        if self.metrics_endpoint is not None:
+            out["metrics_endpoint"] = self.metrics_endpoint
         return out
 
 
@@ -202,6 +217,7 @@ class WorkerPatchRequest(_Checked):
     kv_transfer_enforcement: str | None = member(ENUM("required", "preferred"))
     kv_transfer_preferred_weight: float | None = member(F32)
     prefill_tokens_per_sec: float | None = member(F64, rule=_positive)
+    metrics_endpoint: str | None = member(STR, rule=_http_url)
 
 
 @attrs.frozen(kw_only=True)

@@ -21,7 +21,7 @@ from .catalog import (
     missing_metadata,
 )
 from .cost import worker_speed
-from .errors import BadRequest, NotFound, NotReady
+from .errors import BadRequest, NotReady
 from .index import Rank
 from .limits import Limits
 from .metrics import Metrics
@@ -140,9 +140,7 @@ class Workers:
 
     def delete(self, worker_id: int, now: float) -> WorkerCatalogRecord:
         """The worker becomes a tombstone (`unschedulable`); raises NotFound."""
-        previous = self._catalog.get(worker_id)
-        if previous is None:
-            raise NotFound(f"worker {worker_id} not found")
+        previous = self._catalog.require(worker_id)
         if previous.lifecycle == "unschedulable":
             return previous
         journal = self._selector.journal

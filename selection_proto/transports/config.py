@@ -32,7 +32,8 @@ class ServerConfig:
                  snapshot_interval_secs: float = 60.0, drain_delay_secs: float = 0.0,
                  ledger: LedgerOptions | None = None, reuse_port: bool = False,
                  supervisor_pid: int | None = None, max_buffer_bytes: int = 256 << 20,
-                 ext_proc: ExtProcOptions | None = None) -> None:
+                 ext_proc: ExtProcOptions | None = None, engine_metrics_interval_secs: float = 10.0) -> None:
+        self.engine_metrics_interval_secs = engine_metrics_interval_secs  # scrapes of metrics_endpoints
         self.ext_proc = ext_proc  # also serve Envoy's ext_proc (an endpoint picker) with these options
         self.max_buffer_bytes = max_buffer_bytes  # request bodies and WebSocket messages in flight
         self.supervisor_pid = supervisor_pid  # --processes: stop when this parent is gone

@@ -6,31 +6,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from urllib.parse import urlsplit
 
 import anyio
 
-from ..adapters.fetch import Fetch, FetchError
+from ..adapters.fetch import FetchError
 from ..core import jsonio
 from ..core.errors import SelectionError
 from ..core.service import SelectionService
 from .logs import log
-from .pump import flush, receive
+from .pump import http_get
 
 __all__ = ["recover_from_peers"]
-
-
-async def _get(url: str, limit: int) -> bytes:
-    parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise FetchError("expected an http://host:port URL")
-    fetch = Fetch(parts.netloc, (parts.path.rstrip("/") or "") + "/dump", limit)
-    async with await anyio.connect_tcp(parts.hostname, parts.port or 80) as stream:
-        await flush(stream.send, fetch)
-        while not fetch.done:
-            data = await receive(stream)
-            fetch.receive_data(data or b"")
-    return fetch.body
 
 
 async def recover_from_peers(service: SelectionService, peers: Sequence[str], timeout: float = 10.0
@@ -39,7 +25,7 @@ async def recover_from_peers(service: SelectionService, peers: Sequence[str], ti
     for url in peers:
         try:
             with anyio.fail_after(timeout):
-                body = await _get(url, service.settings.max_state_bytes)
+                body = await http_get(url.rstrip("/") + "/dump", service.settings.max_state_bytes)
             with jsonio.gc_paused():
                 value = jsonio.loads(body)
             service.recover(value, url, now=time.monotonic())

@@ -33,6 +33,7 @@ from .logs import log, log_internal_error
 from .peers import recover_from_peers
 from .process import ProcessMetrics
 from .pump import CHUNK, flush, receive
+from .scrape import scrape_engines
 from .snapshots import Snapshots, dump_in_child
 from .subscriber import Subscriptions
 
@@ -442,6 +443,7 @@ async def serve(service: SelectionService, config: ServerConfig,
 
         tg.start_soon(run_accept)
         tg.start_soon(server.timer)
+        tg.start_soon(scrape_engines, service, config.engine_metrics_interval_secs)
         if ext_proc is not None:
             tg.start_soon(ext_proc.run, tg)
         server.subscriptions = Subscriptions(service, tg, server.pump)

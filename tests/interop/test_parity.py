@@ -570,3 +570,35 @@ def test_every_answer_names_the_routing_group_and_workers_carry_is_eagle_as_1_6_
     status, dump = ours.call("GET", "/dump")
     assert status == 200 and all(k["routing_group"] == k["tenant_id"] for k in dump["keys"])
     assert all(w["routing_group"] == w["tenant_id"] for w in dump["workers"])
+
+
+def test_overlap_counts_the_allowed_workers_and_an_unknown_worker_names_the_group(
+        reference_python: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 35: with `allowed_worker_ids`, `overlap.longest_matched` counts the allowed workers only
+    (a prompt cached on worker 2 alone, selected among [1], matched 0 tokens), also when booked as
+    the same selection; an explicit booking on an unknown worker names `routing_group=`."""
+    monkeypatch.setenv("DYN_ROUTER_USE_KV_EVENTS", "false")  # bookings predict the cache, in both
+    ours, ref, server, process = start_both(reference_python, mode="approximate")
+    try:
+        two_workers(ours, ref)
+        prompt = list(range(8))
+        pin = {"pinned_worker": {"worker_id": 2, "dp_rank": 0}}
+        for service in (ours, ref):
+            assert service.call("POST", "/select_and_reserve", {"model_name": "m", "token_ids": prompt,
+                                                                "reservation_id": "warm", **pin})[0] == 200
+        for body in ({"model_name": "m", "token_ids": prompt, "allowed_worker_ids": [1]},
+                     {"model_name": "m", "token_ids": prompt, "allowed_worker_ids": [1], "selection_id": "s"},
+                     {"model_name": "m", "token_ids": prompt, "allowed_worker_ids": [1, 2]}):
+            for path in ("/select", "/select_and_reserve"):
+                a, b = ours.call("POST", path, body), ref.call("POST", path, body)
+                assert a[0] == b[0] == 200, (a, b)
+                assert a[1]["overlap"]["longest_matched"] == b[1]["overlap"]["longest_matched"], (path, body, a, b)
+                if body["allowed_worker_ids"] == [1]:  # between two workers, ties break at random
+                    assert a[1]["worker_id"] == b[1]["worker_id"] == 1, (path, body, a, b)
+        unknown = {"model_name": "m", "token_ids": prompt, "worker_id": 99, "selection_id": "u"}
+        a, b = ours.call("POST", "/reservations", unknown), ref.call("POST", "/reservations", unknown)
+        assert a == b == (404, {"error": "schedulable worker 99 not found for model=m routing_group=default"})
+    finally:
+        server.stop()
+        process.terminate()
+        process.wait(timeout=30)
