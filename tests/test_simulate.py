@@ -102,7 +102,19 @@ def test_the_api_is_deterministic_and_follows_the_cache() -> None:
      "bad.jsonl:1:"),
     (b'{"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [1]}\n' * 2
      + b'{"timestamp": 1, "input_length": 4, "output_length": true, "hash_ids": [1]}\n',
-     "bad.jsonl:3: `output_length` must be an integer of at least 0"),
+     "bad.jsonl:3: `output_length` must be an integer from 0 to 1048576"),
+    (b'{"timestamp": 0, "input_length": 4, "output_length": 1000000000000, "hash_ids": [1]}\n',
+     "bad.jsonl:1: `output_length` must be an integer from 0 to 1048576"),
+    (b'{"timestamp": 0, "input_length": 1000000000000, "output_length": 1, "hash_ids": [1]}\n',
+     "bad.jsonl:1: `input_length` must be an integer from 1 to 1048576"),
+    (b'{"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [' + b"1," * 2000 + b'1]}\n',
+     "bad.jsonl:1: the request needs 2001 KV blocks and an engine has 1000 (--kv-blocks)"),
+    (b'{"timestamp": 9, "input_length": 4, "output_length": 1, "hash_ids": [1]}\n'
+     b'{"timestamp": 3, "input_length": 4, "output_length": 1, "hash_ids": [1]}\n',
+     "bad.jsonl:2: `timestamp` 3 is before the line above's (9)"),
+    (b'{"timestamp": NaN, "input_length": 4, "output_length": 1, "hash_ids": [1]}\n', "bad.jsonl:1: not JSON"),
+    (b'{"timestamp": 0, "hash_ids": [' + b"1," * (9 << 20) + b'1]}\n',
+     "bad.jsonl:1: the line is longer than 16777216 bytes"),
     (b'{"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [1]}\n'
      b'{"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [1], "x": "\\ud800"}\n',
      "bad.jsonl:2: not JSON"),
@@ -131,6 +143,12 @@ def test_a_missing_or_corrupt_file_and_bad_flags_exit_2(tmp_path: Path) -> None:
     good.write_bytes(b"\n".join(_trace_lines(10, 2)))
     for flags, text in ((("--load", "0"), "--load: must be a positive number"),
                         (("--engines", "0"), "--engines: must be at least 1"),
+                        (("--engines", "100000"), "--engines: must be at most 1024"),
+                        (("--kv-blocks", "0"), "--kv-blocks: must be at least 1"),
+                        (("--trace-block-size", "1000000000000"), "--trace-block-size: must be at most 1048576"),
+                        (("--prefill-tokens-per-sec", "1e-300"), "--prefill-tokens-per-sec: must be at least 1"),
+                        (("--report", str(tmp_path)), f"{tmp_path}: is a folder; name a file to write"),
+                        (("--json", str(tmp_path)), f"{tmp_path}: is a folder; name a file to write"),
                         (("--compare", "nonsense=1"), "--compare: expected KEY=VALUE with a setting's name"),
                         (("--compare", "overlap_score_weight=x"), "invalid float value 'x'")):
         done = run(str(good), *flags)

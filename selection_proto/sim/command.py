@@ -19,7 +19,7 @@ from ..core.settings import Settings
 from .engine import EngineModel
 from .fleet import BASELINES, FleetConfig, simulate
 from .report import document, html_report, table
-from .trace import TraceError, TraceRequest, parse_trace
+from .trace import MAX_TOKENS, TraceError, TraceRequest, parse_trace, read_lines
 
 __all__ = ["add_parser", "run"]
 
@@ -66,7 +66,7 @@ def _lines(path: str) -> Iterator[bytes]:
         gzipped = raw.read(2) == b"\x1f\x8b"
     opener: Any = gzip.open if gzipped else open
     with opener(path, "rb") as lines:
-        yield from lines
+        yield from read_lines(lines)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,6 +78,16 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--{name.replace('_', '-')}: must be at least {low}")
     if args.requests is not None and args.requests < 1:
         raise UsageError("--requests: must be at least 1")
+    # The service under test takes at most 1,024 workers a key and prompts of 2**20 tokens; an
+    # engine slower than a token a second outlives every booking (active_request_expiry_secs).
+    for name, high in (("engines", 1024), ("trace_block_size", MAX_TOKENS), ("kv_blocks", 1 << 30)):
+        if getattr(args, name) > high:
+            raise UsageError(f"--{name.replace('_', '-')}: must be at most {high}")
+    if not args.prefill_tokens_per_sec >= 1:
+        raise UsageError("--prefill-tokens-per-sec: must be at least 1")
+    for path in (args.json, args.report):
+        if path is not None and os.path.isdir(path):
+            raise UsageError(f"{path}: is a folder; name a file to write")
     for name in ("load", "prefill_tokens_per_sec"):
         if not 0 < getattr(args, name) < float("inf"):
             raise UsageError(f"--{name.replace('_', '-')}: must be a positive number")
@@ -101,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
 
     def trace() -> Iterator[TraceRequest]:
         return parse_trace(_lines(args.trace), args.trace, args.trace_block_size, skip=args.skip,
-                           limit=args.requests)
+                           limit=args.requests, kv_blocks=args.kv_blocks)
 
     started = time.perf_counter()
     try:
@@ -119,10 +129,14 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write(table(results))
     requests = sum(r.requests for r in results)
     print(f"{len(results)} runs, {requests} requests in {seconds:.1f} s ({requests / max(seconds, 1e-9):.0f} a second)")
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(document(results, config, args.trace), out, indent=1)
-    if args.report:
-        with open(args.report, "w") as out:
-            out.write(html_report(results, config, args.trace))
+    try:
+        if args.json:
+            with open(args.json, "w") as out:
+                json.dump(document(results, config, args.trace), out, indent=1)
+        if args.report:
+            with open(args.report, "w") as out:
+                out.write(html_report(results, config, args.trace))
+    except OSError as exc:
+        print(f"selection-proto simulate: error: {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 1
     return 0

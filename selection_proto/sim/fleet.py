@@ -6,6 +6,7 @@ select_and_reserve, prefill_complete, free, and the KV events the engines publis
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import random
 from array import array
@@ -14,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from ..core.errors import SelectionError
+from ..core.errors import NotFound, SelectionError
 from ..core.events import KvEvent
 from ..core.outputs import SelectionReady
 from ..core.responses import Pending, SelectResponse
@@ -122,11 +123,13 @@ class _Router:
 
     def prefill_done(self, req: SimRequest, now: float) -> None:
         if self.service is not None:
-            self.service.prefill_complete(req.rid, now=now)
+            with contextlib.suppress(NotFound):  # outlived active_request_expiry_secs: expired, as a client sees
+                self.service.prefill_complete(req.rid, now=now)
 
     def freed(self, req: SimRequest, now: float) -> None:
         if self.service is not None:
-            self.service.free(req.rid, now=now)
+            with contextlib.suppress(NotFound):
+                self.service.free(req.rid, now=now)
 
     def events(self, engine: int, events: list[KvEvent], now: float) -> None:
         if self.service is not None:

@@ -5,13 +5,15 @@ start), `input_length` and `output_length` (tokens) and `hash_ids` (one id per t
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import NamedTuple
+from typing import IO, NamedTuple
 
 from ..core import jsonio
 
-__all__ = ["TraceError", "TraceRequest", "parse_trace"]
+__all__ = ["MAX_LINE_BYTES", "MAX_TOKENS", "TraceError", "TraceRequest", "parse_trace", "read_lines"]
 
 _MAX = (1 << 63) - 1
+MAX_TOKENS = 1 << 20  # a request's input or output tokens at most (the service's max_prompt_tokens)
+MAX_LINE_BYTES = 16 << 20  # a line at most (a million hash ids take ~8 MB)
 
 
 class TraceError(ValueError):
@@ -32,27 +34,42 @@ class TraceRequest(NamedTuple):
 
 def _count(record: dict[str, object], name: str, low: int) -> int:
     value = record.get(name)
-    if type(value) is not int or not low <= value <= _MAX:
-        raise ValueError(f"`{name}` must be an integer of at least {low}")
+    if type(value) is not int or not low <= value <= MAX_TOKENS:
+        raise ValueError(f"`{name}` must be an integer from {low} to {MAX_TOKENS}")
     return value
 
 
+def read_lines(stream: IO[bytes]) -> Iterator[bytes]:
+    """A file's lines, each read at most `MAX_LINE_BYTES` at a time: a longer one is yielded cut,
+    and fails to parse, instead of filling memory."""
+    while line := stream.readline(MAX_LINE_BYTES + 1):
+        yield line
+
+
 def parse_trace(lines: Iterable[bytes], name: str, trace_block_size: int, *, skip: int = 0,
-                limit: int | None = None) -> Iterator[TraceRequest]:
+                limit: int | None = None, kv_blocks: int | None = None) -> Iterator[TraceRequest]:
     """The requests of a trace's lines, streamed: `skip` requests first, then at most `limit`.
-    Blank lines are passed over; any other line that does not read raises `TraceError`."""
+    Blank lines are passed over; any other line that does not read raises `TraceError`, and so
+    does a request with more blocks than `kv_blocks` (no engine could ever hold it) or one that
+    arrives before the one above it."""
     taken = seen = 0
+    previous = 0.0
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         where = f"{name}:{number}"
         try:
+            if len(line) > MAX_LINE_BYTES:
+                raise ValueError(f"the line is longer than {MAX_LINE_BYTES} bytes")
             record = jsonio.loads(line)
             if not isinstance(record, dict):
                 raise ValueError("expected a JSON object")
             stamp = record.get("timestamp")
             if type(stamp) not in (int, float) or not 0 <= stamp < 1e15:  # type: ignore[operator]
                 raise ValueError("`timestamp` must be a number of milliseconds, at least 0")
+            if stamp < previous:  # type: ignore[operator]
+                raise ValueError(f"`timestamp` {stamp} is before the line above's ({previous:g}): "
+                                 "a trace's requests come in order")
             input_length = _count(record, "input_length", 1)
             output_length = _count(record, "output_length", 0)
             ids = record.get("hash_ids")
@@ -61,9 +78,13 @@ def parse_trace(lines: Iterable[bytes], name: str, trace_block_size: int, *, ski
             if input_length > len(ids) * trace_block_size:
                 raise ValueError(f"`input_length` {input_length} exceeds its {len(ids)} blocks of "
                                  f"{trace_block_size} tokens")
+            if kv_blocks is not None and len(ids) > kv_blocks:
+                raise ValueError(f"the request needs {len(ids)} KV blocks and an engine has {kv_blocks} "
+                                 "(--kv-blocks): no engine could ever hold it")
         except (jsonio.JSONSyntaxError, ValueError, RecursionError) as exc:
             reason = "not JSON" if isinstance(exc, jsonio.JSONSyntaxError) else str(exc)
             raise TraceError(where, reason) from None
+        previous = float(stamp)  # type: ignore[arg-type]
         seen += 1
         if seen <= skip:
             continue
