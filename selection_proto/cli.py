@@ -36,6 +36,7 @@ from .config import (
 from .core.routes import MAX_BODY
 from .core.service import SelectionService
 from .core.settings import Settings
+from .transports.supervisor import PROCESS_INDEX, SUPERVISOR
 
 if TYPE_CHECKING:
     from .transports.config import LedgerOptions
@@ -43,8 +44,6 @@ if TYPE_CHECKING:
 __all__ = ["main"]
 
 PROG = "selection-proto"
-PROCESS_INDEX: Final = "SELECTION_PROTO_PROCESS_INDEX"  # set by --processes in each process it starts
-SUPERVISOR: Final = "SELECTION_PROTO_SUPERVISOR_PID"  # and the supervisor's pid
 
 
 class _Parser(argparse.ArgumentParser):
@@ -386,7 +385,10 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     ledger = _ledger(args, env, service, processes)
     host = transport_value(args, env, "host", TRANSPORT["host"], str)
     if processes > 1:
-        return _supervise(args, host, port, processes)
+        from .transports.supervisor import supervise
+
+        ext_proc_port = transport_value(args, env, "ext_proc_port", TRANSPORT["ext_proc_port"], int)
+        return supervise(args.argv, host, port, processes, ext_proc_port)
     supervisor = env.get(SUPERVISOR)
     config = ServerConfig(host=host, port=port, ledger=ledger, reuse_port=PROCESS_INDEX in env,
                           supervisor_pid=int(supervisor) if supervisor and supervisor.isdigit() else None,
@@ -469,59 +471,6 @@ def _ledger(args: argparse.Namespace, env: Mapping[str, str], service: Selection
     if advertise is not None and not advertise.startswith("http://"):
         raise UsageError(f"--advertise-url: expected an http:// URL, not {advertise!r}")
     return LedgerOptions(url, scope, counts["ledger_batch"], counts["ledger_feed_max"], advertise)
-
-
-def _supervise(args: argparse.Namespace, host: str, port: int, processes: int) -> int:
-    """Run `processes` copies of this `serve` on one port (SO_REUSEPORT) until SIGTERM or SIGINT,
-    which each gets; one that dies is started again after a second."""
-    import signal
-    import subprocess
-    import time
-
-    from .transports.logs import log
-
-    holder = None
-    if port == 0:  # choose the port once; a bound socket that never listens keeps it ours
-        holder = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        holder.bind((host, 0))
-        port = holder.getsockname()[1]
-    command = [sys.executable, "-m", "selection_proto", *args.argv, "--processes", "1", "--port", str(port)]
-    children: dict[int, subprocess.Popen[bytes]] = {}
-    stopping: list[int] = []
-
-    def start(index: int) -> None:
-        # A session of its own: a terminal's Ctrl-C reaches the supervisor, which passes it on
-        # once (twice would force the shutdown); each process stops when the supervisor dies.
-        children[index] = subprocess.Popen(command, env={**os.environ, PROCESS_INDEX: str(index),
-                                                          SUPERVISOR: str(os.getpid())}, start_new_session=True)
-
-    def stop(signum: int, frame: object) -> None:
-        stopping.append(signum)
-        for child in children.values():
-            if child.poll() is None:
-                child.send_signal(signum)
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    for index in range(processes):
-        start(index)
-    log("info", "processes", count=processes, port=port)
-    while True:
-        time.sleep(0.1)
-        if stopping:
-            if all(child.poll() is not None for child in children.values()):
-                break
-            continue
-        for index, child in list(children.items()):
-            if child.poll() is not None:
-                log("warning", "process_exited", index=index, code=child.returncode, restart_in_secs=1)
-                time.sleep(1.0)
-                if not stopping:
-                    start(index)
-    if holder is not None:
-        holder.close()
-    return max((abs(c.returncode or 0) for c in children.values()), default=0) if len(stopping) > 1 else 0
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:

@@ -400,3 +400,56 @@ def test_a_replica_on_a_ledger_survives_hostile_requests_and_keeps_its_ledger(le
         wait_for(lambda: ledger.client().hexists("sp:{default}:res", "ok"))
     finally:
         s.stop()
+
+
+def test_processes_take_connections_once_they_can_serve_them(ledger: LedgerServer) -> None:
+    """Issue 35: the moment the shared port first accepts, every process that takes a connection
+    has joined the ledger: 16 registrations on fresh connections all succeed."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "selection_proto", "serve", "--port", str(port), "--kv-events",
+                             "push", "--ledger", ledger.url, "--processes", "2"],
+                            stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # the first connect that succeeds
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.01)
+        statuses = []
+        for worker_id in range(1, 17):  # each on a connection of its own: any process may take it
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:  # a loaded machine's start
+                sock.sendall(request("POST", "/workers", {**WORKER, "worker_id": worker_id}))
+                statuses.append(read_response(sock, bytearray())[0])
+        assert statuses == [201] * 16
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(20) == 0
+
+
+def test_processes_share_the_pickers_port_too(ledger: LedgerServer) -> None:
+    """Issue 35: with `--ext-proc-port`, every process serves the one picker port (it was bound
+    without port sharing: all but one process exited, and were started again for ever)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    proc = subprocess.Popen([sys.executable, "-m", "selection_proto", "serve", "--port", "0", "--kv-events",
+                             "approximate", "--ledger", ledger.url, "--processes", "2", "--ext-proc-port", "0"],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True)
+    logs: list[str] = []
+    threading.Thread(target=lambda: logs.extend(proc.stderr or ()), daemon=True).start()
+    try:
+        wait_for(lambda: sum('"event":"ext_proc_listening"' in line for line in logs) == 2, 60, logs)
+        urls = {json.loads(line)["url"] for line in logs if '"event":"ext_proc_listening"' in line}
+        assert len(urls) == 1, urls
+        time.sleep(2.5)  # a process that could not bind would have exited and been restarted by now
+        assert not any('"event":"process_exited"' in line for line in logs), logs
+        with grpc.insecure_channel(urls.pop().removeprefix("grpc://")) as channel:
+            for _ in range(4):
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(20) == 0

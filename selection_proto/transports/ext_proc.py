@@ -71,7 +71,9 @@ class ExtProcServer:
         options = self.options
         self.grpc = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                              ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                             ("grpc.so_reuseport", 0)])
+                                             # shared by the processes of --processes; else a
+                                             # port in use must fail the start
+                                             ("grpc.so_reuseport", 1 if self.server.config.reuse_port else 0)])
         rpc.add_ExternalProcessorServicer_to_server(self.picker, self.grpc)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)

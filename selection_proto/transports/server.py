@@ -408,6 +408,9 @@ class _Server:
             pass
 
 
+LEDGER_START_WAIT_SECS = 10.0  # how long connections wait at start for the ledger to be joined
+
+
 async def serve(service: SelectionService, config: ServerConfig,
                 ready: Callable[[str, int], None] | None = None) -> None:
     """Listen until SIGTERM or SIGINT, then drain (transports.md §9)."""
@@ -434,6 +437,16 @@ async def serve(service: SelectionService, config: ServerConfig,
         accept_scope = anyio.CancelScope()
 
         async def run_accept() -> None:
+            if service.ledger is not None:
+                # Taken once they can be served: with --processes a connection may reach any
+                # process, and one whose ledger is not joined yet would answer catalog writes 503.
+                # Meanwhile connections wait in the listening socket's backlog.
+                with anyio.move_on_after(LEDGER_START_WAIT_SECS):
+                    while not service.ledger.ready():
+                        await anyio.sleep(0.02)
+                if not service.ledger.ready():
+                    log("warning", "ledger_not_ready", detail=f"serving after {LEDGER_START_WAIT_SECS:g} s "
+                                                              "without the ledger")
             with accept_scope:
                 async with listener, anyio.create_task_group() as accepting:
                     for one in listener.listeners:
