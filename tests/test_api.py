@@ -316,7 +316,7 @@ def test_reservations(client: Client) -> None:
     assert client.error("POST", "/reservations", body) == (
         409, "Request r1 already exists (assigned to worker WorkerWithDpRank { worker_id: 2, dp_rank: 0 })")
     assert client.error("POST", "/reservations", {**body, "reservation_id": "r2", "worker_id": 9}) == (
-        404, "schedulable worker 9 not found for model=m tenant=default")
+        404, "schedulable worker 9 not found for model=m routing_group=default")
     assert client.error("POST", "/reservations", {**body, "reservation_id": "r2", "dp_rank": 1}) == (
         404, "Worker WorkerWithDpRank { worker_id: 2, dp_rank: 1 } not found")
     assert client.error("POST", "/reservations", {"model_name": "m", "reservation_id": "r2", "worker_id": 2}) == (

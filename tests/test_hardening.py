@@ -132,15 +132,28 @@ def test_unfinished_websocket_messages_stop_at_the_buffer_budget() -> None:
         server.stop()
 
 
-def health_latencies(server: Server, while_running: threading.Thread) -> list[float]:
-    """`/health` round trips, one after another, for as long as `while_running` runs."""
+def health_latencies(server: Server, while_running: threading.Thread | None = None, count: int = 40) -> list[float]:
+    """`/health` round trips, one after another, for as long as `while_running` runs (else `count`
+    of them: the idle baseline), sorted."""
     seconds = []
-    while while_running.is_alive():
+    while while_running.is_alive() if while_running is not None else len(seconds) < count:
         started = time.perf_counter()
         assert get(server, "/health")[0] == 200
         seconds.append(time.perf_counter() - started)
         time.sleep(0.01)
-    return seconds
+    return sorted(seconds)
+
+
+def assert_its_turn(seconds: list[float], idle: list[float], p99: float | None, worst: float) -> None:
+    """`/health` kept its turn while the server worked: its p99 and worst round trips under the
+    goals (bench/ measures the figures themselves), plus three times what the same probes took on
+    the idle server moments before, so that a machine busy with other work does not fail them."""
+    def at(values: list[float], share: float) -> float:
+        return values[min(len(values) - 1, int(len(values) * share))]
+
+    if p99 is not None:
+        assert at(seconds, 0.99) < p99 + 3 * at(idle, 0.99), (seconds[-5:], idle[-5:])
+    assert seconds[-1] < worst + 3 * idle[-1], (seconds[-5:], idle[-5:])
 
 
 def store_blocks(server: Server, count: int, per_request: int = 50_000) -> None:
@@ -159,6 +172,7 @@ def test_a_large_dump_is_written_by_a_child_and_health_answers_meanwhile() -> No
         assert post(server, "/workers", b'{"worker_id": 1, "model_name": "m", "block_size": 4, '
                                         b'"endpoint": "http://w"}')[0] == 201
         store_blocks(server, 150_000)  # about a second of encoding (the test's reads are in a thread)
+        idle = health_latencies(server)
         dumped: list[bytes] = []
         url = f"http://127.0.0.1:{server.port}/dump"
         reader = threading.Thread(target=lambda: dumped.append(urllib.request.urlopen(url, timeout=60).read()))
@@ -168,7 +182,7 @@ def test_a_large_dump_is_written_by_a_child_and_health_answers_meanwhile() -> No
         document = json.loads(dumped[0])
         assert len(document["events"]) == 150_000 and document["workers"][0]["worker_id"] == 1
         assert len(seconds) >= 3, seconds  # the dump took a while, and /health was served meanwhile
-        assert max(seconds) < 0.25, sorted(seconds)[-5:]
+        assert_its_turn(seconds, idle, None, 0.25)
         assert_healthy(server)
     finally:
         server.stop()
@@ -186,6 +200,7 @@ def test_a_huge_select_beside_huge_bookings_leaves_health_its_turn() -> None:
                        "sequence_hashes": list(range(n * 850_000 + 1, (n + 1) * 850_000 + 1))}
             assert post(server, "/reservations", json.dumps(booking).encode())[0] == 201
         body = json.dumps({"model_name": "m", "token_ids": list(range(1 << 20)), "explain": True}).encode()
+        idle = health_latencies(server)
         answers: list[dict[str, Any]] = []
 
         def select() -> None:
@@ -196,10 +211,10 @@ def test_a_huge_select_beside_huge_bookings_leaves_health_its_turn() -> None:
 
         selector = threading.Thread(target=select)
         selector.start()
-        seconds = sorted(health_latencies(server, selector))
+        seconds = health_latencies(server, selector)
         selector.join()
         assert len(answers) == 3 and answers[0]["worker_id"] == 1
-        assert seconds[int(len(seconds) * 0.99)] < 0.1 and seconds[-1] < 0.25, seconds[-5:]
+        assert_its_turn(seconds, idle, 0.1, 0.25)
         assert_healthy(server)
     finally:
         server.stop()
@@ -221,13 +236,14 @@ def test_a_websocket_event_flood_leaves_other_clients_their_turn() -> None:
                 for message in messages:
                     ws.send(message)
 
+        idle = health_latencies(server)
         flooder = threading.Thread(target=flood)
         flooder.start()
         time.sleep(0.3)
-        seconds = sorted(health_latencies(server, flooder))
+        seconds = health_latencies(server, flooder)
         flooder.join()
         assert len(seconds) >= 20
-        assert seconds[int(len(seconds) * 0.99)] < 0.1 and seconds[-1] < 0.25, seconds[-5:]
+        assert_its_turn(seconds, idle, 0.1, 0.25)
         assert_healthy(server)
     finally:
         server.stop()
@@ -252,7 +268,16 @@ def test_stdio_answers_as_fast_with_hundreds_of_zmq_subscriptions() -> None:
         assert answer["id"] == rid, answer
         return answer
 
+    def healths(first: int) -> list[float]:
+        seconds = []
+        for rid in range(first, first + 60):
+            started = time.perf_counter()
+            assert call(rid, "health")["result"] == {"status": "ok"}
+            seconds.append(time.perf_counter() - started)
+        return sorted(seconds)
+
     try:
+        idle = healths(10_000)
         with socket.socket() as probe:  # a port nobody listens on: ZMQ retries connecting quietly
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
@@ -261,13 +286,8 @@ def test_stdio_answers_as_fast_with_hundreds_of_zmq_subscriptions() -> None:
                           block_size=4, kv_events_endpoint=f"tcp://127.0.0.1:{port}")
             assert "result" in answer, answer
         time.sleep(0.5)
-        seconds = []
-        for rid in range(1000, 1060):
-            started = time.perf_counter()
-            assert call(rid, "health")["result"] == {"status": "ok"}
-            seconds.append(time.perf_counter() - started)
-        seconds.sort()
-        assert seconds[len(seconds) // 2] < 0.01 and seconds[-1] < 0.1, seconds[-5:]
+        seconds = healths(1000)  # p50 under 10 ms and the worst under 100 ms, as idle allows
+        assert seconds[30] < 0.01 + 3 * idle[30] and seconds[-1] < 0.1 + 3 * idle[-1], (seconds[-5:], idle[-5:])
     finally:
         proc.stdin.close()
         assert proc.wait(timeout=30) == 0
@@ -293,14 +313,9 @@ def test_subscriptions_and_connections_fit_the_descriptor_limit() -> None:
             status, body = post(server, "/workers", worker(1, 1024))
             assert (status, body["error"]) == (409, "subscription limit reached: at most 128 outbound "
                                                     "KV-event subscriptions"), body
+            idle = health_latencies(server)  # before the subscriptions hang on the silent peer
             assert post(server, "/workers", worker(2, 120))[0] == 201
-            seconds = []
-            for _ in range(20):
-                started = time.perf_counter()
-                assert get(server, "/health")[0] == 200
-                seconds.append(time.perf_counter() - started)
-                time.sleep(0.1)
-            assert max(seconds) < 0.25
+            assert_its_turn(health_latencies(server, count=20), idle, None, 0.25)
             assert_healthy(server)
             assert not any('"accept_failed"' in line for line in server.logs)
         finally:

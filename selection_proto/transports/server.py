@@ -437,10 +437,11 @@ async def serve(service: SelectionService, config: ServerConfig,
         accept_scope = anyio.CancelScope()
 
         async def run_accept() -> None:
-            if service.ledger is not None:
+            if service.ledger is not None and config.reuse_port:
                 # Taken once they can be served: with --processes a connection may reach any
-                # process, and one whose ledger is not joined yet would answer catalog writes 503.
-                # Meanwhile connections wait in the listening socket's backlog.
+                # process, and one whose ledger is not joined yet would answer catalog writes 503
+                # while its siblings could serve them. Meanwhile connections wait in the backlog
+                # (a single process answers at once: 503s and /ready say what is missing).
                 with anyio.move_on_after(LEDGER_START_WAIT_SECS):
                     while not service.ledger.ready():
                         await anyio.sleep(0.02)
