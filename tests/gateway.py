@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import yaml
-from test_http import Server
+from test_http import Server, api_call
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENVOY_YAML = os.path.join(ROOT, "deploy", "envoy", "envoy.yaml")
@@ -171,13 +171,7 @@ class Gateway:
         self._wait_ready()
 
     def api(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.server.port, timeout=10)
-        data = None if body is None else json.dumps(body).encode()
-        conn.request(method, path, data, {"content-type": "application/json"} if data is not None else {})
-        response = conn.getresponse()
-        payload = response.read()
-        conn.close()
-        return response.status, json.loads(payload) if payload else None
+        return api_call(self.server.port, method, path, body, timeout=10)
 
     def _wait_ready(self) -> None:
         """Until Envoy listens and has seen the picker healthy."""

@@ -5,8 +5,6 @@ tests/test_real_engines.py."""
 
 from __future__ import annotations
 
-import http.client
-import json
 import socket
 import threading
 import time
@@ -16,7 +14,7 @@ from typing import Any
 
 import pytest
 from conftest import Client
-from test_http import Server
+from test_http import Server, api_call
 
 from selection_proto import SelectionService, Settings
 from selection_proto.core.engine_metrics import MAX_WORKERS, EngineMetrics, parse
@@ -119,13 +117,7 @@ def scraping() -> Iterator[Server]:
     server.stop()
 
 
-def call(port: int, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    conn.request(method, path, None if body is None else json.dumps(body).encode(), {"content-type": "application/json"})
-    response = conn.getresponse()
-    payload = response.read()
-    conn.close()
-    return response.status, json.loads(payload)
+call = api_call
 
 
 def test_serve_scrapes_each_endpoint_and_a_hostile_one_costs_only_itself(scraping: Server) -> None:

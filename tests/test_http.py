@@ -64,6 +64,19 @@ def server() -> Iterator[Server]:
     s.stop()
 
 
+def api_call(port: int, method: str, path: str, body: Any = None, timeout: float = 30) -> tuple[int, Any]:
+    """One JSON call over a fresh connection (`http.client`): its status and decoded answer."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    data = None if body is None else json.dumps(body).encode()
+    conn.request(method, path, data, {"content-type": "application/json"} if data is not None else {})
+    response = conn.getresponse()
+    payload = response.read()
+    conn.close()
+    return response.status, json.loads(payload) if payload else None
+
+
 def request(method: str, path: str, body: Any = None, headers: str = "") -> bytes:
     data = b"" if body is None else json.dumps(body).encode()
     head = (f"{method} {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from engines.vllm import VllmEngine, build_model
-from test_http import Server
+from test_http import Server, api_call
 
 BLOCK = 32
 WINDOW = 3.0  # --kv-verdict-window-secs of the service under test
@@ -52,13 +52,7 @@ class Fleet:
         until(connected, f"subscriptions to {worker_ids}")
 
     def api(self, method: str, path: str, body: Any = None, port: int | None = None) -> tuple[int, Any]:
-        conn = http.client.HTTPConnection("127.0.0.1", port or self.server.port, timeout=30)
-        data = None if body is None else json.dumps(body).encode()
-        conn.request(method, path, data, {"content-type": "application/json"} if data is not None else {})
-        response = conn.getresponse()
-        payload = response.read()
-        conn.close()
-        return response.status, json.loads(payload) if payload else None
+        return api_call(port or self.server.port, method, path, body)
 
     def ok(self, method: str, path: str, body: Any = None, port: int | None = None) -> Any:
         status, answer = self.api(method, path, body, port)
