@@ -34,7 +34,7 @@ class Fleet:
         for engine in self.engines:
             engine.start()
         for engine in self.engines:
-            engine.wait_healthy()
+            engine.healthy_or_retried()
         self.server = Server("--kv-verdict-window-secs", str(WINDOW), "--engine-metrics-interval-secs", "0.5",
                              mode="subscribe")
         for worker_id, engine in ((1, self.a), (2, self.b)):

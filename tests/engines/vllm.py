@@ -114,6 +114,18 @@ class VllmEngine:
             assert time.monotonic() < deadline, f"engine {self.name} did not start:\n{self.log_tail()}"
             time.sleep(0.5)
 
+    def healthy_or_retried(self) -> None:
+        """`wait_healthy`; an engine that exited while starting (a chosen port taken meanwhile by
+        another process) is started once more on fresh ports, with the first failure kept in its log."""
+        try:
+            self.wait_healthy()
+        except AssertionError:
+            if self.proc is None or self.proc.poll() is None:
+                raise  # not an early exit: a start that takes too long is a failure
+            self.http_port, self.events_port, self.replay_port = free_ports(3)
+            self.start()
+            self.wait_healthy()
+
     def kill(self) -> None:
         """SIGKILL to the engine's whole process group (API server, engine core, worker)."""
         if self.proc is not None and self.proc.poll() is None:
