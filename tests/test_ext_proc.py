@@ -457,3 +457,45 @@ def test_serve_loads_a_models_tokenizer_folder_and_refuses_bad_flags_in_one_line
         done = subprocess.run([sys.executable, "-m", "selection_proto", "serve", "--port", "0", "--ext-proc-port",
                                str(taken.getsockname()[1])], capture_output=True, text=True, timeout=30)
     assert done.returncode == 1 and "for ext_proc" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_the_pickers_port_needs_the_servers_bearer_token(tmp_path: Any) -> None:
+    """Issue 35: with `--auth-token-file` a stream without `authorization: Bearer <token>` gRPC
+    metadata (or with another token) is refused UNAUTHENTICATED and books nothing; with it, it is
+    routed; gRPC health stays open, as `/health` is."""
+    import http.client
+    import time
+
+    import grpc
+    from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from test_http import Server, api_call
+
+    (tmp_path / "token").write_text("s3cret\n")
+    server = Server("--auth-token-file", str(tmp_path / "token"), "--ext-proc-port", "0", mode="approximate")
+    try:
+        deadline = time.monotonic() + 20
+        while not (lines := [line for line in server.logs if '"ext_proc_listening"' in line]):
+            assert time.monotonic() < deadline, "".join(server.logs)
+            time.sleep(0.05)
+        target = json.loads(lines[0])["url"].removeprefix("grpc://")
+        worker = {"worker_id": 1, "model_name": "m", "block_size": 4, "endpoint": "http://127.0.0.1:9"}
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        conn.request("POST", "/workers", json.dumps(worker), {"content-type": "application/json",
+                                                              "authorization": "Bearer s3cret"})
+        assert conn.getresponse().status == 201
+        conn.close()
+        messages = [headers(), body(completion(list(range(16))), end=True)]
+        with grpc.insecure_channel(target) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            stub = ExternalProcessorStub(channel)
+            for metadata in ((), (("authorization", "Bearer wrong"),), (("authorization", "s3cret"),)):
+                with pytest.raises(grpc.RpcError) as refused:
+                    list(stub.Process(iter(messages), metadata=metadata, timeout=10))
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            replies = list(stub.Process(iter(messages), metadata=(("authorization", "Bearer s3cret"),), timeout=10))
+            assert replies and replies[0].HasField("request_headers")
+        assert api_call(server.port, "GET", "/health") == (200, {"status": "ok"})
+    finally:
+        server.stop()

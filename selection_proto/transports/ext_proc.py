@@ -5,6 +5,7 @@ moves its messages and waits for its queued selections."""
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
 from collections.abc import Mapping
@@ -125,6 +126,11 @@ class _Picker:
         from ..adapters.ext_proc import ExtProcStream
 
         server = self.server
+        token = server.config.auth_token
+        if token is not None and not _bearer_matches(context.invocation_metadata(), token):
+            # --auth-token-file guards the picker as it guards the HTTP API: Envoy sends the token
+            # as gRPC metadata (`initial_metadata` of the ext_proc filter's grpc_service).
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
         stream = ExtProcStream(server.service, self.tokenizers, in_flight=server.in_flight)
         try:
             while (message := await context.read()) is not grpc.aio.EOF:
@@ -159,3 +165,13 @@ class _Picker:
         self.server.resolvers[ticket] = resolve
         await self.server.pump()
         await answered.wait()
+
+
+def _bearer_matches(metadata: Any, token: bytes) -> bool:
+    """The call's `authorization` metadata is `Bearer <token>` (compared in constant time)."""
+    expected = b"Bearer " + token
+    for key, value in metadata or ():
+        if key == "authorization":
+            given = value.encode("utf-8", "surrogateescape") if isinstance(value, str) else bytes(value)
+            return hmac.compare_digest(given, expected)
+    return False
