@@ -499,3 +499,50 @@ def test_the_pickers_port_needs_the_servers_bearer_token(tmp_path: Any) -> None:
         assert api_call(server.port, "GET", "/health") == (200, {"status": "ok"})
     finally:
         server.stop()
+
+
+def test_a_body_that_never_completes_is_refused_after_the_request_timeout_and_frees_its_bytes() -> None:
+    """Issue 35: a picker stream holding an unfinished body kept its bytes of the shared budget for
+    as long as it stayed open; now it has `--request-timeout-secs`, then 408 and the bytes back."""
+    import threading
+    import time
+
+    import grpc
+    from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
+    from test_http import Server, api_call
+
+    server = Server("--ext-proc-port", "0", "--request-timeout-secs", "1", "--max-buffer-bytes",
+                    str(12 << 20), mode="approximate")
+    try:
+        deadline = time.monotonic() + 20
+        while not (lines := [line for line in server.logs if '"ext_proc_listening"' in line]):
+            assert time.monotonic() < deadline, "".join(server.logs)
+            time.sleep(0.05)
+        target = json.loads(lines[0])["url"].removeprefix("grpc://")
+        assert api_call(server.port, "POST", "/workers", {"worker_id": 1, "model_name": "m", "block_size": 4,
+                                                          "endpoint": "http://127.0.0.1:9"})[0] == 201
+        held = threading.Event()
+
+        def stalled() -> Any:
+            yield headers()
+            yield headers()  # repeated headers are ignored, not stored again
+            yield body(b'{"model": "m", "prompt": "' + b"x" * (7 << 20))  # and never the rest
+            held.wait(30)
+
+        with grpc.insecure_channel(target) as channel:
+            stub = ExternalProcessorStub(channel)
+            started = time.monotonic()
+            replies = stub.Process(stalled(), timeout=20)
+            first = next(replies)
+            assert first.immediate_response.status.code == 408, first
+            assert 0.9 < time.monotonic() - started < 10
+            assert b"did not arrive within 1 s" in first.immediate_response.body
+            held.set()
+            # The bytes are back: a 5.6 MB body, which beside the stalled 7 MiB would not fit the
+            # 12 MiB budget, is routed.
+            complete = [headers(), body(completion(list(range(100_000, 900_000))), end=True)]
+            answer = list(stub.Process(iter(complete), timeout=20))
+            assert answer and answer[0].HasField("request_headers"), answer[:1]
+        assert api_call(server.port, "GET", "/health") == (200, {"status": "ok"})
+    finally:
+        server.stop()

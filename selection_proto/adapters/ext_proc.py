@@ -60,7 +60,7 @@ _CARRY: Final = 1024  # bytes of a chunk kept to find a usage split across two
 class ExtProcStream:
     __slots__ = ("_service", "_tokenizers", "_max_body", "_in_flight", "_held", "_headers", "_subset", "_body", "_body_done",
                  "_buffered", "_response_buffered", "_headers_answered", "_out", "pending_ticket", "booking", "_prefilled",
-                 "finished", "cached_tokens", "_carry")
+                 "finished", "cached_tokens", "_carry", "_headers_seen")
 
     def __init__(self, service: SelectionService, tokenizers: Mapping[str, ChatTokenizer] | None = None,
                  max_body: int = MAX_BODY, in_flight: InFlight | None = None) -> None:
@@ -82,6 +82,7 @@ class ExtProcStream:
         self._prefilled = False
         self.finished = False  # an immediate response was sent: end the stream
         self.cached_tokens: int | None = None  # what the engine said it found cached
+        self._headers_seen = False
         self._carry = b""
 
     def replies(self) -> Iterator[ProcessingResponse]:
@@ -130,7 +131,21 @@ class ExtProcStream:
             self._out.append(ProcessingResponse(response_trailers=TrailersResponse()))
             self.close(now)
 
+    @property
+    def awaiting_body(self) -> bool:
+        """The request's headers came and its body is not whole yet (its bytes are held)."""
+        return self._headers_seen and not self._body_done and not self.finished
+
+    def expire(self, timeout: float) -> None:
+        """The request body did not arrive within `timeout` seconds: refused (408), its bytes freed."""
+        if self.awaiting_body:
+            self._refuse(408, f"the request body did not arrive within {timeout:g} s")
+            self._release()
+
     def _request_headers(self, message: ProcessingRequest, now: float) -> None:
+        if self._headers_seen:
+            return  # a request has one set of headers: more would only grow this stream's memory
+        self._headers_seen = True
         for header in message.request_headers.headers.headers:
             # Envoy sends values in `raw_value` (`value` stays empty), keys lower-cased.
             self._headers[header.key.lower()] = header.raw_value.decode("utf-8", "replace") or header.value

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
@@ -132,8 +133,22 @@ class _Picker:
             # as gRPC metadata (`initial_metadata` of the ext_proc filter's grpc_service).
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
         stream = ExtProcStream(server.service, self.tokenizers, in_flight=server.in_flight)
+        timeout = server.config.request_timeout_secs
+        deadline = server.clock() + timeout
         try:
-            while (message := await context.read()) is not grpc.aio.EOF:
+            while True:
+                # A body that never completes would hold its bytes of the shared budget for ever:
+                # it has `--request-timeout-secs` from the stream's start, as an HTTP request has.
+                message = None
+                with anyio.move_on_after(deadline - server.clock() if stream.awaiting_body else math.inf):
+                    message = await context.read()
+                if message is None:
+                    stream.expire(timeout)
+                    for reply in stream.replies():
+                        await context.write(reply)
+                    return
+                if message is grpc.aio.EOF:
+                    return
                 try:
                     stream.receive(message, server.clock())
                 except Exception:  # noqa: BLE001 - confined to this stream: Envoy sees it end
