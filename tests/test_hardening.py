@@ -339,3 +339,46 @@ def test_hostile_worker_speeds_and_eagle_flags_are_refused_and_the_server_answer
         assert_healthy(server)
     finally:
         server.stop()
+
+
+def test_a_huge_openai_body_through_the_picker_leaves_health_its_turn() -> None:
+    """Issue 35: the picker parsed, tokenized and hashed a body on the event loop (a 2 MiB text
+    completion held `/health` 1.8-2.5 s, a 220,000-message chat 4-5 s); now in a worker thread, as
+    HTTP bodies are. (Booking a million blocks, at block size 1, is still loop work: not here.)"""
+    import grpc
+    from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
+    from test_ext_proc import body, completion, headers
+
+    server = Server("--ext-proc-port", "0", "--max-state-bytes", str(8 << 30), mode="approximate")
+    try:
+        deadline = time.monotonic() + 20
+        while not (lines := [line for line in server.logs if '"ext_proc_listening"' in line]):
+            assert time.monotonic() < deadline, "".join(server.logs)
+            time.sleep(0.05)
+        target = json.loads(lines[0])["url"].removeprefix("grpc://")
+        assert post(server, "/workers", b'{"worker_id": 1, "model_name": "m", "block_size": 16, '
+                                        b'"endpoint": "http://127.0.0.1:9"}')[0] == 201
+        idle = health_latencies(server)
+        text = completion("a few words of text, " * 100_000)  # 2.1 MB of text
+        chat = json.dumps({"model": "m", "messages": [{"role": "user", "content": f"m{i}"}
+                                                      for i in range(200_000)]}).encode()  # 7.6 MB
+        tokens = completion(list(range(1 << 20)))  # a million token ids
+        answers: list[Any] = []
+
+        def route() -> None:
+            with grpc.insecure_channel(target) as channel:
+                stub = ExternalProcessorStub(channel)
+                for payload in (text, chat, tokens):
+                    pieces = [payload[i:i + (1 << 20)] for i in range(0, len(payload), 1 << 20)]
+                    messages = [headers(), *(body(p, end=i == len(pieces) - 1) for i, p in enumerate(pieces))]
+                    answers.append(next(stub.Process(iter(messages), timeout=120)))
+
+        router = threading.Thread(target=route)
+        router.start()
+        seconds = health_latencies(server, router)
+        router.join()
+        assert len(answers) == 3 and all(a.HasField("request_headers") for a in answers), answers
+        assert_its_turn(seconds, idle, 0.1, 0.25)
+        assert_healthy(server)
+    finally:
+        server.stop()

@@ -36,7 +36,9 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 )
 from envoy.type.v3.http_status_pb2 import HttpStatus
 
+from ..core.ahead import hash_ahead
 from ..core.metrics import EXT_PROC_STREAMS
+from ..core.pool import Key, Pool
 from ..core.responses import Pending
 from ..core.routes import MAX_BODY, ParsedBody
 from ..core.service import SelectionService
@@ -44,7 +46,7 @@ from ..core.wire import Response
 from .inflight import InFlight
 from .openai import ChatTokenizer, OpenAIError, error_body, parse_request
 
-__all__ = ["CHUNK_BYTES", "DESTINATION", "ExtProcStream"]
+__all__ = ["CHUNK_BYTES", "DESTINATION", "ExtProcStream", "prepare_body"]
 
 DESTINATION: Final = "x-gateway-destination-endpoint"
 SUBSET_NAMESPACE: Final = "envoy.lb.subset_hint"
@@ -60,10 +62,14 @@ _CARRY: Final = 1024  # bytes of a chunk kept to find a usage split across two
 class ExtProcStream:
     __slots__ = ("_service", "_tokenizers", "_max_body", "_in_flight", "_held", "_headers", "_subset", "_body", "_body_done",
                  "_buffered", "_response_buffered", "_headers_answered", "_out", "pending_ticket", "booking", "_prefilled",
-                 "finished", "cached_tokens", "_carry", "_headers_seen")
+                 "finished", "cached_tokens", "_carry", "_headers_seen", "_defer", "body_ready")
 
     def __init__(self, service: SelectionService, tokenizers: Mapping[str, ChatTokenizer] | None = None,
-                 max_body: int = MAX_BODY, in_flight: InFlight | None = None) -> None:
+                 max_body: int = MAX_BODY, in_flight: InFlight | None = None, defer_parse: bool = False) -> None:
+        """`defer_parse`: a whole body is not parsed here; `body_ready` says it is whole, and the
+        caller hands `prepare_body(take_body(), ...)` (in a worker thread) to `route_prepared`."""
+        self._defer = defer_parse
+        self.body_ready = False
         self._service = service
         self._tokenizers = tokenizers or {}
         self._max_body = max_body
@@ -162,18 +168,32 @@ class ExtProcStream:
 
     def _route(self, now: float) -> None:
         self._body_done = True
+        if self._defer:
+            self.body_ready = True
+        else:
+            self.route_prepared(prepare_body(bytes(self._body), self._tokenizers), now)
+
+    def take_body(self) -> bytes:
+        """The whole request body, for `prepare_body` (the stream keeps it to send on)."""
+        self.body_ready = False
+        return bytes(self._body)
+
+    def route_prepared(self, prepared: ParsedBody | OpenAIError, now: float) -> None:
+        """Book the request `prepare_body` read (or refuse what it could not)."""
+        if self.finished:
+            return
         try:
-            prompt = parse_request(bytes(self._body), self._tokenizers)
-            allowed = self._allowed(prompt.model)
+            if isinstance(prepared, OpenAIError):
+                raise prepared
+            request = prepared.value
+            allowed = self._allowed(request["model_name"])
         except OpenAIError as exc:
             self._refuse(exc.status, exc.message, exc.param)
             return
-        request: dict[str, Any] = {"model_name": prompt.model, "token_ids": prompt.token_ids}
         if allowed is not None:
             request["allowed_worker_ids"] = allowed
         # Handed over parsed, checked by the core as any `/select_and_reserve` body is.
-        parsed = ParsedBody(request, True, len(self._body), lambda: request)
-        answer = self._service.handle("POST", "/select_and_reserve", "", _JSON, parsed, now=now)
+        answer = self._service.handle("POST", "/select_and_reserve", "", _JSON, prepared, now=now)
         if isinstance(answer, Pending):
             self.pending_ticket = answer.ticket
         else:
@@ -302,6 +322,20 @@ class ExtProcStream:
             observed = b"" if self.cached_tokens is None else b'{"cached_tokens":%d}' % self.cached_tokens
             self._service.handle("DELETE", f"/reservations/{quote(rid, safe='')}", _query(model, tenant), (),
                                  observed, now=now)
+
+
+def prepare_body(body: bytes, tokenizers: Mapping[str, ChatTokenizer], pools: Mapping[Key, Pool] | None = None
+                 ) -> ParsedBody | OpenAIError:
+    """An OpenAI request body read as a `/select_and_reserve` body: parsed, tokenized and, given
+    the service's `pools`, its prompt hashed and counted ahead (`core.ahead.hash_ahead`). Pure and
+    slow for a big body: for a worker thread."""
+    try:
+        prompt = parse_request(body, tokenizers)
+    except OpenAIError as exc:
+        return exc
+    request: dict[str, Any] = {"model_name": prompt.model, "token_ids": prompt.token_ids}
+    parsed = ParsedBody(request, True, len(body), lambda: request)
+    return parsed if pools is None else hash_ahead(pools, parsed)
 
 
 def _query(model: str, tenant: str) -> str:

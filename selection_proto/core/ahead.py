@@ -11,13 +11,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Final
 
+from . import jsonio
 from .handler import prepare_large_body
 from .pool import Key, Pool
-from .prompt import PromptHashes
+from .prompt import PromptHashes, prehash
 from .routes import ParsedBody
 from .tracker import RankLoad
 
-__all__ = ["prepare_ahead"]
+__all__ = ["hash_ahead", "prepare_ahead"]
 
 MAX_BLOCK_SIZES: Final = 4  # past this many, a huge prompt is hashed where it is selected
 COUNT_SLICE: Final = 8_192  # lookups per GIL-holding step: a few ms, mostly cache misses
@@ -31,6 +32,25 @@ def prepare_ahead(pools: Mapping[Key, Pool], path: str, raw: bytes, media: str |
     body = prepare_large_body(path, raw, media, sizes if len(sizes) <= MAX_BLOCK_SIZES else ())
     if body is None or body.prehashed is None:
         return body
+    _count(listed, body)
+    return body
+
+
+def hash_ahead(pools: Mapping[Key, Pool], body: ParsedBody) -> ParsedBody:
+    """A body parsed elsewhere (the picker's OpenAI request, as a `/select_and_reserve` body):
+    its prompt hashed and its new blocks counted, as `prepare_ahead` does."""
+    listed = list(pools.values())
+    sizes = frozenset(pool.block_size for pool in listed)
+    if len(sizes) <= MAX_BLOCK_SIZES:
+        with jsonio.gc_paused():
+            body.prehashed = prehash(body.value, sizes)
+    if body.prehashed is not None:
+        _count(listed, body)
+    return body
+
+
+def _count(listed: list[Pool], body: ParsedBody) -> None:
+    assert body.prehashed is not None
     for pool in listed:
         for load in list(pool.tracker.loads.values()):
             if not load.unique:
@@ -38,7 +58,6 @@ def prepare_ahead(pools: Mapping[Key, Pool], path: str, raw: bytes, media: str |
             for (size, _, _), prompt in body.prehashed.by_key.items():
                 if size == pool.block_size:
                     prompt.counted[id(load)] = (load, load.changes, _new_blocks_in_slices(prompt, load))
-    return body
 
 
 def _new_blocks_in_slices(prompt: PromptHashes, load: RankLoad) -> int:

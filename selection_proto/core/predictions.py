@@ -21,37 +21,44 @@ BUCKET: Final = 0.1
 
 
 class Predictions:
-    """One pool's predicted blocks in `tree`, with their expiry times."""
+    """One pool's predicted blocks in `tree`, with their expiry times. A booking's blocks share one
+    expiry, so they are kept as one batch in the time-ordered heap (a million-block prompt is one
+    entry, not a million); a block booked again later is left in its old batch as stale."""
 
-    __slots__ = ("tree", "_ttl", "_budget", "_expiry", "_heap")
+    __slots__ = ("tree", "_ttl", "_budget", "_expiry", "_heap", "_order")
 
     def __init__(self, tree: DeviceTree, ttl: float, budget: StateBudget) -> None:
         self.tree = tree
         self._ttl = ttl
         self._budget = budget
-        self._expiry: dict[tuple[Rank, int], float] = {}  # (rank, sequence hash) -> when it goes
-        self._heap: list[tuple[float, Rank, int]] = []  # the same, in time order (stale entries skipped)
+        self._expiry: dict[Rank, dict[int, float]] = {}  # rank -> sequence hash -> when it goes
+        self._heap: list[tuple[float, int, Rank, Sequence[int]]] = []  # (when, order, rank, its batch)
+        self._order = 0  # ties between batches of one time break by booking order
 
-    def record(self, rank: Rank, blocks: Sequence[int], now: float) -> None:
-        """A booking of these public block hashes landed on `rank`."""
+    def record(self, rank: Rank, blocks: Sequence[int], now: float, seqs: Sequence[int] | None = None) -> None:
+        """A booking of these public block hashes landed on `rank`; `seqs`, their sequence hashes
+        when the caller has them already (computed here otherwise)."""
         if not blocks:
             return
-        seqs = sequence_hashes(blocks)
+        if seqs is None:
+            seqs = sequence_hashes(blocks)
         expiry = math.ceil(round((now + self._ttl) / BUCKET, 9)) * BUCKET
         tree = self.tree
         before = tree.size(rank)
         tree.store(rank, None, list(zip(seqs, blocks, strict=True)))
         self._budget.index_blocks += tree.size(rank) - before
-        for h in seqs:
-            self._expiry[(rank, h)] = expiry
-            heapq.heappush(self._heap, (expiry, rank, h))
-        if len(self._heap) > 2 * len(self._expiry) + 1024:  # refreshed blocks left stale entries
-            self._heap = [(t, r, h) for (r, h), t in self._expiry.items()]
-            heapq.heapify(self._heap)
+        self._expiry.setdefault(rank, {}).update(dict.fromkeys(seqs, expiry))
+        self._order += 1
+        heapq.heappush(self._heap, (expiry, self._order, rank, seqs))
+
+    def _live(self, expiry: float, rank: Rank, batch: Sequence[int]) -> list[int]:
+        """The blocks of a batch still due at `expiry` (not booked again since)."""
+        due = self._expiry.get(rank)
+        return [] if due is None else [h for h in batch if due.get(h) == expiry]
 
     def next_expiry(self) -> float | None:
         heap = self._heap
-        while heap and self._expiry.get((heap[0][1], heap[0][2])) != heap[0][0]:
+        while heap and not self._live(heap[0][0], heap[0][2], heap[0][3]):
             heapq.heappop(heap)
         return heap[0][0] if heap else None
 
@@ -60,10 +67,15 @@ class Predictions:
         heap = self._heap
         gone: dict[Rank, list[int]] = {}
         while heap and heap[0][0] <= now:
-            expiry, rank, h = heapq.heappop(heap)
-            if self._expiry.get((rank, h)) == expiry:
-                del self._expiry[(rank, h)]
-                gone.setdefault(rank, []).append(h)
+            expiry, _, rank, batch = heapq.heappop(heap)
+            live = self._live(expiry, rank, batch)
+            if live:
+                due = self._expiry[rank]
+                for h in live:
+                    del due[h]
+                if not due:
+                    del self._expiry[rank]
+                gone.setdefault(rank, []).extend(live)
         tree = self.tree
         for rank, hashes in gone.items():
             before = tree.size(rank)

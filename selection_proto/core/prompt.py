@@ -30,12 +30,14 @@ class PromptHashes:
     distinct prefixes, so their count is the block count (a 64-bit collision would already
     confuse the index); hashes a client sent are counted as given, duplicates merged."""
 
-    __slots__ = ("blocks", "isl", "_seqs", "_distinct", "counted")
+    __slots__ = ("blocks", "isl", "_seqs", "_distinct", "counted", "chained")
 
-    def __init__(self, blocks: list[int], seqs: list[int] | None, isl: int) -> None:
+    def __init__(self, blocks: list[int], seqs: list[int] | None, isl: int, chained: bool | None = None) -> None:
         self.blocks = blocks
         self.isl = isl
         self._seqs = seqs
+        # The sequence hashes are the chain of the block hashes (not a client's, nor keyed ones).
+        self.chained = seqs is None if chained is None else chained
         self._distinct: set[int] | None = None
         # `new_blocks` counted ahead (`ahead.prepare_ahead`): id(load) -> (load, its
         # `changes` then, the count); used while the load has not changed since.
@@ -99,7 +101,7 @@ def prehash(value: Any, block_sizes: Iterable[int]) -> Prehashed | None:
         step = PREHASH_SLICE_BLOCKS * size  # each slice one C call holding the GIL (~1.5 ms)
         for start in range(0, len(packed) if size else 0, step):
             blocks += block_hashes(packed[start:start + step], size, lora, namespace)
-        by_key[(size, lora, namespace)] = PromptHashes(blocks, sequence_hashes(blocks), len(tokens))
+        by_key[(size, lora, namespace)] = PromptHashes(blocks, sequence_hashes(blocks), len(tokens), chained=True)
     return Prehashed(packed, by_key)
 
 

@@ -446,7 +446,7 @@ class Selector:
         if self.journal is not None:
             self.journal.booked(pool.key, booking)
         if pool.predictions is not None:
-            pool.predictions.record(rank, prompt.blocks, now)
+            pool.predictions.record(rank, prompt.blocks, now, prompt.seqs if prompt.chained else None)
         return booking
 
     def reserve(self, req: ReservationRequest, now: float) -> ReservationResponse:

@@ -124,7 +124,8 @@ class _Picker:
     async def Process(self, request_iterator: Any, context: Any) -> None:  # noqa: N802 - gRPC's name
         import grpc
 
-        from ..adapters.ext_proc import ExtProcStream
+        from ..adapters.ext_proc import ExtProcStream, prepare_body
+        from ..core.routes import ParsedBody
 
         server = self.server
         token = server.config.auth_token
@@ -132,7 +133,7 @@ class _Picker:
             # --auth-token-file guards the picker as it guards the HTTP API: Envoy sends the token
             # as gRPC metadata (`initial_metadata` of the ext_proc filter's grpc_service).
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-        stream = ExtProcStream(server.service, self.tokenizers, in_flight=server.in_flight)
+        stream = ExtProcStream(server.service, self.tokenizers, in_flight=server.in_flight, defer_parse=True)
         timeout = server.config.request_timeout_secs
         deadline = server.clock() + timeout
         try:
@@ -151,6 +152,12 @@ class _Picker:
                     return
                 try:
                     stream.receive(message, server.clock())
+                    if stream.body_ready:  # parsed, tokenized and hashed off the loop, as HTTP bodies are
+                        prepared = await anyio.to_thread.run_sync(
+                            prepare_body, stream.take_body(), self.tokenizers, server.service.pools)
+                        stream.route_prepared(prepared, server.clock())
+                        if isinstance(prepared, ParsedBody):
+                            await anyio.to_thread.run_sync(prepared.release)
                 except Exception:  # noqa: BLE001 - confined to this stream: Envoy sees it end
                     server.service.internal_error("ext_proc")
                     return
