@@ -2,7 +2,7 @@
 
 Sub-commands: core (in-process select and hashing), index (lookup latency, memory), events,
 http (wrk against ours, the reference, bare h11 and our Sans-IO connection on its loop), path
-(one request's phases in process), jsonl, simulate, all. One sub-command passes its flags on as
+(one request's phases in process), jsonl, simulate, booking (one huge booking and its expiry), all. One sub-command passes its flags on as
 given; `all` passes each script the flags it takes (`--rounds` to core and http, `--seconds` to
 http, `--reference-python` to those compared with the reference).
 """
@@ -15,7 +15,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = {"core": "run.py", "index": "index.py", "events": "events.py", "http": "http_load.py",
-           "path": "request_path.py", "jsonl": "jsonl_load.py", "simulate": "simulate.py"}
+           "path": "request_path.py", "jsonl": "jsonl_load.py", "simulate": "simulate.py", "booking": "booking.py"}
 TAKES = {"core": {"--reference-python", "--rounds"}, "index": {"--reference-python"},
          "events": {"--reference-python"}, "http": {"--reference-python", "--rounds", "--seconds"}}
 
