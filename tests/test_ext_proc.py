@@ -139,10 +139,13 @@ def test_response_trailers_and_a_cancelled_stream_each_free_the_booking() -> Non
 
 
 def test_a_body_ended_by_request_trailers_is_routed_and_the_trailers_answered() -> None:
-    service = fleet()
-    stream = ExtProcStream(service)
+    from selection_proto.adapters.inflight import InFlight
+
+    service, budget = fleet(), InFlight(100_000)
+    stream = ExtProcStream(service, in_flight=budget)
     replies = run(stream, headers(), body(completion([3] * 8)), ProcessingRequest(request_trailers=HttpTrailers()))
     assert [r.WhichOneof("response") for r in replies] == ["request_headers", "request_body", "request_trailers"]
+    assert budget.used == 0 and active(service) == 1  # whole: its bytes are back while the answer runs
 
 
 @pytest.mark.parametrize(("raw", "status", "needle"), [

@@ -124,6 +124,7 @@ class ExtProcStream:
                 self._route(now)
         elif kind == "request_trailers":
             if not self._body_done:
+                self._release()  # the body is whole: its bytes leave the budget, as at end_of_stream
                 self._route(now)  # the body ended with trailers, not with end_of_stream
             if not self.finished:
                 self._out.append(ProcessingResponse(request_trailers=TrailersResponse()))
