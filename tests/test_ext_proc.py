@@ -549,3 +549,51 @@ def test_a_body_that_never_completes_is_refused_after_the_request_timeout_and_fr
         assert api_call(server.port, "GET", "/health") == (200, {"status": "ok"})
     finally:
         server.stop()
+
+
+def test_picker_streams_are_capped_by_max_connections() -> None:
+    """Issue 35: the picker had no cap on streams (the descriptor limit counted HTTP only): past
+    `--max-connections` open streams a new one is refused RESOURCE_EXHAUSTED, counted, and served
+    again once one ends; HTTP answers throughout."""
+    import threading
+    import time
+
+    import grpc
+    from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
+    from test_http import Server, api_call
+
+    server = Server("--ext-proc-port", "0", "--max-connections", "4", mode="approximate")
+    release = threading.Event()
+    try:
+        deadline = time.monotonic() + 20
+        while not (lines := [line for line in server.logs if '"ext_proc_listening"' in line]):
+            assert time.monotonic() < deadline, "".join(server.logs)
+            time.sleep(0.05)
+        target = json.loads(lines[0])["url"].removeprefix("grpc://")
+
+        def held() -> Any:  # a stream that sends its headers and waits
+            yield headers()
+            release.wait(30)
+
+        with grpc.insecure_channel(target) as channel:
+            stub = ExternalProcessorStub(channel)
+            open_streams = [stub.Process(held(), timeout=30) for _ in range(4)]
+            time.sleep(0.5)
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stub.Process(iter([headers(path="/v1/models", end=True)]), timeout=10))
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "at most 4" in (refused.value.details() or "")
+            assert api_call(server.port, "GET", "/health") == (200, {"status": "ok"})
+            release.set()
+            for call in open_streams:
+                call.cancel()
+            time.sleep(0.5)
+            replies = list(stub.Process(iter([headers(path="/v1/models", end=True)]), timeout=10))
+            assert replies  # a bodyless request is answered again
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as answer:
+            assert 'selection_proto_limit_rejections_total{limit="ext_proc_streams"} 1.0' in answer.read().decode()
+    finally:
+        release.set()
+        server.stop()

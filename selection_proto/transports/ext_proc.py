@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Final
 import anyio
 import anyio.abc
 
+from ..core.metrics import LIMIT_REJECTIONS
 from .logs import log
 
 # `serve` forks children to write dumps and snapshots. gRPC's fork handlers, on by default, made
@@ -120,6 +121,7 @@ class _Picker:
         self.server = server
         self.tokenizers = tokenizers
         self.tg: anyio.abc.TaskGroup | None = None  # serve's, once running
+        self.streams = 0  # open now: at most `--max-connections`, as HTTP connections are
 
     async def Process(self, request_iterator: Any, context: Any) -> None:  # noqa: N802 - gRPC's name
         import grpc
@@ -133,6 +135,11 @@ class _Picker:
             # --auth-token-file guards the picker as it guards the HTTP API: Envoy sends the token
             # as gRPC metadata (`initial_metadata` of the ext_proc filter's grpc_service).
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        if self.streams >= server.config.max_connections:
+            server.service.observe(LIMIT_REJECTIONS, ("ext_proc_streams",), 1.0)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"too many streams: at most {server.config.max_connections} (--max-connections)")
+        self.streams += 1
         stream = ExtProcStream(server.service, self.tokenizers, in_flight=server.in_flight, defer_parse=True)
         timeout = server.config.request_timeout_secs
         deadline = server.clock() + timeout
@@ -169,6 +176,7 @@ class _Picker:
                 if stream.finished:
                     return
         finally:
+            self.streams -= 1
             if stream.pending_ticket is not None:
                 server.resolvers.pop(stream.pending_ticket, None)
             stream.close(server.clock())  # frees the booking if the response's end did not
