@@ -453,3 +453,22 @@ def test_processes_share_the_pickers_port_too(ledger: LedgerServer) -> None:
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(20) == 0
+
+
+def test_replicas_whose_shared_settings_differ_are_named(ledger: LedgerServer) -> None:
+    """Issue 35: replicas on one ledger with different leases or limits drifted apart silently;
+    each now names the other in a warning (and counts it), while equal ones say nothing."""
+    a = Server("--ledger", ledger.url)
+    b = Server("--ledger", ledger.url)
+    c = Server("--ledger", ledger.url, "--active-request-expiry-secs", "60", "--max-reservations-per-key", "10")
+    try:
+        wait_for(lambda: any('"ledger_settings_differ"' in line for line in c.logs), 20, c.logs)
+        warning = json.loads(next(line for line in c.logs if '"ledger_settings_differ"' in line))
+        assert warning["differ"] == ["lease_ms", "max_reservations_per_key"]
+        wait_for(lambda: any('"ledger_settings_differ"' in line for line in a.logs), 20, a.logs)
+        assert 'selection_proto_ledger_events_total{event="settings_differ"} 2.0' in call(c, "GET", "/metrics")[1]
+        # a and b agree: each warned only of c
+        assert sum('"ledger_settings_differ"' in line for line in b.logs) <= 1
+    finally:
+        for server in (a, b, c):
+            server.stop()

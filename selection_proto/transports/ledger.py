@@ -23,7 +23,7 @@ import anyio
 
 from ..core.ledger import Ledger
 from ..core.ledger_wire import LedgerWireError, decode_replies, decode_snapshot
-from ..core.metrics import LEDGER_FEED_LAG, LEDGER_FLUSH
+from ..core.metrics import LEDGER_EVENTS, LEDGER_FEED_LAG, LEDGER_FLUSH
 from ..core.service import SelectionService
 from .logs import log
 
@@ -244,6 +244,13 @@ class LedgerLink:
         self.held_reads = False  # and on the reader: the feed is not read while True
         self.parked = False  # the reader is waiting for held_reads to clear
         self.writing = False  # a batch is on its way: taken from the journal, not yet answered
+        settings = service.settings
+        # What replicas sharing this ledger must agree on: it is in every registry record, and a
+        # replica whose differ is named in a warning (they would drift apart silently).
+        self.shared = {"lease_ms": self.lease_ms, "feed_max": feed_max, **{name: getattr(settings, name) for name in (
+            "kv_events", "track_active_blocks", "max_keys", "max_workers_per_key", "max_dp_size",
+            "max_reservations_per_key", "max_tombstones")}}
+        self.differing: set[bytes] = set()  # replicas already warned about
 
     def poke(self) -> None:
         """Something may be queued for the ledger: let the writer look."""
@@ -363,15 +370,28 @@ class LedgerLink:
         await self._changed()
 
     async def _register(self, writer: _Client) -> None:
-        """Say where this replica answers (for a starting peer's /dump); forget long-gone ones."""
+        """Say where this replica answers (for a starting peer's /dump) and with which shared
+        settings; warn of a replica whose differ; forget long-gone ones."""
         registry, now = self.keys[11], time.time()
-        if self.advertise is not None:
-            record = json.dumps({"url": self.advertise, "seen": now})
-            await writer.call("hset", registry, self.ledger.origin, record)
+        record = json.dumps({"url": self.advertise, "seen": now, "settings": self.shared})
+        await writer.call("hset", registry, self.ledger.origin, record)
         entries = await writer.call("hgetall", registry)
         gone = [origin for origin, seen in _registered(entries) if now - seen > REPLICA_FORGET_SECS]
         if gone:
             await writer.call("hdel", registry, *gone)
+        for origin, raw in entries.items():
+            if origin in gone or origin in self.differing:
+                continue
+            try:
+                theirs = json.loads(raw).get("settings")
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(theirs, dict) and theirs != self.shared:
+                self.differing.add(origin)
+                self.service.observe(LEDGER_EVENTS, ("settings_differ",), 1.0)
+                log("warning", "ledger_settings_differ", replica=origin.decode("utf-8", "replace"),
+                    differ=sorted(k for k in self.shared.keys() | theirs.keys()
+                                  if self.shared.get(k) != theirs.get(k)))
 
     async def unregister(self) -> None:
         """A clean stop: peers stop asking this replica at once."""
