@@ -1,0 +1,91 @@
+"""The alert rules that ship with the service (deploy/prometheus/alerts.yaml, issue 33): their
+`promtool` unit tests pass, every metric they read is one `/metrics` declares, and a real
+Prometheus (Debian's `prometheus`) scraping a running `serve` reads the verdict and loads the rules
+healthy. Without `promtool` and `prometheus` on the PATH these tests fail (README's test command
+installs them)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+from test_http import Server, api_call
+from test_subscriptions import free_port
+
+from selection_proto.core.metrics import FAMILIES
+
+ROOT = Path(__file__).resolve().parent.parent
+RULES = ROOT / "deploy" / "prometheus"
+
+
+def tool(name: str) -> str:
+    found = shutil.which(name)
+    assert found, f"{name} is not installed: apt-get install prometheus (README's test command does)"
+    return found
+
+
+def test_the_rules_pass_their_promtool_unit_tests() -> None:
+    checked = subprocess.run([tool("promtool"), "check", "rules", str(RULES / "alerts.yaml")],
+                             capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0 and "SUCCESS" in checked.stdout, checked.stdout + checked.stderr
+    tested = subprocess.run([tool("promtool"), "test", "rules", "alerts_test.yaml"], cwd=RULES,
+                            capture_output=True, text=True, timeout=60)
+    assert tested.returncode == 0 and "SUCCESS" in tested.stdout, tested.stdout + tested.stderr
+
+
+def test_every_metric_a_rule_reads_is_served() -> None:
+    rules = yaml.safe_load((RULES / "alerts.yaml").read_text())["groups"][0]["rules"]
+    read = {name for rule in rules for name in re.findall(r"\b(selection_proto_[a-z_]+)", rule["expr"])}
+    assert read and read <= set(FAMILIES), read - set(FAMILIES)
+
+
+def query(port: int, expr: str) -> list[dict[str, Any]]:
+    url = f"http://127.0.0.1:{port}/api/v1/query?query={urllib.request.quote(expr)}"
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        body = json.loads(answer.read())
+    assert body["status"] == "success", body
+    return body["data"]["result"]  # type: ignore[no-any-return]
+
+
+def test_a_real_prometheus_scrapes_the_verdict_and_loads_the_rules(tmp_path: Path) -> None:
+    server = Server(mode="push")
+    port = free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(RULES / "alerts.yaml")],
+        "scrape_configs": [{"job_name": "selection-proto", "static_configs": [
+            {"targets": [f"127.0.0.1:{server.port}"]}]}]}))
+    prometheus = subprocess.Popen([tool("prometheus"), f"--config.file={config}",
+                                   f"--storage.tsdb.path={tmp_path / 'data'}",
+                                   f"--web.listen-address=127.0.0.1:{port}"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert api_call(server.port, "POST", "/workers", {"worker_id": 7, "model_name": "m", "block_size": 4,
+                                                          "endpoint": "http://w7"})[0] == 201
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                found = query(port, 'selection_proto_kv_routing_state{worker_id="7"} == 1')
+                if found:
+                    break
+            except OSError:
+                pass  # not listening yet
+            assert time.monotonic() < deadline and prometheus.poll() is None, "no verdict scraped"
+            time.sleep(0.5)
+        assert [r["metric"]["state"] for r in found] == ["waiting"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/rules", timeout=10) as answer:
+            groups = json.loads(answer.read())["data"]["groups"]
+        rules = {r["name"]: r["health"] for g in groups for r in g["rules"]}
+        assert len(rules) == 5 and set(rules.values()) == {"ok"}, rules
+    finally:
+        prometheus.terminate()
+        prometheus.wait(timeout=30)
+        server.stop()
