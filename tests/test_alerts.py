@@ -1,7 +1,8 @@
-"""The alert rules that ship with the service (deploy/prometheus/alerts.yaml, issue 33): their
-`promtool` unit tests pass, every metric they read is one `/metrics` declares, and a real
-Prometheus (Debian's `prometheus`) scraping a running `serve` reads the verdict and loads the rules
-healthy. Without `promtool` and `prometheus` on the PATH these tests fail (README's test command
+"""The alert rules and the dashboard that ship with the service (deploy/prometheus/alerts.yaml,
+deploy/grafana/selection-proto.json, issue 33): the rules' `promtool` unit tests pass, every metric
+the rules and the panels read is one `/metrics` declares, and a real Prometheus (Debian's
+`prometheus`) scraping a running `serve` reads the verdict, loads the rules healthy and evaluates
+every panel's query. Without `promtool` and `prometheus` on the PATH these tests fail (README's test command
 installs them)."""
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ from selection_proto.core.metrics import FAMILIES
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "deploy" / "prometheus"
+DASHBOARD = ROOT / "deploy" / "grafana" / "selection-proto.json"
+
+
+def panel_queries() -> list[str]:
+    return [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"] for t in p["targets"]]
 
 
 def tool(name: str) -> str:
@@ -40,10 +46,11 @@ def test_the_rules_pass_their_promtool_unit_tests() -> None:
     assert tested.returncode == 0 and "SUCCESS" in tested.stdout, tested.stdout + tested.stderr
 
 
-def test_every_metric_a_rule_reads_is_served() -> None:
+def test_every_metric_a_rule_or_a_panel_reads_is_served() -> None:
     rules = yaml.safe_load((RULES / "alerts.yaml").read_text())["groups"][0]["rules"]
-    read = {name for rule in rules for name in re.findall(r"\b(selection_proto_[a-z_]+)", rule["expr"])}
-    assert read and read <= set(FAMILIES), read - set(FAMILIES)
+    exprs = [rule["expr"] for rule in rules] + panel_queries()
+    read = {re.sub(r"_(bucket|sum|count)$", "", name) for e in exprs for name in re.findall(r"\b(selection_proto_[a-z_]+)", e)}
+    assert len(read) >= 15 and read <= set(FAMILIES), read - set(FAMILIES)
 
 
 def query(port: int, expr: str) -> list[dict[str, Any]]:
@@ -85,6 +92,8 @@ def test_a_real_prometheus_scrapes_the_verdict_and_loads_the_rules(tmp_path: Pat
             groups = json.loads(answer.read())["data"]["groups"]
         rules = {r["name"]: r["health"] for g in groups for r in g["rules"]}
         assert len(rules) == 5 and set(rules.values()) == {"ok"}, rules
+        for expr in panel_queries():  # each parses and evaluates (raises on an error)
+            query(port, expr)
     finally:
         prometheus.terminate()
         prometheus.wait(timeout=30)
