@@ -597,3 +597,19 @@ def test_picker_streams_are_capped_by_max_connections() -> None:
     finally:
         release.set()
         server.stop()
+
+
+def test_the_decision_rides_on_the_header_mutation_when_asked() -> None:
+    """Issue 33: with `explain_header` the picker adds `x-selection-decision` to the request it
+    routes (the engine and its logs see why); not otherwise."""
+    for on in (False, True):
+        service = fleet(explain_header=on)
+        replies = run(ExtProcStream(service), headers(), body(completion(list(range(16))), end=True))
+        mutation = replies[0].request_headers.response.header_mutation
+        found = {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+        assert "x-gateway-destination-endpoint" in found
+        if on:
+            assert found["x-selection-decision"].startswith("worker=") and ";isl=16;candidates=2;" in found[
+                "x-selection-decision"]
+        else:
+            assert "x-selection-decision" not in found

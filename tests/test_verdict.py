@@ -238,3 +238,26 @@ def test_replay_order_hands_a_restarted_engine_on() -> None:
     order.live(4, b"new4")
     order.live(0, b"newer")  # past the replayed range's copies: a restart again
     assert [s for s, _ in order.ready()] == [4, 0] and order.restarts == 2
+
+
+def test_the_decision_header_says_why_when_asked() -> None:
+    """Issue 33: with `explain_header` each selection's answer carries `x-selection-decision`
+    (the chosen rank, its cached tokens, the runner-up and the margin); off by default."""
+    for on in (False, True):
+        service = SelectionService(Settings(kv_events="push", explain_header=on), random.Random(0))
+        client = Client(service)
+        for wid in (1, 2):
+            client.ok("POST", "/workers", {"worker_id": wid, "model_name": "m", "block_size": BS,
+                                           "endpoint": f"http://e{wid}"}, status=201)
+        client.ok("POST", "/kv_events", [{"worker_id": 2, "event": {"event_id": 1, "data": {"stored": {
+            "parent_hash": None, "blocks": [{"block_hash": 5, "tokens_hash": 14643705804678351452}]}}}}])
+        for path in ("/select", "/select_and_reserve"):
+            response = service.handle("POST", path, "", [("content-type", "application/json")],
+                                      b'{"model_name": "m", "token_ids": [1, 2, 3, 4, 5, 6]}', now=1.0)
+            header = dict(response.headers).get("x-selection-decision")
+            if not on:
+                assert header is None
+                continue
+            assert header is not None and header.startswith("worker=2;dp_rank=0;cached=4;isl=6;candidates=2;")
+            fields = dict(part.split("=", 1) for part in header.split(";"))
+            assert fields["policy"] == "dynamo" and fields["runner_up"] == "1:0" and float(fields["margin"]) > 0

@@ -37,6 +37,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 from envoy.type.v3.http_status_pb2 import HttpStatus
 
 from ..core.ahead import hash_ahead
+from ..core.handler import DECISION_HEADER
 from ..core.metrics import EXT_PROC_STREAMS
 from ..core.pool import Key, Pool
 from ..core.responses import Pending
@@ -228,7 +229,7 @@ class ExtProcStream:
             return
         answer = json.loads(response.body)
         self.booking = (answer["reservation_id"], answer["model_name"], answer["tenant_id"])
-        self._send_destination(answer["endpoint"])
+        self._send_destination(answer["endpoint"], dict(response.headers).get(DECISION_HEADER))
         if self._buffered:
             return  # the body goes on unchanged: the destination rode on its reply
         body = bytes(self._body)
@@ -251,12 +252,15 @@ class ExtProcStream:
             return
         self._send_destination(self._service.rng.choice(endpoints))
 
-    def _send_destination(self, endpoint: str) -> None:
+    def _send_destination(self, endpoint: str, decision: str | None = None) -> None:
         host, port = _host_port(endpoint)
         self._service.observe(EXT_PROC_STREAMS, ("routed",), 1.0)
         destination = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         mutation = HeaderMutation(set_headers=[HeaderValueOption(header=HeaderValue(
             key=DESTINATION, raw_value=destination.encode()))])
+        if decision is not None:  # `explain_header`: the engine (and its logs) see why it was chosen
+            mutation.set_headers.append(HeaderValueOption(header=HeaderValue(
+                key=DECISION_HEADER, raw_value=decision.encode())))
         if not self._buffered and self._body:
             mutation.set_headers.append(HeaderValueOption(header=HeaderValue(
                 key="content-length", raw_value=str(len(self._body)).encode())))

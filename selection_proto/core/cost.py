@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from operator import itemgetter
 from typing import Final, NamedTuple
 
@@ -88,6 +89,19 @@ DEVICE: Final = itemgetter(4)  # Scored.device
 def effective_blocks(device: int, host: int, disk: int, s: Settings) -> float:
     """Overlap blocks with lower tiers discounted by their weights (core.md §7.4)."""
     return device + s.host_cache_hit_weight * host + s.disk_cache_hit_weight * disk
+
+
+def decision(chosen: Scored, scored: Sequence[Scored], isl: int, policy: str) -> str:
+    """A choice in one header line: the chosen rank, its cached tokens of the prompt, how many
+    candidates, and the runner-up with how much more its cost (logit) was."""
+    parts = [f"worker={chosen.rank[0]}", f"dp_rank={chosen.rank[1]}", f"cached={chosen.cached}", f"isl={isl}",
+             f"candidates={len(scored)}", f"policy={policy}"]
+    others = [s for s in scored if s.rank != chosen.rank]
+    if others:
+        runner = min(others, key=lambda s: (s.logit, s.rank))
+        parts += [f"runner_up={runner.rank[0]}:{runner.rank[1]}", f"runner_up_cached={runner.cached}",
+                  f"margin={runner.logit - chosen.logit:.4g}"]
+    return ";".join(parts)
 
 
 def cached_tokens(rank: Rank, found: Estimates, block_size: int, s: Settings) -> int:

@@ -65,7 +65,9 @@ from .wire import (
 if TYPE_CHECKING:
     from .service import SelectionService
 
-__all__ = ["handle", "prepare_large_body"]
+__all__ = ["DECISION_HEADER", "handle", "prepare_large_body"]
+
+DECISION_HEADER: Final = "x-selection-decision"  # `explain_header`: why a selection chose its worker
 
 
 T = TypeVar("T")
@@ -248,7 +250,10 @@ def _h_worker_delete(service: SelectionService, param: str | None, query: str, b
 
 
 def _select_answer(result: Any) -> Response | Pending:
-    return result if isinstance(result, Pending) else _ok(result)
+    if isinstance(result, Pending):
+        return result
+    extra = () if result.decision is None else ((DECISION_HEADER, result.decision),)
+    return json_response(200, result.to_json(), extra)
 
 
 def _h_select(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response | Pending:

@@ -160,6 +160,7 @@ class SelectResponse:
     worker_load: dict[str, int] | None = None  # an advisory /select's view of the chosen rank
     candidates: tuple[Candidate, ...] | None = None
     excluded: tuple[Excluded, ...] | None = None
+    decision: str | None = None  # `explain_header`: why, for the `x-selection-decision` header (not in the body)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -24,6 +24,7 @@ from .cost import (
     assumes_kv_reuse,
     cached_tokens,
     choose,
+    decision,
     estimates,
     explain,
     score,
@@ -317,7 +318,8 @@ class Selector:
             sequence_hashes=None if booked is None else tuple(
                 h - (1 << 64) if h >= 1 << 63 else h for h in booked.blocks or prompt.seqs),
             isl_tokens=None if booked is None else prompt.isl,
-            track_prefill_tokens=None if booked is None else track, worker_load=worker_load)
+            track_prefill_tokens=None if booked is None else track, worker_load=worker_load, decision=decision(
+                chosen, scored, prompt.isl, self._settings.router_policy) if self._settings.explain_header else None)
         if req.explain:
             response = attrs.evolve(response, candidates=explain(scored, lowest is not None),
                                     excluded=tuple(Excluded(worker_id=r[0], dp_rank=r[1], reason=why)
@@ -527,8 +529,7 @@ class Selector:
 
     def finish_booking(self, rid: str, model_name: str | None, tenant_id: str | None, now: float, *,
                        free: bool, cached_tokens: int | None = None) -> Pool:
-        """Prefill completion or free of a booking; its pool (both release load). `cached_tokens`:
-        what the engine found cached (verdict.py)."""
+        """Prefill completion or free of a booking; its pool. `cached_tokens`: the engine's (verdict.py)."""
         try:
             pool = self.booked_in(rid, model_name, tenant_id)
         except NotFound:

@@ -67,6 +67,7 @@ class Settings:
     max_record_bytes: int = 65536
     max_state_bytes: int = 4 * 1024**3
     max_events_per_step: int | None = 1024
+    explain_header: bool = False  # each selection's answer says why in `x-selection-decision`
     kv_verdict_window_secs: float = 60.0  # bookings with new blocks and no event this long: no_events
     router_ttl_secs: float = 120.0  # kv_events=approximate: how long a booked prompt is assumed cached
     predicted_ttl_secs: float | None = None  # with real events: a predicted side index, this TTL
