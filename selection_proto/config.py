@@ -167,7 +167,7 @@ SETTING_HELP: Final[Mapping[str, str]] = {
     "max_state_bytes": "estimated bytes at most of the index, bookings and catalog (507 past it)",
     "max_events_per_step": "KV events applied at most between two looks at other work",
     "explain_header": "answer each selection with an x-selection-decision header: the chosen worker, "
-                      "its cached tokens, the runner-up and the margin (HTTP, JSON-RPC, the picker)",
+                      "its cached tokens, the runner-up and the margin (HTTP and the picker)",
     "kv_verdict_window_secs": "a worker whose bookings brought no KV event for this long is no_events "
                               "(docs/VERDICT.md)",
     "router_ttl_secs": "kv_events=approximate: how long a booked prompt counts as cached",
