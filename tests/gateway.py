@@ -123,12 +123,7 @@ class Gateway:
                  subset: list[str] | None = None, records: list[dict[str, Any]] | None = None) -> None:
         """`records`: register these workers (real engines) instead of starting fake ones."""
         self.server = Server("--ext-proc-port", "0", *serve_args, mode=mode)
-        deadline = time.monotonic() + 30
-        while not any('"ext_proc_listening"' in line for line in self.server.logs):
-            assert time.monotonic() < deadline, "".join(self.server.logs)
-            time.sleep(0.05)
-        record = next(json.loads(line) for line in self.server.logs if '"ext_proc_listening"' in line)
-        self.ext_proc_port = int(record["url"].rsplit(":", 1)[1])
+        self.ext_proc_port = int(self.server.ext_proc_url(30).rsplit(":", 1)[1])
         # Each engine on its own loopback address, as pods have theirs (the subset hint matches IPs).
         self.engines = [] if records is not None else [
             Engine(chunks, delay, first_delay, f"127.0.0.{2 + i}") for i in range(engines)]

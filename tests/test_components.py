@@ -91,6 +91,8 @@ def test_freshness_continuity_step() -> None:
     assert fresh.note_seq(0) == (RESTART, 0) and fresh.recovering and fresh.restarts == 2
     assert fresh.note_seq(1) is None and not fresh.stale and not fresh.recovering
     assert fresh.note_seq(1) == (REWIND, 0) and fresh.restarts == 2  # a repeat is no restart
+    assert fresh.note_seq(0) == (RESTART, 0) and fresh.restarts == 3  # but 0 again is a new engine
+    assert fresh.note_seq(0) == (RESTART, 0) and fresh.restarts == 4  # (that published one batch)
     fresh.mark_cleared()
     assert fresh.note_seq(0) == (RESTART, 0) and fresh.recovering
     fresh.mark_stale()  # any other loss voids the recovery

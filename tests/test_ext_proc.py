@@ -381,7 +381,6 @@ def test_the_destination_is_the_workers_endpoint_as_ip_and_port(endpoint: str, d
 def test_with_tls_flags_the_picker_serves_grpc_over_tls(tmp_path: Any) -> None:
     """`--tls-cert/--tls-key` secure the ext_proc port too, as the gateways' generated configs
     expect (TLS with ALPN h2, certificate not verified by them; verified here)."""
-    import time
 
     import grpc
     import trustme
@@ -395,11 +394,7 @@ def test_with_tls_flags_the_picker_serves_grpc_over_tls(tmp_path: Any) -> None:
     certificate.private_key_pem.write_to_path(str(key))
     server = Server("--tls-cert", str(cert), "--tls-key", str(key), "--ext-proc-port", "0")
     try:
-        deadline = time.monotonic() + 20
-        while not (lines := [line for line in server.logs if '"ext_proc_listening"' in line]):
-            assert time.monotonic() < deadline, "".join(server.logs)
-            time.sleep(0.05)
-        url = json.loads(lines[0])["url"]
+        url = server.ext_proc_url()
         assert url.startswith("grpcs://127.0.0.1:")
         credentials = grpc.ssl_channel_credentials(authority.cert_pem.bytes())
         with grpc.secure_channel(url[len("grpcs://"):], credentials) as channel:
@@ -467,7 +462,6 @@ def test_the_pickers_port_needs_the_servers_bearer_token(tmp_path: Any) -> None:
     metadata (or with another token) is refused UNAUTHENTICATED and books nothing; with it, it is
     routed; gRPC health stays open, as `/health` is."""
     import http.client
-    import time
 
     import grpc
     from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
@@ -477,11 +471,7 @@ def test_the_pickers_port_needs_the_servers_bearer_token(tmp_path: Any) -> None:
     (tmp_path / "token").write_text("s3cret\n")
     server = Server("--auth-token-file", str(tmp_path / "token"), "--ext-proc-port", "0", mode="approximate")
     try:
-        deadline = time.monotonic() + 20
-        while not (lines := [line for line in server.logs if '"ext_proc_listening"' in line]):
-            assert time.monotonic() < deadline, "".join(server.logs)
-            time.sleep(0.05)
-        target = json.loads(lines[0])["url"].removeprefix("grpc://")
+        target = server.ext_proc_url().removeprefix("grpc://")
         worker = {"worker_id": 1, "model_name": "m", "block_size": 4, "endpoint": "http://127.0.0.1:9"}
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
         conn.request("POST", "/workers", json.dumps(worker), {"content-type": "application/json",
@@ -517,11 +507,7 @@ def test_a_body_that_never_completes_is_refused_after_the_request_timeout_and_fr
     server = Server("--ext-proc-port", "0", "--request-timeout-secs", "1", "--max-buffer-bytes",
                     str(12 << 20), mode="approximate")
     try:
-        deadline = time.monotonic() + 20
-        while not (lines := [line for line in server.logs if '"ext_proc_listening"' in line]):
-            assert time.monotonic() < deadline, "".join(server.logs)
-            time.sleep(0.05)
-        target = json.loads(lines[0])["url"].removeprefix("grpc://")
+        target = server.ext_proc_url().removeprefix("grpc://")
         assert api_call(server.port, "POST", "/workers", {"worker_id": 1, "model_name": "m", "block_size": 4,
                                                           "endpoint": "http://127.0.0.1:9"})[0] == 201
         held = threading.Event()
@@ -565,11 +551,7 @@ def test_picker_streams_are_capped_by_max_connections() -> None:
     server = Server("--ext-proc-port", "0", "--max-connections", "4", mode="approximate")
     release = threading.Event()
     try:
-        deadline = time.monotonic() + 20
-        while not (lines := [line for line in server.logs if '"ext_proc_listening"' in line]):
-            assert time.monotonic() < deadline, "".join(server.logs)
-            time.sleep(0.05)
-        target = json.loads(lines[0])["url"].removeprefix("grpc://")
+        target = server.ext_proc_url().removeprefix("grpc://")
 
         def held() -> Any:  # a stream that sends its headers and waits
             yield headers()

@@ -48,6 +48,14 @@ class Server:
             if '"event":"listening"' in line:
                 self._listening.set()
 
+    def ext_proc_url(self, timeout: float = 20) -> str:
+        """The picker's URL (`serve --ext-proc-port`), once its log line says it listens."""
+        deadline = time.monotonic() + timeout
+        while not (lines := [line for line in self.logs if '"ext_proc_listening"' in line]):
+            assert time.monotonic() < deadline and self.proc.poll() is None, "".join(self.logs)
+            time.sleep(0.05)
+        return str(json.loads(lines[0])["url"])
+
     def connect(self) -> socket.socket:
         return socket.create_connection(("127.0.0.1", self.port), timeout=5)
 

@@ -13,6 +13,8 @@ from array import array
 from collections.abc import Mapping
 from typing import Any, Final
 
+from ..core import jsonio
+
 __all__ = ["TEXT_TOKEN_BYTES", "ChatTokenizer", "OpenAIError", "RoutingPrompt", "error_body", "parse_request",
            "text_tokens"]
 
@@ -115,12 +117,22 @@ def _raise_template_error(message: str) -> None:
     raise OpenAIError(400, f"the chat template refused the messages: {message}", "messages")
 
 
+def _load(body: bytes) -> Any:
+    """orjson, the cyclic collector paused for a big body: it holds the GIL a fraction of the
+    stdlib's time, which matters in a worker thread beside the event loop. What it refuses (a lone
+    surrogate, a number out of range, deep nesting) the stdlib reads as before."""
+    try:
+        return jsonio.loads(body)
+    except jsonio.JSONSyntaxError:
+        return json.loads(body)
+
+
 def parse_request(body: bytes, tokenizers: Mapping[str, ChatTokenizer]) -> RoutingPrompt:
     """The model and prompt of an OpenAI request body: `prompt` (text, token ids, or a batch of
     either: its first is routed) for completions, `messages` for chats, `input` for embeddings;
     none of them routes on load alone. Raises OpenAIError (400) for a body that is not that."""
     try:
-        value = json.loads(body)
+        value = _load(body)
     except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
         raise OpenAIError(400, f"the request body is not valid JSON: {type(exc).__name__}: {exc}") from None
     if not isinstance(value, dict):

@@ -3,7 +3,7 @@
 Event ids and stream seqs follow the same continuity rule, written once in `RankFreshness._step`:
 the next number is fine; a jump forward is a gap (the numbers in between are missing); anything
 else is a rewind. Either break marks the rank stale until a `cleared` event proves the index whole
-again. A stream seq that goes back is an engine restart (its cache is empty, its numbers begin
+again. A stream seq that goes back (or is 0 again) is an engine restart (its cache is empty, its numbers begin
 again): the caller drops the rank's index, and when the batch is the engine's first (seq 0) the next
 batch in order proves the index whole again (issue 34)."""
 
@@ -79,7 +79,7 @@ class RankFreshness:
         last = self.last_seq
         broken = self._step(last, seq)
         self.last_seq = seq
-        if broken is not None and last is not None and seq < last:
+        if broken is not None and last is not None and (seq < last or seq == 0):  # 0 again: a new engine
             self.restarts += 1
             self.recovering = seq == 0
             return Break(RESTART, 0)
