@@ -52,7 +52,10 @@ class Fleet:
         until(connected, f"subscriptions to {worker_ids}")
 
     def api(self, method: str, path: str, body: Any = None, port: int | None = None) -> tuple[int, Any]:
-        return api_call(port or self.server.port, method, path, body)
+        try:
+            return api_call(port or self.server.port, method, path, body)
+        except ConnectionRefusedError:  # the service is gone: say how it ended
+            raise AssertionError(f"serve exited ({self.server.proc.poll()}):\n" + "".join(self.server.logs[-20:])) from None
 
     def ok(self, method: str, path: str, body: Any = None, port: int | None = None) -> Any:
         status, answer = self.api(method, path, body, port)

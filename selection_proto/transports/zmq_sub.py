@@ -123,7 +123,8 @@ class ZmqHub:
             by_key.pop(key, None)
             poller.unregister(socket)
             monitor = monitor_of.pop(socket, None)
-            if monitor is not None:
+            if monitor is not None:  # stopped before either closes, as libzmq wants it
+                socket.disable_monitor()
                 monitors.pop(monitor, None)
                 poller.unregister(monitor)
                 monitor.close(linger=0)
@@ -195,6 +196,8 @@ class ZmqHub:
                     if messages and not _deliver(stream, token, messages):
                         drop(socket)  # its subscription, or the loop, has gone
         finally:
+            for socket in list(subscribers):
+                socket.disable_monitor()
             for socket in list(monitors):
                 socket.close(linger=0)
             for socket in list(subscribers):
