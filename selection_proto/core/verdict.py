@@ -30,6 +30,7 @@ __all__ = ["MIN_OBSERVATIONS", "MISS_RATIO", "RECENT", "RankWatch", "STATES", "j
 
 STATES: Final = ("ok", "waiting", "no_events", "block_size_mismatch", "stale", "misses")
 _SEVERITY: Final = {"block_size_mismatch": 5, "stale": 4, "misses": 3, "no_events": 2, "waiting": 1, "ok": 0}
+_RECOVERING: Final = 1.5  # stale awaiting its next batch: below no_events, so an engine gone for good says so
 RECENT: Final = 32  # observations with a prediction kept per rank for `misses`
 MIN_OBSERVATIONS: Final = 5  # of them, before `misses` may be said
 MISS_RATIO: Final = 0.5  # `misses` when the engine found less than this share of the prediction
@@ -101,33 +102,31 @@ class RankWatch:
         """This rank's state and the reasons behind it (every finding, worst first)."""
         found: list[tuple[float, str, str]] = []  # (severity, state, reason)
         if self.engine_block_size is not None and self.engine_block_size != block_size:
-            found.append((_SEVERITY["block_size_mismatch"], "block_size_mismatch",
-                          f"the engine stores blocks of {self.engine_block_size} tokens but the worker "
-                          f"record says block_size {block_size}: {self.mismatched} stored events were "
-                          f"dropped; register the worker with block_size {self.engine_block_size}"))
-        if fresh.stale:
-            if fresh.recovering:  # awaiting proof: an engine that never comes back is `no_events`
-                found.append((1.5, "stale", "the engine restarted or its event stream dropped: the index "
-                                       "forgot what it held for it, and trusts it again once its next "
-                                       "events follow in order"))
-            else:
-                found.append((_SEVERITY["stale"], "stale", "KV events were lost (a gap the engine could not replay, a stream "
-                                       "lost without proof of continuity, or stores over the state "
-                                       "budget): the index may be wrong for this worker until its engine "
-                                       "clears its cache or restarts"))
+            found.append((_SEVERITY["block_size_mismatch"], "block_size_mismatch", (
+                f"the engine stores blocks of {self.engine_block_size} tokens but the worker record says "
+                f"block_size {block_size}: {self.mismatched} stored events were dropped; register the "
+                f"worker with block_size {self.engine_block_size}")))
+        if fresh.stale and fresh.recovering:
+            found.append((_RECOVERING, "stale", (
+                "the engine restarted or its event stream dropped: the index forgot what it held for it, "
+                "and trusts it again once its next events follow in order")))
+        elif fresh.stale:
+            found.append((_SEVERITY["stale"], "stale", (
+                "KV events were lost (a gap the engine could not replay, a stream lost without proof of "
+                "continuity, or stores over the state budget): the index may be wrong for this worker "
+                "until its engine clears its cache or restarts")))
         predicted = sum(p for p, _ in self.recent)
         observed = sum(o for _, o in self.recent)
         if len(self.recent) >= MIN_OBSERVATIONS and observed < MISS_RATIO * predicted:
-            found.append((_SEVERITY["misses"], "misses", f"over the last {len(self.recent)} observed requests the engine "
-                                    f"found {observed} of {predicted} predicted cached tokens: is prefix "
-                                    "caching on in the engine, and do the router and the engine "
-                                    "tokenize alike (tokenizer, chat template, BOS)?"))
-        if (events_expected and self.awaiting_since is not None
-                and now - self.awaiting_since >= window):
-            found.append((_SEVERITY["no_events"], "no_events", f"{self.awaiting_bookings} bookings with new blocks and no KV event "
-                                       f"in {now - self.awaiting_since:.0f} s: is the engine running and "
-                                       "publishing to the worker's kv_events_endpoint, with prefix caching "
-                                       "and KV events enabled?"))
+            found.append((_SEVERITY["misses"], "misses", (
+                f"over the last {len(self.recent)} observed requests the engine found {observed} of "
+                f"{predicted} predicted cached tokens: is prefix caching on in the engine, and do the "
+                "router and the engine tokenize alike (tokenizer, chat template, BOS)?")))
+        if events_expected and self.awaiting_since is not None and now - self.awaiting_since >= window:
+            found.append((_SEVERITY["no_events"], "no_events", (
+                f"{self.awaiting_bookings} bookings with new blocks and no KV event in "
+                f"{now - self.awaiting_since:.0f} s: is the engine running and publishing to the worker's "
+                "kv_events_endpoint, with prefix caching and KV events enabled?")))
         if found:
             found.sort(key=lambda f: -f[0])
             return found[0][1], [text for _, _, text in found]
