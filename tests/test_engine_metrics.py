@@ -6,6 +6,7 @@ tests/test_real_engines.py."""
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -97,6 +98,15 @@ class Endpoint:
                 if endpoint.mode == "silent":
                     time.sleep(30)  # never answers within the scrape's time
                     return
+                if endpoint.mode == "reset":  # an engine killed mid-answer: half a body, then a TCP reset
+                    self.send_response(200)
+                    self.send_header("content-length", str(len(VLLM)))
+                    self.end_headers()
+                    self.wfile.write(VLLM[:100])
+                    self.wfile.flush()
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    self.connection.close()
+                    return
                 body = VLLM if endpoint.mode == "vllm" else b"#" * (5 << 20)
                 self.send_response(200)
                 self.send_header("content-length", str(len(body)))
@@ -121,7 +131,7 @@ call = api_call
 
 
 def test_serve_scrapes_each_endpoint_and_a_hostile_one_costs_only_itself(scraping: Server) -> None:
-    endpoints = {1: Endpoint("vllm"), 2: Endpoint("silent"), 3: Endpoint("huge")}
+    endpoints = {1: Endpoint("vllm"), 2: Endpoint("silent"), 3: Endpoint("huge"), 5: Endpoint("reset")}
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         refused = closed.getsockname()[1]  # nothing listens here once closed
@@ -133,7 +143,7 @@ def test_serve_scrapes_each_endpoint_and_a_hostile_one_costs_only_itself(scrapin
     deadline = time.monotonic() + 20
     while True:
         engines = {e["worker_id"]: e for e in call(scraping.port, "GET", "/loads")[1][0].get("engines", [])}
-        if len(engines) == 4 and endpoints[1].hits >= 3:
+        if len(engines) == 5 and endpoints[1].hits >= 3 and endpoints[5].hits >= 3:
             break
         assert time.monotonic() < deadline, engines
         started = time.monotonic()
@@ -144,6 +154,7 @@ def test_serve_scrapes_each_endpoint_and_a_hostile_one_costs_only_itself(scrapin
     assert engines[2]["error"] == "no answer within 2 s" and engines[2]["running_requests"] is None
     assert engines[3]["error"] == f"the answer is larger than {1 << 20} bytes"
     assert engines[4]["error"]  # refused
+    assert engines[5]["error"] == "the connection was reset"
     assert call(scraping.port, "GET", "/health") == (200, {"status": "ok"})
 
 

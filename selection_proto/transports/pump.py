@@ -48,14 +48,17 @@ async def flush(send: Callable[[bytes], Awaitable[None]], conn: Outgoing,
 
 async def http_get(url: str, limit: int) -> bytes:
     """The body of a `GET url` answered 200, at most `limit` bytes; raises FetchError or OSError
-    (the caller bounds the time)."""
+    (the caller bounds the time). A peer killed mid-answer is a FetchError, not a crash."""
     parts = urlsplit(url)
     if parts.scheme != "http" or not parts.hostname:
         raise FetchError("expected an http://host:port URL")
     fetch = Fetch(parts.netloc, (parts.path or "/") + (f"?{parts.query}" if parts.query else ""), limit)
-    async with await anyio.connect_tcp(parts.hostname, parts.port or 80) as stream:
-        await flush(stream.send, fetch)
-        while not fetch.done:
-            data = await receive(stream)
-            fetch.receive_data(data or b"")
+    try:
+        async with await anyio.connect_tcp(parts.hostname, parts.port or 80) as stream:
+            await flush(stream.send, fetch)
+            while not fetch.done:
+                data = await receive(stream)
+                fetch.receive_data(data or b"")
+    except anyio.BrokenResourceError:  # anyio's word for a reset; it is no OSError
+        raise FetchError("the connection was reset") from None
     return fetch.body
