@@ -72,13 +72,15 @@ def server() -> Iterator[Server]:
     s.stop()
 
 
-def api_call(port: int, method: str, path: str, body: Any = None, timeout: float = 30) -> tuple[int, Any]:
+def api_call(port: int, method: str, path: str, body: Any = None, timeout: float = 30,
+             headers: dict[str, str] | None = None) -> tuple[int, Any]:
     """One JSON call over a fresh connection (`http.client`): its status and decoded answer."""
     import http.client
 
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     data = None if body is None else json.dumps(body).encode()
-    conn.request(method, path, data, {"content-type": "application/json"} if data is not None else {})
+    conn.request(method, path, data, {**({"content-type": "application/json"} if data is not None else {}),
+                                      **(headers or {})})
     response = conn.getresponse()
     payload = response.read()
     conn.close()

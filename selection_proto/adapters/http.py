@@ -7,6 +7,8 @@ reading: a body over 8 MiB is refused as soon as that is known, without reading 
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 from collections.abc import Callable
 from http import HTTPStatus
@@ -80,15 +82,19 @@ class HttpConnection:
     def __init__(self, service: SelectionService, clock: Callable[[], float], *,
                  defer_large: bool = False, auth_token: bytes | None = None,
                  access: Callable[[str, str, int, float], None] | None = None,
-                 in_flight: InFlight | None = None) -> None:
+                 in_flight: InFlight | None = None, feeds: bool = False) -> None:
         """With `defer_large`, a JSON body over 256 KiB is not parsed here: it waits in
         `large_request` until the caller parses it (`handler.prepare_large_body`, pure, in any thread)
         and hands the result to `complete_large`, so that parsing megabytes does not hold up
         the caller's other connections. With `auth_token`, every route but the open ones
-        (`OPEN_PATHS`) needs `Authorization: Bearer <token>`; others get 401 before their body is read.
+        (`OPEN_PATHS`) needs `Authorization: Bearer <token>` (or Basic with the token as password, as a
+        browser sends it for the status page); others get 401 before their body is read.
         With `in_flight`, a body being received holds its bytes there until it is complete: one
-        that does not fit (declared or as it comes) is refused with 503 and the connection closed."""
+        that does not fit (declared or as it comes) is refused with 503 and the connection closed.
+        With `feeds`, a `GET /status/events` waits in `feed_requested` for the caller to stream
+        (`start_feed`, `feed`); without, the core answers it with one event."""
         self._service = service
+        self._token = auth_token
         self._auth = None if auth_token is None else b"Bearer " + auth_token
         # Told (method, path, status, seconds) of every answer: the transport's access log.
         self._access = access
@@ -107,6 +113,8 @@ class HttpConnection:
         self._paused = False  # an answer was produced; the next request waits until it is taken
         # Set when the request was a valid WebSocket upgrade.
         self.upgrade: Upgrade | None = None
+        self._feeds = feeds
+        self.feed_requested = False
         self.closed = False
         self.close_after_response = False
 
@@ -210,12 +218,16 @@ class HttpConnection:
             self._respond(error_response(431, f"request header block exceeds {MAX_HEADER_BYTES} bytes"),
                           close=True)
             return
-        if self._auth is not None and request.target.split(b"?", 1)[0] not in OPEN_PATHS:
+        path = request.target.split(b"?", 1)[0]
+        if self._auth is not None and path not in OPEN_PATHS:
             given = next((v for n, v in request.headers if n == b"authorization"), b"")
-            if not hmac.compare_digest(given, self._auth):
+            if not (hmac.compare_digest(given, self._auth) or self._basic_auth(given)):
                 self._service.observe(LIMIT_REJECTIONS, ("auth",), 1.0)
+                # A browser asks its user for the token only when challenged with Basic.
+                challenge = 'Basic realm="selection-proto", charset="UTF-8"' if path.startswith(b"/status") \
+                    else "Bearer"
                 self._respond(error_response(401, "missing or invalid bearer token",
-                                             (("www-authenticate", "Bearer"),)), close=True)
+                                             (("www-authenticate", challenge),)), close=True)
                 return
         names = {name for name, _ in request.headers}
         if b"content-length" in names and b"transfer-encoding" in names:
@@ -233,6 +245,16 @@ class HttpConnection:
                 return
             if name == b"connection" and b"close" in value.lower():
                 self.close_after_response = True
+
+    def _basic_auth(self, given: bytes) -> bool:
+        """`Basic` credentials whose password is the token, any user name: how a browser sends it."""
+        if self._token is None or given[:6].lower() != b"basic ":
+            return False
+        try:
+            password = base64.b64decode(given[6:].strip(), validate=True).partition(b":")[2]
+        except binascii.Error:
+            return False
+        return hmac.compare_digest(password, self._token)
 
     def release(self) -> None:
         """Give back the body bytes held in the budget (the body is complete, or gone)."""
@@ -272,6 +294,9 @@ class HttpConnection:
         body = b"".join(self._body)
         self._body = []
         self.release()
+        if self._feeds and method == "GET" and path == "/status/events":
+            self.feed_requested = True  # the answer is the caller's: `start_feed`
+            return
         if self._defer_large and method in ("GET", "HEAD") and path == "/dump":
             self.large_request = LargeRequest(method, path, query, headers, body)
             return
@@ -363,6 +388,22 @@ class HttpConnection:
         data = self._h11.send(event)
         if data:
             self._out.append(data)
+
+    def start_feed(self, allowed: bool) -> None:
+        """Begin the requested event stream (one that ends when the connection does), or refuse it
+        with 503 when the caller has as many as it allows."""
+        self.feed_requested = False
+        if not allowed:
+            self._service.observe(LIMIT_REJECTIONS, ("status_viewers",), 1.0)
+            self._respond(error_response(503, "too many status page viewers; retry later"), close=True)
+            return
+        self._send(h11.Response(status_code=200, reason=b"OK", headers=[
+            (b"content-type", b"text/event-stream"), (b"cache-control", b"no-store"),
+            (b"x-accel-buffering", b"no"), _SERVER_HEADER, (b"connection", b"close")]))
+
+    def feed(self, data: bytes) -> None:
+        """More of the event stream `start_feed` began."""
+        self._send(h11.Data(data=data))
 
     def timeout_response(self) -> None:
         """The request did not arrive in time: 408 and close."""

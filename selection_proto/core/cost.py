@@ -20,6 +20,7 @@ from .types import RouterConfigOverride, SelectRequest
 
 __all__ = [
     "DEVICE",
+    "Decision",
     "LOGIT",
     "NO_OVERRIDE",
     "Estimates",
@@ -30,6 +31,7 @@ __all__ = [
     "effective_blocks",
     "estimates",
     "explain",
+    "runner_up",
     "score",
     "worker_speed",
     "tracks_prefill",
@@ -91,14 +93,27 @@ def effective_blocks(device: int, host: int, disk: int, s: Settings) -> float:
     return device + s.host_cache_hit_weight * host + s.disk_cache_hit_weight * disk
 
 
+class Decision(NamedTuple):
+    """A selection as the status page shows it (status.py): kept, newest last, per pool."""
+
+    at: float
+    isl: int
+    chosen: Scored
+    scored: Sequence[Scored]
+    predicted: bool  # the candidates carry predicted wait and prefill seconds (router_policy=ttft)
+
+
+def runner_up(chosen: Scored, scored: Sequence[Scored]) -> Scored | None:
+    """The cheapest candidate but the chosen one (sampling may choose other than the cheapest)."""
+    return min((s for s in scored if s.rank != chosen.rank), key=lambda s: (s.logit, s.rank), default=None)
+
+
 def decision(chosen: Scored, scored: Sequence[Scored], isl: int, policy: str) -> str:
     """A choice in one header line: the chosen rank, its cached tokens of the prompt, how many
     candidates, and the runner-up with how much more its cost (logit) was."""
     parts = [f"worker={chosen.rank[0]}", f"dp_rank={chosen.rank[1]}", f"cached={chosen.cached}", f"isl={isl}",
              f"candidates={len(scored)}", f"policy={policy}"]
-    others = [s for s in scored if s.rank != chosen.rank]
-    if others:
-        runner = min(others, key=lambda s: (s.logit, s.rank))
+    if (runner := runner_up(chosen, scored)) is not None:
         parts += [f"runner_up={runner.rank[0]}:{runner.rank[1]}", f"runner_up_cached={runner.cached}",
                   f"margin={runner.logit - chosen.logit:.4g}"]
     return ";".join(parts)

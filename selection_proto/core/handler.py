@@ -40,6 +40,7 @@ from .routes import (
     route_of,
 )
 from .selection import SHUTTING_DOWN
+from .status import event, snapshot
 from .types import (
     ObservedCache,
     OutputBlockRequest,
@@ -417,6 +418,25 @@ def _h_dump(service: SelectionService, param: str | None, query: str, body: Body
         return json_response(200, service.dump(params.get("model_name"), params.get("tenant_id")))
 
 
+def _h_status_page(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+    from .status_page import PAGE, PAGE_HEADERS
+
+    return Response(200, (("content-type", "text/html; charset=utf-8"), ("content-length", str(len(PAGE))),
+                          ("cache-control", "no-store"), *PAGE_HEADERS), PAGE)
+
+
+def _h_status(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+    return json_response(200, snapshot(service, now))
+
+
+def _h_status_events(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+    """One event: a server streams them (transports/status.py); without one, the page's EventSource
+    asks again after `status.RETRY_MS` and the page still follows the fleet."""
+    data = event(snapshot(service, now))
+    return Response(200, (("content-type", "text/event-stream"), ("content-length", str(len(data))),
+                          ("cache-control", "no-store")), data)
+
+
 # route operation (routes.ROUTES) -> its handler
 _HANDLERS: Final[dict[str, Callable[..., Response | Pending]]] = {
     "health": _h_health,
@@ -441,4 +461,7 @@ _HANDLERS: Final[dict[str, Callable[..., Response | Pending]]] = {
     "metrics": _h_metrics,
     "openapi": _h_openapi,
     "dump": _h_dump,
+    "status_page": _h_status_page,
+    "status": _h_status,
+    "status_events": _h_status_events,
 }

@@ -115,6 +115,9 @@ _ANSWERS: Final[dict[str, dict[str, Any]]] = {
         "failures": {"type": "array", "items": {"type": "object", "properties": {"index": _INT, "error": _STR}}}}},
     "Dump": {"type": "object", "description": "api.md §7: format, version, keys, workers, events."},
     "OpenApi": {"type": "object"},
+    "Status": {"type": "object", "description": "docs/STATUS.md: version, ready, serving, policy, kv_events, "
+                                                "workers, queues, decisions.",
+               "required": ["version", "ready", "serving", "workers", "queues", "decisions"]},
 }
 _ANSWER_OF: Final[dict[str, tuple[str, str]]] = {  # operation -> (schema, media type)
     "health": ("StatusOk", "application/json"), "ready": ("ReadyResponse", "application/json"),
@@ -128,8 +131,9 @@ _ANSWER_OF: Final[dict[str, tuple[str, str]]] = {  # operation -> (schema, media
     "potential_loads": ("PotentialLoads", "application/json"),
     "overlap_scores": ("OverlapScoresResponse", "application/json"),
     "kv_events": ("ApplyReport", "application/json"), "dump": ("Dump", "application/json"),
-    "openapi": ("OpenApi", "application/json"),
+    "openapi": ("OpenApi", "application/json"), "status": ("Status", "application/json"),
 }
+_TEXT_ANSWERS: Final = {"metrics": "text/plain", "status_page": "text/html", "status_events": "text/event-stream"}
 _MSGPACK_BODY: Final = ("The JSON body's members as one msgpack map (string keys; no extension "
                         "types). A u32 array such as token_ids may be a bin of little-endian u32.")
 # POST /kv_events: Dynamo JSON events (one, or an array), or one engine msgpack batch.
@@ -167,8 +171,8 @@ def document() -> dict[str, Any]:
             if status >= 400:
                 response["content"] = {"application/json": {
                     "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
-            elif 200 <= status < 300 and route.operation == "metrics":
-                response["content"] = {"text/plain": {"schema": {"type": "string"}}}
+            elif 200 <= status < 300 and route.operation in _TEXT_ANSWERS:
+                response["content"] = {_TEXT_ANSWERS[route.operation]: {"schema": {"type": "string"}}}
             elif 200 <= status < 300 and route.operation == "list_workers":
                 response["content"] = {"application/json": {"schema": {
                     "type": "array", "items": {"$ref": "#/components/schemas/WorkerRecord"}}}}

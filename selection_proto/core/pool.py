@@ -8,7 +8,9 @@ their entries, so they cannot drift apart."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Final
 
 from .admission import AdmissionQueue
 from .budget import StateBudget
@@ -23,9 +25,13 @@ from .tiers import KeyIndex
 from .tracker import Booking, Tracker
 from .verdict import RankWatch
 
-__all__ = ["Key", "Pool", "holding", "key_label"]
+if TYPE_CHECKING:
+    from .cost import Decision
+
+__all__ = ["RECENT_DECISIONS", "Key", "Pool", "holding", "key_label"]
 
 Key = tuple[str, str]
+RECENT_DECISIONS: Final = 20  # kept per key for the status page, newest last
 
 
 def key_label(key: Key) -> str:
@@ -46,7 +52,8 @@ class Pool:
     """Everything a key (model, tenant) holds while it has a schedulable rank (core.md §6.4)."""
 
     __slots__ = ("key", "label", "block_size", "eagle", "speeds", "index", "tracker", "fresh", "memory", "epoch",
-                 "workers", "taints", "queue", "_ranks", "budget", "sessions", "side", "predictions", "watch")
+                 "workers", "taints", "queue", "_ranks", "budget", "sessions", "side", "predictions", "watch",
+                 "recent")
 
     def __init__(self, key: Key, block_size: int, now: float, settings: Settings,
                  budget: StateBudget) -> None:
@@ -77,6 +84,7 @@ class Pool:
             self.side = DeviceTree()
             self.predictions = Predictions(self.side, settings.predicted_ttl_secs, budget)
         self._ranks: list[Rank] | None = None
+        self.recent: deque[Decision] = deque(maxlen=RECENT_DECISIONS)  # for the status page (status.py)
 
     def ranks(self) -> list[Rank]:
         """Schedulable ranks sorted by (worker_id, dp_rank)."""

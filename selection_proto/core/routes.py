@@ -81,6 +81,11 @@ ROUTES: Final[tuple[Route, ...]] = (
     Route("GET", "/metrics", "metrics", False, None, (), (200,), "metrics", "Prometheus metrics."),
     Route("GET", "/openapi.json", "openapi", False, None, (), (200,), "openapi", "This document."),
     Route("GET", "/dump", "dump", False, None, KEY_QUERY, (200, 400), "dump", "A replayable snapshot of catalog and index."),
+    Route("GET", "/status", "status_page", False, None, (), (200,), None, "The live status page (HTML)."),
+    Route("GET", "/status/snapshot", "status", False, None, (), (200,), "status",
+          "The fleet at a glance: each worker's state and load, the queues, the latest decisions."),
+    Route("GET", "/status/events", "status_events", False, None, (), (200, 503), None,
+          "The status snapshot as server-sent events, one a second while the client listens."),
 )
 
 _BOOKING_ACTIONS: Final = ("prefill_complete", "output_block")

@@ -20,6 +20,7 @@ from .admission import QueuedSelection, Tickets, order_key
 from .catalog import Catalog
 from .cost import (
     DEVICE,
+    Decision,
     Estimates,
     assumes_kv_reuse,
     cached_tokens,
@@ -100,8 +101,7 @@ class Selector:
         self.stopping = False  # set by the service's shutdown: no new selections or bookings
         self.log_decisions = False  # a debug notice for every choice (`--log-level debug`)
         self.journal: Journal | None = None  # a shared ledger's (--ledger): bookings are journaled
-        self.pending = PendingSelections(settings.selection_cache_ttl_secs,
-                                         settings.selection_cache_max_entries,
+        self.pending = PendingSelections(settings.selection_cache_ttl_secs, settings.selection_cache_max_entries,
                                          settings.selection_cache_max_bytes)
 
     def gate(self, model_name: str, tenant_id: str, now: float) -> Pool:
@@ -278,6 +278,7 @@ class Selector:
         differs = lowest is not None and chosen.dynamo_logit > lowest  # Dynamo's cost would choose otherwise
         self._metrics.selected(pool.key, chosen.cached / prompt.isl if prompt.isl > 0 else None,
                                chosen.device < max(map(DEVICE, scored)), differs)
+        pool.recent.append(Decision(now, prompt.isl, chosen, scored, lowest is not None))
         if self.log_decisions:
             self._outbox.append(Notice("selection", (
                 ("model_name", req.model_name), ("tenant_id", req.tenant_id), ("worker_id", chosen.rank[0]),
@@ -353,10 +354,8 @@ class Selector:
         """Emit the one SelectionReady of a ticket."""
         self._tickets.end(entry.ticket)
         route = "select_and_reserve" if isinstance(entry.req, SelectAndReserveRequest) else "select"
-        if isinstance(result, SelectionError):
-            response = error_response(result.status, result.message)
-        else:
-            response = json_response(200, result.to_json())
+        response = (error_response(result.status, result.message) if isinstance(result, SelectionError)
+                    else json_response(200, result.to_json()))
         self._metrics.selection(pool.key, route, response.status)
         self._metrics.queue(pool.key, outcome, now - entry.enqueued_at)
         self._outbox.append(SelectionReady(entry.ticket, result, response))

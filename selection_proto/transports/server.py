@@ -35,6 +35,7 @@ from .process import ProcessMetrics
 from .pump import CHUNK, flush, receive
 from .scrape import scrape_engines
 from .snapshots import Snapshots, dump_in_child
+from .status import StatusFeeds
 from .subscriber import Subscriptions
 
 __all__ = ["LedgerOptions", "ServerConfig", "serve"]
@@ -80,6 +81,7 @@ class _Server:
         self.subscriptions: Subscriptions | None = None
         self.ledger_link: LedgerLink | None = None
         self.in_flight = InFlight(config.max_buffer_bytes)
+        self.status_feeds = StatusFeeds(service, clock)
 
     def _report_connections(self) -> None:
         self.service.observe(CONNECTIONS, ("http",), float(len(self.connections)))
@@ -114,7 +116,8 @@ class _Server:
                     pass
                 return
             conn = HttpConnection(self.service, self.clock, defer_large=True, auth_token=self.config.auth_token,
-                                  access=_access_log if self.config.access_log else None, in_flight=self.in_flight)
+                                  access=_access_log if self.config.access_log else None, in_flight=self.in_flight,
+                                  feeds=True)
             lock = anyio.Lock(fast_acquire=True)
             self.connections.add(conn)
             self._report_connections()
@@ -317,6 +320,9 @@ class _Server:
                 conn.complete_large(parsed)
                 if parsed is not None:
                     await anyio.to_thread.run_sync(parsed.release)
+            if conn.feed_requested:
+                await self.status_feeds.serve(conn, partial(self.send, stream), lambda: self.draining)
+                return
             if conn.pending_ticket is not None:
                 self.waiting[conn.pending_ticket] = (conn, stream, lock)
             if conn.upgrade is not None:

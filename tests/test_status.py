@@ -1,0 +1,251 @@
+"""The live status page (issue 33): `GET /status` in a real headless Chromium following the fleet over
+server-sent events, behind the API's token; the snapshot's contents; the feed's bounds over real sockets."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Client, stored
+from test_http import Server, api_call
+from websockets.sync.client import connect
+
+from selection_proto.core.hashing import block_hashes
+from selection_proto.transports.status import MAX_VIEWERS
+
+TOKEN = "s3cret-token"
+BEARER = {"authorization": f"Bearer {TOKEN}"}
+WORKER = {"model_name": "m", "block_size": 4, "endpoint": "http://e"}
+
+
+class Browser:
+    """Headless Chromium driven over the DevTools protocol (a WebSocket), one page."""
+
+    def __init__(self, profile: Path) -> None:
+        exe = shutil.which("chromium") or shutil.which("chromium-browser")
+        if exe is None:
+            pytest.fail("chromium is missing: .ci/run installs Debian's chromium")
+        self.proc = subprocess.Popen([exe, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                                      "--remote-debugging-port=0", f"--user-data-dir={profile}", "about:blank"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        active = profile / "DevToolsActivePort"
+        deadline = time.monotonic() + 60
+        while not (active.exists() and len(active.read_text().split()) == 2):
+            assert time.monotonic() < deadline and self.proc.poll() is None, "chromium did not start"
+            time.sleep(0.1)
+        port = active.read_text().split()[0]
+        targets = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10))
+        page = next(t for t in targets if t["type"] == "page")
+        self.ws = connect(page["webSocketDebuggerUrl"], max_size=None, open_timeout=20, legacy=True)
+        self.next_id = 0
+
+    def call(self, method: str, **params: Any) -> dict[str, Any]:
+        self.next_id += 1
+        self.ws.send(json.dumps({"id": self.next_id, "method": method, "params": params}))
+        while True:  # events (no id) are not needed here
+            message = json.loads(self.ws.recv(timeout=30))
+            if message.get("id") == self.next_id:
+                assert "error" not in message, message
+                return dict(message["result"])
+
+    def evaluate(self, expression: str) -> Any:
+        result = self.call("Runtime.evaluate", expression=expression, returnByValue=True)
+        assert "exceptionDetails" not in result, result
+        return result["result"].get("value")
+
+    def wait_for(self, expression: str, timeout: float = 20) -> Any:
+        deadline = time.monotonic() + timeout
+        while not (value := self.evaluate(expression)):
+            assert time.monotonic() < deadline, f"never true: {expression}\n" + str(
+                self.evaluate("document.body.innerText"))
+            time.sleep(0.2)
+        return value
+
+    def close(self) -> None:
+        self.ws.close()
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def guarded(tmp_path: Path) -> Iterator[Server]:
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    server = Server("--auth-token-file", str(token), "--kv-verdict-window-secs", "1")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def browser(tmp_path: Path) -> Iterator[Browser]:
+    chromium = Browser(tmp_path / "profile")
+    yield chromium
+    chromium.close()
+
+
+def call(server: Server, method: str, path: str, body: Any = None) -> Any:
+    status, answer = api_call(server.port, method, path, body, headers=BEARER)
+    assert 200 <= status < 300, (status, answer)
+    return answer
+
+
+def row(worker: int, selector: str = "") -> str:
+    return f"document.querySelector('#workers tr[data-worker=\"{worker}\"]{selector}')"
+
+
+def test_the_page_follows_the_fleet_live_in_chromium(guarded: Server, browser: Browser) -> None:
+    call(guarded, "POST", "/workers", {"worker_id": 1, **WORKER})
+    # What a browser user does: the token as the password of the Basic challenge /status answers with.
+    browser.call("Page.navigate", url=f"http://viewer:{TOKEN}@127.0.0.1:{guarded.port}/status")
+    browser.wait_for("document.getElementById('live')?.textContent === 'live'")  # its script ran, the feed flows
+    assert browser.wait_for(row(1, " .kv") + "?.textContent") == "waiting"
+
+    # Registered after the page opened: it appears without a reload; so does a decision, explained.
+    hostile = "<img src=x onerror=\"window.pwned=1\">"
+    call(guarded, "POST", "/workers", {"worker_id": 2, **WORKER, "endpoint": hostile})
+    call(guarded, "POST", "/workers", {"worker_id": 3, **WORKER, "model_name": "other"})
+    browser.wait_for(row(2) + " !== null")
+    answer = call(guarded, "POST", "/select_and_reserve", {"model_name": "m", "token_ids": list(range(12))})
+    chosen = answer["worker_id"]
+    runner = 3 - chosen
+    text = browser.wait_for("document.querySelector('#decisions tr[data-worker]')?.innerText")
+    assert f"{chosen}:0" in text and f"{runner}:0 (0 cached)" in text, text
+
+    # A state change shows: the booking brought no event within the window; then one arrives.
+    assert browser.wait_for(row(chosen, " .kv") + "?.textContent === 'no_events'")
+    assert "no KV event" in browser.evaluate(row(chosen) + ".innerText")
+    call(guarded, "POST", f"/kv_events?worker_id={chosen}", {"event_id": 1, "data": "cleared"})
+    assert browser.wait_for(row(chosen, " .kv") + "?.textContent === 'ok'")
+    call(guarded, "DELETE", "/workers/3")
+    assert browser.wait_for(row(3, " .lifecycle") + "?.textContent.startsWith('unschedulable')")
+
+    # Text from the service is shown as text, never run.
+    assert hostile in browser.evaluate(row(2) + ".innerText")
+    assert browser.evaluate("window.pwned === undefined && !document.querySelector('#workers img')")
+
+
+def test_the_status_routes_are_behind_the_token_and_say_how_to_give_it(guarded: Server) -> None:
+    for path in ("/status", "/status/snapshot", "/status/events"):
+        for headers in ({}, {"authorization": "Basic " + base64.b64encode(b"viewer:wrong").decode()},
+                        {"authorization": "Basic %%%not-base64"}, {"authorization": f"Bearer {TOKEN}x"}):
+            sock = guarded.connect()
+            sock.sendall(f"GET {path} HTTP/1.1\r\nhost: x\r\n".encode()
+                         + "".join(f"{n}: {v}\r\n" for n, v in headers.items()).encode() + b"\r\n")
+            head = sock.recv(65536).decode()
+            sock.close()
+            assert head.startswith("HTTP/1.1 401"), (path, headers, head)
+            assert 'www-authenticate: Basic realm="selection-proto"' in head  # a browser prompts for it
+    assert api_call(guarded.port, "GET", "/workers")[0] == 401
+    basic = {"authorization": "Basic " + base64.b64encode(f"anyone:{TOKEN}".encode()).decode()}
+    status, snapshot = api_call(guarded.port, "GET", "/status/snapshot", headers=basic)
+    assert status == 200 and snapshot["workers"] == [] and snapshot["serving"] is True
+    assert api_call(guarded.port, "GET", "/status/snapshot", headers=BEARER)[0] == 200
+    assert api_call(guarded.port, "GET", "/health") == (200, {"status": "ok"})
+
+
+def _open_feed(server: Server) -> socket.socket:
+    sock = server.connect()
+    sock.sendall(f"GET /status/events HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {TOKEN}\r\n\r\n".encode())
+    return sock
+
+
+def _read_until(sock: socket.socket, marker: bytes) -> bytes:
+    data = b""
+    while marker not in data:
+        chunk = sock.recv(65536)
+        assert chunk, data
+        data += chunk
+    return data
+
+
+def test_feeds_are_capped_and_viewers_that_never_read_hold_up_nothing(guarded: Server) -> None:
+    call(guarded, "POST", "/workers", {"worker_id": 1, **WORKER})
+    first = _open_feed(guarded)
+    head = _read_until(first, b"\n\n").decode()
+    assert head.startswith("HTTP/1.1 200") and "content-type: text/event-stream" in head
+    assert '"worker_id":1' in head  # the first event comes at once
+    second = _read_until(first, b"data:")  # and the next a second later
+    assert b"retry:" in second
+    # The others never read a byte of what they are sent.
+    silent = [_open_feed(guarded) for _ in range(MAX_VIEWERS - 1)]
+    time.sleep(1.5)
+    extra = _open_feed(guarded)
+    refused = _read_until(extra, b"}").decode()
+    assert refused.startswith("HTTP/1.1 503") and "too many status page viewers; retry later" in refused
+    for _ in range(20):
+        started = time.monotonic()
+        assert api_call(guarded.port, "GET", "/health") == (200, {"status": "ok"})
+        assert time.monotonic() - started < 0.5
+    for sock in silent:
+        sock.close()
+    deadline = time.monotonic() + 10
+    while True:  # their places come back once a send finds them gone
+        again = _open_feed(guarded)
+        answer = _read_until(again, b"\r\n")
+        again.close()
+        if answer.startswith(b"HTTP/1.1 200"):
+            break
+        assert time.monotonic() < deadline, answer
+        time.sleep(0.3)
+    first.close()
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{guarded.port}/metrics", timeout=10).read().decode()
+    assert 'selection_proto_limit_rejections_total{limit="status_viewers"}' in metrics
+
+
+def test_the_snapshot_explains_decisions_and_shows_loads_queues_and_index(make_client: Any) -> None:
+    client: Client = make_client(router_policy="ttft")
+    for worker_id in (1, 2):
+        client.ok("POST", "/workers", {"worker_id": worker_id, **WORKER}, status=201)
+    first, second = block_hashes(list(range(12)), 4)[:2]
+    client.ok("POST", "/kv_events", [stored(2, 1, [(101, first), (102, second)])])
+    picks = [client.ok("POST", "/select_and_reserve", {"model_name": "m", "token_ids": list(range(12))})
+             for _ in range(3)]
+    status, events = client.call("GET", "/status/events")
+    assert status == 200 and events.startswith("retry: 2000\ndata: ") and events.endswith("\n\n")
+    snapshot = json.loads(events.split("data: ", 1)[1])
+    assert snapshot == client.ok("GET", "/status/snapshot")
+    workers = {w["worker_id"]: w for w in snapshot["workers"]}
+    assert [w["lifecycle"] for w in workers.values()] == ["schedulable", "schedulable"]
+    booked = {w: sum(r["active_requests"] for r in workers[w]["ranks"]) for w in workers}
+    assert booked == {w: sum(p["worker_id"] == w for p in picks) for w in (1, 2)}
+    assert workers[2]["ranks"][0]["index_blocks"] >= 2 and workers[2]["kv_routing"]["state"] == "ok"
+    assert snapshot["queues"] == [{"model_name": "m", "tenant_id": "default", "pending_count": 0,
+                                   "pending_isl_tokens": 0, "active_reservations": 3}]
+    newest = snapshot["decisions"][0]
+    assert len(snapshot["decisions"]) == 3 and newest["isl_tokens"] == 12
+    assert (newest["worker_id"], newest["cached_tokens"]) == (picks[-1]["worker_id"], picks[-1]["cached_tokens"])
+    assert {c["worker_id"] for c in newest["candidates"]} == {1, 2}
+    assert all(c["predicted_wait_secs"] is not None for c in newest["candidates"])  # ttft predicts them
+    assert newest["runner_up"]["worker_id"] != newest["worker_id"] and newest["runner_up"]["margin"] >= 0
+    assert picks[0]["worker_id"] == 2 and snapshot["decisions"][-1]["cached_tokens"] == 8
+
+
+def test_a_json_lines_router_reads_the_same_snapshot() -> None:
+    from test_jsonl import rpc, run_session
+
+    answers, _, code = run_session(rpc(1, "workers.create", worker_id=4, **WORKER)
+                                   + rpc(2, "select_and_reserve", model_name="m", token_ids=list(range(8)))
+                                   + rpc(3, "status"))
+    assert code == 0
+    status = next(a["result"] for a in answers if a["id"] == 3)
+    assert [w["worker_id"] for w in status["workers"]] == [4]
+    assert status["decisions"][0]["worker_id"] == 4 and status["queues"][0]["active_reservations"] == 1
+
+
+def test_a_viewer_watching_does_not_hold_up_a_graceful_stop() -> None:
+    server = Server()
+    feed = server.connect()
+    feed.sendall(b"GET /status/events HTTP/1.1\r\nhost: x\r\n\r\n")
+    assert _read_until(feed, b"data:").startswith(b"HTTP/1.1 200")
+    started = time.monotonic()
+    assert server.stop() == 0 and time.monotonic() - started < 5
+    feed.close()
