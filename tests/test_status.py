@@ -249,3 +249,20 @@ def test_a_viewer_watching_does_not_hold_up_a_graceful_stop() -> None:
     started = time.monotonic()
     assert server.stop() == 0 and time.monotonic() - started < 5
     feed.close()
+
+
+def test_a_decision_keeps_only_its_cheapest_candidates(make_client: Any) -> None:
+    client: Client = make_client(temperature=5.0)  # sampling: the chosen may be other than the cheapest
+    for worker_id in range(1, 41):
+        client.ok("POST", "/workers", {"worker_id": worker_id, **WORKER}, status=201)
+    for _ in range(30):
+        client.ok("POST", "/select_and_reserve", {"model_name": "m", "token_ids": list(range(40))})
+    decisions = client.ok("GET", "/status/snapshot")["decisions"]
+    assert len(decisions) == 20  # the newest, of 30
+    for d in decisions:
+        logits = [c["logit"] for c in d["candidates"]]
+        assert d["candidate_count"] == 40 and len(logits) == 5 and logits == sorted(logits)
+        margin = d["runner_up"]["margin"]  # how much more the runner-up cost than the chosen
+        assert margin >= 0 if d["candidates"][0]["worker_id"] == d["worker_id"] else margin <= 0
+    pool = client.service.pools[("m", "default")]
+    assert all(len(d.cheapest) == 5 for d in pool.recent)  # what is kept, not only what is shown

@@ -5,6 +5,7 @@ minimum or a softmax draw. Pure functions over one pool's state."""
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from collections.abc import Sequence
@@ -36,6 +37,8 @@ __all__ = [
     "worker_speed",
     "tracks_prefill",
 ]
+
+DECISION_CANDIDATES: Final = 5  # kept of each decision for the status page
 
 # A worker's prefill speed when its record does not give one (only the ratios between workers
 # matter then: every term below is divided by it).
@@ -94,13 +97,21 @@ def effective_blocks(device: int, host: int, disk: int, s: Settings) -> float:
 
 
 class Decision(NamedTuple):
-    """A selection as the status page shows it (status.py): kept, newest last, per pool."""
+    """A selection as the status page shows it (status.py), kept per pool: of its candidates only
+    the cheapest few, so that a thousand-worker pool keeps as little as a small one."""
 
     at: float
     isl: int
     chosen: Scored
-    scored: Sequence[Scored]
+    runner_up: Scored | None
+    cheapest: tuple[Scored, ...]
+    candidates: int
     predicted: bool  # the candidates carry predicted wait and prefill seconds (router_policy=ttft)
+
+    @classmethod
+    def of(cls, at: float, isl: int, chosen: Scored, scored: Sequence[Scored], predicted: bool) -> Decision:
+        cheapest = tuple(heapq.nsmallest(DECISION_CANDIDATES, scored, key=lambda s: (s.logit, s.rank)))
+        return cls(at, isl, chosen, runner_up(chosen, scored), cheapest, len(scored), predicted)
 
 
 def runner_up(chosen: Scored, scored: Sequence[Scored]) -> Scored | None:

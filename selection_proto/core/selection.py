@@ -278,7 +278,7 @@ class Selector:
         differs = lowest is not None and chosen.dynamo_logit > lowest  # Dynamo's cost would choose otherwise
         self._metrics.selected(pool.key, chosen.cached / prompt.isl if prompt.isl > 0 else None,
                                chosen.device < max(map(DEVICE, scored)), differs)
-        pool.recent.append(Decision(now, prompt.isl, chosen, scored, lowest is not None))
+        pool.recent.append(Decision.of(now, prompt.isl, chosen, scored, lowest is not None))
         if self.log_decisions:
             self._outbox.append(Notice("selection", (
                 ("model_name", req.model_name), ("tenant_id", req.tenant_id), ("worker_id", chosen.rank[0]),

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from .._version import __version__
 from . import jsonio
-from .cost import Decision, explain, runner_up
+from .cost import Decision, explain
 from .engine_metrics import EngineMetrics
 from .pool import RECENT_DECISIONS, Key, Pool
 from .readouts import kv_routing
@@ -22,25 +22,23 @@ from .types import WorkerCatalogRecord
 if TYPE_CHECKING:
     from .service import SelectionService
 
-__all__ = ["CANDIDATES_SHOWN", "RETRY_MS", "event", "snapshot"]
+__all__ = ["RETRY_MS", "event", "snapshot"]
 
-CANDIDATES_SHOWN: Final = 5  # of a decision's candidates, the cheapest
 RETRY_MS: Final = 2000  # an EventSource that lost its stream asks again after this long
 
 
 def _decision(key: Key, d: Decision, now: float) -> dict[str, Any]:
-    chosen = d.chosen
-    runner = runner_up(chosen, d.scored)
+    chosen, runner = d.chosen, d.runner_up
     return {
         "age_secs": round(max(0.0, now - d.at), 3), "model_name": key[0], "tenant_id": key[1],
         "isl_tokens": d.isl, "worker_id": chosen.rank[0], "dp_rank": chosen.rank[1],
-        "cached_tokens": chosen.cached,
+        "cached_tokens": chosen.cached, "candidate_count": d.candidates,
         "runner_up": None if runner is None else {"worker_id": runner.rank[0], "dp_rank": runner.rank[1],
                                                   "cached_tokens": runner.cached,
                                                   "margin": round(runner.logit - chosen.logit, 6)},
         "candidates": [{"worker_id": c.worker_id, "dp_rank": c.dp_rank, "cached_tokens": c.cached_tokens,
                         "logit": round(c.logit, 6), "predicted_wait_secs": c.predicted_wait_secs}
-                       for c in explain(list(d.scored), d.predicted)[:CANDIDATES_SHOWN]],
+                       for c in explain(list(d.cheapest), d.predicted)],
     }
 
 

@@ -65,7 +65,8 @@ function decisions(list) {
       d.worker_id + ":" + d.dp_rank, d.cached_tokens,
       r ? r.worker_id + ":" + r.dp_rank + " (" + r.cached_tokens + " cached)" : "none", r ? num(r.margin, 4) : "-",
       d.candidates.map((c) => c.worker_id + ":" + c.dp_rank + " " + c.cached_tokens + " cached" +
-        (c.predicted_wait_secs === null ? "" : ", wait " + num(c.predicted_wait_secs, 3) + " s")).join("; ")]);
+        (c.predicted_wait_secs === null ? "" : ", wait " + num(c.predicted_wait_secs, 3) + " s")).join("; ") +
+        (d.candidate_count > d.candidates.length ? " (of " + d.candidate_count + ")" : "")]);
     tr.dataset.worker = d.worker_id; return tr; }), 8, "no selection yet");
 }
 let last = 0;
