@@ -150,6 +150,13 @@ SETTING_HELP: Final[Mapping[str, str]] = {
     "queue_policy": "order of queued selections",
     "queue_timeout_secs": "a queued selection is answered 503 after this long",
     "queue_max_pending": "queued selections at most per key",
+    "flow_classes": "policy classes, 'name:weight[:max_queued=N][:max_queued_tokens=N][:queue_timeout_secs=S],...'; "
+                    "weights share uncached tokens, the first is the default (docs/FLOW_CONTROL.md)",
+    "fairness_max_queued": "queued selections at most per fairness ID and key (429 past it)",
+    "fairness_max_queued_tokens": "queued uncached tokens at most per fairness ID and key (429 past it)",
+    "priority_promote_secs": "a queued selection climbs one priority tier per this many seconds waited",
+    "shed_sheddable": "refuse at once (429) a selection with priority < 0 that would queue",
+    "overload_status_code": "the status of refusals that say 'not now' (429, or Dynamo's 529)",
     "active_request_expiry_secs": "a booking nobody frees ends after this long",
     "active_decode_blocks_threshold": "skip ranks with more active decode blocks than this share",
     "active_prefill_tokens_threshold": "skip ranks with more booked prefill tokens than this",

@@ -1,5 +1,14 @@
-"""The admission queue (core.md §10): selections that found every candidate busy wait here, per
-key, in run order, until a rank frees up, their time runs out, or the service stops.
+"""The admission queue (core.md §10, docs/FLOW_CONTROL.md): selections that found every candidate
+busy wait here, per key, until a rank frees up, their time runs out, or the service stops; and
+which of them runs next.
+
+Which runs next: the highest priority tier first (a request climbs one tier for every
+`priority_promote_secs` it has waited, so no tier starves for ever); within a tier the policy
+classes share by weight in uncached tokens, and within a class the fairness IDs share equally, both
+kept by virtual time (start-time fair queuing: deficit round robin's shares without its rounds, so
+one arbitration costs the same whatever a head's size); within a fairness ID, the queue policy
+(fcfs, lcfs, wspt, lifted by `priority_jump`). A request whose candidates are all busy is passed
+over for now: it holds back no one, in its lane or another.
 
 How a ticket ends, once (the label is the `selection_proto_queue_events_total` event):
 
@@ -7,39 +16,107 @@ How a ticket ends, once (the label is the `selection_proto_queue_events_total` e
 |---|---|---|
 | `dispatched` | a candidate stopped being busy (a free, a prefill completion, a join, an update, a tick) | its selection |
 | `failed` | its selection failed when run, or the key lost its last worker | that error |
-| `timed_out` | it waited `queue_timeout_secs` | 503 |
+| `timed_out` | it waited its class's (or the service's) queue timeout | 503 |
+| `deadline` | its `deadline_ms` passed while it waited | 429 |
 | `shutdown` | the service began shutting down | 503 |
 | `cancelled` | its client went away | nothing |
 
-A full queue refuses at the door (`rejected_full`, 429) and issues no ticket."""
+Refusals at the door issue no ticket (queueing.py): a full queue or lane, `do_not_queue`, a
+sheddable request, a deadline that cannot be met."""
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator
-from typing import Final
+import functools
+import math
+from collections.abc import Iterator, Mapping
+from typing import Final, NamedTuple
 
 from .prompt import PromptHashes
 from .types import SelectRequest
 
-__all__ = ["OUTCOMES", "AdmissionQueue", "QueuedSelection", "Tickets", "order_key"]
+__all__ = ["DEFAULT_CLASS", "OUTCOMES", "FlowClass", "FlowQueue", "Lane", "QueuedSelection", "Tickets",
+           "order_key", "parse_classes"]
 
-OUTCOMES: Final = ("dispatched", "failed", "timed_out", "shutdown", "cancelled")
+OUTCOMES: Final = ("dispatched", "failed", "timed_out", "deadline", "shutdown", "cancelled")
+_CLASS_KEYS: Final = ("max_queued", "max_queued_tokens", "queue_timeout_secs")
+
+
+class FlowClass(NamedTuple):
+    """A policy class (`flow_classes`): its weight in uncached tokens against the tier's other
+    classes, its caps on queued requests and tokens (None: none), and its queue timeout."""
+
+    name: str
+    weight: float = 1.0
+    max_queued: int | None = None
+    max_queued_tokens: int | None = None
+    queue_timeout_secs: float | None = None
+
+
+DEFAULT_CLASS: Final = FlowClass("default")
+
+
+@functools.lru_cache(maxsize=8)
+def parse_classes(text: str | None) -> tuple[FlowClass, ...]:
+    """`name:weight[:key=value...]`, comma-separated (keys: max_queued, max_queued_tokens,
+    queue_timeout_secs); the first is the default class. None or empty: one class, `default`.
+    Raises ValueError("flow_classes: ...")."""
+    if not text or not text.strip():
+        return (DEFAULT_CLASS,)
+    classes: list[FlowClass] = []
+    for part in text.split(","):
+        name, _, rest = part.strip().partition(":")
+        fields = rest.split(":") if rest else []
+        if not name or not name.isidentifier() or any(c.name == name for c in classes):
+            raise ValueError(f"flow_classes: {part.strip()!r}: a class needs a new name of letters, digits and _")
+        try:
+            weight = float(fields[0]) if fields else 1.0
+            options: dict[str, float] = {}
+            for option in fields[1:]:
+                key, _, value = option.partition("=")
+                if key not in _CLASS_KEYS or key in options:
+                    raise ValueError(f"unknown or repeated option {key!r} (one of {', '.join(_CLASS_KEYS)})")
+                options[key] = float(value)
+        except ValueError as exc:
+            raise ValueError(f"flow_classes: {name}: {exc}") from None
+        if not (math.isfinite(weight) and weight > 0) or not all(math.isfinite(v) and v > 0 for v in options.values()):
+            raise ValueError(f"flow_classes: {name}: the weight and every option must be a number > 0")
+        caps = {k: int(v) for k, v in options.items() if k != "queue_timeout_secs"}
+        if any(caps[k] != options[k] for k in caps):
+            raise ValueError(f"flow_classes: {name}: caps are whole numbers")
+        classes.append(FlowClass(name, weight, caps.get("max_queued"), caps.get("max_queued_tokens"),
+                                 options.get("queue_timeout_secs")))
+    return tuple(classes)
+
+
+class Lane(NamedTuple):
+    """Where a waiting request stands: its tier (`priority`), its class, its fairness ID."""
+
+    tier: int
+    policy_class: str
+    fairness_id: str
 
 
 class QueuedSelection:
-    """One waiting selection: its ticket, its place, and what it needs to run later."""
+    """One waiting selection: its ticket, lane and place, what its work costs (uncached tokens),
+    when it expires, and what it needs to run later."""
 
-    __slots__ = ("ticket", "order", "req", "rid", "prompt", "enqueued_at")
+    __slots__ = ("ticket", "order", "req", "rid", "prompt", "enqueued_at", "lane", "cost", "expires_at",
+                 "deadline_at")
 
     def __init__(self, ticket: int, order: float, req: SelectRequest, rid: str | None,
-                 prompt: PromptHashes, enqueued_at: float) -> None:
+                 prompt: PromptHashes, enqueued_at: float, lane: Lane, cost: int, expires_at: float,
+                 deadline_at: float) -> None:
         self.ticket = ticket
         self.order = order
         self.req = req
         self.rid = rid
         self.prompt = prompt
         self.enqueued_at = enqueued_at
+        self.lane = lane
+        self.cost = cost
+        self.expires_at = expires_at  # the smaller of the class's timeout and the client's deadline
+        self.deadline_at = deadline_at
 
 
 def order_key(policy: str, jump: float, age: float, isl: int, cached: int) -> float:
@@ -57,45 +134,152 @@ def _run_order(entry: QueuedSelection) -> tuple[float, int]:
     return (-entry.order, entry.ticket)
 
 
-class AdmissionQueue:
-    """One key's waiting selections, kept in run order."""
+class _Flow:
+    """One fairness ID's waiting requests in a class, in run order, and its virtual time."""
 
-    __slots__ = ("_entries",)
+    __slots__ = ("entries", "vtime")
 
-    def __init__(self) -> None:
-        self._entries: list[QueuedSelection] = []
+    def __init__(self, vtime: float) -> None:
+        self.entries: list[QueuedSelection] = []
+        self.vtime = vtime
+
+
+class _Class:
+    """One class of one tier: its flows, its virtual time, and its flows' clock (the virtual
+    time of the flow it served last: where a flow that starts waiting begins)."""
+
+    __slots__ = ("flows", "vtime", "clock")
+
+    def __init__(self, vtime: float) -> None:
+        self.flows: dict[str, _Flow] = {}
+        self.vtime = vtime
+        self.clock = 0.0
+
+
+class FlowQueue:
+    """One key's waiting selections, by lane. `weights`: each class's weight; `promote_secs`: the
+    wait that lifts a request one tier (None: never)."""
+
+    __slots__ = ("_classes", "_tier_clocks", "_tickets", "_weights", "_promote", "_counts")
+
+    def __init__(self, weights: Mapping[str, float] | None = None, promote_secs: float | None = None) -> None:
+        self._classes: dict[tuple[int, str], _Class] = {}
+        self._tier_clocks: dict[int, float] = {}
+        self._tickets: dict[int, QueuedSelection] = {}
+        self._weights = dict(weights or {"default": 1.0})
+        self._promote = promote_secs
+        self._counts: dict[tuple[str, str], list[int]] = {}  # ("class"|"fairness", name) -> [requests, tokens]
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._tickets)
 
     def __iter__(self) -> Iterator[QueuedSelection]:
-        """In run order, over a copy: the caller may remove entries while it walks."""
-        return iter(list(self._entries))
+        """In each one's own run order (for one lane, the order they run in), over a copy: the
+        caller may remove entries while it walks."""
+        return iter(sorted(self._tickets.values(), key=_run_order))
+
+    def queued(self, kind: str, name: str) -> tuple[int, int]:
+        """(requests, uncached tokens) waiting in a class (`kind="class"`) or fairness ID."""
+        count = self._counts.get((kind, name))
+        return (count[0], count[1]) if count is not None else (0, 0)
+
+    def _count(self, entry: QueuedSelection, sign: int) -> None:
+        for counted in (("class", entry.lane.policy_class), ("fairness", entry.lane.fairness_id)):
+            count = self._counts.setdefault(counted, [0, 0])
+            count[0] += sign
+            count[1] += sign * entry.cost
+            if count[0] == 0:
+                del self._counts[counted]
 
     def push(self, entry: QueuedSelection) -> None:
-        bisect.insort(self._entries, entry, key=_run_order)
+        tier, name, fid = entry.lane
+        cls = self._classes.get((tier, name))
+        if cls is None:  # a class that starts waiting begins at its tier's clock: no credit banked
+            cls = self._classes[(tier, name)] = _Class(self._tier_clocks.get(tier, 0.0))
+        flow = cls.flows.get(fid)
+        if flow is None:
+            flow = cls.flows[fid] = _Flow(cls.clock)
+        bisect.insort(flow.entries, entry, key=_run_order)
+        self._tickets[entry.ticket] = entry
+        self._count(entry, 1)
 
     def remove(self, entry: QueuedSelection) -> bool:
-        """Take `entry` out; False when it was not waiting any more."""
-        if entry in self._entries:
-            self._entries.remove(entry)
-            return True
-        return False
+        """Take `entry` out, charging no one; False when it was not waiting any more."""
+        if self._tickets.pop(entry.ticket, None) is None:
+            return False
+        tier, name, fid = entry.lane
+        cls = self._classes[(tier, name)]
+        flow = cls.flows[fid]
+        flow.entries.remove(entry)
+        self._count(entry, -1)
+        if not flow.entries:  # an idle flow keeps no credit (nor debt): it starts afresh
+            del cls.flows[fid]
+            if not cls.flows:
+                del self._classes[(tier, name)]
+        return True
+
+    def take(self, entry: QueuedSelection) -> None:
+        """`entry` runs: out of the queue, its cost charged to its flow and its class."""
+        tier, name, fid = entry.lane
+        cls = self._classes[(tier, name)]
+        flow = cls.flows[fid]
+        self._tier_clocks[tier] = cls.vtime
+        cls.clock = flow.vtime
+        cls.vtime += entry.cost / self._weights.get(name, 1.0)
+        flow.vtime += entry.cost
+        self.remove(entry)
 
     def find(self, ticket: int) -> QueuedSelection | None:
-        return next((e for e in self._entries if e.ticket == ticket), None)
+        return self._tickets.get(ticket)
 
     def take_all(self) -> list[QueuedSelection]:
-        entries, self._entries = self._entries, []
+        entries = list(self)
+        self._classes.clear()
+        self._tickets.clear()
+        self._counts.clear()
         return entries
 
-    def late(self, now: float, timeout: float) -> list[QueuedSelection]:
-        """The entries that have waited `timeout` seconds, in run order (still queued)."""
-        return [e for e in self._entries if now - e.enqueued_at >= timeout]
+    def late(self, now: float) -> list[QueuedSelection]:
+        """The entries whose time is up (still queued), in run order."""
+        return [e for e in self if e.expires_at <= now]
 
-    def oldest(self) -> float | None:
-        """When the longest-waiting entry arrived."""
-        return min((e.enqueued_at for e in self._entries), default=None)
+    def next_expiry(self) -> float | None:
+        return min((e.expires_at for e in self._tickets.values()), default=None)
+
+    def next(self, now: float, passed_over: set[int]) -> QueuedSelection | None:
+        """The entry that runs next, skipping `passed_over` (their candidates are busy); None when
+        every entry is passed over. Visits each flow once."""
+        best: tuple[float, ...] | None = None
+        chosen = None
+        for (tier, _), cls in self._classes.items():
+            for flow in cls.flows.values():
+                head = next((e for e in flow.entries if e.ticket not in passed_over), None)
+                if head is None:
+                    continue
+                lifted = tier if self._promote is None else tier + int((now - head.enqueued_at) // self._promote)
+                rank = (-lifted, -tier, cls.vtime, flow.vtime, -head.order, head.ticket)
+                if best is None or rank < best:
+                    best, chosen = rank, head
+        return chosen
+
+    def work_ahead(self, lane: Lane) -> int:
+        """Uncached tokens that run before a request joining `lane` would, were every lane to keep
+        its share: every higher tier's, its own flow's, and as much of each other flow and class
+        as their shares let run meanwhile."""
+        tier, name, fid = lane
+        higher = sum(e.cost for (t, _), c in self._classes.items() if t > tier
+                     for f in c.flows.values() for e in f.entries)
+        own_class = self._classes.get((tier, name))
+        own_flow = own_class.flows.get(fid) if own_class is not None else None
+        flow_ahead = sum(e.cost for e in own_flow.entries) if own_flow is not None else 0
+        class_ahead = flow_ahead + (sum(min(sum(e.cost for e in f.entries), flow_ahead)
+                                        for k, f in own_class.flows.items() if k != fid)
+                                    if own_class is not None else 0)
+        weight = self._weights.get(name, 1.0)
+        others = sum(min(sum(e.cost for f in c.flows.values() for e in f.entries),
+                         class_ahead * self._weights.get(n, 1.0) / weight)
+                     for (t, n), c in self._classes.items() if t == tier and n != name)
+        return higher + class_ahead + math.ceil(others)
 
 
 class Tickets:

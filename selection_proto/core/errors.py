@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Final
 
 __all__ = [
@@ -97,7 +98,20 @@ class ShapeError(Unprocessable):
 
 
 class TooManyRequests(SelectionError):
+    """Not now: `retry_after` (seconds) is when trying again may succeed, when it is known; the
+    status may be 529 (`overload_status_code`)."""
+
     status = 429
+
+    def __init__(self, message: str, status: int | None = None, retry_after: float | None = None) -> None:
+        super().__init__(message, status)
+        self.retry_after = retry_after
+
+    def headers(self) -> tuple[tuple[str, str], ...]:
+        """`Retry-After` in whole seconds (at least 1), when known."""
+        if self.retry_after is None:
+            return ()
+        return (("retry-after", str(max(1, math.ceil(min(self.retry_after, 86400.0))))),)
 
 
 class Internal(SelectionError):

@@ -21,6 +21,7 @@ from .errors import (
     MethodNotAllowed,
     NotFound,
     SelectionError,
+    TooManyRequests,
     UnsupportedMediaType,
 )
 from .events import decode_json_events
@@ -156,6 +157,8 @@ def handle(service: SelectionService, method: str, path: str, query: str,
         extra: tuple[tuple[str, str], ...] = ()
         if isinstance(exc, MethodNotAllowed):
             extra = (("allow", _allow(exc.allow)),)
+        elif isinstance(exc, TooManyRequests):
+            extra = exc.headers()
         result = error_response(exc.status, exc.message, extra)
     except Exception:  # noqa: BLE001 - the bytes API never raises (core.md §4.2)
         service.internal_error("handle")

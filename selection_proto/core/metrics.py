@@ -90,6 +90,12 @@ FAMILIES: Final[Mapping[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]
                                            ("model_name", "tenant_id", "event"), ()),
     "selection_proto_queue_wait_seconds": ("histogram", "Time from enqueue to outcome.",
                                            ("model_name", "tenant_id"), _WAIT_BUCKETS),
+    "selection_proto_flow_events_total": ("counter", "Queue events per policy class and fairness ID "
+                                          "(queued, dispatched, shed, and the other queue outcomes).",
+                                          ("model_name", "tenant_id", "policy_class", "fairness_id", "event"), ()),
+    "selection_proto_flow_wait_seconds": ("histogram", "Time queued per policy class and fairness ID.",
+                                          ("model_name", "tenant_id", "policy_class", "fairness_id"),
+                                          _WAIT_BUCKETS),
     "selection_proto_kv_events_total": ("counter", "KV events applied or failed.",
                                         ("model_name", "tenant_id", "tier", "kind", "result"), ()),
     "selection_proto_kv_events_dropped_total": ("counter", "KV events or messages not applied.",
@@ -179,12 +185,16 @@ class _Histogram:
         self.count = 0
 
 
+MAX_FAIRNESS_LABELS: Final = 100
+
+
 class Metrics:
     """Stored samples; gauges that mirror state are passed to `render` by the service."""
 
     def __init__(self) -> None:
         self._values: dict[str, dict[Labels, float]] = {}
         self._histograms: dict[str, dict[Labels, _Histogram]] = {}
+        self._fairness_labels: set[str] = {""}
 
     def _family(self, name: str, labels: Labels) -> tuple[str, str, tuple[str, ...], tuple[float, ...]]:
         family = FAMILIES.get(name)
@@ -261,6 +271,19 @@ class Metrics:
         self.inc("selection_proto_queue_events_total", (*key, event))
         if waited is not None:
             self.observe("selection_proto_queue_wait_seconds", key, waited)
+
+    def flow(self, key: Labels, policy_class: str, fairness_id: str, event: str, waited: float | None = None) -> None:
+        """A queue event of one lane (admission.py). Fairness IDs are the clients' own words: the
+        first `MAX_FAIRNESS_LABELS` get a label of their own, later ones share `other`."""
+        if fairness_id not in self._fairness_labels:
+            if len(self._fairness_labels) < MAX_FAIRNESS_LABELS:
+                self._fairness_labels.add(fairness_id)
+            else:
+                fairness_id = "other"
+        labels = (*key, policy_class, fairness_id)
+        self.inc("selection_proto_flow_events_total", (*labels, event))
+        if waited is not None:
+            self.observe("selection_proto_flow_wait_seconds", labels, waited)
 
     def kv_event(self, key: Labels, tier: str, kind: str, result: str) -> None:
         self.inc("selection_proto_kv_events_total", (*key, tier, kind, result))

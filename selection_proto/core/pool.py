@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Final
 
-from .admission import AdmissionQueue
+from .admission import FlowQueue, parse_classes
 from .budget import StateBudget
 from .engine import NamespaceMemory
 from .errors import NotFound
@@ -72,7 +72,8 @@ class Pool:
         self.epoch = now
         self.workers: dict[int, tuple[Rank, ...]] = {}  # schedulable worker -> its ranks
         self.taints: dict[int, frozenset[str]] = {}
-        self.queue = AdmissionQueue()
+        self.queue = FlowQueue({c.name: c.weight for c in parse_classes(settings.flow_classes)},
+                               settings.priority_promote_secs)
         self.sessions = SessionTable(settings.session_affinity_ttl_secs or 0.0, settings.max_sessions_per_key,
                                      budget)
         # Bookings predict the cache: into the index itself, or a side tree read beside events.
@@ -94,9 +95,7 @@ class Pool:
 
     def next_deadline(self, settings: Settings) -> float | None:
         """The earliest booking expiry, queue timeout or prediction expiry of the pool."""
-        oldest = self.queue.oldest()
-        times = (self.tracker.next_expiry(settings.active_request_expiry_secs),
-                 None if oldest is None else oldest + settings.queue_timeout_secs,
+        times = (self.tracker.next_expiry(settings.active_request_expiry_secs), self.queue.next_expiry(),
                  self.predictions.next_expiry() if self.predictions is not None else None)
         return min((t for t in times if t is not None), default=None)
 

@@ -161,6 +161,8 @@ class SelectResponse:
     candidates: tuple[Candidate, ...] | None = None
     excluded: tuple[Excluded, ...] | None = None
     decision: str | None = None  # `explain_header`: why, for the `x-selection-decision` header (not in the body)
+    lane: dict[str, Any] | None = None  # with `explain`: its tier, class, fairness ID and time queued
+
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -189,6 +191,8 @@ class SelectResponse:
             out["candidates"] = [c.to_json() for c in self.candidates]
         if self.excluded is not None:
             out["excluded"] = [e.to_json() for e in self.excluded]
+        if self.lane is not None:
+            out["lane"] = self.lane
         return out
 
 

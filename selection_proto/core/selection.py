@@ -16,7 +16,7 @@ from typing import Final
 
 import attrs
 
-from .admission import QueuedSelection, Tickets, order_key
+from .admission import QueuedSelection, Tickets
 from .catalog import Catalog
 from .cost import (
     DEVICE,
@@ -34,7 +34,6 @@ from .cost import (
 from .errors import (
     BadRequest,
     Conflict,
-    Internal,
     NotFound,
     NotReady,
     SelectionError,
@@ -45,16 +44,16 @@ from .index import Rank
 from .journal import Journal
 from .limits import Limits
 from .metrics import Metrics
-from .outputs import Notice, OutputEvent, SelectionReady
+from .outputs import Notice, OutputEvent
 from .pending import MISSING, PendingSelection, PendingSelections, entry_size
 from .pool import Key, Pool, holding, key_label
 from .prompt import PromptHashes
+from .queueing import Admission
 from .responses import Excluded, Overlap, Pending, ReservationResponse, SelectResponse
 from .sessions import check_session_id, mismatch
 from .settings import Settings
 from .tracker import Booking, DuplicateReservation, rank_text
 from .types import ReservationRequest, SelectAndReserveRequest, SelectRequest
-from .wire import error_response, json_response
 
 __all__ = ["SHUTTING_DOWN", "Selection", "Selector"]
 
@@ -76,13 +75,14 @@ class Selection:
     found: Estimates
     session: str | None = None  # the session it steers by and books under (affinity on)
     bound: Rank | None = None  # that session's live binding when the selection began
+    queued_secs: float = 0.0  # how long it waited in the queue
 
 
-class Selector:
+class Selector(Admission):
     """Selections, bookings and the admission queue of every pool."""
 
     __slots__ = ("_settings", "_rng", "_metrics", "_limits", "_catalog", "_pools", "_tickets",
-                 "_outbox", "_internal_error", "_dispatching", "stopping", "pending", "log_decisions",
+                 "_outbox", "_internal_error", "stopping", "pending", "log_decisions",
                  "journal")
 
     def __init__(self, settings: Settings, rng: random.Random, metrics: Metrics, limits: Limits,
@@ -323,94 +323,22 @@ class Selector:
                 chosen, scored, prompt.isl, self._settings.router_policy) if self._settings.explain_header else None)
         if req.explain:
             response = attrs.evolve(response, candidates=explain(scored, lowest is not None),
+                                    lane=self.lane_of(req, sel.queued_secs) if self._settings.queueing else None,
                                     excluded=tuple(Excluded(worker_id=r[0], dp_rank=r[1], reason=why)
                                                    for r, why in sorted(sel.excluded.items())))
         return response
 
-    # -- the admission queue (core.md §10) -------------------------------------------------------
+    # -- the admission queue (core.md §10; queueing.py) --------------------------------------------
 
-    def _busy(self, pool: Pool, rank: Rank) -> bool:
-        threshold = self._settings.queue_threshold
-        assert threshold is not None
-        limit = self._catalog[rank[0]].request.max_num_batched_tokens or 0
-        return pool.tracker.loads[rank].prefill_tokens > threshold * limit
-
-    def _enqueue(self, sel: Selection, now: float) -> Pending:
-        s = self._settings
-        pool = sel.pool
-        self._limits.queue_room(pool)
-        cached = 0
-        if s.queue_policy == "wspt":
-            cached = max(cached_tokens(r, sel.found, pool.block_size, s) for r in sel.candidates)
-        order = order_key(s.queue_policy, max(0.0, sel.req.priority_jump or 0.0), now - pool.epoch,
-                          sel.prompt.isl, cached)
-        ticket = self._tickets.issue(pool.key)
-        pool.queue.push(QueuedSelection(ticket, order, sel.req, sel.rid, sel.prompt, now))
-        self._metrics.queue(pool.key, "queued")
-        return Pending(ticket)
-
-    def _resolve(self, pool: Pool, entry: QueuedSelection, result: SelectResponse | SelectionError,
-                 outcome: str, now: float) -> None:
-        """Emit the one SelectionReady of a ticket."""
-        self._tickets.end(entry.ticket)
-        route = "select_and_reserve" if isinstance(entry.req, SelectAndReserveRequest) else "select"
-        response = (error_response(result.status, result.message) if isinstance(result, SelectionError)
-                    else json_response(200, result.to_json()))
-        self._metrics.selection(pool.key, route, response.status)
-        self._metrics.queue(pool.key, outcome, now - entry.enqueued_at)
-        self._outbox.append(SelectionReady(entry.ticket, result, response))
-
-    def fail_queue(self, pool: Pool, error: SelectionError, outcome: str, now: float) -> None:
-        """End every ticket of the pool with `error` (its last worker left, or shutdown)."""
-        for entry in pool.queue.take_all():
-            self._resolve(pool, entry, error, outcome, now)
-
-    def dispatch(self, pool: Pool | None, now: float) -> None:
-        """Run queued requests whose candidates now include a rank that is not busy (§10.4)."""
-        if pool is None or not pool.queue or self._dispatching:
-            return
-        self._dispatching = True
-        try:
-            for entry in pool.queue:
-                req = entry.req
-                try:
-                    session, bound = self._session(pool, req, entry.rid is not None, now)
-                    candidates, excluded = self._candidates(req, pool, bound)
-                    if all(self._busy(pool, r) for r in candidates):
-                        continue
-                    pool.queue.remove(entry)
-                    sel = Selection(pool, req, entry.rid, entry.prompt, candidates, excluded,
-                                    estimates(pool, entry.prompt.blocks), session, bound)
-                    result: SelectResponse | SelectionError = self._finish(sel, now)
-                    outcome = "dispatched"
-                except SelectionError as exc:
-                    pool.queue.remove(entry)
-                    result, outcome = exc, "failed"
-                except Exception:  # noqa: BLE001 - confined to this ticket; the caller's call stands
-                    pool.queue.remove(entry)
-                    self._internal_error("dispatch")
-                    result, outcome = Internal("internal error"), "failed"
-                self._resolve(pool, entry, result, outcome, now)
-        finally:
-            self._dispatching = False
-
-    def expire_queue(self, pool: Pool, now: float) -> None:
-        timeout = self._settings.queue_timeout_secs
-        for entry in pool.queue.late(now, timeout):
-            pool.queue.remove(entry)
-            self._resolve(pool, entry, NotReady(
-                f"timed out after {format(timeout, 'g')} s waiting in the queue for {pool.label}"),
-                "timed_out", now)
-
-    def cancel(self, ticket: int) -> bool:
-        key = self._tickets.end(ticket)
-        pool = self._pools.get(key) if key is not None else None
-        entry = pool.queue.find(ticket) if pool is not None else None
-        if pool is None or entry is None:
-            return False
-        pool.queue.remove(entry)
-        self._metrics.queue(pool.key, "cancelled")
-        return True
+    def _retry(self, pool: Pool, entry: QueuedSelection, now: float) -> Selection | None:
+        """A queued selection made ready to run, or None while its candidates are all busy."""
+        req = entry.req
+        session, bound = self._session(pool, req, entry.rid is not None, now)
+        candidates, excluded = self._candidates(req, pool, bound)
+        if all(self._busy(pool, r) for r in candidates):
+            return None
+        return Selection(pool, req, entry.rid, entry.prompt, candidates, excluded,
+                         estimates(pool, entry.prompt.blocks), session, bound, now - entry.enqueued_at)
 
     # -- bookings ----------------------------------------------------------------------------------
 

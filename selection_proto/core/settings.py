@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 import attrs
 
+from .admission import parse_classes
+
 __all__ = ["Settings", "KvEventsMode", "QueuePolicy"]
 
 KvEventsMode = Literal["subscribe", "push", "off", "approximate"]
@@ -51,6 +53,12 @@ class Settings:
     queue_policy: QueuePolicy = "fcfs"
     queue_timeout_secs: float = 30.0
     queue_max_pending: int = 1024
+    flow_classes: str | None = None  # admission.parse_classes: "name:weight[:key=value...],..."; the first is the default
+    fairness_max_queued: int | None = None  # queued requests at most per fairness ID (per key)
+    fairness_max_queued_tokens: int | None = None  # and their uncached tokens
+    priority_promote_secs: float | None = None  # a queued request climbs one tier per this many seconds
+    shed_sheddable: bool = True  # a request with priority < 0 that would queue is refused at once
+    overload_status_code: int = 429  # the status of backpressure refusals; 529 is Dynamo's
     active_request_expiry_secs: float = 300.0
     active_decode_blocks_threshold: float | None = None
     active_prefill_tokens_threshold: int | None = None
@@ -109,6 +117,14 @@ class Settings:
             value = getattr(self, name)
             if value is not None:
                 _check(name, _is_number(value) and value > 0, "must be greater than 0")
+        parse_classes(self.flow_classes)  # raises ValueError("flow_classes: ...")
+        _check("overload_status_code", self.overload_status_code in (429, 529), "must be 429 or 529")
+        for name in ("fairness_max_queued", "fairness_max_queued_tokens"):
+            value = getattr(self, name)
+            _check(name, value is None or (_is_int(value) and value >= 1), "must be an integer >= 1")
+        if self.priority_promote_secs is not None:
+            _check("priority_promote_secs", _is_number(self.priority_promote_secs)
+                   and self.priority_promote_secs > 0, "must be greater than 0")
         for name in ("queue_timeout_secs", "active_request_expiry_secs", "kv_verdict_window_secs"):
             value = getattr(self, name)
             _check(name, _is_number(value) and value > 0, "must be greater than 0")
@@ -142,7 +158,7 @@ class Settings:
         _check("selection_cache_ttl_secs", _is_number(self.selection_cache_ttl_secs)
                and self.selection_cache_ttl_secs >= 0, "must be a finite number >= 0")
         for name in ("track_active_blocks", "assume_kv_reuse", "track_prefill_tokens",
-                     "zmq_endpoints"):
+                     "zmq_endpoints", "shed_sheddable"):
             _check(name, isinstance(getattr(self, name), bool), "must be a boolean")
 
     @property

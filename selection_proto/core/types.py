@@ -373,6 +373,12 @@ class SelectRequest(_Prompt):
         OBJECT(RoutingConstraints), factory=RoutingConstraints, nullable=False
     )
     priority_jump: float | None = member(F64)
+    # Flow control (admission.py): who asks, how important, which class, until when it is useful.
+    fairness_id: str | None = member(STR)
+    priority: int | None = member(I64)  # a tier: higher runs first; negative is sheddable
+    policy_class: str | None = member(STR)
+    deadline_ms: float | None = member(F64, rule=_positive)  # time to first token the client can still use
+    do_not_queue: bool = member(BOOL, default=False, nullable=False)
     expected_output_tokens: int | None = member(U32)
     explain: bool = member(BOOL, default=False, nullable=False)
     advisory: bool = member(BOOL, default=False, nullable=False)  # 1.6.1: answer the worker's load too

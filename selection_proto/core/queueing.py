@@ -1,0 +1,203 @@
+"""Admission (core.md §10, docs/FLOW_CONTROL.md): when a selection must wait, whether it may, where
+(its lane), and what ends its wait; the `Selector`'s half that owns the queue (admission.py holds
+the order). At the door, in this order, a request that would queue is refused at once with
+`overload_status_code` (429) and a `Retry-After`:
+
+1. `do_not_queue`: it asked to run now or not at all;
+2. a negative `priority` (sheddable), unless `shed_sheddable` is off;
+3. a full key (`queue_max_pending`), class (`max_queued`, `max_queued_tokens`) or fairness ID
+   (`fairness_max_queued`, `fairness_max_queued_tokens`);
+4. a `deadline_ms` it cannot meet: the work ahead of it in its share, with what its candidates
+   are prefilling now, at their prefill speed, then its own prefill, ends after the deadline.
+
+A request that waits ends at the smaller of its class's queue timeout (503) and its deadline (429)."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from .admission import FlowClass, Lane, QueuedSelection, Tickets, order_key, parse_classes
+from .catalog import Catalog
+from .cost import cached_tokens
+from .errors import Internal, NotReady, SelectionError, TooManyRequests
+from .index import Rank
+from .limits import Limits
+from .metrics import Metrics
+from .outputs import OutputEvent, SelectionReady
+from .pool import Key, Pool
+from .responses import Pending, SelectResponse
+from .settings import Settings
+from .types import SelectAndReserveRequest, SelectRequest
+from .wire import error_response, json_response
+
+if TYPE_CHECKING:
+    from .selection import Selection
+
+__all__ = ["Admission"]
+
+
+class Admission:
+    """The queue's methods of `Selector` (selection.py), which provides what is declared here."""
+
+    __slots__ = ("_dispatching",)
+    _dispatching: bool
+    _settings: Settings
+    _metrics: Metrics
+    _limits: Limits
+    _catalog: Catalog
+    _pools: Mapping[Key, Pool]
+    _tickets: Tickets
+    _outbox: deque[OutputEvent]
+    _internal_error: Callable[[str], None]
+
+    if TYPE_CHECKING:
+        def _finish(self, sel: Selection, now: float) -> SelectResponse: ...
+        def _retry(self, pool: Pool, entry: QueuedSelection, now: float) -> Selection | None: ...
+
+    def _busy(self, pool: Pool, rank: Rank) -> bool:
+        threshold = self._settings.queue_threshold
+        assert threshold is not None
+        limit = self._catalog[rank[0]].request.max_num_batched_tokens or 0
+        return pool.tracker.loads[rank].prefill_tokens > threshold * limit
+
+    def policy_class(self, name: str | None) -> FlowClass:
+        """The class a request names; an unknown or absent name is the default (the first)."""
+        classes = parse_classes(self._settings.flow_classes)
+        return next((c for c in classes if c.name == name), classes[0])
+
+    def _refuse(self, pool: Pool, lane: Lane, reason: str, message: str, retry_after: float | None) -> TooManyRequests:
+        self._metrics.queue(pool.key, "rejected_full" if reason == "full" else "shed")
+        self._metrics.flow(pool.key, lane.policy_class, lane.fairness_id, "shed")
+        return TooManyRequests(message, self._settings.overload_status_code, retry_after)
+
+    def _drain_secs(self, sel: Selection, tokens: int) -> float:
+        """How long the candidates take to prefill `tokens` more than what they are prefilling now."""
+        pool = sel.pool
+        rate = sum(1.0 / pool.speeds[r[0]][0] for r in sel.candidates if r[0] in pool.speeds) or 1.0
+        busy = sum(pool.tracker.loads[r].prefill_tokens for r in sel.candidates)
+        return (busy + tokens) / rate
+
+    def _enqueue(self, sel: Selection, now: float) -> Pending:
+        s, pool, req = self._settings, sel.pool, sel.req
+        cls = self.policy_class(req.policy_class)
+        lane = Lane(req.priority or 0, cls.name, req.fairness_id or "")
+        cached = max((cached_tokens(r, sel.found, pool.block_size, s) for r in sel.candidates), default=0)
+        cost = max(1, sel.prompt.isl - cached)
+        busy_now = f"every candidate for {pool.label} is busy"
+        if req.do_not_queue:
+            raise self._refuse(pool, lane, "do_not_queue", f"do_not_queue: {busy_now}", self._drain_secs(sel, 0))
+        if lane.tier < 0 and s.shed_sheddable:
+            raise self._refuse(pool, lane, "sheddable", f"sheddable request (priority {lane.tier}) refused: "
+                               f"{busy_now}", self._drain_secs(sel, 0))
+        ahead = pool.queue.work_ahead(lane)
+        if len(pool.queue) >= s.queue_max_pending:
+            raise self._refuse(pool, lane, "full", f"queue is full for {pool.label}: {s.queue_max_pending} "
+                               "requests pending", self._drain_secs(sel, ahead))
+        for what, name, max_queued, max_tokens in (
+                ("class", cls.name, cls.max_queued, cls.max_queued_tokens),
+                ("fairness", lane.fairness_id, s.fairness_max_queued, s.fairness_max_queued_tokens)):
+            queued, tokens = pool.queue.queued(what, name)
+            word = f"policy class {name}" if what == "class" else f"fairness ID {name!r}"
+            if max_queued is not None and queued + 1 > max_queued:
+                raise self._refuse(pool, lane, "full", f"queue is full for {word} of {pool.label}: {queued} "
+                                   "requests pending", self._drain_secs(sel, ahead))
+            if max_tokens is not None and tokens + cost > max_tokens:
+                raise self._refuse(pool, lane, "full", f"queue is full for {word} of {pool.label}: {tokens} "
+                                   "uncached tokens pending", self._drain_secs(sel, ahead))
+        deadline_at = math.inf if req.deadline_ms is None else now + req.deadline_ms / 1000.0
+        if req.deadline_ms is not None:
+            best = min((pool.speeds[r[0]][0] for r in sel.candidates if r[0] in pool.speeds), default=1e-4)
+            predicted = self._drain_secs(sel, ahead) + cost * best
+            if now + predicted > deadline_at:
+                raise self._refuse(pool, lane, "deadline", (
+                    f"deadline_ms {req.deadline_ms:g} cannot be met: predicted time to first token "
+                    f"{predicted:.3f} s with {ahead} uncached tokens ahead in its share"), now + predicted - deadline_at)
+        timeout = cls.queue_timeout_secs if cls.queue_timeout_secs is not None else s.queue_timeout_secs
+        order = order_key(s.queue_policy, max(0.0, req.priority_jump or 0.0), now - pool.epoch, sel.prompt.isl, cached)
+        ticket = self._tickets.issue(pool.key)
+        pool.queue.push(QueuedSelection(ticket, order, req, sel.rid, sel.prompt, now, lane, cost,
+                                        min(now + timeout, deadline_at), deadline_at))
+        self._metrics.queue(pool.key, "queued")
+        self._metrics.flow(pool.key, lane.policy_class, lane.fairness_id, "queued")
+        return Pending(ticket)
+
+    def _resolve(self, pool: Pool, entry: QueuedSelection, result: SelectResponse | SelectionError,
+                 outcome: str, now: float) -> None:
+        """Emit the one SelectionReady of a ticket."""
+        self._tickets.end(entry.ticket)
+        route = "select_and_reserve" if isinstance(entry.req, SelectAndReserveRequest) else "select"
+        if isinstance(result, SelectionError):
+            extra = result.headers() if isinstance(result, TooManyRequests) else ()
+            response = error_response(result.status, result.message, extra)
+        else:
+            response = json_response(200, result.to_json())
+        self._metrics.selection(pool.key, route, response.status)
+        self._metrics.queue(pool.key, outcome, now - entry.enqueued_at)
+        self._metrics.flow(pool.key, entry.lane.policy_class, entry.lane.fairness_id, outcome, now - entry.enqueued_at)
+        self._outbox.append(SelectionReady(entry.ticket, result, response))
+
+    def fail_queue(self, pool: Pool, error: SelectionError, outcome: str, now: float) -> None:
+        """End every ticket of the pool with `error` (its last worker left, or shutdown)."""
+        for entry in pool.queue.take_all():
+            self._resolve(pool, entry, error, outcome, now)
+
+    def dispatch(self, pool: Pool | None, now: float) -> None:
+        """Run queued requests, next first (admission.py), while one has a candidate that is not
+        busy; one whose candidates are all busy is passed over until the next look."""
+        if pool is None or not pool.queue or self._dispatching:
+            return
+        self._dispatching = True
+        passed_over: set[int] = set()
+        try:
+            while (entry := pool.queue.next(now, passed_over)) is not None:
+                try:
+                    sel = self._retry(pool, entry, now)
+                    if sel is None:
+                        passed_over.add(entry.ticket)
+                        continue
+                    pool.queue.take(entry)
+                    result: SelectResponse | SelectionError = self._finish(sel, now)
+                    outcome = "dispatched"
+                except SelectionError as exc:
+                    pool.queue.remove(entry)
+                    result, outcome = exc, "failed"
+                except Exception:  # noqa: BLE001 - confined to this ticket; the caller's call stands
+                    pool.queue.remove(entry)
+                    self._internal_error("dispatch")
+                    result, outcome = Internal("internal error"), "failed"
+                self._resolve(pool, entry, result, outcome, now)
+        finally:
+            self._dispatching = False
+
+    def expire_queue(self, pool: Pool, now: float) -> None:
+        for entry in pool.queue.late(now):
+            pool.queue.remove(entry)
+            waited = format(now - entry.enqueued_at, ".3g")
+            error: SelectionError
+            if entry.deadline_at <= now:
+                error = TooManyRequests(f"request deadline exceeded: deadline_ms {entry.req.deadline_ms:g} passed "
+                                        f"after {waited} s in the queue for {pool.label}", 429)
+                outcome = "deadline"
+            else:
+                timeout = format(entry.expires_at - entry.enqueued_at, "g")
+                error, outcome = NotReady(f"timed out after {timeout} s waiting in the queue for {pool.label}"), "timed_out"
+            self._resolve(pool, entry, error, outcome, now)
+
+    def cancel(self, ticket: int) -> bool:
+        key = self._tickets.end(ticket)
+        pool = self._pools.get(key) if key is not None else None
+        entry = pool.queue.find(ticket) if pool is not None else None
+        if pool is None or entry is None:
+            return False
+        pool.queue.remove(entry)
+        self._metrics.queue(pool.key, "cancelled")
+        self._metrics.flow(pool.key, entry.lane.policy_class, entry.lane.fairness_id, "cancelled")
+        return True
+
+    def lane_of(self, req: SelectRequest, queued_secs: float) -> dict[str, Any]:
+        """What `explain` says of a request's lane."""
+        return {"priority": req.priority or 0, "policy_class": self.policy_class(req.policy_class).name,
+                "fairness_id": req.fairness_id or "", "queued_secs": round(queued_secs, 6)}
