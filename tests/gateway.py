@@ -191,11 +191,12 @@ class Gateway:
         with open(self.envoy_log.name) as fh:
             return fh.read()[-4000:]
 
-    def request(self, path: str, body: Any, timeout: float = 20) -> tuple[int, dict[str, str], bytes]:
+    def request(self, path: str, body: Any, timeout: float = 20, headers: dict[str, str] | None = None,
+                ) -> tuple[int, dict[str, str], bytes]:
         """One request through Envoy, the response read whole."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        conn.request("POST", path, data, {"content-type": "application/json"})
+        conn.request("POST", path, data, {"content-type": "application/json", **(headers or {})})
         response = conn.getresponse()
         payload = response.read()
         conn.close()

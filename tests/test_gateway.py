@@ -164,6 +164,15 @@ def test_a_queued_selection_holds_the_request_until_a_rank_frees_and_a_full_queu
         time.sleep(0.2)
         status, _, body = gw.request("/v1/completions", {"model": "m", "prompt": [4] * 40})
         assert status == 429 and "queue is full" in json.loads(body)["error"]["message"]
+        # Issue 32: a sheddable request (the Gateway API's priority < 0) is refused at once under
+        # saturation, with when to come back; so is one that asked not to queue.
+        for ask in ({"x-llm-d-inference-fairness-id": "team-b", "x-selection-priority": "-1"},
+                    {"x-selection-do-not-queue": "true"}):
+            status, answer_headers, body = gw.request("/v1/completions", {"model": "m", "prompt": [5] * 40},
+                                                      headers=ask)
+            assert status == 429 and int(answer_headers["retry-after"]) >= 1, body
+            assert "refused: every candidate" in json.loads(body)["error"]["message"] or \
+                "do_not_queue" in json.loads(body)["error"]["message"]
         for thread in (*threads, queued):
             thread.join(20)
         assert [results[n][0] for n in (1, 2, 3)] == [200, 200, 200]

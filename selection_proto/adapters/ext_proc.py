@@ -50,6 +50,8 @@ from .openai import ChatTokenizer, OpenAIError, error_body, parse_request
 __all__ = ["CHUNK_BYTES", "DESTINATION", "ExtProcStream", "prepare_body"]
 
 DESTINATION: Final = "x-gateway-destination-endpoint"
+FAIRNESS_HEADER: Final = "x-llm-d-inference-fairness-id"
+OLD_FAIRNESS_HEADER: Final = "x-gateway-inference-fairness-id"
 SUBSET_NAMESPACE: Final = "envoy.lb.subset_hint"
 SUBSET_KEY: Final = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE: Final = "envoy.lb"
@@ -194,12 +196,44 @@ class ExtProcStream:
             return
         if allowed is not None:
             request["allowed_worker_ids"] = allowed
+        try:
+            request.update(self._flow_members())
+        except OpenAIError as exc:
+            self._refuse(exc.status, exc.message)
+            return
         # Handed over parsed, checked by the core as any `/select_and_reserve` body is.
         answer = self._service.handle("POST", "/select_and_reserve", "", _JSON, prepared, now=now)
         if isinstance(answer, Pending):
             self.pending_ticket = answer.ticket
         else:
             self.resolve(answer, now)
+
+    def _flow_members(self) -> dict[str, Any]:
+        """Who asks and how important (docs/FLOW_CONTROL.md), from the request's headers: the
+        Gateway API's fairness ID, llm-d's TTFT objective as the deadline, Dynamo's strict priority
+        and policy class, and ours. The core checks the values as in any request body."""
+        headers, members = self._headers, dict[str, Any]()
+        for name in (FAIRNESS_HEADER, OLD_FAIRNESS_HEADER, "x-selection-fairness-id"):
+            if name in headers:
+                members["fairness_id"] = headers[name]
+                break
+        for name, member, kind in (("x-selection-priority", "priority", int),
+                                   ("x-dynamo-request-strict-priority", "priority", int),
+                                   ("x-selection-deadline-ms", "deadline_ms", float), ("x-llm-d-slo-ttft-ms", "deadline_ms", float),
+                                   ("x-selection-policy-class", "policy_class", str),
+                                   ("x-dynamo-meta-policy-class", "policy_class", str)):
+            if name in headers and member not in members:
+                text = headers[name].strip()
+                try:
+                    if kind is not str and len(text) > 40:  # a 5,000-digit priority is not one
+                        raise ValueError(text)
+                    members[member] = kind(text)
+                except ValueError:
+                    raise OpenAIError(400, f"{name}: {text[:40]!r} is not {'an integer' if kind is int else 'a number'}"
+                                      ) from None
+        if headers.get("x-selection-do-not-queue", "").strip().lower() in ("1", "true", "yes"):
+            members["do_not_queue"] = True
+        return members
 
     def _allowed(self, model: str) -> list[int] | None:
         """The model's workers the subset hint allows (None: no hint). Matched on the IP, as
@@ -225,7 +259,9 @@ class ExtProcStream:
         if response.status != 200:
             message = json.loads(response.body).get("error", "selection failed")
             status = response.status  # the core's 409, 415 and 422 are the request's fault too: 400
-            self._refuse(status if status in (404, 413, 429, 503) else 400 if status < 500 else 500, message)
+            # The Gateway API protocol says 429 for "not now", so Dynamo's 529 is 429 here.
+            self._refuse(429 if status == 529 else status if status in (404, 413, 429, 503) else 400 if status < 500
+                         else 500, message, retry_after=dict(response.headers).get("retry-after"))
             return
         answer = json.loads(response.body)
         self.booking = (answer["reservation_id"], answer["model_name"], answer["tenant_id"])
@@ -298,13 +334,14 @@ class ExtProcStream:
         if end:
             self.close(now)
 
-    def _refuse(self, status: int, message: str, param: str | None = None) -> None:
+    def _refuse(self, status: int, message: str, param: str | None = None, retry_after: str | None = None) -> None:
         """An immediate response in OpenAI's error shape; the stream ends after it."""
         self._service.observe(EXT_PROC_STREAMS, (str(status),), 1.0)
+        headers = [HeaderValueOption(header=HeaderValue(key="content-type", raw_value=b"application/json"))]
+        if retry_after is not None:
+            headers.append(HeaderValueOption(header=HeaderValue(key="retry-after", raw_value=retry_after.encode())))
         self._out.append(ProcessingResponse(immediate_response=ImmediateResponse(
-            status=HttpStatus(code=status),
-            headers=HeaderMutation(set_headers=[HeaderValueOption(header=HeaderValue(
-                key="content-type", raw_value=b"application/json"))]),
+            status=HttpStatus(code=status), headers=HeaderMutation(set_headers=headers),
             body=error_body(status, message, param), details=f"selection_proto_{status}")))
         self.finished = True
 

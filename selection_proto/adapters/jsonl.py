@@ -64,8 +64,10 @@ def render(rid: Id, response: Response) -> bytes:
     message = parsed.get("error") if isinstance(parsed, dict) else None
     if not isinstance(message, str):
         message = HTTPStatus(status).phrase
-    return head + b',"error":' + jsonio.dumps({"code": status, "message": message, "data": {
-        "status": status, "body": parsed}}) + b"}\n"
+    data: dict[str, Any] = {"status": status, "body": parsed}
+    if (retry_after := dict(headers).get("retry-after")) is not None:
+        data["retry_after"] = int(retry_after)  # HTTP's Retry-After, in seconds
+    return head + b',"error":' + jsonio.dumps({"code": status, "message": message, "data": data}) + b"}\n"
 
 
 class _Batch:

@@ -153,6 +153,8 @@ class Admission:
         passed_over: set[int] = set()
         try:
             while (entry := pool.queue.next(now, passed_over)) is not None:
+                if all(self._busy(pool, r) for r in pool.ranks()):
+                    break  # every rank is busy: no entry can run, whatever its candidates
                 try:
                     sel = self._retry(pool, entry, now)
                     if sel is None:

@@ -148,6 +148,8 @@ class Selector(Admission):
             if rid is None:
                 rid = str(uuid.UUID(int=self._rng.getrandbits(128), version=4))
         self._limits.id_length("selection_id", req.selection_id)
+        self._limits.id_length("fairness_id", req.fairness_id)
+        self._limits.id_length("policy_class", req.policy_class)
         prompt = self._limits.prompt(req, pool)
         session, bound = self._session(pool, req, reserve, now)
         candidates, excluded = self._candidates(req, pool, bound)
