@@ -152,6 +152,7 @@ SETTING_HELP: Final[Mapping[str, str]] = {
     "queue_max_pending": "queued selections at most per key",
     "flow_classes": "policy classes, 'name:weight[:max_queued=N][:max_queued_tokens=N][:queue_timeout_secs=S],...'; "
                     "weights share uncached tokens, the first is the default (docs/FLOW_CONTROL.md)",
+    "fairness": "queued selections share by fairness ID (off: first come, first served within a class)",
     "fairness_max_queued": "queued selections at most per fairness ID and key (429 past it)",
     "fairness_max_queued_tokens": "queued uncached tokens at most per fairness ID and key (429 past it)",
     "priority_promote_secs": "a queued selection climbs one priority tier per this many seconds waited",

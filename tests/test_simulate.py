@@ -248,3 +248,38 @@ def test_a_running_service_over_http_routes_as_the_core_in_process(tmp_path: Pat
         server.stop()
     done = run(str(trace_file()), "--requests", "10", "--service", "http://127.0.0.1:1")
     assert done.returncode == 1 and "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_trace_lines_may_say_their_tenant_and_each_tenant_gets_its_figures(tmp_path: Path) -> None:
+    """Issue 32: tenant `a` steady, tenant `b` a burst of many times its share; with fairness on,
+    `a`'s TTFT barely moves, with one FIFO it waits behind `b`. Several settings after one --compare."""
+    lines, block = [], 10_000
+    for i in range(240):  # a: one every half second for two minutes
+        block += 4
+        lines.append((i * 500, {"tenant": "a", "hash_ids": list(range(block, block + 4))}))
+    for i in range(600):  # b: twenty a second from 30 s to 60 s
+        block += 4
+        lines.append((30_000 + i * 50, {"tenant": "b", "hash_ids": list(range(block, block + 4)), "priority": 0}))
+    trace = tmp_path / "tenants.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": t, "input_length": 4 * 512, "output_length": 10, **extra}) + "\n"
+                             for t, extra in sorted(lines, key=lambda line: line[0])))
+    out, report = tmp_path / "runs.json", tmp_path / "report.html"
+    done = run(str(trace), "--engines", "2", "--load", "1.0", "--no-baselines", "--json", str(out), "--report",
+               str(report), "--compare", "queue_threshold=1,fairness=false", "queue_threshold=1")
+    assert done.returncode == 0, done.stderr
+    runs = {s["name"]: s for s in json.loads(out.read_text())["settings"]}
+    fifo, fair = runs["queue_threshold=1,fairness=false"], runs["queue_threshold=1"]
+    for setting in (fifo, fair):
+        assert set(setting["tenants"]) == {"a", "b"}
+        assert setting["tenants"]["a"]["requests"] == 240 and setting["tenants"]["b"]["requests"] == 600
+        assert set(setting["tenants"]["a"]["ttft"]) == {"mean", "p50", "p90", "p99"}
+    a_fair, a_fifo = fair["tenants"]["a"]["ttft"]["p99"], fifo["tenants"]["a"]["ttft"]["p99"]
+    assert a_fair * 3 < a_fifo, (a_fair, a_fifo)
+    assert "tenant" in done.stdout and "Per tenant" in report.read_text()
+    bad = tmp_path / "bad.jsonl"
+    for extra, message in (({"tenant": ""}, "`tenant` must be a string of 1 to 256 characters"),
+                           ({"priority": 1.5}, "`priority` must be a 64-bit integer"),
+                           ({"deadline_ms": 0}, "`deadline_ms` must be a number of milliseconds greater than 0")):
+        bad.write_text(json.dumps({"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1], **extra}))
+        done = run(str(bad), "--no-baselines")
+        assert done.returncode == 2 and done.stderr.strip().endswith(f"bad.jsonl:1: {message}"), done.stderr

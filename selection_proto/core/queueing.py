@@ -83,7 +83,7 @@ class Admission:
     def _enqueue(self, sel: Selection, now: float) -> Pending:
         s, pool, req = self._settings, sel.pool, sel.req
         cls = self.policy_class(req.policy_class)
-        lane = Lane(req.priority or 0, cls.name, req.fairness_id or "")
+        lane = Lane(req.priority or 0, cls.name, (req.fairness_id or "") if s.fairness else "")
         cached = max((cached_tokens(r, sel.found, pool.block_size, s) for r in sel.candidates), default=0)
         cost = max(1, sel.prompt.isl - cached)
         busy_now = f"every candidate for {pool.label} is busy"

@@ -54,6 +54,7 @@ class Settings:
     queue_timeout_secs: float = 30.0
     queue_max_pending: int = 1024
     flow_classes: str | None = None  # admission.parse_classes: "name:weight[:key=value...],..."; the first is the default
+    fairness: bool = True  # queued requests share by fairness ID; off: one lane per class and tier
     fairness_max_queued: int | None = None  # queued requests at most per fairness ID (per key)
     fairness_max_queued_tokens: int | None = None  # and their uncached tokens
     priority_promote_secs: float | None = None  # a queued request climbs one tier per this many seconds
@@ -158,7 +159,7 @@ class Settings:
         _check("selection_cache_ttl_secs", _is_number(self.selection_cache_ttl_secs)
                and self.selection_cache_ttl_secs >= 0, "must be a finite number >= 0")
         for name in ("track_active_blocks", "assume_kv_reuse", "track_prefill_tokens",
-                     "zmq_endpoints", "shed_sheddable"):
+                     "zmq_endpoints", "shed_sheddable", "fairness"):
             _check(name, isinstance(getattr(self, name), bool), "must be a boolean")
 
     @property

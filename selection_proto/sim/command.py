@@ -46,8 +46,9 @@ def add_parser(sub: Any) -> None:
     command.add_argument("--skip", type=int, default=0, help="skip the first N requests")
     command.add_argument("--trace-block-size", type=int, default=512, help="tokens per hash id (512)")
     command.add_argument("--event-delay", type=float, default=0.0, help="seconds KV events take to arrive (0)")
-    command.add_argument("--compare", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
-                         help="a setting of the service to run (repeat to compare); default: the defaults")
+    command.add_argument("--compare", action="extend", nargs="+", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                         help="settings of the service to run, each KEY=VALUE[,KEY=VALUE] (several after one "
+                              "flag, or the flag repeated); default: the defaults")
     command.add_argument("--service", action="append", default=[], metavar="URL",
                          help="also route through a running selection service over HTTP (ours, or Dynamo "
                               "1.6.1's), its engines publishing ZMQ KV events to it (repeat for several)")

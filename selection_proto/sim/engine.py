@@ -7,7 +7,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -91,7 +91,7 @@ class EngineModel:
 
 class SimRequest:
     __slots__ = ("rid", "arrival", "isl", "osl", "seqs", "locals", "full", "engine", "cached", "left",
-                 "context", "started", "first_token", "private", "blocks_held")
+                 "context", "started", "first_token", "private", "blocks_held", "tenant", "flow")
 
     def __init__(self, rid: str, arrival: float, trace: TraceRequest, block_size: int,
                  local_hashes: list[int]) -> None:
@@ -110,6 +110,10 @@ class SimRequest:
         self.first_token = -1.0
         self.private = 0  # blocks allocated for it and not shared (in computation, or partial)
         self.blocks_held: list[int] = []  # shared cached blocks it holds a reference to
+        self.tenant = trace.tenant or ""
+        # What the router's flow control reads (docs/FLOW_CONTROL.md), the members the trace gave.
+        self.flow: dict[str, Any] = {k: v for k, v in (("fairness_id", trace.tenant), ("priority", trace.priority),
+                                       ("deadline_ms", trace.deadline_ms)) if v is not None}
 
 
 class Engine:

@@ -65,11 +65,13 @@ class SettingRun:
     events_failed: int
     ttft_cdf: list[tuple[float, float]]  # (seconds, fraction), for the report
     series: dict[str, Any]  # times, per engine in-flight requests and KV use, for the report
+    tenants: dict[str, dict[str, Any]] = attrs.Factory(dict)  # trace lines' `tenant`: each one's figures
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "settings": self.settings, "ttft": self.ttft, "queue_wait": self.queue_wait,
                 "hit_rate": self.hit_rate, "busy_max_mean": self.busy_max_mean, "requests": self.requests,
-                "failed": self.failed, "events_failed": self.events_failed}
+                "failed": self.failed, "events_failed": self.events_failed,
+                **({"tenants": self.tenants} if self.tenants else {})}
 
 
 def _stats(values: array[float]) -> dict[str, float]:
@@ -116,7 +118,7 @@ class _Router:
             answer = self.service.select_and_reserve(SelectAndReserveRequest(
                 model_name="m", block_hashes=req.locals, sequence_hashes=[_signed(h) for h in req.seqs],
                 isl_tokens=req.isl,
-                reservation_id=req.rid), now=now)
+                reservation_id=req.rid, **req.flow), now=now)
         except SelectionError:
             return None
         return answer if isinstance(answer, Pending) else answer.worker_id
@@ -184,6 +186,17 @@ def _run(name: str, setting: Settings | str | None, arrivals: Iterable[tuple[flo
     count = 0
     live = 0  # requests arrived and not yet finished (or failed)
     more = True  # arrivals still to come
+    # Per tenant (trace lines that name one): [requests, failed, ttft seconds, queue waits].
+    tenants: dict[str, tuple[list[int], array[float], array[float]]] = {}
+
+    def tenant(req: SimRequest) -> tuple[list[int], array[float], array[float]]:
+        return tenants.setdefault(req.tenant, ([0, 0], array("d"), array("d")))
+
+    def fail(req: SimRequest) -> None:
+        nonlocal failed, live
+        failed += 1
+        live -= 1
+        tenant(req)[0][1] += 1
 
     def next_arrival() -> None:
         nonlocal count, more
@@ -220,8 +233,7 @@ def _run(name: str, setting: Settings | str | None, arrivals: Iterable[tuple[flo
             if isinstance(ready.result, SelectResponse):
                 dispatch(req, ready.result.worker_id, now)
             else:
-                failed += 1
-                live -= 1
+                fail(req)
 
     next_arrival()
     push(0.0, _SAMPLE, None)
@@ -233,12 +245,12 @@ def _run(name: str, setting: Settings | str | None, arrivals: Iterable[tuple[flo
             req = payload
             next_arrival()
             live += 1
+            tenant(req)[0][0] += 1
             choice = router.choose(req, now)
             if isinstance(choice, Pending):
                 tickets[choice.ticket] = req
             elif choice is None:
-                failed += 1
-                live -= 1
+                fail(req)
             else:
                 dispatch(req, choice, now)
         elif kind == _STEP:
@@ -247,6 +259,9 @@ def _run(name: str, setting: Settings | str | None, arrivals: Iterable[tuple[flo
             for req in first:
                 ttft.append(req.first_token - req.arrival)
                 waits.append(req.started - req.arrival)
+                _, mine, waited = tenant(req)
+                mine.append(ttft[-1])
+                waited.append(waits[-1])
                 router.prefill_done(req, now)
             for req in done:
                 router.freed(req, now)
@@ -286,7 +301,10 @@ def _run(name: str, setting: Settings | str | None, arrivals: Iterable[tuple[flo
         hit_rate=(sum(e.cached_tokens for e in engines) / prompt) if prompt else 0.0,
         busy_max_mean=(sum(busy_max) / len(busy_max)) if busy_max else 0.0,
         requests=count, failed=failed, events_failed=router.events_failed, ttft_cdf=cdf,
-        series={"times": times, "in_flight": inflight, "kv_used": kv})
+        series={"times": times, "in_flight": inflight, "kv_used": kv},
+        tenants={} if set(tenants) <= {""} else {
+            name: {"requests": n[0], "failed": n[1], "ttft": _stats(t), "queue_wait": _stats(w)}
+            for name, (n, t, w) in sorted(tenants.items())})
 
 
 def _changed(settings: Settings) -> dict[str, Any]:

@@ -23,7 +23,28 @@ def table(runs: Sequence[SettingRun]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(row))
              for row in rows]
-    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]]) + "\n"
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]]) + "\n" + _tenant_table(runs)
+
+
+def _tenant_rows(runs: Sequence[SettingRun]) -> list[tuple[str, ...]]:
+    return [(run.name, name, str(t["requests"]), str(t["failed"]),
+             *(f"{t[what][k]:.3f}" for what in ("ttft", "queue_wait") for k in ("mean", "p99")))
+            for run in runs for name, t in run.tenants.items()]
+
+
+_TENANT_HEAD = ("setting", "tenant", "requests", "failed", "ttft mean", "ttft p99", "wait mean", "wait p99")
+
+
+def _tenant_table(runs: Sequence[SettingRun]) -> str:
+    """Per tenant, when the trace's lines name them (docs/FLOW_CONTROL.md)."""
+    rows = _tenant_rows(runs)
+    if not rows:
+        return ""
+    rows = [_TENANT_HEAD, *rows]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_TENANT_HEAD))]
+    lines = ["  ".join(cell.ljust(widths[i]) if i < 2 else cell.rjust(widths[i]) for i, cell in enumerate(row))
+             for row in rows]
+    return "\n" + "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]]) + "\n"
 
 
 def document(runs: Sequence[SettingRun], config: FleetConfig, trace: str) -> dict[str, Any]:
@@ -102,6 +123,10 @@ def html_report(runs: Sequence[SettingRun], config: FleetConfig, trace: str) -> 
         + f"<td>{run.queue_wait['mean']:.3f}</td><td>{run.hit_rate:.3f}</td><td>{run.busy_max_mean:.1f}</td>"
         f"<td>{run.requests}</td><td>{run.failed}</td><td><code>{html.escape(_settings_text(run))}</code></td></tr>"
         for run in runs)
+    tenant_rows = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>"
+                          for row in _tenant_rows(runs))
+    tenants = "" if not tenant_rows else ("<h2>Per tenant</h2><table><tr>" + "".join(
+        f"<th>{h}</th>" for h in _TENANT_HEAD) + f"</tr>{tenant_rows}</table>")
     fleet = html.escape(", ".join(f"{k}={v}" for k, v in _fleet(config).items() if k != "engine_model"))
     model = html.escape(", ".join(f"{k}={v}" for k, v in _fleet(config)["engine_model"].items()))
     return f"""<!doctype html>
@@ -113,7 +138,7 @@ td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}} td:first-child,t
 <p>Fleet: {fleet}.<br>Engine model: {model}.</p>
 <table><tr><th>setting</th><th>TTFT mean (s)</th><th>p50</th><th>p90</th><th>p99</th><th>wait mean</th>
 <th>hit rate</th><th>busy max</th><th>requests</th><th>failed</th><th>settings</th></tr>{rows}</table>
-<h2>Time to first token</h2>{cdf}
+{tenants}<h2>Time to first token</h2>{cdf}
 <h2>Engines over time</h2>{"".join(sections)}
 </body></html>
 """

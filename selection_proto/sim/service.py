@@ -100,7 +100,7 @@ class ServiceRouter:
         status, body = self._call("POST", "/select_and_reserve", {
             "model_name": self.model, "block_hashes": [_signed(h) for h in req.locals],
             "sequence_hashes": [_signed(h) for h in sequence_hashes(req.locals)], "isl_tokens": req.isl,
-            "selection_id": req.rid})
+            "selection_id": req.rid, **req.flow})
         if status != 200:
             return None
         engine = body["worker_id"] - self.base

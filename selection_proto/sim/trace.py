@@ -1,6 +1,9 @@
 """Mooncake traces (FAST'25 release format): one JSON object a line with `timestamp` (ms from the
 start), `input_length` and `output_length` (tokens) and `hash_ids` (one id per trace block of
-`--trace-block-size` tokens; requests sharing a leading run of ids share that prefix)."""
+`--trace-block-size` tokens; requests sharing a leading run of ids share that prefix). Our
+extension (docs/FLOW_CONTROL.md): a line may say who sent it (`tenant`, a string of at most 256
+characters), how important it is (`priority`, an integer; negative is sheddable) and until when its
+first token is useful (`deadline_ms`, a number > 0)."""
 
 from __future__ import annotations
 
@@ -30,6 +33,20 @@ class TraceRequest(NamedTuple):
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    tenant: str | None = None
+    priority: int | None = None
+    deadline_ms: float | None = None
+
+
+def _flow(record: dict[str, object]) -> tuple[str | None, int | None, float | None]:
+    tenant, priority, deadline = record.get("tenant"), record.get("priority"), record.get("deadline_ms")
+    if tenant is not None and not (isinstance(tenant, str) and 0 < len(tenant) <= 256):
+        raise ValueError("`tenant` must be a string of 1 to 256 characters")
+    if priority is not None and not (type(priority) is int and -_MAX - 1 <= priority <= _MAX):
+        raise ValueError("`priority` must be a 64-bit integer")
+    if deadline is not None and not (type(deadline) in (int, float) and 0 < deadline < 1e15):  # type: ignore[operator]
+        raise ValueError("`deadline_ms` must be a number of milliseconds greater than 0")
+    return tenant, priority, None if deadline is None else float(deadline)  # type: ignore[arg-type]
 
 
 def _count(record: dict[str, object], name: str, low: int) -> int:
@@ -78,6 +95,7 @@ def parse_trace(lines: Iterable[bytes], name: str, trace_block_size: int, *, ski
             if input_length > len(ids) * trace_block_size:
                 raise ValueError(f"`input_length` {input_length} exceeds its {len(ids)} blocks of "
                                  f"{trace_block_size} tokens")
+            flow = _flow(record)
             if kv_blocks is not None and len(ids) > kv_blocks:
                 raise ValueError(f"the request needs {len(ids)} KV blocks and an engine has {kv_blocks} "
                                  "(--kv-blocks): no engine could ever hold it")
@@ -91,4 +109,4 @@ def parse_trace(lines: Iterable[bytes], name: str, trace_block_size: int, *, ski
         if limit is not None and taken >= limit:
             return
         taken += 1
-        yield TraceRequest(float(stamp) / 1000.0, input_length, output_length, tuple(ids))  # type: ignore[arg-type]
+        yield TraceRequest(float(stamp) / 1000.0, input_length, output_length, tuple(ids), *flow)  # type: ignore[arg-type]
