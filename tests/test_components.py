@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from selection_proto import WorkerRequest
 from selection_proto.core import jsonio
-from selection_proto.core.admission import AdmissionQueue, QueuedSelection, order_key
+from selection_proto.core.admission import FlowQueue, Lane, QueuedSelection, order_key
 from selection_proto.core.budget import BLOCK_BYTES, InsufficientStorage, StateBudget
 from selection_proto.core.catalog import LIFECYCLE, RECONCILE, Catalog
 from selection_proto.core.freshness import GAP, RESTART, REWIND, RankFreshness
@@ -61,17 +61,19 @@ def test_admission_queue_runs_in_policy_order() -> None:
     assert order_key("lcfs", 0, age=9, isl=10, cached=0) > order_key("lcfs", 0, age=5, isl=10, cached=0)
     assert order_key("wspt", 0, age=0, isl=10, cached=8) > order_key("wspt", 0, age=0, isl=10, cached=0)
     assert order_key("wspt", 0, age=0, isl=4, cached=9) == 1.0  # never divides by zero
-    queue = AdmissionQueue()
+    queue = FlowQueue()
     req = SelectRequest(token_ids=[1])
-    entries = [QueuedSelection(t, order, req, None, PromptHashes([], None, 1), at)
+    lane = Lane(0, "default", "")
+    entries = [QueuedSelection(t, order, req, None, PromptHashes([], None, 1), at, lane, 1, at + 9.0, float("inf"))
                for t, order, at in ((1, 0.0, 0.0), (2, 5.0, 1.0), (3, 0.0, 2.0))]
     for entry in entries:
         queue.push(entry)
     assert [e.ticket for e in queue] == [2, 1, 3]  # higher order first, then arrival
-    assert [e.ticket for e in queue.late(now=10.5, timeout=9.0)] == [2, 1]
-    assert queue.oldest() == 0.0 and queue.find(3) is entries[2]
+    assert queue.next(0.0, set()) is entries[1] and queue.next(0.0, {2}) is entries[0]
+    assert [e.ticket for e in queue.late(now=10.5)] == [2, 1]
+    assert queue.next_expiry() == 9.0 and queue.find(3) is entries[2]
     assert queue.remove(entries[2]) and not queue.remove(entries[2])
-    assert [e.ticket for e in queue.take_all()] == [2, 1] and len(queue) == 0 and queue.oldest() is None
+    assert [e.ticket for e in queue.take_all()] == [2, 1] and len(queue) == 0 and queue.next_expiry() is None
 
 
 def test_freshness_continuity_step() -> None:

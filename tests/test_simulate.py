@@ -43,7 +43,7 @@ def test_a_slice_of_the_trace_side_by_side_with_the_baselines(tmp_path: Path) ->
     assert done.returncode == 0, done.stderr
     document = json.loads(out.read_text())
     names = [s["name"] for s in document["settings"]]
-    assert names == ["overlap_score_weight=1", "overlap_score_weight=0", "random", "round-robin"]
+    assert names == ["overlap_score_weight=1", "overlap_score_weight=0", "random", "round-robin", "least-loaded"]
     for setting in document["settings"]:
         assert set(setting) >= {"name", "ttft", "queue_wait", "hit_rate", "busy_max_mean", "requests", "failed"}
         assert set(setting["ttft"]) == {"mean", "p50", "p90", "p99"}
@@ -54,13 +54,13 @@ def test_a_slice_of_the_trace_side_by_side_with_the_baselines(tmp_path: Path) ->
     assert by_name["overlap_score_weight=0"]["settings"] == {"overlap_score_weight": 0.0}
     # Routing for the cache finds more of it than spreading blindly, and so answers sooner.
     cache_aware = by_name["overlap_score_weight=1"]
-    for baseline in ("random", "round-robin"):
+    for baseline in ("random", "round-robin", "least-loaded"):
         assert cache_aware["hit_rate"] > 1.5 * by_name[baseline]["hit_rate"]
         assert cache_aware["ttft"]["mean"] < by_name[baseline]["ttft"]["mean"]
     assert document["fleet"]["engines"] == 4 and document["fleet"]["engine_model"]["max_batched_tokens"] == 8192
     table = done.stdout.splitlines()
     assert table[0].split()[:2] == ["setting", "ttft"] and table[2].startswith("overlap_score_weight=1")
-    assert "4 runs, 6000 requests in" in done.stdout
+    assert "5 runs, 7500 requests in" in done.stdout
 
 
 def _trace_lines(count: int, shared: int) -> list[bytes]:
@@ -283,3 +283,21 @@ def test_trace_lines_may_say_their_tenant_and_each_tenant_gets_its_figures(tmp_p
         bad.write_text(json.dumps({"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1], **extra}))
         done = run(str(bad), "--no-baselines")
         assert done.returncode == 2 and done.stderr.strip().endswith(f"bad.jsonl:1: {message}"), done.stderr
+
+
+def test_speedup_replays_the_traces_own_timestamps(tmp_path: Path) -> None:
+    """Issue 31: --speedup X keeps the trace's own spacing, X times faster, instead of --load."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_bytes(b"\n".join(_trace_lines(60, 0)))  # one request a second, nothing shared
+    waits = {}
+    for speedup in ("1", "1000"):
+        out = tmp_path / f"{speedup}.json"
+        done = run(str(trace), "--engines", "1", "--speedup", speedup, "--no-baselines", "--json", str(out))
+        assert done.returncode == 0, done.stderr
+        document = json.loads(out.read_text())
+        assert document["fleet"]["speedup"] == float(speedup)
+        waits[speedup] = document["settings"][0]["ttft"]["mean"]
+    assert waits["1"] < 0.2 < 1.0 < waits["1000"]  # a second apart each is alone; all at once, they share
+    for bad in ("0", "-1", "nan", "inf"):
+        done = run(str(trace), "--speedup", bad)
+        assert done.returncode == 2 and "--speedup: must be a positive number" in done.stderr

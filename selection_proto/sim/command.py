@@ -42,6 +42,8 @@ def add_parser(sub: Any) -> None:
     command.add_argument("--kv-blocks", type=int, default=1000, help="KV blocks per engine, in trace blocks (1000)")
     command.add_argument("--load", type=float, default=0.8,
                          help="arrival rate as a fraction of what the fleet sustains without reuse (0.8)")
+    command.add_argument("--speedup", type=float, default=None,
+                         help="replay the trace's own timestamps this many times faster, instead of --load")
     command.add_argument("--requests", type=int, default=None, help="replay at most N requests")
     command.add_argument("--skip", type=int, default=0, help="skip the first N requests")
     command.add_argument("--trace-block-size", type=int, default=512, help="tokens per hash id (512)")
@@ -89,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
     for path in (args.json, args.report):
         if path is not None and os.path.isdir(path):
             raise UsageError(f"{path}: is a folder; name a file to write")
+    if args.speedup is not None and not 0 < args.speedup < 1e9:
+        raise UsageError("--speedup: must be a positive number")
     for name in ("load", "prefill_tokens_per_sec"):
         if not 0 < getattr(args, name) < float("inf"):
             raise UsageError(f"--{name.replace('_', '-')}: must be a positive number")
@@ -97,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--{name.replace('_', '-')}: must be a number of at least 0")
     model = EngineModel(**{name: getattr(args, name) for name, _, _ in _MODEL_FLAGS})
     config = FleetConfig(engines=args.engines, kv_blocks=args.kv_blocks, trace_block_size=args.trace_block_size,
-                         load=args.load, event_delay_secs=args.event_delay, seed=args.seed, model=model)
+                         load=args.load, speedup=args.speedup, event_delay_secs=args.event_delay, seed=args.seed, model=model)
     base = Settings(kv_events="push")
     runs: list[tuple[str, Settings | str | None]] = [
         (text, settings_with(base, text, "--compare")) for text in args.compare]

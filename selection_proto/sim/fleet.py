@@ -2,7 +2,8 @@
 model, the trace's requests arriving in virtual time, and a router deciding where each goes. The
 router is the real core (a `SelectionService` per setting, called as a client would:
 select_and_reserve, prefill_complete, free, and the KV events the engines publish), or a baseline
-(`random`, `round-robin`). One run per setting, each from the same arrivals."""
+(`random`, `round-robin`, and `least-loaded`: cache-blind but load-aware, the engine with the fewest
+requests in flight). One run per setting, each from the same arrivals."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from .trace import TraceRequest
 
 __all__ = ["BASELINES", "FleetConfig", "SettingRun", "simulate"]
 
-BASELINES = ("random", "round-robin")
+BASELINES = ("random", "round-robin", "least-loaded")
 
 
 def _signed(value: int) -> int:
@@ -42,6 +43,7 @@ class FleetConfig:
     kv_blocks: int = 1000  # per engine, in trace blocks
     trace_block_size: int = 512
     load: float = 0.8  # offered prefill work without reuse, as a fraction of the fleet's capacity
+    speedup: float | None = None  # instead of `load`: the trace's own timestamps, this many times faster
     event_delay_secs: float = 0.0  # KV events reach the router this much after the engine acts
     seed: int = 0
     model: EngineModel = EngineModel()
@@ -96,6 +98,7 @@ class _Router:
         self.turn = 0
         self.engines = config.engines
         self.service: SelectionService | None = None
+        self.in_flight: Callable[[], list[int]] = list  # each engine's requests in flight (least-loaded)
         self.events_failed = 0  # engine events the core refused (none, when the engines are right)
         if settings is not None:
             self.service = SelectionService(settings, random.Random(config.seed))
@@ -112,6 +115,10 @@ class _Router:
         if self.service is None:
             if self.name == "random":
                 return self.rng.randrange(self.engines)
+            if self.name == "least-loaded":
+                loads = self.in_flight()
+                fewest = min(loads)
+                return self.rng.choice([i for i, n in enumerate(loads) if n == fewest])
             self.turn = (self.turn + 1) % self.engines
             return self.turn
         try:
@@ -174,6 +181,8 @@ def _run(name: str, setting: Settings | str | None, arrivals: Iterable[tuple[flo
         outbox.setdefault(engine, []).append(event)
 
     engines = [Engine(i, config, publish) for i in range(config.engines)]
+    if isinstance(router, _Router):
+        router.in_flight = lambda: [e.in_flight() for e in engines]
     source = iter(arrivals)
     ttft, waits = array("d"), array("d")
     failed = 0
@@ -334,7 +343,10 @@ def simulate(trace: Callable[[], Iterable[TraceRequest]], config: FleetConfig,
     # Arrivals are compressed (or stretched) so that they come at `load` times the rate the
     # fleet sustains without reuse: whatever the cache saves is the router's to win.
     span = last - first
-    scale = (count / (config.load * rate)) / span if span > 0 else 1.0
+    if config.speedup is not None:
+        scale = 1.0 / config.speedup
+    else:
+        scale = (count / (config.load * rate)) / span if span > 0 else 1.0
     end = span * scale
 
     def arrivals() -> Iterator[tuple[float, TraceRequest]]:

@@ -8,7 +8,7 @@ import html
 from collections.abc import Sequence
 from typing import Any
 
-from .fleet import FleetConfig, SettingRun
+from .fleet import BASELINES, FleetConfig, SettingRun
 
 __all__ = ["document", "html_report", "table"]
 
@@ -54,7 +54,7 @@ def document(runs: Sequence[SettingRun], config: FleetConfig, trace: str) -> dic
 def _fleet(config: FleetConfig) -> dict[str, Any]:
     model = config.model
     return {"engines": config.engines, "kv_blocks": config.kv_blocks, "trace_block_size": config.trace_block_size,
-            "load": config.load, "event_delay_secs": config.event_delay_secs, "seed": config.seed,
+            "load": config.load, "speedup": config.speedup, "event_delay_secs": config.event_delay_secs, "seed": config.seed,
             "engine_model": {name: getattr(model, name) for name in (
                 "prefill_fixed_ms", "prefill_tokens_per_sec", "attention_ms", "decode_ms", "decode_full_ms",
                 "max_batched_tokens", "max_running")}}
@@ -146,5 +146,5 @@ td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}} td:first-child,t
 
 def _settings_text(run: SettingRun) -> str:
     if not run.settings:
-        return "baseline" if run.name in ("random", "round-robin") else "defaults"
+        return "baseline" if run.name in BASELINES else "defaults"
     return ", ".join(f"{k}={v}" for k, v in sorted(run.settings.items()) if k != "kv_events")
