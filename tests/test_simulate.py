@@ -301,3 +301,51 @@ def test_speedup_replays_the_traces_own_timestamps(tmp_path: Path) -> None:
     for bad in ("0", "-1", "nan", "inf"):
         done = run(str(trace), "--speedup", bad)
         assert done.returncode == 2 and "--speedup: must be a positive number" in done.stderr
+
+
+def test_mocker_timing_uses_dynamos_polynomials_exactly(tmp_path: Path) -> None:
+    """Issue 31: ours counts attention over a chunk's context (a 32k prompt ~1.0 s); the mocker does
+    not (~0.68 s); --mocker-timing uses its formulas, decode's quadratic in KV use too."""
+    from selection_proto.sim.engine import EngineModel
+
+    ours, mocker = EngineModel(), EngineModel(mocker=True)
+    chunks = [(8192, 8192 * i) for i in range(4)]
+    assert round(sum(ours.iteration_ms([c], 0, 0.0) for c in chunks)) == 1015
+    assert round(sum(mocker.iteration_ms([c], 0, 0.0) for c in chunks)) == 677
+    t = 3000  # the mocker's quadratic is over the iteration's total new tokens
+    assert mocker.iteration_ms([(1000, 0), (2000, 5000)], 0, 0.0) == pytest.approx(
+        4.209989e-07 * t * t + 1.518344e-02 * t + 16.50142)
+    assert mocker.iteration_ms([], 4, 0.5) == pytest.approx(-25.74 / 4 + 54.01 / 2 + 5.74)
+    assert mocker.iteration_ms([], 0, 0.5) == 0.0
+    trace = tmp_path / "t.jsonl"
+    trace.write_bytes(b"\n".join(_trace_lines(50, 4)))
+    out = tmp_path / "out.json"
+    done = run(str(trace), "--engines", "2", "--mocker-timing", "--no-baselines", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    document = json.loads(out.read_text())
+    assert document["fleet"]["engine_model"]["mocker"] is True and document["settings"][0]["failed"] == 0
+
+
+def test_the_report_says_the_differences_in_words_and_a_far_behind_baseline_turns_the_axis_logarithmic() -> None:
+    import re
+
+    from selection_proto.sim.fleet import SettingRun
+    from selection_proto.sim.report import html_report, summary
+
+    def setting(name: str, scale: float, hit: float) -> SettingRun:
+        cdf = [(scale * (i + 1) / 10, (i + 1) / 10) for i in range(10)]
+        return SettingRun(name=name, settings={}, ttft={"mean": scale * 0.5, "p50": scale * 0.5, "p90": scale * 0.9,
+                                                        "p99": scale}, queue_wait={"mean": 0.0}, hit_rate=hit,
+                          busy_max_mean=1.0, requests=10, failed=0, events_failed=0, ttft_cdf=cdf,
+                          series={"times": [], "in_flight": [], "kv_used": []})
+
+    fast, slow = setting("router_policy=ttft", 0.3, 0.5), setting("random", 30.0, 0.1)
+    assert summary([fast, slow]) == ["random: mean TTFT 100.00x, p99 TTFT 100.00x, hit rate 0.20x those of "
+                                     "router_policy=ttft"]
+    page = html_report([fast, slow], FleetConfig(), "t")
+    assert "those of router_policy=ttft" in page and "log scale" in page
+    first = re.search(r'<polyline [^>]*points="([^"]+)"', page)
+    assert first is not None
+    xs = [float(point.split(",")[0]) for point in first.group(1).split()]
+    assert max(xs) - min(xs) > 0.3 * 620  # the fast setting's curve spans the chart, not its left edge
+    assert "log scale" not in html_report([fast, setting("close", 0.4, 0.5)], FleetConfig(), "t")

@@ -18,7 +18,7 @@ from ..config import UsageError, settings_with
 from ..core.settings import Settings
 from .engine import EngineModel
 from .fleet import BASELINES, FleetConfig, simulate
-from .report import document, html_report, table
+from .report import document, html_report, summary, table
 from .trace import MAX_TOKENS, TraceError, TraceRequest, parse_trace, read_lines
 
 __all__ = ["add_parser", "run"]
@@ -58,6 +58,8 @@ def add_parser(sub: Any) -> None:
     command.add_argument("--json", metavar="OUT.json", help="write the results as JSON")
     command.add_argument("--report", metavar="OUT.html", help="write a self-contained HTML report")
     command.add_argument("--seed", type=int, default=0, help="seed of the random choices (0)")
+    command.add_argument("--mocker-timing", action="store_true",
+                         help="time iterations with Dynamo's mocker polynomials exactly (docs/ROUTING.md)")
     defaults = EngineModel()
     for name, kind, text in _MODEL_FLAGS:
         command.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name),
@@ -99,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     for name in ("event_delay", "prefill_fixed_ms", "attention_ms", "decode_ms", "decode_full_ms"):
         if not 0 <= getattr(args, name) < float("inf"):
             raise UsageError(f"--{name.replace('_', '-')}: must be a number of at least 0")
-    model = EngineModel(**{name: getattr(args, name) for name, _, _ in _MODEL_FLAGS})
+    model = EngineModel(mocker=args.mocker_timing, **{name: getattr(args, name) for name, _, _ in _MODEL_FLAGS})
     config = FleetConfig(engines=args.engines, kv_blocks=args.kv_blocks, trace_block_size=args.trace_block_size,
                          load=args.load, speedup=args.speedup, event_delay_secs=args.event_delay, seed=args.seed, model=model)
     base = Settings(kv_events="push")
@@ -132,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     seconds = time.perf_counter() - started
     sys.stdout.write(table(results))
+    for line in summary(results):
+        print(line)
     requests = sum(r.requests for r in results)
     print(f"{len(results)} runs, {requests} requests in {seconds:.1f} s ({requests / max(seconds, 1e-9):.0f} a second)")
     try:

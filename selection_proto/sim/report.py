@@ -5,12 +5,13 @@ each engine's requests in flight and KV use over time. Pure: text in, text out."
 from __future__ import annotations
 
 import html
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .fleet import BASELINES, FleetConfig, SettingRun
 
-__all__ = ["document", "html_report", "table"]
+__all__ = ["document", "html_report", "summary", "table"]
 
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf")
 
@@ -57,20 +58,44 @@ def _fleet(config: FleetConfig) -> dict[str, Any]:
             "load": config.load, "speedup": config.speedup, "event_delay_secs": config.event_delay_secs, "seed": config.seed,
             "engine_model": {name: getattr(model, name) for name in (
                 "prefill_fixed_ms", "prefill_tokens_per_sec", "attention_ms", "decode_ms", "decode_full_ms",
-                "max_batched_tokens", "max_running")}}
+                "max_batched_tokens", "max_running", "mocker")}}
+
+
+def summary(runs: Sequence[SettingRun]) -> list[str]:
+    """Each setting against the first, in words: mean and p99 TTFT and hit rate as ratios."""
+    if len(runs) < 2 or runs[0].ttft["mean"] <= 0:
+        return []
+    first, lines = runs[0], []
+    for run in runs[1:]:
+        ratios = [f"{what} TTFT {run.ttft[k] / first.ttft[k]:.2f}x" for what, k in (("mean", "mean"), ("p99", "p99"))
+                  if first.ttft[k] > 0]
+        if first.hit_rate > 0:
+            ratios.append(f"hit rate {run.hit_rate / first.hit_rate:.2f}x")
+        lines.append(f"{run.name}: {', '.join(ratios)} those of {first.name}")
+    return lines
+
+
+def _log_scale(x_min: float, x_max: float) -> Callable[[float], float]:
+    """x -> [0, 1] on a log axis from x_min to x_max."""
+    low, span = math.log10(x_min), math.log10(x_max) - math.log10(x_min)
+    return lambda x: (math.log10(min(max(x, x_min), x_max)) - low) / span
 
 
 def _polyline(points: Sequence[tuple[float, float]], box: tuple[float, float, float, float],
-              x_max: float, y_max: float, color: str, width: float = 2.0) -> str:
+              x_max: float, y_max: float, color: str, width: float = 2.0,
+              x_scale: Callable[[float], float] | None = None) -> str:
     left, top, w, h = box
     if not points or x_max <= 0 or y_max <= 0:
         return ""
-    coords = " ".join(f"{left + w * min(x, x_max) / x_max:.1f},{top + h - h * min(y, y_max) / y_max:.1f}"
+    place = x_scale or (lambda x: min(x, x_max) / x_max)
+    coords = " ".join(f"{left + w * place(x):.1f},{top + h - h * min(y, y_max) / y_max:.1f}"
                       for x, y in points)
     return f'<polyline fill="none" stroke="{color}" stroke-width="{width}" points="{coords}"/>'
 
 
-def _axes(box: tuple[float, float, float, float], x_label: str, y_label: str, x_max: float, y_max: float) -> str:
+def _axes(box: tuple[float, float, float, float], x_label: str, y_label: str, x_max: float, y_max: float,
+          x_min: float | None = None) -> str:
+    """With `x_min`, the x axis is logarithmic from it to `x_max`."""
     left, top, w, h = box
     parts = [f'<rect x="{left}" y="{top}" width="{w}" height="{h}" fill="#fafafa" stroke="#444"/>',
              f'<text x="{left + w / 2}" y="{top + h + 32}" text-anchor="middle">{html.escape(x_label)}</text>',
@@ -79,8 +104,9 @@ def _axes(box: tuple[float, float, float, float], x_label: str, y_label: str, x_
     for i in range(5):
         x = left + w * i / 4
         y = top + h - h * i / 4
+        label = x_max * i / 4 if x_min is None else x_min * (x_max / x_min) ** (i / 4)
         parts.append(f'<text x="{x:.1f}" y="{top + h + 16}" text-anchor="middle" font-size="11">'
-                     f'{x_max * i / 4:.3g}</text>')
+                     f'{label:.3g}</text>')
         parts.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end" font-size="11">{y_max * i / 4:.3g}</text>')
     return "".join(parts)
 
@@ -95,12 +121,18 @@ def html_report(runs: Sequence[SettingRun], config: FleetConfig, trace: str) -> 
     in flight and KV use over time."""
     box = (70.0, 20.0, 620.0, 300.0)
     x_max = max((max((x for x, _ in run.ttft_cdf), default=0.0) for run in runs), default=0.0) or 1.0
-    lines = [_polyline(run.ttft_cdf, box, x_max, 1.0, COLORS[i % len(COLORS)]) for i, run in enumerate(runs)]
+    # When a setting is far behind the others, a linear axis crushes the rest into its left edge.
+    medians = [run.ttft["p50"] for run in runs if run.ttft["p50"] > 0]
+    x_min = min(medians) / 4 if medians and x_max / min(medians) > 20 else None
+    scale = _log_scale(x_min, x_max) if x_min is not None else None
+    lines = [_polyline(run.ttft_cdf, box, x_max, 1.0, COLORS[i % len(COLORS)], x_scale=scale)
+             for i, run in enumerate(runs)]
     legend = "".join(
         f'<rect x="{box[0] + box[2] + 20}" y="{30 + 20 * i}" width="14" height="4" fill="{COLORS[i % len(COLORS)]}"/>'
         f'<text x="{box[0] + box[2] + 40}" y="{36 + 20 * i}">{html.escape(run.name)}</text>'
         for i, run in enumerate(runs))
-    cdf = _svg(960, 370, _axes(box, "time to first token (s)", "fraction of requests", x_max, 1.0)
+    x_label = "time to first token (s)" + (", log scale" if x_min is not None else "")
+    cdf = _svg(960, 370, _axes(box, x_label, "fraction of requests", x_max, 1.0, x_min)
                + "".join(lines) + legend)
     sections = []
     for run in runs:
@@ -135,6 +167,7 @@ def html_report(runs: Sequence[SettingRun], config: FleetConfig, trace: str) -> 
 td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}} td:first-child,td:last-child{{text-align:left}}
 .row{{display:flex;gap:12px}}</style></head><body>
 <h1>Simulated fleet: {html.escape(trace)}</h1>
+{"".join(f"<p class=summary>{html.escape(line)}</p>" for line in summary(runs))}
 <p>Fleet: {fleet}.<br>Engine model: {model}.</p>
 <table><tr><th>setting</th><th>TTFT mean (s)</th><th>p50</th><th>p90</th><th>p99</th><th>wait mean</th>
 <th>hit rate</th><th>busy max</th><th>requests</th><th>failed</th><th>settings</th></tr>{rows}</table>
