@@ -325,6 +325,7 @@ class FlowQueueMachine(RuleBasedStateMachine):
                 assert self.queue.queued(kind, name) == (len(mine), sum(e.cost for e in mine))
         classes = self.queue._classes  # noqa: SLF001 - the virtual times are the property
         for (tier, _), cls in classes.items():
+            assert all(f.tokens == sum(e.cost for e in f.entries) and f.entries for f in cls.flows.values())
             flows = [f.vtime for f in cls.flows.values()]
             assert max(flows) - min(flows) <= self.max_cost
             peers = [c.vtime for (t, _), c in classes.items() if t == tier]

@@ -135,12 +135,14 @@ def _run_order(entry: QueuedSelection) -> tuple[float, int]:
 
 
 class _Flow:
-    """One fairness ID's waiting requests in a class, in run order, and its virtual time."""
+    """One fairness ID's waiting requests in a class, in run order, their uncached tokens, and its
+    virtual time."""
 
-    __slots__ = ("entries", "vtime")
+    __slots__ = ("entries", "tokens", "vtime")
 
     def __init__(self, vtime: float) -> None:
         self.entries: list[QueuedSelection] = []
+        self.tokens = 0
         self.vtime = vtime
 
 
@@ -200,6 +202,7 @@ class FlowQueue:
         if flow is None:
             flow = cls.flows[fid] = _Flow(cls.clock)
         bisect.insort(flow.entries, entry, key=_run_order)
+        flow.tokens += entry.cost
         self._tickets[entry.ticket] = entry
         self._count(entry, 1)
 
@@ -211,6 +214,7 @@ class FlowQueue:
         cls = self._classes[(tier, name)]
         flow = cls.flows[fid]
         flow.entries.remove(entry)
+        flow.tokens -= entry.cost
         self._count(entry, -1)
         if not flow.entries:  # an idle flow keeps no credit (nor debt): it starts afresh
             del cls.flows[fid]
@@ -265,19 +269,16 @@ class FlowQueue:
     def work_ahead(self, lane: Lane) -> int:
         """Uncached tokens that run before a request joining `lane` would, were every lane to keep
         its share: every higher tier's, its own flow's, and as much of each other flow and class
-        as their shares let run meanwhile."""
+        as their shares let run meanwhile. Visits each flow once."""
         tier, name, fid = lane
-        higher = sum(e.cost for (t, _), c in self._classes.items() if t > tier
-                     for f in c.flows.values() for e in f.entries)
+        higher = sum(f.tokens for (t, _), c in self._classes.items() if t > tier for f in c.flows.values())
         own_class = self._classes.get((tier, name))
         own_flow = own_class.flows.get(fid) if own_class is not None else None
-        flow_ahead = sum(e.cost for e in own_flow.entries) if own_flow is not None else 0
-        class_ahead = flow_ahead + (sum(min(sum(e.cost for e in f.entries), flow_ahead)
-                                        for k, f in own_class.flows.items() if k != fid)
+        flow_ahead = own_flow.tokens if own_flow is not None else 0
+        class_ahead = flow_ahead + (sum(min(f.tokens, flow_ahead) for k, f in own_class.flows.items() if k != fid)
                                     if own_class is not None else 0)
         weight = self._weights.get(name, 1.0)
-        others = sum(min(sum(e.cost for f in c.flows.values() for e in f.entries),
-                         class_ahead * self._weights.get(n, 1.0) / weight)
+        others = sum(min(sum(f.tokens for f in c.flows.values()), class_ahead * self._weights.get(n, 1.0) / weight)
                      for (t, n), c in self._classes.items() if t == tier and n != name)
         return higher + class_ahead + math.ceil(others)
 

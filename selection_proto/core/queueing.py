@@ -92,7 +92,7 @@ class Admission:
         if lane.tier < 0 and s.shed_sheddable:
             raise self._refuse(pool, lane, "sheddable", f"sheddable request (priority {lane.tier}) refused: "
                                f"{busy_now}", self._drain_secs(sel, 0))
-        ahead = pool.queue.work_ahead(lane)
+        ahead = pool.queue.work_ahead(lane)  # one visit of each flow: bounded by the queue's lanes
         if len(pool.queue) >= s.queue_max_pending:
             raise self._refuse(pool, lane, "full", f"queue is full for {pool.label}: {s.queue_max_pending} "
                                "requests pending", self._drain_secs(sel, ahead))
