@@ -5,13 +5,12 @@ minimum or a softmax draw. Pure functions over one pool's state."""
 
 from __future__ import annotations
 
-import heapq
 import math
 import random
-from collections.abc import Sequence
 from operator import itemgetter
-from typing import Final, NamedTuple
+from typing import Final
 
+from .decisions import Scored
 from .index import Rank
 from .pool import Pool
 from .prompt import PromptHashes
@@ -21,7 +20,6 @@ from .types import RouterConfigOverride, SelectRequest
 
 __all__ = [
     "DEVICE",
-    "Decision",
     "LOGIT",
     "NO_OVERRIDE",
     "Estimates",
@@ -32,13 +30,10 @@ __all__ = [
     "effective_blocks",
     "estimates",
     "explain",
-    "runner_up",
     "score",
     "worker_speed",
     "tracks_prefill",
 ]
-
-DECISION_CANDIDATES: Final = 5  # kept of each decision for the status page
 
 # A worker's prefill speed when its record does not give one (only the ratios between workers
 # matter then: every term below is divided by it).
@@ -69,23 +64,6 @@ def worker_speed(prefill_tokens_per_sec: float | None, total_kv_blocks: int | No
 Estimates = tuple[dict[Rank, int], dict[Rank, int], dict[Rank, int]]
 
 
-class Scored(NamedTuple):
-    """One candidate's cost and its parts (a tuple: built for every candidate of every select)."""
-
-    rank: Rank
-    logit: float
-    prefill_tokens: int
-    decode_blocks: int
-    device: int
-    host_ext: int
-    disk_ext: int
-    effective: float
-    cached: int
-    wait: float = 0.0  # router_policy=ttft: predicted seconds before its prefill starts
-    prefill: float = 0.0  # and the seconds of its own prefill
-    dynamo_logit: float = 0.0  # and Dynamo's cost, which `logit` replaces
-
-
 LOGIT: Final = itemgetter(1)  # Scored.logit, for map()
 DYNAMO_LOGIT: Final = itemgetter(11)  # Scored.dynamo_logit
 DEVICE: Final = itemgetter(4)  # Scored.device
@@ -94,40 +72,6 @@ DEVICE: Final = itemgetter(4)  # Scored.device
 def effective_blocks(device: int, host: int, disk: int, s: Settings) -> float:
     """Overlap blocks with lower tiers discounted by their weights (core.md §7.4)."""
     return device + s.host_cache_hit_weight * host + s.disk_cache_hit_weight * disk
-
-
-class Decision(NamedTuple):
-    """A selection as the status page shows it (status.py), kept per pool: of its candidates only
-    the cheapest few, so that a thousand-worker pool keeps as little as a small one."""
-
-    at: float
-    isl: int
-    chosen: Scored
-    runner_up: Scored | None
-    cheapest: tuple[Scored, ...]
-    candidates: int
-    predicted: bool  # the candidates carry predicted wait and prefill seconds (router_policy=ttft)
-
-    @classmethod
-    def of(cls, at: float, isl: int, chosen: Scored, scored: Sequence[Scored], predicted: bool) -> Decision:
-        cheapest = tuple(heapq.nsmallest(DECISION_CANDIDATES, scored, key=lambda s: (s.logit, s.rank)))
-        return cls(at, isl, chosen, runner_up(chosen, scored), cheapest, len(scored), predicted)
-
-
-def runner_up(chosen: Scored, scored: Sequence[Scored]) -> Scored | None:
-    """The cheapest candidate but the chosen one (sampling may choose other than the cheapest)."""
-    return min((s for s in scored if s.rank != chosen.rank), key=lambda s: (s.logit, s.rank), default=None)
-
-
-def decision(chosen: Scored, scored: Sequence[Scored], isl: int, policy: str) -> str:
-    """A choice in one header line: the chosen rank, its cached tokens of the prompt, how many
-    candidates, and the runner-up with how much more its cost (logit) was."""
-    parts = [f"worker={chosen.rank[0]}", f"dp_rank={chosen.rank[1]}", f"cached={chosen.cached}", f"isl={isl}",
-             f"candidates={len(scored)}", f"policy={policy}"]
-    if (runner := runner_up(chosen, scored)) is not None:
-        parts += [f"runner_up={runner.rank[0]}:{runner.rank[1]}", f"runner_up_cached={runner.cached}",
-                  f"margin={runner.logit - chosen.logit:.4g}"]
-    return ";".join(parts)
 
 
 def cached_tokens(rank: Rank, found: Estimates, block_size: int, s: Settings) -> int:

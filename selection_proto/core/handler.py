@@ -67,7 +67,7 @@ from .wire import (
 if TYPE_CHECKING:
     from .service import SelectionService
 
-__all__ = ["DECISION_HEADER", "handle", "prepare_large_body"]
+__all__ = ["DECISION_HEADER", "handle", "prepare_large_body", "status_event"]
 
 DECISION_HEADER: Final = "x-selection-decision"  # `explain_header`: why a selection chose its worker
 
@@ -428,14 +428,25 @@ def _h_status_page(service: SelectionService, param: str | None, query: str, bod
                           ("cache-control", "no-store"), *PAGE_HEADERS), PAGE)
 
 
+def _status(service: SelectionService, now: float) -> dict[str, Any]:
+    ready, _ = service.readiness(now=now)
+    return snapshot(service.catalog.values(), service.pools, service.settings, service.engines, ready,
+                    service.serving(), now)
+
+
+def status_event(service: SelectionService, now: float) -> bytes:
+    """One server-sent event of the status snapshot: what `GET /status/events` streams."""
+    return event(_status(service, now))
+
+
 def _h_status(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
-    return json_response(200, snapshot(service, now))
+    return json_response(200, _status(service, now))
 
 
 def _h_status_events(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
     """One event: a server streams them (transports/status.py); without one, the page's EventSource
     asks again after `status.RETRY_MS` and the page still follows the fleet."""
-    data = event(snapshot(service, now))
+    data = status_event(service, now)
     return Response(200, (("content-type", "text/event-stream"), ("content-length", str(len(data))),
                           ("cache-control", "no-store")), data)
 

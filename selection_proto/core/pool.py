@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from .admission import FlowQueue, parse_classes
 from .budget import StateBudget
+from .decisions import Decision
 from .engine import NamespaceMemory
 from .errors import NotFound
 from .freshness import RankFreshness
@@ -24,9 +25,6 @@ from .settings import Settings
 from .tiers import KeyIndex
 from .tracker import Booking, Tracker
 from .verdict import RankWatch
-
-if TYPE_CHECKING:
-    from .cost import Decision
 
 __all__ = ["RECENT_DECISIONS", "Key", "Pool", "holding", "key_label"]
 

@@ -19,24 +19,41 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
 from .admission import FlowClass, Lane, QueuedSelection, Tickets, order_key, parse_classes
 from .catalog import Catalog
-from .cost import cached_tokens
+from .cost import Estimates, cached_tokens
 from .errors import Internal, NotReady, SelectionError, TooManyRequests
 from .index import Rank
 from .limits import Limits
 from .metrics import Metrics
 from .outputs import OutputEvent, SelectionReady
 from .pool import Key, Pool
+from .prompt import PromptHashes
 from .responses import Pending, SelectResponse
 from .settings import Settings
 from .types import SelectAndReserveRequest, SelectRequest
 from .wire import error_response, json_response
 
-if TYPE_CHECKING:
-    from .selection import Selection
+__all__ = ["Admission", "Selection"]
 
-__all__ = ["Admission"]
+
+@attrs.define(slots=True)
+class Selection:
+    """One selection in progress: its request and pool, the booking id (select_and_reserve), the
+    prompt's hashes, the candidates with why others were excluded, and what each has cached."""
+
+    pool: Pool
+    req: SelectRequest
+    rid: str | None
+    prompt: PromptHashes
+    candidates: list[Rank]
+    excluded: dict[Rank, str]
+    found: Estimates
+    session: str | None = None  # the session it steers by and books under (affinity on)
+    bound: Rank | None = None  # that session's live binding when the selection began
+    queued_secs: float = 0.0  # how long it waited in the queue
 
 
 class Admission:

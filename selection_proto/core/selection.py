@@ -20,17 +20,15 @@ from .admission import QueuedSelection, Tickets
 from .catalog import Catalog
 from .cost import (
     DEVICE,
-    Decision,
-    Estimates,
     assumes_kv_reuse,
     cached_tokens,
     choose,
-    decision,
     estimates,
     explain,
     score,
     tracks_prefill,
 )
+from .decisions import Decision, decision
 from .errors import (
     BadRequest,
     Conflict,
@@ -48,34 +46,17 @@ from .outputs import Notice, OutputEvent
 from .pending import MISSING, PendingSelection, PendingSelections, entry_size
 from .pool import Key, Pool, holding, key_label
 from .prompt import PromptHashes
-from .queueing import Admission
+from .queueing import Admission, Selection
 from .responses import Excluded, Overlap, Pending, ReservationResponse, SelectResponse
 from .sessions import check_session_id, mismatch
 from .settings import Settings
 from .tracker import Booking, DuplicateReservation, rank_text
 from .types import ReservationRequest, SelectAndReserveRequest, SelectRequest
 
-__all__ = ["SHUTTING_DOWN", "Selection", "Selector"]
+__all__ = ["SHUTTING_DOWN", "Selector"]
 
 SHUTTING_DOWN: Final = "selection service is shutting down"
 NO_CAPACITY: Final = 10_000_000  # 1.6.1's prefill capacity of a worker without max_num_batched_tokens
-
-
-@attrs.define(slots=True)
-class Selection:
-    """One selection in progress: its request and pool, the booking id (select_and_reserve), the
-    prompt's hashes, the candidates with why others were excluded, and what each has cached."""
-
-    pool: Pool
-    req: SelectRequest
-    rid: str | None
-    prompt: PromptHashes
-    candidates: list[Rank]
-    excluded: dict[Rank, str]
-    found: Estimates
-    session: str | None = None  # the session it steers by and books under (affinity on)
-    bound: Rank | None = None  # that session's live binding when the selection began
-    queued_secs: float = 0.0  # how long it waited in the queue
 
 
 class Selector(Admission):

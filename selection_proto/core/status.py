@@ -7,20 +7,18 @@ Reading only: a snapshot changes nothing. Its size is bounded by the worker limi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
 
 from .._version import __version__
 from . import jsonio
-from .cost import Decision, explain
+from .cost import explain
+from .decisions import Decision
 from .engine_metrics import EngineMetrics
 from .pool import RECENT_DECISIONS, Key, Pool
 from .readouts import kv_routing
 from .settings import Settings
 from .types import WorkerCatalogRecord
-
-if TYPE_CHECKING:
-    from .service import SelectionService
 
 __all__ = ["RETRY_MS", "event", "snapshot"]
 
@@ -64,17 +62,15 @@ def _worker(record: WorkerCatalogRecord, pools: Mapping[Key, Pool], settings: Se
     }
 
 
-def snapshot(service: SelectionService, now: float) -> dict[str, Any]:
+def snapshot(records: Iterable[WorkerCatalogRecord], pools: Mapping[Key, Pool], settings: Settings,
+             engines: EngineMetrics, ready: bool, serving: bool, now: float) -> dict[str, Any]:
     """Workers in id order, each key's queue, and the newest decisions of all keys."""
-    ready, _ = service.readiness(now=now)
-    pools, settings = service.pools, service.settings
-    workers = [_worker(r, pools, settings, service.engines, now)
-               for r in sorted(service.catalog.values(), key=lambda r: r.worker_id)]
+    workers = [_worker(r, pools, settings, engines, now) for r in sorted(records, key=lambda r: r.worker_id)]
     queues = [{"model_name": k[0], "tenant_id": k[1], "pending_count": len(p.queue),
                "pending_isl_tokens": sum(e.prompt.isl for e in p.queue), "active_reservations": len(p.tracker.bookings)}
               for k, p in sorted(pools.items()) if p.workers]
     recent = sorted(((d, k) for k, p in pools.items() for d in p.recent), key=lambda dk: -dk[0].at)[:RECENT_DECISIONS]
-    return {"version": __version__, "ready": ready, "serving": service.serving(), "policy": settings.router_policy,
+    return {"version": __version__, "ready": ready, "serving": serving, "policy": settings.router_policy,
             "kv_events": settings.kv_events, "workers": workers, "queues": queues,
             "decisions": [_decision(k, d, now) for d, k in recent]}
 

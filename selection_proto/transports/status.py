@@ -14,8 +14,8 @@ from typing import Final
 import anyio
 
 from ..adapters.http import HttpConnection
+from ..core.handler import status_event
 from ..core.service import SelectionService
-from ..core.status import event, snapshot
 from .pump import flush
 
 __all__ = ["INTERVAL", "MAX_VIEWERS", "StatusFeeds"]
@@ -37,7 +37,7 @@ class StatusFeeds:
     def _current(self) -> bytes:
         now = self._clock()
         if now - self._built_at >= INTERVAL / 2:  # viewers that joined at other instants share it
-            self._event, self._built_at = event(snapshot(self._service, now)), now
+            self._event, self._built_at = status_event(self._service, now), now
         return self._event
 
     async def serve(self, conn: HttpConnection, send: Callable[[bytes], Awaitable[None]],
