@@ -2,8 +2,8 @@
 the real core, in virtual time (docs/ROUTING.md). Pure: the caller reads the trace's lines and
 writes the outputs; nothing here reads a clock or does I/O."""
 
-from .engine import EngineModel
-from .fleet import FleetConfig, SettingRun, simulate
+from .engine import EngineModel, FleetConfig
+from .fleet import SettingRun, simulate
 from .trace import TraceError, TraceRequest, parse_trace
 
 __all__ = ["EngineModel", "FleetConfig", "SettingRun", "TraceError", "TraceRequest", "parse_trace", "simulate"]

@@ -16,8 +16,8 @@ from typing import Any
 
 from ..config import UsageError, settings_with
 from ..core.settings import Settings
-from .engine import EngineModel
-from .fleet import BASELINES, FleetConfig, simulate
+from .engine import EngineModel, FleetConfig
+from .fleet import BASELINES, simulate
 from .report import document, html_report, summary, table
 from .trace import MAX_TOKENS, TraceError, TraceRequest, parse_trace, read_lines
 

@@ -15,10 +15,9 @@ from ..core.events import KvEvent
 from ..core.hashing import sequence_hashes
 
 if TYPE_CHECKING:
-    from .fleet import FleetConfig
     from .trace import TraceRequest
 
-__all__ = ["Engine", "EngineModel", "SimRequest", "block_hash"]
+__all__ = ["Engine", "EngineModel", "FleetConfig", "SimRequest", "block_hash"]
 
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -103,6 +102,19 @@ class EngineModel:
             middle = (low + high) / 2
             low, high = (middle, high) if middle <= kv_bound(middle) else (low, middle)
         return low
+
+
+@attrs.frozen(kw_only=True)
+class FleetConfig:
+    engines: int = 8
+    kv_blocks: int = 1000  # per engine, in trace blocks
+    trace_block_size: int = 512
+    load: float = 0.8  # offered prefill work without reuse, as a fraction of the fleet's capacity
+    speedup: float | None = None  # instead of `load`: the trace's own timestamps, this many times faster
+    event_delay_secs: float = 0.0  # KV events reach the router this much after the engine acts
+    seed: int = 0
+    model: EngineModel = EngineModel()
+    samples: int = 200  # points of the per-engine time series
 
 
 class SimRequest:

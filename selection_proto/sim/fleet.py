@@ -23,11 +23,11 @@ from ..core.responses import Pending, SelectResponse
 from ..core.service import SelectionService
 from ..core.settings import Settings
 from ..core.types import SelectAndReserveRequest, WorkerRequest
-from .engine import Engine, EngineModel, SimRequest, block_hash
+from .engine import Engine, FleetConfig, SimRequest, block_hash
 from .service import ServiceRouter
 from .trace import TraceRequest
 
-__all__ = ["BASELINES", "FleetConfig", "SettingRun", "simulate"]
+__all__ = ["BASELINES", "SettingRun", "simulate"]
 
 BASELINES = ("random", "round-robin", "least-loaded")
 
@@ -35,19 +35,6 @@ BASELINES = ("random", "round-robin", "least-loaded")
 def _signed(value: int) -> int:
     """A u64 as the API's i64 (the same 64 bits)."""
     return value - (1 << 64) if value >> 63 else value
-
-
-@attrs.frozen(kw_only=True)
-class FleetConfig:
-    engines: int = 8
-    kv_blocks: int = 1000  # per engine, in trace blocks
-    trace_block_size: int = 512
-    load: float = 0.8  # offered prefill work without reuse, as a fraction of the fleet's capacity
-    speedup: float | None = None  # instead of `load`: the trace's own timestamps, this many times faster
-    event_delay_secs: float = 0.0  # KV events reach the router this much after the engine acts
-    seed: int = 0
-    model: EngineModel = EngineModel()
-    samples: int = 200  # points of the per-engine time series
 
 
 @attrs.frozen(kw_only=True)

@@ -9,7 +9,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .fleet import BASELINES, FleetConfig, SettingRun
+from .engine import FleetConfig
+from .fleet import BASELINES, SettingRun
 
 __all__ = ["document", "html_report", "summary", "table"]
 

@@ -17,7 +17,7 @@ import json
 import random
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 import msgpack
@@ -25,10 +25,7 @@ import msgpack
 from ..core.events import KvEvent
 from ..core.hashing import block_hashes, sequence_hashes
 from ..core.outputs import SelectionReady
-from .engine import SimRequest
-
-if TYPE_CHECKING:
-    from .fleet import FleetConfig
+from .engine import FleetConfig, SimRequest
 
 __all__ = ["ServiceRouter"]
 

@@ -9,8 +9,8 @@ import hmac
 import json
 import math
 import os
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import anyio
 import anyio.abc
@@ -24,16 +24,31 @@ from .logs import log
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 if TYPE_CHECKING:
+    from ..adapters.inflight import InFlight
     from ..adapters.openai import ChatTokenizer
-    from .config import ExtProcOptions
-    from .server import _Server
+    from ..core.service import SelectionService
+    from ..core.wire import Response
+    from .config import ExtProcOptions, ServerConfig
 
-__all__ = ["SERVICE_NAME", "ExtProcServer", "load_tokenizers"]
+__all__ = ["SERVICE_NAME", "ExtProcServer", "Host", "load_tokenizers"]
 
 SERVICE_NAME: Final = "envoy.service.ext_proc.v3.ExternalProcessor"
 HEALTH_NAMES: Final = ("", SERVICE_NAME, "liveness", "readiness")
 MAX_MESSAGE_BYTES: Final = 16 << 20  # a chunk is at most Envoy's buffer; room for a whole 8 MiB body
 STOP_GRACE_SECS: Final = 5.0
+
+
+class Host(Protocol):
+    """What the picker needs of the HTTP server it runs beside (server.py): the service, its
+    settings and clock, the shared byte budget, and where queued answers are delivered."""
+
+    service: SelectionService
+    config: ServerConfig
+    clock: Callable[[], float]
+    in_flight: InFlight
+    resolvers: dict[int, Callable[[Response], None]]
+
+    async def pump(self, wake_timer: bool = True) -> None: ...
 
 
 def load_tokenizers(pairs: tuple[tuple[str, str], ...]) -> dict[str, ChatTokenizer]:
@@ -62,7 +77,7 @@ class ExtProcServer:
     """The gRPC server, listening once `start` returns (so that a port in use fails `serve` at
     its start, with one line), serving until `run` is cancelled."""
 
-    def __init__(self, server: _Server, options: ExtProcOptions) -> None:
+    def __init__(self, server: Host, options: ExtProcOptions) -> None:
         self.server, self.options = server, options
         self.picker = _Picker(server, options.tokenizers)
 
@@ -117,7 +132,7 @@ class ExtProcServer:
 class _Picker:
     """The `ExternalProcessor` servicer: one `ExtProcStream` per gRPC stream."""
 
-    def __init__(self, server: _Server, tokenizers: Mapping[str, ChatTokenizer]) -> None:
+    def __init__(self, server: Host, tokenizers: Mapping[str, ChatTokenizer]) -> None:
         self.server = server
         self.tokenizers = tokenizers
         self.tg: anyio.abc.TaskGroup | None = None  # serve's, once running
