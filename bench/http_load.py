@@ -9,7 +9,7 @@ The row `sansio_h11` is our Sans-IO connection on the bare server's loop (bench/
 A second table gives each server's CPU time per request (user + system, all its processes, from
 /proc): less noisy than throughput on a shared machine; its column `transport` is what our
 transport costs a request beyond the Sans-IO work (ours - sansio_h11). The row `ours_msgpack` is our server again, sent
-`application/msgpack` bodies whose `token_ids` is a bin of little-endian u32 (docs/DECISIONS.md, "Binary prompts"). `ours_ledger` is one process
+`application/msgpack` bodies whose `token_ids` is a bin of little-endian u32 (docs/DECISIONS.md, "msgpack bodies"). `ours_ledger` is one process
 sharing bookings through a redis-server ledger, `ours_processes2` two processes on one port
 (`--processes 2`) sharing it (docs/REPLICATION.md), `ours_processes2_msgpack` the same sent msgpack
 bodies; pass them in `--servers`.

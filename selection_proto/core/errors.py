@@ -81,7 +81,7 @@ class InvalidJson(BadRequest):
 
 class InvalidMsgpack(BadRequest):
     """A `Content-Type: application/msgpack` body that is not one msgpack value of JSON's kinds
-    (docs/DECISIONS.md, "Binary prompts"); `detail` says why."""
+    (docs/DECISIONS.md, "msgpack bodies"); `detail` says why."""
 
     def __init__(self, detail: str) -> None:
         super().__init__(f"Failed to parse the request body as msgpack: {detail}")

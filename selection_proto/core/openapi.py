@@ -157,7 +157,7 @@ def document() -> dict[str, Any]:
             _component(route.body_type, schemas)
             ref = {"$ref": f"#/components/schemas/{route.body_type.__name__}"}
             # The same members in msgpack; a u32 array (`token_ids`) may also be a `bin` of
-            # little-endian u32 (docs/DECISIONS.md, "Binary prompts").
+            # little-endian u32 (docs/DECISIONS.md, "msgpack bodies").
             op["requestBody"] = {"required": True, "content": {
                 "application/json": {"schema": ref},
                 "application/msgpack": {"schema": {**ref, "description": _MSGPACK_BODY}}}}
