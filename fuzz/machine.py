@@ -18,14 +18,18 @@ from selection_proto.core import jsonio
 
 WORKERS = st.integers(1, 4)
 TOKENS = st.lists(st.integers(0, 3), min_size=0, max_size=24)
-ALLOWED = {200, 201, 400, 404, 405, 409, 413, 415, 422, 429, 503}
+ALLOWED = {200, 201, 400, 404, 405, 409, 413, 415, 422, 429, 503, 529}
 
 
 class ServiceMachine(RuleBasedStateMachine):
     @initialize(seed=st.integers(0, 2**32 - 1), queueing=st.booleans())
     def start(self, seed: int, queueing: bool) -> None:
+        # Queueing on: flow control too (classes with caps, fairness caps, promotion, 529 refusals).
+        flow: dict[str, Any] = dict(flow_classes="gold:3:max_queued=2,bulk:1:queue_timeout_secs=0.5",
+                                    fairness_max_queued=3, priority_promote_secs=0.2,
+                                    overload_status_code=529) if queueing else {}
         self.service = SelectionService(Settings(kv_events="push", max_reservations_per_key=8,
-                                                 queue_threshold=1.0 if queueing else None),
+                                                 queue_threshold=1.0 if queueing else None, **flow),
                                         random.Random(seed))
         self.tickets: set[int] = set()
         self.now = 0.0
@@ -114,9 +118,12 @@ class ServiceMachine(RuleBasedStateMachine):
         self.call("POST", "/kv_events", [{"worker_id": wid, "event": {
             "event_id": self.event_id, "data": {"removed": {"block_hashes": hashes}}}}])
 
-    @rule(tokens=TOKENS, reserve=st.booleans(), pin=st.none() | WORKERS)
-    def select(self, tokens: list[int], reserve: bool, pin: int | None) -> None:
-        body: dict[str, Any] = {"token_ids": tokens, "explain": True}
+    @rule(tokens=TOKENS, reserve=st.booleans(), pin=st.none() | WORKERS, flow=st.fixed_dictionaries({}, optional={
+        "fairness_id": st.sampled_from(["a", "b", ""]), "priority": st.integers(-1, 2),
+        "policy_class": st.sampled_from(["gold", "bulk", "nope"]), "deadline_ms": st.sampled_from([0.001, 50.0, 1e6]),
+        "do_not_queue": st.booleans()}))
+    def select(self, tokens: list[int], reserve: bool, pin: int | None, flow: dict[str, Any]) -> None:
+        body: dict[str, Any] = {"token_ids": tokens, "explain": True, **flow}
         if pin is not None:
             body["pinned_worker"] = {"worker_id": pin, "dp_rank": 0}
         if reserve:
