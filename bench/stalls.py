@@ -2,7 +2,7 @@
 another connection sends, over and over, one of the heaviest requests a client may send
 (docs/INVARIANTS.md, "No single request stalls everyone"; goal: p99 under 50 ms).
 
-    python bench/stalls.py [--scenarios ws_events,delete_bookings,ready,select_1m,select_booked,post_events,snapshot]
+    python bench/stalls.py [--scenarios ws_events,ws_flood,delete_bookings,ready,select_1m,select_booked,post_events,snapshot]
         [--seconds 5] [--bookings 100000] [--workers 100000] [--blocks 200000]
 
 Each scenario starts its own `selection-proto serve --kv-events push` and prepares its state
@@ -113,7 +113,12 @@ def measure(port: int, heavy: Callable[[Conn], None], seconds: float) -> dict[st
 
 def ws_frame(payload: bytes) -> bytes:
     n = len(payload)
-    head = bytes([0x81, 0x80 | 127]) + n.to_bytes(8, "big") if n >= 65536 else bytes([0x81, 0x80 | 126]) + n.to_bytes(2, "big")
+    if n < 126:
+        head = bytes([0x81, 0x80 | n])
+    elif n < 65536:
+        head = bytes([0x81, 0x80 | 126]) + n.to_bytes(2, "big")
+    else:
+        head = bytes([0x81, 0x80 | 127]) + n.to_bytes(8, "big")
     return head + b"\0\0\0\0" + payload
 
 
@@ -145,6 +150,32 @@ def scenario_ws_events(opts: argparse.Namespace) -> dict[str, float]:
             while b"ack" not in conn.buf:
                 conn.buf += conn._recv()
             conn.buf = b""
+
+        return measure(port, heavy, opts.seconds)
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def scenario_ws_flood(opts: argparse.Namespace) -> dict[str, float]:
+    """Issue 35: one stream sending small events, one per message, as fast as the socket takes
+    them (a heavy request is 10,000 of them; 300,000 in the issue's run)."""
+    proc, port = start([])
+    try:
+        Conn(port).call("POST", "/workers", json.dumps(worker(1)).encode())
+        counter = iter(range(1 << 40))
+
+        def heavy(conn: Conn) -> None:
+            if not hasattr(conn, "ws"):
+                conn.send("GET", "/kv_events?worker_id=1", extra="upgrade: websocket\r\nconnection: Upgrade\r\n"
+                          "sec-websocket-version: 13\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n")
+                while b"\r\n\r\n" not in conn.buf:
+                    conn.buf += conn._recv()
+                conn.ws = True  # type: ignore[attr-defined]
+            first = next(counter) * 10_000 + 1
+            conn.sock.sendall(b"".join(ws_frame(json.dumps({"event_id": i, "data": {"stored": {
+                "parent_hash": None, "blocks": [{"block_hash": i, "tokens_hash": i}]}}}).encode())
+                for i in range(first, first + 10_000)))
 
         return measure(port, heavy, opts.seconds)
     finally:
@@ -289,7 +320,7 @@ def scenario_snapshot(opts: argparse.Namespace) -> dict[str, float]:
         os.rmdir(folder)
 
 
-SCENARIOS = {"ws_events": scenario_ws_events, "delete_bookings": scenario_delete_bookings,
+SCENARIOS = {"ws_events": scenario_ws_events, "ws_flood": scenario_ws_flood, "delete_bookings": scenario_delete_bookings,
              "ready": scenario_ready, "select_1m": scenario_select_1m,
              "select_booked": scenario_select_booked, "post_events": scenario_post_events,
              "snapshot": scenario_snapshot}

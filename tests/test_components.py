@@ -443,3 +443,28 @@ def test_a_prompt_hashed_and_counted_ahead_selects_exactly_as_one_hashed_on_the_
     other = json.dumps({"model_name": "m", "token_ids": tokens[::-1], "explain": True}).encode()
     prepared.value["token_ids"] = tokens[::-1]
     assert select(ahead, prepared) == select(plain, other)
+
+
+def test_predictions_expire_per_booking_and_a_rebooked_prefix_moves_with_its_new_booking() -> None:
+    """A booking's predicted blocks leave the tree together at its expiry; blocks booked again
+    later (a shared prefix) stay until the later booking's expiry; `next_expiry` names each time."""
+    from selection_proto.core.index import DeviceTree
+    from selection_proto.core.predictions import Predictions
+
+    tree, budget = DeviceTree(), StateBudget(1 << 40)
+    predictions = Predictions(tree, 10.0, budget)
+    first = list(range(1, 2001))
+    shared_then_own = first[:1500] + list(range(5001, 5101))
+    predictions.record((1, 0), first, now=0.0)
+    predictions.record((1, 0), shared_then_own, now=4.0)
+    assert predictions.next_expiry() == 10.0 and budget.index_blocks == 2100
+    predictions.expire(10.0)  # the first booking's own tail goes; the re-booked prefix stays
+    assert tree.find(first)[0] == {(1, 0): 1500} and budget.index_blocks == 1600
+    assert predictions.next_expiry() == 14.0
+    predictions.record((1, 0), first[:1500], now=5.0)  # the prefix again: its expiry moves to 15
+    assert predictions.next_expiry() == 14.0  # the second booking's own tail is still due at 14
+    predictions.expire(14.0)  # the second booking's own 100 go
+    assert tree.find(first)[0] == {(1, 0): 1500} and budget.index_blocks == 1500
+    assert predictions.next_expiry() == 15.0
+    predictions.expire(15.0)
+    assert tree.find(first)[0] == {} and budget.index_blocks == 0 and predictions.next_expiry() is None

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import gc
 from typing import Any
+from unittest.mock import patch
 
 from conftest import Client, load_vectors, worker
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import selection_proto.core.index as index_module
 
 from selection_proto.core.events import decode_json_events
 from selection_proto.core.index import DeviceTree, IndexEventError
@@ -154,3 +159,50 @@ def test_a_dropped_subtree_is_freed_without_the_cyclic_collector() -> None:
         assert gc.collect() == 0
     finally:
         gc.enable()
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_a_removal_in_runs_answers_as_block_by_block(data: st.DataObject) -> None:
+    """Removals of long runs are handled in C when the hashes follow their edge in order; the
+    tree, its lookup tables and the error raised are those of the block-by-block loop."""
+    trees = (DeviceTree(), DeviceTree())
+    chains: list[list[int]] = []
+    for _ in range(data.draw(st.integers(1, 4))):
+        length = data.draw(st.integers(1, 120))
+        if chains and data.draw(st.booleans()):  # a branch off an earlier chain
+            base = data.draw(st.sampled_from(chains))
+            chain = base[:data.draw(st.integers(0, len(base)))] + [data.draw(st.integers(1, 1 << 20)) for _ in range(length)]
+        else:
+            chain = [data.draw(st.integers(1, 1 << 20)) for _ in range(length)]
+        chains.append(chain)
+    ranks = [(1, 0), (2, 0)]
+    for chain in chains:
+        rank = data.draw(st.sampled_from(ranks))
+        for tree in trees:
+            try:
+                tree.store(rank, None, [(h, h) for h in chain])
+            except IndexEventError:
+                pass
+    for _ in range(data.draw(st.integers(1, 3))):
+        chain = data.draw(st.sampled_from(chains))
+        start = data.draw(st.integers(0, len(chain) - 1))
+        hashes = chain[start:data.draw(st.integers(start + 1, len(chain)))]
+        if data.draw(st.booleans()):
+            hashes = hashes + [data.draw(st.integers(1, 1 << 20))]  # an unknown one after the run
+        rank = data.draw(st.sampled_from(ranks))
+        outcomes = []
+        for bulk, tree in zip((True, False), trees, strict=True):
+            with patch.object(index_module, "_RUN", 32 if bulk else 1 << 30):
+                try:
+                    tree.remove(rank, hashes)
+                    outcomes.append("ok")
+                except IndexEventError as exc:
+                    outcomes.append(exc.text)
+        assert outcomes[0] == outcomes[1]
+        assert trees[0].dump() == trees[1].dump()
+        assert {r: dict(t) for r, t in trees[0].lookup.items()}.keys() == trees[1].lookup.keys()
+        for r in trees[0].lookup:
+            assert trees[0].lookup[r].keys() == trees[1].lookup[r].keys()
+        for chain in chains:
+            assert trees[0].find(chain) == trees[1].find(chain)

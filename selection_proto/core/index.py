@@ -10,8 +10,10 @@ table.
 from __future__ import annotations
 
 from array import array
+from collections import deque
 from collections.abc import Iterable, Sequence
-from itertools import chain
+from itertools import chain, repeat
+from operator import itemgetter
 from typing import TYPE_CHECKING, Final, cast
 
 __all__ = [
@@ -30,6 +32,7 @@ Block = tuple[int, int]  # (engine hash, local hash)
 
 TIERS: Final = ("device", "host_pinned", "disk", "external")
 LOWER_TIERS: Final = ("host_pinned", "disk", "external")
+_RUN: Final = 32  # past this many blocks, a run is handled in C rather than block by block
 
 
 class IndexEventError(Exception):
@@ -199,9 +202,7 @@ class DeviceTree:
             n.parent = None
 
     def _point(self, r: Rank, blocks: Sequence[Block], n: _Node) -> None:
-        table = self.lookup[r]
-        for b in blocks:
-            table[b[0]] = n
+        self.lookup[r].update(zip(map(itemgetter(0), blocks), repeat(n)))  # in C: a prompt may be 1M blocks
 
     def _promote(self, n: _Node, r: Rank) -> None:
         if n.part:
@@ -381,7 +382,13 @@ class DeviceTree:
                 continue
             cc = n.cutoff(r)
             low, low_hash = p, h
-            if p < cc:
+            run = min(cc - p, total - i + 1)
+            if run > _RUN and list(hashes[i - 1:i - 1 + run]) == n.engine_hashes(p, p + run):
+                # The usual shape (a prediction expiring, a prefix evicted whole): the hashes that
+                # follow are this edge's next blocks in order. Each lies past `p`, and all go with
+                # the edge's cut below, as the loop would find one by one.
+                i += run - 1
+            elif p < cc:
                 while i < total:
                     g = hashes[i]
                     if table.get(g) is not n:
@@ -405,9 +412,14 @@ class DeviceTree:
                         n.part = {}
                     n.part[r] = low
             self._prune(n)
-            for s in stale:
-                table.pop(s, None)
-                scrubbed.add(s)
+            if len(stale) > _RUN:
+                deque(map(table.pop, stale, repeat(None)), 0)
+                if i < total:  # only hashes still to come are looked up in it
+                    scrubbed.update(stale)
+            else:
+                for s in stale:
+                    table.pop(s, None)
+                    scrubbed.add(s)
         if err is not None:
             raise err
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from collections.abc import Sequence
+from itertools import compress, repeat
+from operator import eq
 from typing import Final
 
 from .budget import StateBudget
@@ -18,6 +21,17 @@ from .index import DeviceTree, IndexEventError, Rank
 __all__ = ["BUCKET", "Predictions"]
 
 BUCKET: Final = 0.1
+
+
+class _Batch:
+    """A booking's sequence hashes, sharing one expiry; `start` skips the leading blocks found
+    booked again since (each is skipped once, so asking when the next expiry is stays cheap)."""
+
+    __slots__ = ("hashes", "start")
+
+    def __init__(self, hashes: Sequence[int]) -> None:
+        self.hashes = hashes
+        self.start = 0
 
 
 class Predictions:
@@ -32,7 +46,7 @@ class Predictions:
         self._ttl = ttl
         self._budget = budget
         self._expiry: dict[Rank, dict[int, float]] = {}  # rank -> sequence hash -> when it goes
-        self._heap: list[tuple[float, int, Rank, Sequence[int]]] = []  # (when, order, rank, its batch)
+        self._heap: list[tuple[float, int, Rank, _Batch]] = []  # (when, order, rank, its batch)
         self._order = 0  # ties between batches of one time break by booking order
 
     def record(self, rank: Rank, blocks: Sequence[int], now: float, seqs: Sequence[int] | None = None) -> None:
@@ -49,16 +63,29 @@ class Predictions:
         self._budget.index_blocks += tree.size(rank) - before
         self._expiry.setdefault(rank, {}).update(dict.fromkeys(seqs, expiry))
         self._order += 1
-        heapq.heappush(self._heap, (expiry, self._order, rank, seqs))
+        heapq.heappush(self._heap, (expiry, self._order, rank, _Batch(seqs)))
 
-    def _live(self, expiry: float, rank: Rank, batch: Sequence[int]) -> list[int]:
+    def _live(self, expiry: float, rank: Rank, batch: _Batch) -> list[int]:
         """The blocks of a batch still due at `expiry` (not booked again since)."""
         due = self._expiry.get(rank)
-        return [] if due is None else [h for h in batch if due.get(h) == expiry]
+        if due is None:
+            return []
+        hashes = batch.hashes[batch.start:] if batch.start else batch.hashes
+        return list(compress(hashes, map(eq, map(due.get, hashes), repeat(expiry))))
+
+    def _any_live(self, expiry: float, rank: Rank, batch: _Batch) -> bool:
+        due = self._expiry.get(rank)
+        if due is None:
+            return False
+        hashes, i, end = batch.hashes, batch.start, len(batch.hashes)
+        while i < end and due.get(hashes[i]) != expiry:
+            i += 1
+        batch.start = i
+        return i < end
 
     def next_expiry(self) -> float | None:
         heap = self._heap
-        while heap and not self._live(heap[0][0], heap[0][2], heap[0][3]):
+        while heap and not self._any_live(heap[0][0], heap[0][2], heap[0][3]):
             heapq.heappop(heap)
         return heap[0][0] if heap else None
 
@@ -71,8 +98,7 @@ class Predictions:
             live = self._live(expiry, rank, batch)
             if live:
                 due = self._expiry[rank]
-                for h in live:
-                    del due[h]
+                deque(map(due.__delitem__, live), 0)
                 if not due:
                     del self._expiry[rank]
                 gone.setdefault(rank, []).extend(live)

@@ -57,8 +57,8 @@ class PromptHashes:
 
     def new_blocks(self, load: RankLoad) -> int:
         """How many of this prompt's blocks `load` does not hold yet."""
-        if not load.unique and self._distinct is None and self._seqs is None:
-            return len(self.blocks)
+        if not load.unique and self.chained:
+            return len(self.blocks)  # chained hashes are distinct (as `ahead` counts them)
         ahead = self.counted.get(id(load))
         if ahead is not None and ahead[0] is load and ahead[1] == load.changes:
             return ahead[2]

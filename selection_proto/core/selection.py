@@ -38,6 +38,7 @@ from .errors import (
     ShapeError,
     TooManyRequests,
 )
+from .hashing import signed
 from .index import Rank
 from .journal import Journal
 from .limits import Limits
@@ -299,8 +300,7 @@ class Selector(Admission):
             cached_tokens=chosen.cached, block_size=bs, overlap=overlap,
             effective_prefill_tokens=max(0, prompt.isl - chosen.cached),
             potential_decode_blocks=chosen.decode_blocks + partial,
-            sequence_hashes=None if booked is None else tuple(
-                h - (1 << 64) if h >= 1 << 63 else h for h in booked.blocks or prompt.seqs),
+            sequence_hashes=None if booked is None else signed(booked.blocks or prompt.seqs),
             isl_tokens=None if booked is None else prompt.isl,
             track_prefill_tokens=None if booked is None else track, worker_load=worker_load, decision=decision(
                 chosen, scored, prompt.isl, self._settings.router_policy) if self._settings.explain_header else None)
