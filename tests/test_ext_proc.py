@@ -59,6 +59,7 @@ def run(stream: ExtProcStream, *messages: ProcessingRequest) -> list[ProcessingR
     for message in messages:
         stream.receive(message, 1.0)
         out.extend(stream.replies())
+        stream.replies_written()  # as the gRPC server does once it wrote them
     return out
 
 
@@ -192,8 +193,13 @@ def test_bodies_being_received_count_against_the_servers_buffer_budget() -> None
     replies = run(refused, headers(), body(b"y" * 50_000))
     assert replies[0].immediate_response.status.code == 503 and budget.used == 60_000
     whole = ExtProcStream(service, in_flight=budget)
-    run(whole, headers(), body(completion([1] * 8), end=True))
-    assert budget.used == 60_000 and active(service) == 1  # given back once the body was whole
+    whole.receive(headers(), 1.0)
+    whole.receive(body(completion([1] * 8), end=True), 1.0)
+    assert [r.WhichOneof("response") for r in whole.replies()] == ["request_headers", "request_body"]
+    # Held until the echo of the body is written (a peer that reads nothing holds its bytes).
+    assert budget.used == 60_000 + len(completion([1] * 8)) and active(service) == 1
+    whole.replies_written()
+    assert budget.used == 60_000
     stalled.close(2.0)
     whole.close(2.0)
     assert budget.used == 0 and active(service) == 0
@@ -595,3 +601,140 @@ def test_the_decision_rides_on_the_header_mutation_when_asked() -> None:
                 "x-selection-decision"]
         else:
             assert "x-selection-decision" not in found
+
+
+def test_replies_a_peer_does_not_read_hold_their_bytes_of_the_budget() -> None:
+    """Issue 35: a stream whose peer never reads the echoed body kept it (~6 MB) outside the
+    byte budget, so 150 such streams grew the server by 837 MB. The body's bytes now stay in
+    `--max-buffer-bytes` until its echo is written: past the budget, bodies are refused (503),
+    and served again once the silent stream goes; HTTP answers throughout."""
+    import threading
+    import time
+
+    import grpc
+    from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
+    from test_http import Server, api_call
+
+    server = Server("--ext-proc-port", "0", "--max-buffer-bytes", str(12 << 20), mode="approximate")
+    release = threading.Event()
+    try:
+        target = server.ext_proc_url().removeprefix("grpc://")
+        assert api_call(server.port, "POST", "/workers", {"worker_id": 1, "model_name": "m", "block_size": 16,
+                                                          "endpoint": "http://127.0.0.1:9"})[0] == 201
+        big = completion(list(range(1_000_000)))  # 7.9 MB
+
+        def silent() -> Any:
+            yield headers()
+            yield body(big, end=True)
+            release.wait(30)
+
+        def loads() -> int:
+            return sum(w["active_requests"] for key in api_call(server.port, "GET", "/loads")[1] for w in key["loads"])
+
+        with grpc.insecure_channel(target) as channel:
+            stub = ExternalProcessorStub(channel)
+            unread = stub.Process(silent(), timeout=30)  # its replies are never read
+            deadline = time.monotonic() + 10
+            while loads() == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert loads() == 1
+            other = [headers(), body(completion(list(range(100_000, 800_000))), end=True)]  # 5.5 MB
+            refused = list(stub.Process(iter(other), timeout=20))
+            assert refused[0].immediate_response.status.code == 503, refused[:1]
+            assert b"budget of bytes in flight" in refused[0].immediate_response.body
+            assert api_call(server.port, "GET", "/health") == (200, {"status": "ok"})
+            release.set()
+            unread.cancel()
+            deadline = time.monotonic() + 10
+            while loads() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert loads() == 0  # its booking freed, its bytes back
+            answer = list(stub.Process(iter(other), timeout=20))
+            assert answer[0].HasField("request_headers"), answer[:1]
+    finally:
+        release.set()
+        server.stop()
+
+
+def test_open_streams_keep_no_parsed_prompt() -> None:
+    """A routed stream stays open for its whole response; it kept its parsed body (a million
+    token ids: ~36 MB of Python ints) through the parsed body's `exact` reader, so 50 open streams
+    held 2.2 GB. Ten open streams with million-token prompts now grow the server by their
+    bookings only."""
+    import threading
+
+    import grpc
+    from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
+    from test_hardening import rss_bytes
+    from test_http import Server, api_call
+
+    server = Server("--ext-proc-port", "0", mode="approximate")
+    release = threading.Event()
+    try:
+        target = server.ext_proc_url().removeprefix("grpc://")
+        assert api_call(server.port, "POST", "/workers", {"worker_id": 1, "model_name": "m", "block_size": 16,
+                                                          "endpoint": "http://127.0.0.1:9"})[0] == 201
+        before = rss_bytes(server.proc.pid)
+
+        def held(n: int) -> Any:
+            yield headers()
+            yield body(completion([n, *range(1_000, 1_000_000)]), end=True)  # 7.9 MB
+            release.wait(60)
+
+        with grpc.insecure_channel(target) as channel:
+            stub = ExternalProcessorStub(channel)
+            streams = []
+            for n in range(10):
+                replies = stub.Process(held(n), timeout=60)
+                for reply in replies:  # read up to the end of the echoed body
+                    if reply.request_body.response.body_mutation.streamed_response.end_of_stream:
+                        break
+                streams.append(replies)
+            loads = api_call(server.port, "GET", "/loads")[1][0]["loads"]
+            assert loads[0]["active_requests"] == 10
+            grown = rss_bytes(server.proc.pid) - before
+            assert grown < 350 << 20, grown / (1 << 20)  # 207 MB here; 580 MB with the parsed prompts
+            release.set()
+            for call in streams:
+                call.cancel()
+        assert api_call(server.port, "GET", "/health") == (200, {"status": "ok"})
+    finally:
+        release.set()
+        server.stop()
+
+
+def test_picker_connections_are_capped_and_silent_ones_time_out() -> None:
+    """Issue 35: the picker had no cap on gRPC connections. Past `--max-connections` a new one is
+    closed at once; a connection that never completes its HTTP/2 handshake is closed after
+    `--request-timeout-secs`, its slot given back; HTTP answers throughout."""
+    import socket
+    import time
+
+    from test_http import Server, api_call
+
+    server = Server("--ext-proc-port", "0", "--max-connections", "4", "--request-timeout-secs", "1",
+                    mode="approximate")
+    try:
+        host, port = server.ext_proc_url().removeprefix("grpc://").rsplit(":", 1)
+        silent = [socket.create_connection((host, int(port)), timeout=5) for _ in range(6)]
+        time.sleep(0.3)
+        states = []
+        for sock in silent:
+            sock.settimeout(0.3)
+            try:
+                states.append("settings" if sock.recv(9)[3:4] == b"\x04" else "closed")
+            except TimeoutError:
+                states.append("open")
+        assert states == ["settings"] * 4 + ["closed"] * 2, states
+        assert api_call(server.port, "GET", "/health") == (200, {"status": "ok"})
+        for sock in silent[:4]:  # never a preface: closed once the handshake times out
+            sock.settimeout(5)
+            while sock.recv(65536):
+                pass
+        time.sleep(0.2)
+        again = socket.create_connection((host, int(port)), timeout=5)
+        assert again.recv(9)[3:4] == b"\x04"  # a slot again: the server's SETTINGS frame
+        for sock in [*silent, again]:
+            sock.close()
+    finally:
+        server.stop()

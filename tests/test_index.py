@@ -11,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import selection_proto.core.index as index_module
-
 from selection_proto.core.events import decode_json_events
 from selection_proto.core.index import DeviceTree, IndexEventError
 from selection_proto.core.tiers import KeyIndex

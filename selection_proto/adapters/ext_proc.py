@@ -98,6 +98,13 @@ class ExtProcStream:
         while self._out:
             yield self._out.popleft()
 
+    def replies_written(self) -> None:
+        """The caller wrote every reply taken so far. A body's bytes stay in the budget until its
+        echo is written: a peer that reads nothing holds them, never more (without this call,
+        until `close`)."""
+        if self._body_done and self.pending_ticket is None and not self._out:
+            self._release()
+
     def receive(self, message: ProcessingRequest, now: float) -> None:
         if self.finished:
             return
@@ -123,11 +130,9 @@ class ExtProcStream:
                 self._refuse(413, f"the request body exceeds {self._max_body} bytes")
                 self._release()
             elif message.request_body.end_of_stream:
-                self._release()
-                self._route(now)
+                self._route(now)  # its bytes stay held until they are sent on (`replies_written`)
         elif kind == "request_trailers":
             if not self._body_done:
-                self._release()  # the body is whole: its bytes leave the budget, as at end_of_stream
                 self._route(now)  # the body ended with trailers, not with end_of_stream
             if not self.finished:
                 self._out.append(ProcessingResponse(request_trailers=TrailersResponse()))

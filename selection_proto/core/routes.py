@@ -163,5 +163,11 @@ class ParsedBody:
 
     def release(self) -> None:
         """Drop what was parsed: freeing millions of objects takes tens of milliseconds, so a
-        server calls this in a worker thread once the request is answered."""
+        server calls this in a worker thread once the request is answered. `exact` goes too: it
+        may hold the value or the text (the picker's streams outlive their request by minutes)."""
         self.value = self.events = self.prehashed = None
+        self.exact = _released
+
+
+def _released() -> Any:
+    raise RuntimeError("the parsed body was released")

@@ -89,6 +89,12 @@ class ExtProcServer:
         options = self.options
         self.grpc = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                              ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                                             # each a descriptor, as HTTP's: the same cap
+                                             ("grpc.max_allowed_incoming_connections",
+                                              self.server.config.max_connections),
+                                             # a peer that never says a word frees its slot in time
+                                             ("grpc.server_handshake_timeout_ms",
+                                              int(1000 * self.server.config.request_timeout_secs)),
                                              # shared by the processes of --processes; else a
                                              # port in use must fail the start
                                              ("grpc.so_reuseport", 1 if self.server.config.reuse_port else 0)])
@@ -186,7 +192,8 @@ class _Picker:
                 if stream.pending_ticket is not None:
                     await self._wait(stream)
                 for reply in stream.replies():
-                    await context.write(reply)
+                    await context.write(reply)  # waits while the peer reads nothing
+                stream.replies_written()
                 await server.pump()
                 if stream.finished:
                     return
