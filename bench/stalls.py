@@ -2,7 +2,7 @@
 another connection sends, over and over, one of the heaviest requests a client may send
 (docs/INVARIANTS.md, "No single request stalls everyone"; goal: p99 under 50 ms).
 
-    python bench/stalls.py [--scenarios ws_events,ws_flood,delete_bookings,ready,select_1m,select_booked,post_events,snapshot]
+    python bench/stalls.py [--scenarios ws_events,ws_flood,picker_echo,delete_bookings,ready,select_1m,select_booked,post_events,snapshot]
         [--seconds 5] [--bookings 100000] [--workers 100000] [--blocks 200000]
 
 Each scenario starts its own `selection-proto serve --kv-events push` and prepares its state
@@ -183,6 +183,42 @@ def scenario_ws_flood(opts: argparse.Namespace) -> dict[str, float]:
         proc.wait()
 
 
+def scenario_picker_echo(opts: argparse.Namespace) -> dict[str, float]:
+    """Issue 35: ext_proc streams of a 7.7 MB text completion each (parsed and tokenized in a
+    thread; the body echoed back to the client in 62,000-byte pieces from the loop)."""
+    import grpc
+    from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+    from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody, HttpHeaders, ProcessingRequest
+    from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        grpc_port = probe.getsockname()[1]
+    proc, port = start(["--ext-proc-port", str(grpc_port), "--kv-events", "approximate"])
+    try:
+        Conn(port).call("POST", "/workers", json.dumps(worker(1, endpoint="http://127.0.0.1:9")).encode())
+        body = json.dumps({"model": "m", "prompt": "hello world " * 640_000}).encode()
+        messages = [ProcessingRequest(request_headers=HttpHeaders(headers=HeaderMap(headers=[
+            HeaderValue(key=":path", raw_value=b"/v1/completions"), HeaderValue(key=":method", raw_value=b"POST")]))),
+            ProcessingRequest(request_body=HttpBody(body=body, end_of_stream=True))]
+        channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=[
+            ("grpc.max_receive_message_length", 16 << 20), ("grpc.max_send_message_length", 16 << 20)])
+        stub = ExternalProcessorStub(channel)
+        time.sleep(0.5)  # the picker listens a moment after the HTTP port
+
+        def heavy(conn: Conn) -> None:
+            for _ in stub.Process(iter(messages), timeout=60):
+                pass
+
+        try:
+            return measure(port, heavy, opts.seconds)
+        finally:
+            channel.close()
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
 def scenario_post_events(opts: argparse.Namespace) -> dict[str, float]:
     """The same 8 MB of events as one `POST /kv_events` (not sliced: see docs/INVARIANTS.md)."""
     proc, port = start([])
@@ -320,7 +356,7 @@ def scenario_snapshot(opts: argparse.Namespace) -> dict[str, float]:
         os.rmdir(folder)
 
 
-SCENARIOS = {"ws_events": scenario_ws_events, "ws_flood": scenario_ws_flood, "delete_bookings": scenario_delete_bookings,
+SCENARIOS = {"ws_events": scenario_ws_events, "ws_flood": scenario_ws_flood, "picker_echo": scenario_picker_echo, "delete_bookings": scenario_delete_bookings,
              "ready": scenario_ready, "select_1m": scenario_select_1m,
              "select_booked": scenario_select_booked, "post_events": scenario_post_events,
              "snapshot": scenario_snapshot}
