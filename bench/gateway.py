@@ -6,7 +6,7 @@ against one fast fake engine (asyncio, a fixed 60-byte JSON answer), three ways:
     envoy    wrk -> Envoy -> engine                  (deploy/envoy/envoy.yaml without ext_proc)
     picker   wrk -> Envoy -> engine, Envoy asking `selection-proto serve --ext-proc-port`
 
-    python bench/gateway.py [--seconds 5] [--connections 1,16] [--prompt-tokens 1024]
+    python bench/gateway.py [--seconds 5] [--connections 1,16] [--prompt-tokens 1024] [--paths direct,envoy,picker]
 
 Everything shares the machine's cores (Envoy runs one worker thread); read the figures as what
 each hop adds here, not as any one part's ceiling.
@@ -67,7 +67,16 @@ def start_engine(port: int) -> None:
     wait_port(port)
 
 
-def envoy_config(folder: str, listen: int, engine: int, picker: int | None) -> str:
+# What Envoy sends the picker of the response (the request is always sent whole, streamed).
+RESPONSE_MODES = {
+    "streamed": {"response_header_mode": "SEND", "response_body_mode": "FULL_DUPLEX_STREAMED",
+                 "response_trailer_mode": "SEND"},  # deploy/envoy/envoy.yaml: prefill seen at the first chunk
+    "headers": {"response_header_mode": "SEND", "response_body_mode": "NONE", "response_trailer_mode": "SKIP"},
+    "none": {"response_header_mode": "SKIP", "response_body_mode": "NONE", "response_trailer_mode": "SKIP"},
+}
+
+
+def envoy_config(folder: str, listen: int, engine: int, picker: int | None, response_mode: str = "streamed") -> str:
     with open(os.path.join(ROOT, "deploy", "envoy", "envoy.yaml")) as fh:
         config = yaml.safe_load(fh)
     resources = config["static_resources"]
@@ -82,6 +91,8 @@ def envoy_config(folder: str, listen: int, engine: int, picker: int | None) -> s
                                             "address": "127.0.0.1", "port_value": engine}}}}]}]}}
         del resources["clusters"][1]
     else:
+        ext_proc = manager["http_filters"][0]["typed_config"]
+        ext_proc["processing_mode"].update(RESPONSE_MODES[response_mode])
         cluster = resources["clusters"][1]
         cluster["type"] = "STATIC"
         cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"][
@@ -90,6 +101,29 @@ def envoy_config(folder: str, listen: int, engine: int, picker: int | None) -> s
     with open(path, "w") as fh:
         yaml.safe_dump(config, fh)
     return path
+
+
+class BookingSampler:
+    """The share of `/loads` samples (every 10 ms) that show a booking: a picker whose stream
+    ends with the request phase would free each booking before its engine answered."""
+
+    def __init__(self, api: int) -> None:
+        self.api, self.samples, self.booked = api, 0, 0
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.wait(0.01):
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.api}/loads") as answer:
+                loads = json.loads(answer.read())
+            self.samples += 1
+            self.booked += any(w["active_requests"] for key in loads for w in key["loads"])
+
+    def stop(self) -> float:
+        self.done.set()
+        self.thread.join()
+        return self.booked / max(1, self.samples)
 
 
 def envoy_binary() -> str:
@@ -132,9 +166,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=5)
     parser.add_argument("--connections", default="1,16")
     parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--paths", default="direct,envoy,picker",
+                        help="picker takes the response mode: picker (streamed), picker:headers, picker:none")
     args = parser.parse_args()
     body = json.dumps({"model": "m", "prompt": list(range(args.prompt_tokens)), "max_tokens": 1}).encode()
-    engine, api, ext_proc, plain, picked = (free_port() for _ in range(5))
+    engine, api, ext_proc = (free_port() for _ in range(3))
     start_engine(engine)
     serve = subprocess.Popen([sys.executable, "-m", "selection_proto", "serve", "--port", str(api), "--kv-events",
                               "approximate", "--ext-proc-port", str(ext_proc)], stderr=subprocess.DEVNULL)
@@ -147,18 +183,30 @@ def main() -> None:
             {"worker_id": 1, "model_name": "m", "block_size": 16, "endpoint": f"http://127.0.0.1:{engine}"}).encode(),
             headers={"content-type": "application/json"})
         urllib.request.urlopen(request).read()
-        for listen, picker in ((plain, None), (picked, ext_proc)):
-            envoys.append(subprocess.Popen([envoy_binary(), "-c", envoy_config(folder, listen, engine, picker),
+        paths = args.paths.split(",")
+        ports = {"direct": engine}
+        for path in paths:
+            if path == "direct":
+                continue
+            listen = free_port()
+            picker, mode = (None, "") if path == "envoy" else (ext_proc, path.partition(":")[2] or "streamed")
+            envoys.append(subprocess.Popen([envoy_binary(), "-c", envoy_config(folder, listen, engine, picker, mode),
                                             "--base-id", str(listen), "--concurrency", "1", "--log-level", "error"]))
             wait_port(listen)
+            ports[path] = listen
         time.sleep(2)  # the picker's health check passes
         rows = []
         for connections in (int(c) for c in args.connections.split(",")):
-            for name, port in (("direct", engine), ("envoy", plain), ("picker", picked)):
-                rows.append({"path": name, "connections": connections, **wrk(port, body, connections, args.seconds)})
-        print(f"{'path':8} {'conns':>5} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
+            for path in paths:
+                held = BookingSampler(api) if path.startswith("picker") else None
+                result = wrk(ports[path], body, connections, args.seconds)
+                rows.append({"path": path, "connections": connections, **result,
+                             **({"booked_share": held.stop()} if held is not None else {})})
+        print(f"{'path':16} {'conns':>5} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'booked':>7}")
         for row in rows:
-            print(f"{row['path']:8} {row['connections']:>5} {row['rps']:>8.0f} {row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f}")
+            booked = f"{row['booked_share']:>7.0%}" if "booked_share" in row else ""
+            print(f"{row['path']:16} {row['connections']:>5} {row['rps']:>8.0f} {row['p50_ms']:>8.2f} "
+                  f"{row['p99_ms']:>8.2f} {booked}")
         print(json.dumps(rows))
     finally:
         for envoy in envoys:

@@ -13,7 +13,6 @@ last event) goes back with the free, for the verdict (docs/VERDICT.md)."""
 
 from __future__ import annotations
 
-import json
 import re
 from collections import deque
 from collections.abc import Iterator, Mapping
@@ -36,6 +35,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 )
 from envoy.type.v3.http_status_pb2 import HttpStatus
 
+from ..core import jsonio
 from ..core.ahead import hash_ahead
 from ..core.handler import DECISION_HEADER
 from ..core.metrics import EXT_PROC_STREAMS
@@ -262,13 +262,13 @@ class ExtProcStream:
         if self.finished:
             return
         if response.status != 200:
-            message = json.loads(response.body).get("error", "selection failed")
+            message = jsonio.loads(response.body).get("error", "selection failed")
             status = response.status  # the core's 409, 415 and 422 are the request's fault too: 400
             # The Gateway API protocol says 429 for "not now", so Dynamo's 529 is 429 here.
             self._refuse(429 if status == 529 else status if status in (404, 413, 429, 503) else 400 if status < 500
                          else 500, message, retry_after=dict(response.headers).get("retry-after"))
             return
-        answer = json.loads(response.body)
+        answer = jsonio.loads(response.body)
         self.booking = (answer["reservation_id"], answer["model_name"], answer["tenant_id"])
         self._send_destination(answer["endpoint"], dict(response.headers).get(DECISION_HEADER))
         if self._buffered:

@@ -36,6 +36,7 @@ SERVICE_NAME: Final = "envoy.service.ext_proc.v3.ExternalProcessor"
 HEALTH_NAMES: Final = ("", SERVICE_NAME, "liveness", "readiness")
 MAX_MESSAGE_BYTES: Final = 16 << 20  # a chunk is at most Envoy's buffer; room for a whole 8 MiB body
 STOP_GRACE_SECS: Final = 5.0
+INLINE_BODY_BYTES: Final = 64 * 1024  # ~10k token ids, or 64 KB of text: a few ms at most
 
 
 class Host(Protocol):
@@ -180,12 +181,19 @@ class _Picker:
                     return
                 try:
                     stream.receive(message, server.clock())
-                    if stream.body_ready:  # parsed, tokenized and hashed off the loop, as HTTP bodies are
-                        prepared = await anyio.to_thread.run_sync(
-                            prepare_body, stream.take_body(), self.tokenizers, server.service.pools)
-                        stream.route_prepared(prepared, server.clock())
-                        if isinstance(prepared, ParsedBody):
-                            await anyio.to_thread.run_sync(prepared.release)
+                    if stream.body_ready:
+                        body = stream.take_body()
+                        # A large body is parsed, tokenized and hashed off the loop, as HTTP's
+                        # are; a small one here (a thread's round trip is most of its cost).
+                        if len(body) <= INLINE_BODY_BYTES:
+                            prepared = prepare_body(body, self.tokenizers, server.service.pools)
+                            stream.route_prepared(prepared, server.clock())
+                        else:
+                            prepared = await anyio.to_thread.run_sync(
+                                prepare_body, body, self.tokenizers, server.service.pools)
+                            stream.route_prepared(prepared, server.clock())
+                            if isinstance(prepared, ParsedBody):
+                                await anyio.to_thread.run_sync(prepared.release)
                 except Exception:  # noqa: BLE001 - confined to this stream: Envoy sees it end
                     server.service.internal_error("ext_proc")
                     return
