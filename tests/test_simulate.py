@@ -349,3 +349,20 @@ def test_the_report_says_the_differences_in_words_and_a_far_behind_baseline_turn
     xs = [float(point.split(",")[0]) for point in first.group(1).split()]
     assert max(xs) - min(xs) > 0.3 * 620  # the fast setting's curve spans the chart, not its left edge
     assert "log scale" not in html_report([fast, setting("close", 0.4, 0.5)], FleetConfig(), "t")
+
+
+def test_the_series_stay_bounded_when_the_fleet_runs_long_after_the_last_arrival() -> None:
+    """Two requests arriving together, each a long generation: the fleet runs minutes after the
+    last arrival, and the per-engine series were sampled every millisecond meanwhile (a run of
+    one million-token prompt kept 480,000 samples). They keep at most twice `samples` points,
+    evenly spread over the whole run."""
+    lines = [json.dumps({"timestamp": 0, "input_length": 512, "output_length": 20_000, "hash_ids": [i]}).encode()
+             for i in range(2)]
+    config = FleetConfig(engines=2, kv_blocks=100, load=0.5, samples=50)
+    (run,) = simulate(lambda: parse_trace(lines, "long", 512), config, [("default", Settings(kv_events="push"))])
+    times = run.series["times"]
+    assert run.requests == 2 and 50 <= len(times) < 100, len(times)
+    assert all(len(s) == len(times) for s in (*run.series["in_flight"], *run.series["kv_used"]))
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    assert max(gaps) <= 1.01 * min(gaps), gaps
+    assert times[-1] > 60  # they cover the whole run: 20,000 tokens decoded after the arrivals

@@ -5,6 +5,7 @@ admission under that cache, chunked prefill, and the KV events a vLLM engine pub
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -127,8 +128,10 @@ class SimRequest:
         self.arrival = arrival
         self.isl = trace.input_length
         self.osl = max(1, trace.output_length)
-        self.locals = local_hashes  # the router-side hash of each of its blocks
-        self.seqs = sequence_hashes(self.locals)
+        # The router-side hash of each of its blocks, and their sequence hashes, packed: a trace
+        # line of a million hash ids would take ~90 MB as lists of ints, 16 MB as arrays.
+        self.locals = array("Q", local_hashes)
+        self.seqs = array("Q", sequence_hashes(local_hashes))
         self.full = trace.input_length // block_size  # cacheable blocks: the full ones
         self.engine = -1
         self.cached = 0  # prompt tokens the engine had cached
@@ -142,6 +145,9 @@ class SimRequest:
         # What the router's flow control reads (docs/FLOW_CONTROL.md), the members the trace gave.
         self.flow: dict[str, Any] = {k: v for k, v in (("fairness_id", trace.tenant), ("priority", trace.priority),
                                        ("deadline_ms", trace.deadline_ms)) if v is not None}
+
+
+EVENT_BLOCKS = 4096  # blocks per stored event at most: a 1M-block prompt's event was ~120 MB
 
 
 class Engine:
@@ -283,6 +289,9 @@ class Engine:
             else:
                 self.active[seq] = 1
                 run.append((seq, req.locals[i]))
+                if len(run) == EVENT_BLOCKS:  # a long prompt is published in chained events
+                    self._flush(run, run_parent)
+                    run, run_parent = [], seq
             req.blocks_held.append(seq)
             self.private -= 1
             req.private -= 1

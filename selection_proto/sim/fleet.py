@@ -18,6 +18,7 @@ import attrs
 
 from ..core.errors import NotFound, SelectionError
 from ..core.events import KvEvent
+from ..core.hashing import signed
 from ..core.outputs import SelectionReady
 from ..core.responses import Pending, SelectResponse
 from ..core.service import SelectionService
@@ -30,11 +31,6 @@ from .trace import TraceRequest
 __all__ = ["BASELINES", "SettingRun", "simulate"]
 
 BASELINES = ("random", "round-robin", "least-loaded")
-
-
-def _signed(value: int) -> int:
-    """A u64 as the API's i64 (the same 64 bits)."""
-    return value - (1 << 64) if value >> 63 else value
 
 
 @attrs.frozen(kw_only=True)
@@ -110,7 +106,7 @@ class _Router:
             return self.turn
         try:
             answer = self.service.select_and_reserve(SelectAndReserveRequest(
-                model_name="m", block_hashes=req.locals, sequence_hashes=[_signed(h) for h in req.seqs],
+                model_name="m", block_hashes=req.locals.tolist(), sequence_hashes=list(signed(req.seqs)),
                 isl_tokens=req.isl,
                 reservation_id=req.rid, **req.flow), now=now)
         except SelectionError:
@@ -280,8 +276,14 @@ def _run(name: str, setting: Settings | str | None, arrivals: Iterable[tuple[flo
             for i, e in enumerate(engines):
                 inflight[i].append(loads[i])
                 kv[i].append(round(e.used() / e.capacity, 4))
+            if len(times) >= 2 * config.samples:  # the fleet runs on long past the last arrival:
+                interval *= 2  # every other sample kept, at half the pace (the series stay bounded)
+                times[:] = times[::2]
+                busy_max[:] = busy_max[::2]
+                for series in (*inflight, *kv):
+                    series[:] = series[::2]
             if live or more:
-                push(now + interval, _SAMPLE, None)
+                push(times[-1] + interval, _SAMPLE, None)
         answered(now)
     router.close()
     prompt = sum(e.prompt_tokens for e in engines)

@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 import msgpack
 
 from ..core.events import KvEvent
-from ..core.hashing import block_hashes, sequence_hashes
+from ..core.hashing import block_hashes, signed
 from ..core.outputs import SelectionReady
 from .engine import FleetConfig, SimRequest
 
@@ -31,10 +31,6 @@ __all__ = ["ServiceRouter"]
 
 SETTLE_SECS = 0.002  # after publishing events, before the next call: the service applies them
 JOIN_SECS = 1.0  # after registering: the service's SUB sockets connect (ZMQ's slow joiner)
-
-
-def _signed(value: int) -> int:
-    return value - (1 << 64) if value >> 63 else value
 
 
 class ServiceRouter:
@@ -95,8 +91,8 @@ class ServiceRouter:
             time.sleep(SETTLE_SECS)
             self.settle = False
         status, body = self._call("POST", "/select_and_reserve", {
-            "model_name": self.model, "block_hashes": [_signed(h) for h in req.locals],
-            "sequence_hashes": [_signed(h) for h in sequence_hashes(req.locals)], "isl_tokens": req.isl,
+            "model_name": self.model, "block_hashes": signed(req.locals),
+            "sequence_hashes": signed(req.seqs), "isl_tokens": req.isl,
             "selection_id": req.rid, **req.flow})
         if status != 200:
             return None
