@@ -280,8 +280,10 @@ def _run(name: str, setting: Settings | str | None, arrivals: Iterable[tuple[flo
                 interval *= 2  # every other sample kept, at half the pace (the series stay bounded)
                 times[:] = times[::2]
                 busy_max[:] = busy_max[::2]
-                for series in (*inflight, *kv):
-                    series[:] = series[::2]
+                for counts in inflight:
+                    counts[:] = counts[::2]
+                for shares in kv:
+                    shares[:] = shares[::2]
             if live or more:
                 push(times[-1] + interval, _SAMPLE, None)
         answered(now)
