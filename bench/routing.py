@@ -2,7 +2,7 @@
 Mooncake trace, loads and fleet sizes, for both router policies in process, Dynamo 1.6.1 over
 HTTP (`--service`, when `--reference-python` is given) and the baselines.
 
-    python bench/routing.py [--reference-python .venv-reference/bin/python] [--requests 3000] [--synthetic]
+    python bench/routing.py [--reference-python .venv-reference/bin/python] [--requests 3000] [--synthetic] [--hard]
 """
 
 from __future__ import annotations
@@ -67,6 +67,8 @@ def main() -> int:
     parser.add_argument("--reference-python", default=None)
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--trace", default=TRACE)
+    parser.add_argument("--hard", action="store_true",
+                        help="issue 31's cases: saturation, mixed engine speeds, no prefill_complete, event lag")
     parser.add_argument("--synthetic", action="store_true",
                         help="a generated high-reuse trace instead (synthetic_trace), one slice")
     args = parser.parse_args()
@@ -80,27 +82,39 @@ def main() -> int:
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      env={**os.environ, "RUST_LOG": "error", "DYN_LOG": "error"})
         wait_for(port)
-    cases = [(skip, load, engines) for skip in (0, 4000, 8000) for load, engines in ((0.8, 8),)]
-    cases += [(4000, load, 8) for load in (0.5, 1.0)] + [(4000, 0.8, engines) for engines in (4, 16)]
+    cases: list[tuple[int, float, int, tuple[str, ...]]] = [
+        (skip, 0.8, 8, ()) for skip in (0, 4000, 8000)]
+    cases += [(4000, load, 8, ()) for load in (0.5, 1.0)] + [(4000, 0.8, engines, ()) for engines in (4, 16)]
     if args.synthetic:
-        cases = [(0, load, engines) for load, engines in ((0.5, 8), (0.8, 8), (1.0, 8), (0.8, 4), (0.8, 16))]
-    print("| slice | load | engines | setting | TTFT mean | p50 | p90 | p99 | hit rate |")
-    print("|---|---|---|---|---|---|---|---|---|")
+        cases = [(0, load, engines, ()) for load, engines in ((0.5, 8), (0.8, 8), (1.0, 8), (0.8, 4), (0.8, 16))]
+    if args.hard:  # issue 31's cases: saturation, unknown engine speeds, silent clients, event lag
+        mixed = ("--engine-speeds", "1,0.5")
+        cases = [(skip, load, engines, extra) for skip in (0, 4000) for load, engines, extra in (
+            (1.1, 8, ()), (1.2, 8, ()), (0.8, 8, mixed), (0.8, 8, ("--no-prefill-complete",)),
+            (0.8, 8, (*mixed, "--no-prefill-complete")), (1.0, 8, (*mixed, "--no-prefill-complete")),
+            (0.8, 8, ("--event-delay", "0.5")), (0.5, 4, ()), (0.8, 16, mixed))]
+    print("| slice | load | engines | fleet | setting | TTFT mean | p50 | p90 | p99 | hit rate | mean, p99 vs Dynamo |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     try:
-        for skip, load, engines in cases:
+        for skip, load, engines, extra in cases:
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
                 command = [sys.executable, "-m", "selection_proto", "simulate", args.trace, "--skip", str(skip),
                            "--requests", str(args.requests), "--load", str(load), "--engines", str(engines),
-                           "--compare", "router_policy=dynamo", "--compare", "router_policy=ttft", "--json", out.name]
+                           "--compare", "router_policy=dynamo", "router_policy=ttft", "--json", out.name,
+                           "--no-baselines", *extra]
                 if reference is not None:
                     command += ["--service", f"http://127.0.0.1:{port}"]
                 subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
                 runs = json.load(open(out.name))["settings"]
+            # Dynamo is the reference over HTTP when it runs, else its cost in process.
+            dynamo = next((r for r in runs if r["name"].startswith("service")), runs[0])["ttft"]
+            fleet = " ".join(extra).replace("--engine-speeds ", "speeds ").replace("--", "") or "-"
             for run in runs:
                 name = "Dynamo 1.6.1 (--service)" if run["name"].startswith("service") else run["name"]
                 t = run["ttft"]
-                print(f"| {skip}-{skip + args.requests} | {load} | {engines} | {name} | {t['mean']:.3f} "
-                      f"| {t['p50']:.3f} | {t['p90']:.3f} | {t['p99']:.3f} | {run['hit_rate']:.3f} |", flush=True)
+                print(f"| {skip}-{skip + args.requests} | {load} | {engines} | {fleet} | {name} | {t['mean']:.3f} "
+                      f"| {t['p50']:.3f} | {t['p90']:.3f} | {t['p99']:.3f} | {run['hit_rate']:.3f} "
+                      f"| {t['mean'] / dynamo['mean']:.2f}x, {t['p99'] / dynamo['p99']:.2f}x |", flush=True)
     finally:
         if reference is not None:
             reference.terminate()

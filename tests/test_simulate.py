@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+import selection_proto.sim.fleet as fleet_module
 from selection_proto.core.settings import Settings
 from selection_proto.sim import FleetConfig, parse_trace, simulate
 
@@ -150,7 +151,10 @@ def test_a_missing_or_corrupt_file_and_bad_flags_exit_2(tmp_path: Path) -> None:
                         (("--report", str(tmp_path)), f"{tmp_path}: is a folder; name a file to write"),
                         (("--json", str(tmp_path)), f"{tmp_path}: is a folder; name a file to write"),
                         (("--compare", "nonsense=1"), "--compare: expected KEY=VALUE with a setting's name"),
-                        (("--compare", "overlap_score_weight=x"), "invalid float value 'x'")):
+                        (("--compare", "overlap_score_weight=x"), "invalid float value 'x'"),
+                        (("--engine-speeds", "1,0"), "--engine-speeds: at most 1024 numbers, each from 0.001 to 1000"),
+                        (("--engine-speeds", "1,nan"), "--engine-speeds: at most 1024 numbers"),
+                        (("--engine-speeds", "fast"), "--engine-speeds: 'fast' is not a list of numbers")):
         done = run(str(good), *flags)
         assert done.returncode == 2 and text in done.stderr and "Traceback" not in done.stderr, done.stderr
 
@@ -366,3 +370,47 @@ def test_the_series_stay_bounded_when_the_fleet_runs_long_after_the_last_arrival
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     assert max(gaps) <= 1.01 * min(gaps), gaps
     assert times[-1] > 60  # they cover the whole run: 20,000 tokens decoded after the arrivals
+
+
+def test_engine_speeds_slow_the_engines_named_and_the_load_follows_the_fleet(tmp_path: Path) -> None:
+    """Issue 31: a mixed fleet. Every other engine a quarter as fast: round-robin, blind to speed,
+    gives the slow ones as much as the fast ones and waits far longer than on a uniform fleet
+    offered the same share of its capacity, while a load-aware router keeps closer."""
+    out, mixed_out = tmp_path / "uniform.json", tmp_path / "mixed.json"
+    common = [str(trace_file()), "--requests", "1500", "--engines", "4", "--load", "0.7", "--compare",
+              "router_policy=ttft"]
+    assert run(*common, "--json", str(out)).returncode == 0
+    done = run(*common, "--engine-speeds", "1,0.25", "--json", str(mixed_out))
+    assert done.returncode == 0, done.stderr
+    uniform = {r["name"]: r for r in json.loads(out.read_text())["settings"]}
+    document = json.loads(mixed_out.read_text())
+    mixed = {r["name"]: r for r in document["settings"]}
+    assert document["fleet"]["engine_speeds"] == [1.0, 0.25]
+    assert mixed["round-robin"]["ttft"]["mean"] > 3 * uniform["round-robin"]["ttft"]["mean"]
+    assert mixed["router_policy=ttft"]["ttft"]["mean"] < mixed["round-robin"]["ttft"]["mean"] / 3
+    assert all(r["requests"] == 1500 and r["failed"] == 0 for r in mixed.values())
+
+
+def test_without_prefill_complete_the_router_hears_only_frees() -> None:
+    """Clients that never call prefill_complete: the core never hears one, each booking's prefill
+    tokens count until its free, and the routing changes."""
+    lines = [json.dumps({"timestamp": i * 100, "input_length": 4 * 512, "output_length": 200,
+                         "hash_ids": [i % 7, 100 + i, 200 + i, 300 + i]}).encode() for i in range(300)]
+    heard: list[int] = []
+
+    class Counting(fleet_module.SelectionService):
+        def prefill_complete(self, *args: Any, **kwargs: Any) -> None:
+            heard.append(1)
+            super().prefill_complete(*args, **kwargs)
+
+    runs = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fleet_module, "SelectionService", Counting)
+        for told in (True, False):
+            heard.clear()
+            config = FleetConfig(engines=4, kv_blocks=200, load=0.9, prefill_complete=told)
+            (runs[told],) = simulate(lambda: parse_trace(lines, "t", 512), config,
+                                     [("ttft", Settings(kv_events="push", router_policy="ttft"))])
+            assert (len(heard) == 300) if told else not heard
+    assert runs[True].requests == runs[False].requests == 300
+    assert runs[True].ttft != runs[False].ttft

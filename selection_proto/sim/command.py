@@ -48,6 +48,11 @@ def add_parser(sub: Any) -> None:
     command.add_argument("--skip", type=int, default=0, help="skip the first N requests")
     command.add_argument("--trace-block-size", type=int, default=512, help="tokens per hash id (512)")
     command.add_argument("--event-delay", type=float, default=0.0, help="seconds KV events take to arrive (0)")
+    command.add_argument("--engine-speeds", default="", metavar="X[,X...]",
+                         help="each engine's speed as a multiple of the model's, cycled over the engines "
+                              "(e.g. 1,0.5: every other engine half as fast); the router is not told")
+    command.add_argument("--no-prefill-complete", action="store_true",
+                         help="clients never call prefill_complete: only frees tell the router a request moved on")
     command.add_argument("--compare", action="extend", nargs="+", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                          help="settings of the service to run, each KEY=VALUE[,KEY=VALUE] (several after one "
                               "flag, or the flag repeated); default: the defaults")
@@ -64,6 +69,19 @@ def add_parser(sub: Any) -> None:
     for name, kind, text in _MODEL_FLAGS:
         command.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name),
                              help=f"{text} ({getattr(defaults, name)})")
+
+
+def _speeds(text: str) -> tuple[float, ...]:
+    """`--engine-speeds`: positive multiples, at most 1,024 of them."""
+    if not text:
+        return ()
+    try:
+        speeds = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise UsageError(f"--engine-speeds: {text[:40]!r} is not a list of numbers") from None
+    if len(speeds) > 1024 or not all(1e-3 <= s <= 1e3 for s in speeds):
+        raise UsageError("--engine-speeds: at most 1024 numbers, each from 0.001 to 1000")
+    return speeds
 
 
 def _lines(path: str) -> Iterator[bytes]:
@@ -101,9 +119,11 @@ def run(args: argparse.Namespace) -> int:
     for name in ("event_delay", "prefill_fixed_ms", "attention_ms", "decode_ms", "decode_full_ms"):
         if not 0 <= getattr(args, name) < float("inf"):
             raise UsageError(f"--{name.replace('_', '-')}: must be a number of at least 0")
+    speeds = _speeds(args.engine_speeds)
     model = EngineModel(mocker=args.mocker_timing, **{name: getattr(args, name) for name, _, _ in _MODEL_FLAGS})
     config = FleetConfig(engines=args.engines, kv_blocks=args.kv_blocks, trace_block_size=args.trace_block_size,
-                         load=args.load, speedup=args.speedup, event_delay_secs=args.event_delay, seed=args.seed, model=model)
+                         load=args.load, speedup=args.speedup, event_delay_secs=args.event_delay, seed=args.seed, model=model,
+                         engine_speeds=speeds, prefill_complete=not args.no_prefill_complete)
     base = Settings(kv_events="push")
     runs: list[tuple[str, Settings | str | None]] = [
         (text, settings_with(base, text, "--compare")) for text in args.compare]

@@ -116,6 +116,13 @@ class FleetConfig:
     seed: int = 0
     model: EngineModel = EngineModel()
     samples: int = 200  # points of the per-engine time series
+    # Each engine's speed, a multiple of the model's (cycled over the engines; the router is not
+    # told): a mixed fleet, as with two GPU generations.
+    engine_speeds: tuple[float, ...] = ()
+    prefill_complete: bool = True  # False: clients never tell the router their prefill is done
+
+    def speed(self, engine: int) -> float:
+        return self.engine_speeds[engine % len(self.engine_speeds)] if self.engine_speeds else 1.0
 
 
 class SimRequest:
@@ -158,6 +165,7 @@ class Engine:
 
     def __init__(self, index: int, config: FleetConfig, publish: Callable[[int, KvEvent], None]) -> None:
         self.index = index
+        self.speed = config.speed(index)
         self.capacity = config.kv_blocks
         self.block_size = config.trace_block_size
         self.model = config.model
@@ -241,7 +249,7 @@ class Engine:
             self.busy_until = None
             return None
         ms = self.model.iteration_ms([(take, req.context) for req, take in chunks], len(self.decoding),
-                                     self.used() / self.capacity)
+                                     self.used() / self.capacity) / self.speed
         self.last_prefill = chunks
         self.busy_until = now + ms / 1000.0
         return self.busy_until

@@ -254,7 +254,8 @@ def _run(name: str, setting: Settings | str | None, arrivals: Iterable[tuple[flo
                 _, mine, waited = tenant(req)
                 mine.append(ttft[-1])
                 waited.append(waits[-1])
-                router.prefill_done(req, now)
+                if config.prefill_complete:
+                    router.prefill_done(req, now)
             for req in done:
                 router.freed(req, now)
                 live -= 1
@@ -330,7 +331,7 @@ def simulate(trace: Callable[[], Iterable[TraceRequest]], config: FleetConfig,
         blocks += len(req.hash_ids)
     if first is None or last is None:
         return [_run(name, s, [], 0.0, config) for name, s in settings]
-    rate = config.engines * config.model.request_rate(config.kv_blocks, isl / count, osl / count, blocks / count)
+    rate = sum(map(config.speed, range(config.engines))) * config.model.request_rate(config.kv_blocks, isl / count, osl / count, blocks / count)
     # Arrivals are compressed (or stretched) so that they come at `load` times the rate the
     # fleet sustains without reuse: whatever the cache saves is the router's to win.
     span = last - first

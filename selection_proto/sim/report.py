@@ -57,6 +57,7 @@ def _fleet(config: FleetConfig) -> dict[str, Any]:
     model = config.model
     return {"engines": config.engines, "kv_blocks": config.kv_blocks, "trace_block_size": config.trace_block_size,
             "load": config.load, "speedup": config.speedup, "event_delay_secs": config.event_delay_secs, "seed": config.seed,
+            "engine_speeds": list(config.engine_speeds), "prefill_complete": config.prefill_complete,
             "engine_model": {name: getattr(model, name) for name in (
                 "prefill_fixed_ms", "prefill_tokens_per_sec", "attention_ms", "decode_ms", "decode_full_ms",
                 "max_batched_tokens", "max_running", "mocker")}}
