@@ -65,7 +65,7 @@ from .wire import (
 )
 
 if TYPE_CHECKING:
-    from .service import SelectionService
+    from .service_api import Service
 
 __all__ = ["DECISION_HEADER", "handle", "prepare_large_body", "status_event"]
 
@@ -145,7 +145,7 @@ def _reservation_id(raw: str) -> str:
         raise BadRequest("Invalid URL: invalid percent-encoding") from None
 
 
-def handle(service: SelectionService, method: str, path: str, query: str,
+def handle(service: Service, method: str, path: str, query: str,
            headers: Iterable[tuple[str, str]], body: Body, now: float) -> Response | Pending:
     matched = match(path)
     route = matched[0] if matched else "unmatched"
@@ -170,7 +170,7 @@ def handle(service: SelectionService, method: str, path: str, query: str,
     return result
 
 
-def _dispatch(service: SelectionService, method: str, matched: tuple[str, str | None] | None,
+def _dispatch(service: Service, method: str, matched: tuple[str, str | None] | None,
               query: str, headers: Iterable[tuple[str, str]], body: Body,
               now: float) -> Response | Pending:
     if matched is None:
@@ -202,17 +202,17 @@ def _ok(value: Any, status: int = 200) -> Response:
     return json_response(status, value.to_json())
 
 
-def _h_health(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+def _h_health(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
     return _ok(service.health())
 
 
-def _h_readyz(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+def _h_readyz(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
     if not service.serving():
         return error_response(503, SHUTTING_DOWN)
     return _ok(service.health())
 
 
-def _h_ready(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+def _h_ready(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
     ready, count = service.readiness(now=now)
     # The bytes of `ReadyResponse.to_json()`, spliced from each record's cached JSON in one copy.
     head = b'{"ready":%s,"schedulable_workers":%d,' % (b"true" if ready else b"false", count)
@@ -225,31 +225,31 @@ def _h_ready(service: SelectionService, param: str | None, query: str, body: Bod
     return raw_json_response(200 if ready else 503, service.catalog.spliced(head, b"]}"))
 
 
-def _h_workers_get(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+def _h_workers_get(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
     params = parse_query(query, KEY_QUERY)
     records = [with_verdict(service.catalog.records_json_of(r.worker_id), service.kv_routing(r.worker_id, now=now))
                for r in service.list_workers(params.get("model_name"), params.get("tenant_id"))]
     return raw_json_response(200, b",".join(frame(b"[", records, b"]")))
 
 
-def _h_worker_get(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+def _h_worker_get(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
     worker_id = _worker_id(param or "")
     verdict = service.kv_routing(worker_id, now=now)
     return raw_json_response(200, with_verdict(service.catalog.records_json_of(worker_id), verdict))
 
 
-def _h_workers_post(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+def _h_workers_post(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
     req = _decode(body, lambda v, ctx: from_json(WorkerRequest, v, "", ctx))
     return _ok(service.upsert_worker(req, now=now), 201)
 
 
-def _h_worker_patch(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+def _h_worker_patch(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
     worker_id = _worker_id(param or "")
     patch = _decode(body, lambda v, ctx: from_json(WorkerPatchRequest, v, "", ctx))
     return _ok(service.patch_worker(worker_id, patch, now=now))
 
 
-def _h_worker_delete(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+def _h_worker_delete(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
     return _ok(service.delete_worker(_worker_id(param or ""), now=now))
 
 
@@ -260,18 +260,18 @@ def _select_answer(result: Any) -> Response | Pending:
     return json_response(200, result.to_json(), extra)
 
 
-def _h_select(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response | Pending:
+def _h_select(service: Service, param: str | None, query: str, body: Body, now: float) -> Response | Pending:
     req = _decode(body, lambda v, ctx: from_json(SelectRequest, v, "", ctx))
     return _select_answer(service.select(req, now=now))
 
 
-def _h_select_and_reserve(service: SelectionService, param: str | None, query: str, body: Body,
+def _h_select_and_reserve(service: Service, param: str | None, query: str, body: Body,
                           now: float) -> Response | Pending:
     req = _decode(body, lambda v, ctx: from_json(SelectAndReserveRequest, v, "", ctx))
     return _select_answer(service.select_and_reserve(req, now=now))
 
 
-def _h_reserve(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+def _h_reserve(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
     req = _decode(body, lambda v, ctx: from_json(ReservationRequest, v, "", ctx))
     return _ok(service.reserve(req, now=now), 201)
 
@@ -294,7 +294,7 @@ def _observed_cached_tokens(body: Body) -> int | None:
     return _decode(body, lambda v, ctx: from_json(ObservedCache, v, "", ctx)).cached_tokens
 
 
-def _h_prefill(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+def _h_prefill(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
     rid = _reservation_id(param or "")
     params = parse_query(query, KEY_QUERY)
     service.prefill_complete(rid, model_name=params.get("model_name"), tenant_id=params.get("tenant_id"),
@@ -302,7 +302,7 @@ def _h_prefill(service: SelectionService, param: str | None, query: str, body: B
     return _ok(service.health())
 
 
-def _h_free(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+def _h_free(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
     rid = _reservation_id(param or "")
     params = parse_query(query, KEY_QUERY)
     service.free(rid, model_name=params.get("model_name"), tenant_id=params.get("tenant_id"),
@@ -310,7 +310,7 @@ def _h_free(service: SelectionService, param: str | None, query: str, body: Body
     return _ok(service.health())
 
 
-def _h_output_block(service: SelectionService, param: str | None, query: str, body: Body,
+def _h_output_block(service: Service, param: str | None, query: str, body: Body,
                     now: float) -> Response:
     rid = _reservation_id(param or "")
     req = _decode(body, lambda v, ctx: from_json(OutputBlockRequest, v, "", ctx))
@@ -318,23 +318,23 @@ def _h_output_block(service: SelectionService, param: str | None, query: str, bo
     return _ok(service.health())
 
 
-def _h_loads(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+def _h_loads(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
     params = parse_query(query, KEY_QUERY)
     return json_response(200, [m.to_json() for m in service.loads(params.get("model_name"),
                                                              params.get("tenant_id"))])
 
 
-def _h_potential(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+def _h_potential(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
     req = _decode(body, lambda v, ctx: from_json(PotentialLoadsRequest, v, "", ctx))
     return json_response(200, [x.to_json() for x in service.potential_loads(req, now=now)])
 
 
-def _h_overlap(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+def _h_overlap(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
     req = _decode(body, lambda v, ctx: from_json(OverlapScoresRequest, v, "", ctx))
     return _ok(service.overlap_scores(req, now=now))
 
 
-def _h_events_post(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response | Pending:
+def _h_events_post(service: Service, param: str | None, query: str, body: Body, now: float) -> Response | Pending:
     params = parse_query(query, EVENT_QUERY)
     worker_id = query_int(params, "worker_id", 64)
     dp_rank = query_int(params, "dp_rank", 32)
@@ -388,7 +388,7 @@ def prepare_large_body(path: str, raw: bytes, media: str | None = None,
     return body
 
 
-def _h_engine_batch(service: SelectionService, query: str, body: bytes, now: float) -> Response:
+def _h_engine_batch(service: Service, query: str, body: bytes, now: float) -> Response:
     params = parse_query(query, EVENT_QUERY)
     worker_id = query_int(params, "worker_id", 64)
     dp_rank = query_int(params, "dp_rank", 32)
@@ -397,23 +397,23 @@ def _h_engine_batch(service: SelectionService, query: str, body: bytes, now: flo
     return _ok(report)
 
 
-def _h_events_get(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+def _h_events_get(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
     return error_response(426, "this endpoint requires a WebSocket upgrade", (("upgrade", "websocket"),))
 
 
-def _h_metrics(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+def _h_metrics(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
     text = service.metrics_text(now=now).encode("utf-8")
     return Response(200, (("content-type", "text/plain; version=0.0.4; charset=utf-8"),
                           ("content-length", str(len(text)))), text)
 
 
-def _h_openapi(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+def _h_openapi(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
     from .openapi import document
 
     return json_response(200, document())
 
 
-def _h_dump(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+def _h_dump(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
     params = parse_query(query, KEY_QUERY)
     # Hundreds of thousands of small containers, none of them garbage: the cyclic collector's
     # passes over the index while they are built took 3/4 of the time (1.5 s -> 0.4 s at 200k blocks).
@@ -421,29 +421,29 @@ def _h_dump(service: SelectionService, param: str | None, query: str, body: Body
         return json_response(200, service.dump(params.get("model_name"), params.get("tenant_id")))
 
 
-def _h_status_page(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+def _h_status_page(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
     from .status_page import PAGE, PAGE_HEADERS
 
     return Response(200, (("content-type", "text/html; charset=utf-8"), ("content-length", str(len(PAGE))),
                           ("cache-control", "no-store"), *PAGE_HEADERS), PAGE)
 
 
-def _status(service: SelectionService, now: float) -> dict[str, Any]:
+def _status(service: Service, now: float) -> dict[str, Any]:
     ready, _ = service.readiness(now=now)
     return snapshot(service.catalog.values(), service.pools, service.settings, service.engines, ready,
                     service.serving(), now)
 
 
-def status_event(service: SelectionService, now: float) -> bytes:
+def status_event(service: Service, now: float) -> bytes:
     """One server-sent event of the status snapshot: what `GET /status/events` streams."""
     return event(_status(service, now))
 
 
-def _h_status(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+def _h_status(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
     return json_response(200, _status(service, now))
 
 
-def _h_status_events(service: SelectionService, param: str | None, query: str, body: Body, now: float) -> Response:
+def _h_status_events(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
     """One event: a server streams them (transports/status.py); without one, the page's EventSource
     asks again after `status.RETRY_MS` and the page still follows the fleet."""
     data = status_event(service, now)
