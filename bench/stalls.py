@@ -111,6 +111,18 @@ def measure(port: int, heavy: Callable[[Conn], None], seconds: float) -> dict[st
             "health_p99_ms": 1000 * probes[int(len(probes) * 0.99)], "health_max_ms": 1000 * probes[-1]}
 
 
+def upgrade(conn: Conn, target: str) -> None:
+    """Make `conn` a WebSocket on `target`, once (what follows the 101 stays in `conn.buf`)."""
+    if hasattr(conn, "ws"):
+        return
+    conn.send("GET", target, extra="upgrade: websocket\r\nconnection: Upgrade\r\n"
+              "sec-websocket-version: 13\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n")
+    while b"\r\n\r\n" not in conn.buf:
+        conn.buf += conn._recv()
+    conn.buf = conn.buf.partition(b"\r\n\r\n")[2]
+    conn.ws = True  # type: ignore[attr-defined]
+
+
 def ws_frame(payload: bytes) -> bytes:
     n = len(payload)
     if n < 126:
@@ -130,13 +142,7 @@ def scenario_ws_events(opts: argparse.Namespace) -> dict[str, float]:
         counter = iter(range(1, 1 << 40))
 
         def heavy(conn: Conn) -> None:
-            if not hasattr(conn, "ws"):
-                conn.send("GET", "/kv_events?worker_id=1&ack=true", extra="upgrade: websocket\r\nconnection: Upgrade\r\n"
-                          "sec-websocket-version: 13\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n")
-                while b"\r\n\r\n" not in conn.buf:
-                    conn.buf += conn._recv()
-                conn.buf = conn.buf.partition(b"\r\n\r\n")[2]
-                conn.ws = True  # type: ignore[attr-defined]
+            upgrade(conn, "/kv_events?worker_id=1&ack=true")
             base = next(counter) * 100_000
             events = [{"event_id": base + i, "data": {"stored": {"parent_hash": None, "blocks": [
                 {"block_hash": base + i, "tokens_hash": base + i}]}}} for i in range(60_000)]
@@ -166,12 +172,7 @@ def scenario_ws_flood(opts: argparse.Namespace) -> dict[str, float]:
         counter = iter(range(1 << 40))
 
         def heavy(conn: Conn) -> None:
-            if not hasattr(conn, "ws"):
-                conn.send("GET", "/kv_events?worker_id=1", extra="upgrade: websocket\r\nconnection: Upgrade\r\n"
-                          "sec-websocket-version: 13\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n")
-                while b"\r\n\r\n" not in conn.buf:
-                    conn.buf += conn._recv()
-                conn.ws = True  # type: ignore[attr-defined]
+            upgrade(conn, "/kv_events?worker_id=1")
             first = next(counter) * 10_000 + 1
             conn.sock.sendall(b"".join(ws_frame(json.dumps({"event_id": i, "data": {"stored": {
                 "parent_hash": None, "blocks": [{"block_hash": i, "tokens_hash": i}]}}}).encode())
