@@ -396,7 +396,7 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
                           auth_token=_auth_token(args, env),
                           tls=_tls_context(args, env), access_log=flag_on(args, env, "access_log"),
                           snapshot=transport_value(args, env, "snapshot", TRANSPORT["snapshot"], str),
-                          ext_proc=ext_proc_options(args, env, host, backend), **timeouts, **pauses)
+                          ext_proc=ext_proc_options(args, env, host), **timeouts, **pauses)
     import anyio
 
     peers = transport_value(args, env, "indexer_peers", TRANSPORT["indexer_peers"], str)

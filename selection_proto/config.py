@@ -386,7 +386,7 @@ def _toml(value: Any) -> str:
     return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def ext_proc_options(args: argparse.Namespace, env: Mapping[str, str], host: str, backend: str) -> Any:
+def ext_proc_options(args: argparse.Namespace, env: Mapping[str, str], host: str) -> Any:
     """`serve`'s endpoint picker options (a `transports.config.ExtProcOptions`), or None without
     `--ext-proc-port`."""
     port = transport_value(args, env, "ext_proc_port", None, int)
@@ -394,8 +394,6 @@ def ext_proc_options(args: argparse.Namespace, env: Mapping[str, str], host: str
         return None
     if not 0 <= port <= 65535:
         raise UsageError(f"--ext-proc-port: must be between 1 and 65535 (0: any free port), not {port}")
-    if backend != "asyncio":
-        raise UsageError("--ext-proc-port: needs the asyncio backend (grpc.aio runs on asyncio only)")
     pairs = []
     for item in (transport_value(args, env, "tokenizer", None, str) or "").split(","):
         model, sep, path = item.strip().partition("=")
@@ -405,8 +403,7 @@ def ext_proc_options(args: argparse.Namespace, env: Mapping[str, str], host: str
             pairs.append((model, path))
     import importlib.util
 
-    # Found, not imported: gRPC is first imported by transports/ext_proc, which configures it.
-    for module in ("grpc", "grpc_health", "envoy", "tokenizers", "jinja2"):
+    for module in ("h2", "grpc_health", "envoy", "tokenizers", "jinja2"):
         if importlib.util.find_spec(module) is None:
             raise UsageError(f"--ext-proc-port: no module named {module!r}; install selection-proto[gateway]")
     from .transports.config import ExtProcOptions

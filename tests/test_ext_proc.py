@@ -450,8 +450,7 @@ def test_serve_loads_a_models_tokenizer_folder_and_refuses_bad_flags_in_one_line
     finally:
         server.stop()
     for flags, message in ((["--tokenizer", f"m={tmp_path / 'missing'}"], "--tokenizer m="),
-                           (["--tokenizer", "m"], "expected MODEL=PATH"),
-                           (["--backend", "trio"], "needs the asyncio backend")):
+                           (["--tokenizer", "m"], "expected MODEL=PATH")):
         done = subprocess.run([sys.executable, "-m", "selection_proto", "serve", "--port", "0", "--ext-proc-port", "0",
                                *flags], capture_output=True, text=True, timeout=30)
         assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
@@ -461,6 +460,29 @@ def test_serve_loads_a_models_tokenizer_folder_and_refuses_bad_flags_in_one_line
         done = subprocess.run([sys.executable, "-m", "selection_proto", "serve", "--port", "0", "--ext-proc-port",
                                str(taken.getsockname()[1])], capture_output=True, text=True, timeout=30)
     assert done.returncode == 1 and "for ext_proc" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_the_picker_serves_on_trio_too() -> None:
+    """The picker's gRPC runs on anyio (grpc.aio ran on asyncio only, and trio was refused):
+    under `--backend trio` health answers and a prompt is routed and freed."""
+    import grpc
+    from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from test_http import Server, api_call
+
+    server = Server("--ext-proc-port", "0", "--backend", "trio", mode="approximate")
+    try:
+        assert api_call(server.port, "POST", "/workers", {"worker_id": 1, "model_name": "m", "block_size": 4,
+                                                          "endpoint": "http://10.0.0.1:8000"})[0] == 201
+        with grpc.insecure_channel(server.ext_proc_url().removeprefix("grpc://")) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            replies = list(ExternalProcessorStub(channel).Process(
+                iter([headers(), body(completion(list(range(16))), end=True)]), timeout=10))
+        assert replies[0].request_headers.response.header_mutation.set_headers[0].header.raw_value == b"10.0.0.1:8000"
+        assert api_call(server.port, "GET", "/loads")[1][0]["loads"][0]["active_requests"] == 0
+    finally:
+        server.stop()
 
 
 def test_the_pickers_port_needs_the_servers_bearer_token(tmp_path: Any) -> None:
@@ -736,5 +758,74 @@ def test_picker_connections_are_capped_and_silent_ones_time_out() -> None:
         assert again.recv(9)[3:4] == b"\x04"  # a slot again: the server's SETTINGS frame
         for sock in [*silent, again]:
             sock.close()
+    finally:
+        server.stop()
+
+
+def _raw_call(port: int, path: str, data: bytes, content_type: bytes = b"application/grpc") -> dict[bytes, bytes]:
+    """One call over a raw HTTP/2 connection (h2 as the client): its answer's headers and trailers."""
+    import socket
+
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
+    client.initiate_connection()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        stream_id = client.get_next_available_stream_id()
+        client.send_headers(stream_id, [(b":method", b"POST"), (b":scheme", b"http"), (b":path", path.encode()),
+                                        (b":authority", b"picker"), (b"content-type", content_type),
+                                        (b"te", b"trailers")])
+        for start in range(0, len(data), 16_384):
+            client.send_data(stream_id, data[start:start + 16_384])
+        client.end_stream(stream_id)
+        sock.sendall(client.data_to_send())
+        fields: dict[bytes, bytes] = {}
+        while True:
+            chunk = sock.recv(65536)
+            assert chunk, "closed without an answer"
+            for event in client.receive_data(chunk):
+                if isinstance(event, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
+                    fields.update(dict(event.headers))
+                if isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset)):
+                    return fields
+            sock.sendall(client.data_to_send())
+
+
+def test_the_pickers_wire_refuses_hostile_calls_and_serves_on() -> None:
+    """Our gRPC server (adapters/grpc.py) over a real socket: a message over 16 MiB, a compressed
+    message, a message cut short, an unknown method, a non-gRPC content type and a garbage
+    preface are each refused with their status, book nothing, and the next call is served."""
+    import socket
+
+    from test_http import Server, api_call
+
+    server = Server("--ext-proc-port", "0", mode="approximate")
+    try:
+        port = int(server.ext_proc_url().rsplit(":", 1)[1])
+        assert api_call(server.port, "POST", "/workers", {"worker_id": 1, "model_name": "m", "block_size": 4,
+                                                          "endpoint": "http://10.0.0.1:8000"})[0] == 201
+        process = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+        over = _raw_call(port, process, (17 << 20).to_bytes(5, "big") + b"x" * 100)
+        assert over[b"grpc-status"] == b"8" and b"over the limit" in over[b"grpc-message"]
+        squeezed = _raw_call(port, process, b"\x01" + (3).to_bytes(4, "big") + b"abc")
+        assert squeezed[b"grpc-status"] == b"12"
+        cut = _raw_call(port, process, (100).to_bytes(5, "big") + b"short")
+        assert cut[b"grpc-status"] == b"3"
+        garbage = _raw_call(port, process, (4).to_bytes(5, "big") + b"\xff\xff\xff\xff")
+        assert garbage[b"grpc-status"] == b"3"
+        assert _raw_call(port, "/no.Such/Method", b"")[b"grpc-status"] == b"12"
+        assert _raw_call(port, process, b"", content_type=b"text/plain")[b":status"] == b"415"
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n" * 10)
+            sock.settimeout(5)
+            while sock.recv(65536):  # a GOAWAY, then closed
+                pass
+        message = ProcessingRequest(request_headers=HttpHeaders(end_of_stream=True)).SerializeToString()
+        served = _raw_call(port, process, len(message).to_bytes(5, "big") + message)
+        assert served[b"grpc-status"] == b"0"
+        assert api_call(server.port, "GET", "/loads")[1][0]["loads"][0]["active_requests"] == 0
+        assert api_call(server.port, "GET", "/health") == (200, {"status": "ok"})
     finally:
         server.stop()

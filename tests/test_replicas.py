@@ -408,7 +408,9 @@ def test_processes_take_connections_once_they_can_serve_them(ledger: LedgerServe
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "selection_proto", "serve", "--port", str(port), "--kv-events",
                              "push", "--ledger", ledger.url, "--processes", "2"],
-                            stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True)
+    logs: list[str] = []
+    threading.Thread(target=lambda: logs.extend(proc.stderr or ()), daemon=True).start()
     try:
         deadline = time.monotonic() + 30
         while True:  # the first connect that succeeds
@@ -422,8 +424,9 @@ def test_processes_take_connections_once_they_can_serve_them(ledger: LedgerServe
         for worker_id in range(1, 17):  # each on a connection of its own: any process may take it
             with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:  # a loaded machine's start
                 sock.sendall(request("POST", "/workers", {**WORKER, "worker_id": worker_id}))
-                statuses.append(read_response(sock, bytearray())[0])
-        assert statuses == [201] * 16
+                status, _, body = read_response(sock, bytearray())
+                statuses.append((status, body if status != 201 else b""))
+        assert statuses == [(201, b"")] * 16, logs
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(20) == 0

@@ -500,6 +500,8 @@ async def serve(service: SelectionService, config: ServerConfig,
                     log("info", "draining", seconds=config.drain_delay_secs)
                     await anyio.sleep(config.drain_delay_secs)
                 await _drain(server, service, config, accept_scope)
+                if ext_proc is not None:
+                    await ext_proc.drain(config.shutdown_timeout_secs)
                 if server.ledger_link is not None:  # the last frees, written before we go
                     await server.ledger_link.settle(config.shutdown_timeout_secs)
                     await server.ledger_link.unregister()
