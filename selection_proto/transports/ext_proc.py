@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import math
 import os
 import ssl
 from collections.abc import Awaitable, Callable, Mapping
@@ -192,9 +191,11 @@ class _Connection:
                 await self.flush()  # our SETTINGS
                 while not self.wire.closed:
                     data = b""
-                    # A peer that never says a word frees its slot in time; a known one may idle.
-                    with anyio.move_on_after(timeout if not self.wire.started else math.inf):
+                    if self.wire.started:  # a known peer may idle
                         data = await self.stream.receive()
+                    else:  # one that never says a word frees its slot in time
+                        with anyio.move_on_after(timeout):
+                            data = await self.stream.receive()
                     if not data:
                         break
                     for event in self.wire.receive(data):
@@ -317,8 +318,11 @@ class _Picker:
                 # A body that never completes would hold its bytes of the shared budget for ever:
                 # it has `--request-timeout-secs` from the stream's start, as an HTTP request has.
                 payload, expired = None, True
-                with anyio.move_on_after(deadline - server.clock() if stream.awaiting_body else math.inf):
+                if not stream.awaiting_body:  # a cancel scope per message costs: only when needed
                     payload, expired = await call.read(), False
+                else:
+                    with anyio.move_on_after(deadline - server.clock()):
+                        payload, expired = await call.read(), False
                 if expired:
                     stream.expire(timeout)
                     for reply in stream.replies():
