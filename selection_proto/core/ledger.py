@@ -115,6 +115,11 @@ class Ledger:
             return False
         return self.synced or (self.epoch is not None and not self.journal.connected)
 
+    def joined(self) -> bool:
+        """Connected and synced: every request, catalog writes included, can be served (in open
+        mode `ready` is also true while away, when catalog writes are refused)."""
+        return self.synced and self.journal.connected and not self.warming
+
     def details(self) -> list[str]:
         if self.warming:
             return ["index: warming", "ledger: syncing"]

@@ -449,9 +449,9 @@ async def serve(service: SelectionService, config: ServerConfig,
                 # while its siblings could serve them. Meanwhile connections wait in the backlog
                 # (a single process answers at once: 503s and /ready say what is missing).
                 with anyio.move_on_after(LEDGER_START_WAIT_SECS):
-                    while not service.ledger.ready():
+                    while not service.ledger.joined():
                         await anyio.sleep(0.02)
-                if not service.ledger.ready():
+                if not service.ledger.joined():
                     log("warning", "ledger_not_ready", detail=f"serving after {LEDGER_START_WAIT_SECS:g} s "
                                                               "without the ledger")
             with accept_scope:
