@@ -645,28 +645,27 @@ def test_replies_a_peer_does_not_read_hold_their_bytes_of_the_budget() -> None:
                                                           "endpoint": "http://127.0.0.1:9"})[0] == 201
         big = completion(list(range(1_000_000)))  # 7.9 MB
 
-        def silent() -> Any:
-            yield headers()
-            yield body(big, end=True)
-            release.wait(30)
-
         def loads() -> int:
             return sum(w["active_requests"] for key in api_call(server.port, "GET", "/loads")[1] for w in key["loads"])
 
+        # A raw HTTP/2 peer that never gives back its window: the picker can send it 64 KiB of
+        # the echo, no more (a gRPC client's transport would read ahead for its application).
+        silent = threading.Thread(target=_silent_call, daemon=True, args=(
+            int(target.rsplit(":", 1)[1]), [headers(), body(big, end=True)], release))
+        silent.start()
+        deadline = time.monotonic() + 10
+        while loads() == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert loads() == 1
         with grpc.insecure_channel(target) as channel:
             stub = ExternalProcessorStub(channel)
-            unread = stub.Process(silent(), timeout=30)  # its replies are never read
-            deadline = time.monotonic() + 10
-            while loads() == 0 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert loads() == 1
             other = [headers(), body(completion(list(range(100_000, 800_000))), end=True)]  # 5.5 MB
             refused = list(stub.Process(iter(other), timeout=20))
             assert refused[0].immediate_response.status.code == 503, refused[:1]
             assert b"budget of bytes in flight" in refused[0].immediate_response.body
             assert api_call(server.port, "GET", "/health") == (200, {"status": "ok"})
             release.set()
-            unread.cancel()
+            silent.join(10)
             deadline = time.monotonic() + 10
             while loads() and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -676,6 +675,35 @@ def test_replies_a_peer_does_not_read_hold_their_bytes_of_the_budget() -> None:
     finally:
         release.set()
         server.stop()
+
+
+def _silent_call(port: int, messages: list[ProcessingRequest], release: Any) -> None:
+    """A Process call over raw HTTP/2 that sends `messages` as the server's window allows, reads
+    only what it must (the server's window updates), never acknowledges a reply's bytes, and
+    goes (closes the connection) once `release` is set."""
+    import socket
+
+    import h2.config
+    import h2.connection
+
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
+    client.initiate_connection()
+    with socket.create_connection(("127.0.0.1", port), timeout=0.05) as sock:
+        stream_id = client.get_next_available_stream_id()
+        client.send_headers(stream_id, [(b":method", b"POST"), (b":scheme", b"http"), (b":authority", b"picker"),
+                                        (b":path", b"/envoy.service.ext_proc.v3.ExternalProcessor/Process"),
+                                        (b"content-type", b"application/grpc"), (b"te", b"trailers")])
+        rest = b"".join(len(m.SerializeToString()).to_bytes(5, "big") + m.SerializeToString() for m in messages)
+        while not release.is_set():
+            room = min(client.local_flow_control_window(stream_id), len(rest))
+            for start in range(0, room, 16_384):
+                client.send_data(stream_id, rest[start:min(room, start + 16_384)])
+            rest = rest[room:]
+            sock.sendall(client.data_to_send())
+            try:
+                client.receive_data(sock.recv(65536))
+            except TimeoutError:
+                pass
 
 
 def test_open_streams_keep_no_parsed_prompt() -> None:

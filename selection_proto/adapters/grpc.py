@@ -4,9 +4,10 @@ transport says what each call does (transports/ext_proc.py). What gRPC's PROTOCO
 a server is here, no more: no compression, no binary metadata, no deadlines (the transport keeps
 its own).
 
-Flow control is per call: the bytes of a message still being received are acknowledged at once
-(a message may be larger than any window), those of a whole message only once the transport says
-it has consumed it, so a call whose handler is busy holds its peer, never the connection."""
+Flow control is per call: while its handler has read every message emitted, what arrives is
+acknowledged at once (a message may be larger than any window); while one waits unread, nothing
+is, until the transport says it has been consumed. A call whose handler is busy so holds back its
+own peer after one window, never the connection."""
 
 from __future__ import annotations
 
@@ -54,7 +55,6 @@ class CallStarted:
 class Message:
     stream_id: int
     payload: bytes
-    credit: int  # flow-control bytes to give back once consumed (`GrpcServer.consumed`)
 
 
 @attrs.frozen
@@ -81,7 +81,8 @@ _GRPC_HEADERS: Final = ((b":status", b"200"), (b"content-type", b"application/gr
 @attrs.define
 class _Call:
     buffer: bytearray = attrs.field(factory=bytearray)
-    acked: int = 0  # bytes at the buffer's front whose window was already given back
+    unread: int = 0  # messages emitted and not yet consumed
+    withheld: int = 0  # flow-control bytes received and not given back while some were unread
     headers_sent: bool = False
     outbound: bytearray = attrs.field(factory=bytearray)  # waiting for window
     trailers: list[tuple[bytes, bytes]] | None = None  # sent once `outbound` is empty
@@ -162,11 +163,11 @@ class GrpcServer:
         stream_id = event.stream_id
         call = self._calls.get(stream_id)
         data = event.data or b""
-        padding = event.flow_controlled_length - len(data)
         if call is None:  # answered already: its bytes are given back and dropped
             self._give_back(stream_id, event.flow_controlled_length)
             return
         call.buffer += data
+        call.withheld += event.flow_controlled_length
         while len(call.buffer) >= 5:
             compressed, size = call.buffer[0], int.from_bytes(call.buffer[1:5], "big")
             if compressed:
@@ -180,12 +181,11 @@ class GrpcServer:
                 break
             payload = bytes(call.buffer[5:5 + size])
             del call.buffer[:5 + size]
-            prepaid = min(5 + size, call.acked)
-            call.acked -= prepaid
-            events.append(Message(stream_id, payload, 5 + size - prepaid))
-        # The rest is part of a message not yet whole: its window goes back now.
-        self._give_back(stream_id, padding + len(call.buffer) - call.acked)
-        call.acked = len(call.buffer)
+            call.unread += 1
+            events.append(Message(stream_id, payload))
+        if not call.unread:  # the handler keeps up: what is buffered is a message not yet whole
+            self._give_back(stream_id, call.withheld)
+            call.withheld = 0
 
     def _refuse(self, stream_id: int, code: int, text: str, events: list[Event]) -> None:
         self.finish(stream_id, code, text)
@@ -200,9 +200,13 @@ class GrpcServer:
                 pass  # the stream is closed: nothing to give back to
 
     def consumed(self, message: Message) -> None:
-        """The handler took `message`: its peer may send that much more."""
-        if message.stream_id in self._calls:
-            self._give_back(message.stream_id, message.credit)
+        """The handler took `message`: once it has taken all, its peer may send on."""
+        call = self._calls.get(message.stream_id)
+        if call is not None:
+            call.unread -= 1
+            if not call.unread:
+                self._give_back(message.stream_id, call.withheld)
+                call.withheld = 0
 
     # -- what this side sends -------------------------------------------------------------------
 
