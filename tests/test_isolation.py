@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from test_hostile import UPGRADE, assert_healthy, get, post
 from test_http import Server, read_response, request
 
@@ -206,9 +207,9 @@ def test_running_out_of_descriptors_backs_off_and_recovers() -> None:
 
 
 def test_a_failing_picker_stream_ends_alone_counted_and_logged_once() -> None:
-    """The endpoint picker's adapter raising for one request: that gRPC stream ends (Envoy, not
-    answered, fails that request), the error is counted and logged once, nothing stays booked,
-    and the next stream is routed."""
+    """The endpoint picker's adapter raising for one request: that gRPC stream ends with INTERNAL
+    (Envoy, not answered, fails that request), the error is counted and logged once, nothing
+    stays booked, and the next stream is routed."""
     import grpc
     from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
     from test_ext_proc import body, headers
@@ -222,8 +223,9 @@ def test_a_failing_picker_stream_ends_alone_counted_and_logged_once() -> None:
             assert post(server, "/workers", json.dumps(record).encode())[0] == 201
         with grpc.insecure_channel(url[len("grpc://"):]) as channel:
             stub = ExternalProcessorStub(channel)
-            failed = list(stub.Process(iter([headers(), body(b'{"model": "boom", "prompt": [1, 2, 3, 4]}', end=True)])))
-            assert failed == []
+            with pytest.raises(grpc.RpcError) as failed:
+                list(stub.Process(iter([headers(), body(b'{"model": "boom", "prompt": [1, 2, 3, 4]}', end=True)])))
+            assert failed.value.code() == grpc.StatusCode.INTERNAL  # type: ignore[attr-defined]
             routed = list(stub.Process(iter([headers(), body(b'{"model": "m", "prompt": [1, 2, 3, 4]}', end=True)])))
             assert routed[0].HasField("request_headers")
         assert wait_for(lambda: internal_errors(server) == {"ext_proc": 1.0})

@@ -151,6 +151,11 @@ class ExtProcStream:
         """The request's headers came and its body is not whole yet (its bytes are held)."""
         return self._headers_seen and not self._body_done and not self.finished
 
+    @property
+    def past_body(self) -> bool:
+        """The request's body is whole, or the stream refused it: it waits for no body again."""
+        return self._body_done or self.finished
+
     def expire(self, timeout: float) -> None:
         """The request body did not arrive within `timeout` seconds: refused (408), its bytes freed."""
         if self.awaiting_body:

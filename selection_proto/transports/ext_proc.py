@@ -10,7 +10,9 @@ import hmac
 import json
 import os
 import ssl
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import anyio
@@ -105,9 +107,8 @@ class ExtProcServer:
         scheme = "grpcs" if self.tls is not None else "grpc"
         log("info", "ext_proc_listening", url=f"{scheme}://{host}:{port}", tokenizers=sorted(options.tokenizers))
 
-    async def run(self, tg: anyio.abc.TaskGroup) -> None:
+    async def run(self) -> None:
         """Accept and serve until cancelled."""
-        self.picker.tg = tg
         assert self.listener is not None
         async with self.listener:
             await self.listener.serve(self._connection)
@@ -147,27 +148,13 @@ class ExtProcServer:
             self.connections.discard(conn)
             await anyio.aclose_forcefully(conn.stream)
 
-    async def health(self, call: _Call) -> None:
-        from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
-
-        payload = await call.read()
-        from google.protobuf.message import DecodeError
-
-        try:
-            name = HealthCheckRequest.FromString(payload or b"").service
-        except DecodeError:
-            call.finish(Status.INVALID_ARGUMENT, "not a HealthCheckRequest")
-            return
-        if name not in HEALTH_NAMES:
-            call.finish(Status.NOT_FOUND, f"unknown service {name!r}")
-            return
-        status = HealthCheckResponse.SERVING if self.serving else HealthCheckResponse.NOT_SERVING
-        await call.write(HealthCheckResponse(status=status).SerializeToString())
-        call.finish(Status.OK)
-
 
 class _Connection:
-    """One HTTP/2 connection: reads frames, starts a task per call, writes what the calls send."""
+    """One HTTP/2 connection: reads frames and runs each call's messages through its handler in
+    place, in the reader's own turn (no task, no lock, one write per read: the picker's latency is
+    its CPU). A call that must wait (a queued selection, a large body read off the loop) waits in a
+    task of its own; one whose peer reads nothing is held with its messages unread, so that the
+    peer's window closes, and goes on when the window opens."""
 
     def __init__(self, owner: ExtProcServer, stream: anyio.abc.ByteStream) -> None:
         self.owner = owner
@@ -175,8 +162,10 @@ class _Connection:
         self.wire = GrpcServer(max_message_bytes=MAX_MESSAGE_BYTES,
                                max_calls=owner.server.config.max_connections + 1)  # past the cap: told, not held
         self.calls: dict[int, _Call] = {}
+        self.deadlines: deque[tuple[float, _Call]] = deque()  # in start order, so in deadline order
+        self.blocked: set[_Call] = set()  # replies waiting for the peer's window
         self.lock = anyio.Lock(fast_acquire=True)
-        self.progress = anyio.Event()  # set when the peer sent something: a window may have opened
+        self.group: anyio.abc.TaskGroup | None = None
 
     async def flush(self) -> None:
         async with self.lock:
@@ -185,38 +174,71 @@ class _Connection:
                 await self.stream.send(data)
 
     async def serve(self) -> None:
-        timeout = self.owner.server.config.request_timeout_secs
-        async with anyio.create_task_group() as group:
-            try:
-                await self.flush()  # our SETTINGS
-                while not self.wire.closed:
-                    data = b""
-                    if self.wire.started:  # a known peer may idle
-                        data = await self.stream.receive()
-                    else:  # one that never says a word frees its slot in time
-                        with anyio.move_on_after(timeout):
-                            data = await self.stream.receive()
-                    if not data:
-                        break
-                    for event in self.wire.receive(data):
-                        self._dispatch(event, group)
-                    await self.flush()
-                    self.progress.set()
-                    self.progress = anyio.Event()
-            except _GONE:
-                pass
-            finally:
-                group.cancel_scope.cancel()  # the connection is gone: so are its calls
+        server = self.owner.server
+        try:
+            async with anyio.create_task_group() as group:
+                self.group = group
+                try:
+                    await self.flush()  # our SETTINGS
+                    while not self.wire.closed:
+                        data = await self._receive(server.config.request_timeout_secs)
+                        if data is None:
+                            continue  # a deadline passed: `_receive` answered it
+                        if not data:
+                            break
+                        for event in self.wire.receive(data):
+                            self._dispatch(event)
+                        for call in list(self.blocked):  # a window may have opened
+                            self._advance(call)
+                        await self.flush()
+                        await server.pump()
+                except _GONE:
+                    pass
+                finally:
+                    group.cancel_scope.cancel()  # the connection is gone: so are its calls
+        finally:
+            for call in list(self.calls.values()):
+                self._end(call, None)
+            await server.pump()  # what their ends freed may start queued selections
 
-    def _dispatch(self, event: CallStarted | Message | CallEnded | CallReset, group: anyio.abc.TaskGroup) -> None:
+    async def _receive(self, timeout: float) -> bytes | None:
+        """The peer's next bytes (b"" once it has gone); None when a body's deadline passed first.
+        A peer that never says a word frees its slot in `timeout`."""
+        if not self.wire.started:
+            with anyio.move_on_after(timeout):
+                return await self.stream.receive()
+            return b""
+        while self.deadlines and not self.deadlines[0][1].handler.may_await_body:
+            self.deadlines.popleft()
+        if not self.deadlines:  # a known peer may idle
+            return await self.stream.receive()
+        with anyio.move_on_after(self.deadlines[0][0] - self.owner.server.clock()):
+            return await self.stream.receive()
+        now = self.owner.server.clock()
+        while self.deadlines and self.deadlines[0][0] <= now:
+            call = self.deadlines.popleft()[1]
+            if call.handler.awaiting_body:  # one whose headers come later is checked then (`_advance`)
+                call.handler.expire()
+                self._advance(call)
+        await self.flush()
+        await self.owner.server.pump()
+        return None
+
+    def _dispatch(self, event: CallStarted | Message | CallEnded | CallReset) -> None:
         if isinstance(event, CallStarted):
-            handler: Callable[[_Call], Awaitable[None]] | None = {
-                PROCESS_PATH: self.owner.picker.process, CHECK_PATH: self.owner.health}.get(event.path)
-            if handler is None:
+            owner = self.owner
+            handler: _Handler
+            if event.path == PROCESS_PATH:
+                handler = _ProcessHandler(owner.picker, event.metadata)
+            elif event.path == CHECK_PATH:
+                handler = _HealthHandler(owner.serving)
+            else:
                 self.wire.finish(event.stream_id, Status.UNIMPLEMENTED, f"unknown method {event.path}")
                 return
-            self.calls[event.stream_id] = _Call(self, event.stream_id, event.metadata)
-            group.start_soon(self._run, self.calls[event.stream_id], handler)
+            started = self.calls[event.stream_id] = _Call(event.stream_id, handler)
+            if handler.may_await_body:
+                self.deadlines.append((handler.deadline, started))
+            self._advance(started)
             return
         call = self.calls.get(event.stream_id)
         if call is None:
@@ -226,161 +248,267 @@ class _Connection:
         elif isinstance(event, CallEnded):
             call.ended = True
         else:
-            call.scope.cancel()
-        call.arrived.set()
+            self._end(call, None)
+            return
+        self._advance(call)
 
-    async def _run(self, call: _Call, handler: Callable[[_Call], Awaitable[None]]) -> None:
+    def _advance(self, call: _Call) -> None:
+        """Run the call's unread messages through its handler until it must wait or ends."""
+        wire, handler = self.wire, call.handler
         try:
-            with call.scope:
-                try:
-                    await handler(call)
-                    call.finish(Status.OK)
-                except _GONE:
-                    raise
-                except Exception:  # noqa: BLE001 - confined to this call
-                    self.owner.server.service.internal_error("ext_proc")
-                    call.finish(Status.INTERNAL, "internal error")
-            await self.flush()
-        except _GONE:
-            pass  # the connection's reader sees it go
-        finally:
-            self.calls.pop(call.stream_id, None)
+            while call.task is None and not call.stale:
+                for reply in handler.replies():
+                    wire.send_message(call.stream_id, reply)
+                if wire.pending(call.stream_id):
+                    self.blocked.add(call)  # its messages stay unread: the peer's window closes
+                    return
+                self.blocked.discard(call)
+                handler.written()
+                if handler.outcome is not None:
+                    self._end(call, handler.outcome)
+                    return
+                if not call.inbox:
+                    if call.ended:
+                        handler.ended()
+                        continue
+                    if handler.awaiting_body and self.owner.server.clock() >= handler.deadline:
+                        handler.expire()  # its headers came after its time
+                        continue
+                    return
+                message = call.inbox.popleft()
+                wire.consumed(message)
+                wait = handler.message(message.payload)
+                if wait is not None:
+                    call.task = anyio.CancelScope()
+                    assert self.group is not None
+                    self.group.start_soon(self._wait, call, wait)
+        except Exception:  # noqa: BLE001 - confined to this call
+            self.owner.server.service.internal_error("ext_proc")
+            self._end(call, (Status.INTERNAL, "internal error"))
+
+    async def _wait(self, call: _Call, wait: Callable[[], Awaitable[None]]) -> None:
+        assert call.task is not None
+        with call.task:
+            try:
+                await wait()
+            except Exception:  # noqa: BLE001 - confined to this call
+                self.owner.server.service.internal_error("ext_proc")
+                self._end(call, (Status.INTERNAL, "internal error"))
+            call.task = None
+            self._advance(call)
+            try:
+                await self.flush()
+            except _GONE:
+                pass  # the connection's reader sees it go
+            await self.owner.server.pump()
+
+    def _end(self, call: _Call, outcome: tuple[int, str] | None) -> None:
+        """The call is over: its status sent (None: the peer reset it), its handler closed."""
+        if call.stale:
+            return
+        call.stale = True
+        del self.calls[call.stream_id]
+        self.blocked.discard(call)
+        if call.task is not None:
+            call.task.cancel()
+        if outcome is not None:
+            self.wire.finish(call.stream_id, *outcome)
+        call.handler.close()
 
 
 class _Call:
-    """One gRPC call as its handler sees it: messages in, messages out, a status at the end."""
+    """One gRPC call: its handler, the messages it has not taken, and what it waits for."""
 
-    def __init__(self, conn: _Connection, stream_id: int, metadata: dict[str, bytes]) -> None:
-        self.conn, self.stream_id, self.metadata = conn, stream_id, metadata
-        self.inbox: list[Message] = []
-        self.ended = False
-        self.arrived = anyio.Event()
-        self.scope = anyio.CancelScope()
+    __slots__ = ("stream_id", "handler", "inbox", "ended", "stale", "task")
 
-    async def read(self) -> bytes | None:
-        """The next message, or None once the peer has sent its last."""
-        while not self.inbox:
-            if self.ended:
-                return None
-            await self.arrived.wait()
-            self.arrived = anyio.Event()
-        message = self.inbox.pop(0)
-        self.conn.wire.consumed(message)
-        return message.payload
+    def __init__(self, stream_id: int, handler: _Handler) -> None:
+        self.stream_id, self.handler = stream_id, handler
+        self.inbox: deque[Message] = deque()
+        self.ended = False  # the peer sent its last message
+        self.stale = False  # over: answered, or reset
+        self.task: anyio.CancelScope | None = None  # set while it waits in a task of its own
 
-    async def write(self, payload: bytes) -> None:
-        """Send one message; waits while the peer's window has no room for it."""
-        wire = self.conn.wire
-        wire.send_message(self.stream_id, payload)
-        await self.conn.flush()
-        while wire.pending(self.stream_id) and not wire.closed:
-            await self.conn.progress.wait()
-            await self.conn.flush()
 
-    def finish(self, code: int, text: str = "") -> None:
-        self.conn.wire.finish(self.stream_id, code, text)
+class _Handler:
+    """What a call does with its messages, without I/O: `message` takes one (returning a
+    coroutine function when it must wait for something first), `replies` says what to send,
+    `outcome` how the call ends once they are sent."""
+
+    outcome: tuple[int, str] | None = None
+    deadline = float("inf")
+    awaiting_body = False  # its request's headers came and its body is not whole: `deadline` applies
+    may_await_body = False  # ... or it may still come to that
+
+    def message(self, payload: bytes) -> Callable[[], Awaitable[None]] | None:
+        raise NotImplementedError
+
+    def replies(self) -> list[bytes]:
+        return []
+
+    def written(self) -> None:
+        """The replies taken so far are sent (or queued in the wire's window)."""
+
+    def ended(self) -> None:
+        """The peer has sent its last message."""
+        self.outcome = (Status.OK, "")
+
+    def expire(self) -> None:
+        """Its deadline passed while it waited for a body."""
+
+    def close(self) -> None:
+        """The call is over, however it ended."""
+
+
+class _HealthHandler(_Handler):
+    """`grpc.health.v1.Health/Check`: SERVING until the server drains."""
+
+    def __init__(self, serving: bool) -> None:
+        self.serving = serving
+        self.answer: list[bytes] = []
+
+    def message(self, payload: bytes) -> None:
+        from google.protobuf.message import DecodeError
+        from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
+
+        try:
+            name = HealthCheckRequest.FromString(payload).service
+        except DecodeError:
+            self.outcome = (Status.INVALID_ARGUMENT, "not a HealthCheckRequest")
+            return None
+        if name not in HEALTH_NAMES:
+            self.outcome = (Status.NOT_FOUND, f"unknown service {name!r}")
+            return None
+        status = HealthCheckResponse.SERVING if self.serving else HealthCheckResponse.NOT_SERVING
+        self.answer = [HealthCheckResponse(status=status).SerializeToString()]
+        self.outcome = (Status.OK, "")
+        return None
+
+    def replies(self) -> list[bytes]:
+        answer, self.answer = self.answer, []
+        return answer
+
+    def ended(self) -> None:
+        if self.outcome is None:
+            self.message(b"")  # no request message: the default service
+
+
+class _ProcessHandler(_Handler):
+    """`ExternalProcessor/Process`: one request through the gateway, an `ExtProcStream`."""
+
+    def __init__(self, picker: _Picker, metadata: Mapping[str, bytes]) -> None:
+        from ..adapters.ext_proc import ExtProcStream
+
+        self.picker = picker
+        server = picker.server
+        self.stream: ExtProcStream | None = None
+        self.deadline = server.clock() + server.config.request_timeout_secs
+        token = server.config.auth_token
+        if token is not None and not _bearer_matches(metadata, token):
+            # --auth-token-file guards the picker as it guards the HTTP API: Envoy sends the token
+            # as gRPC metadata (`initial_metadata` of the ext_proc filter's grpc_service).
+            self.outcome = (Status.UNAUTHENTICATED, "missing or wrong bearer token")
+        elif picker.streams >= server.config.max_connections:
+            server.service.observe(LIMIT_REJECTIONS, ("ext_proc_streams",), 1.0)
+            self.outcome = (Status.RESOURCE_EXHAUSTED,
+                            f"too many streams: at most {server.config.max_connections} (--max-connections)")
+        else:
+            picker.streams += 1
+            self.stream = ExtProcStream(server.service, picker.tokenizers, in_flight=server.in_flight,
+                                        defer_parse=True)
+
+    @property
+    def awaiting_body(self) -> bool:  # type: ignore[override]
+        # A body that never completes would hold its bytes of the shared budget for ever: it has
+        # `--request-timeout-secs` from the stream's start, as an HTTP request has.
+        return self.stream is not None and self.stream.awaiting_body
+
+    @property
+    def may_await_body(self) -> bool:  # type: ignore[override]
+        return self.stream is not None and not self.stream.past_body
+
+    def message(self, payload: bytes) -> Callable[[], Awaitable[None]] | None:
+        from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
+        from google.protobuf.message import DecodeError
+
+        from ..adapters.ext_proc import prepare_body
+
+        stream, server = self.stream, self.picker.server
+        assert stream is not None
+        try:
+            message = ProcessingRequest.FromString(payload)
+        except DecodeError:
+            self.outcome = (Status.INVALID_ARGUMENT, "not a ProcessingRequest")
+            return None
+        now = server.clock()
+        stream.receive(message, now)
+        if stream.body_ready:
+            body = stream.take_body()
+            if len(body) > INLINE_BODY_BYTES:
+                return partial(self._prepare_off_loop, body)
+            # A small body is parsed, tokenized and hashed here (a thread's round trip is most of
+            # its cost); a large one off the loop, as HTTP's are.
+            stream.route_prepared(prepare_body(body, self.picker.tokenizers, server.service.pools), now)
+        return self._wait if stream.pending_ticket is not None else None
+
+    async def _prepare_off_loop(self, body: bytes) -> None:
+        from ..adapters.ext_proc import prepare_body
+        from ..core.routes import ParsedBody
+
+        server, stream = self.picker.server, self.stream
+        assert stream is not None
+        prepared = await anyio.to_thread.run_sync(prepare_body, body, self.picker.tokenizers, server.service.pools)
+        stream.route_prepared(prepared, server.clock())
+        if isinstance(prepared, ParsedBody):
+            await anyio.to_thread.run_sync(prepared.release)
+        if stream.pending_ticket is not None:
+            await self._wait()
+
+    async def _wait(self) -> None:
+        """Until the queued selection is answered (`_Server._deliver` calls the resolver)."""
+        server, stream = self.picker.server, self.stream
+        assert stream is not None and stream.pending_ticket is not None
+        answered = anyio.Event()
+
+        def resolve(response: Response) -> None:
+            stream.resolve(response, server.clock())
+            answered.set()
+
+        server.resolvers[stream.pending_ticket] = resolve
+        await server.pump()
+        await answered.wait()
+
+    def replies(self) -> list[bytes]:
+        stream = self.stream
+        return [] if stream is None else [reply.SerializeToString() for reply in stream.replies()]
+
+    def written(self) -> None:
+        if self.stream is not None:
+            self.stream.replies_written()
+            if self.stream.finished and self.outcome is None:
+                self.outcome = (Status.OK, "")
+
+    def expire(self) -> None:
+        if self.stream is not None and self.stream.awaiting_body:
+            self.stream.expire(self.picker.server.config.request_timeout_secs)
+
+    def close(self) -> None:
+        stream, server = self.stream, self.picker.server
+        if stream is None:
+            return
+        self.stream = None
+        self.picker.streams -= 1
+        if stream.pending_ticket is not None:
+            server.resolvers.pop(stream.pending_ticket, None)
+        stream.close(server.clock())  # frees the booking if the response's end did not
 
 
 class _Picker:
-    """The `ExternalProcessor` service: one `ExtProcStream` per call."""
+    """The `ExternalProcessor` service's shared state: the tokenizers and the count of streams."""
 
     def __init__(self, server: Host, tokenizers: Mapping[str, ChatTokenizer]) -> None:
         self.server = server
         self.tokenizers = tokenizers
-        self.tg: anyio.abc.TaskGroup | None = None  # serve's, once running
         self.streams = 0  # open now: at most `--max-connections`, as HTTP connections are
-
-    async def process(self, call: _Call) -> None:
-        from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
-        from google.protobuf.message import DecodeError
-
-        from ..adapters.ext_proc import ExtProcStream, prepare_body
-        from ..core.routes import ParsedBody
-
-        server = self.server
-        token = server.config.auth_token
-        if token is not None and not _bearer_matches(call.metadata, token):
-            # --auth-token-file guards the picker as it guards the HTTP API: Envoy sends the token
-            # as gRPC metadata (`initial_metadata` of the ext_proc filter's grpc_service).
-            call.finish(Status.UNAUTHENTICATED, "missing or wrong bearer token")
-            return
-        if self.streams >= server.config.max_connections:
-            server.service.observe(LIMIT_REJECTIONS, ("ext_proc_streams",), 1.0)
-            call.finish(Status.RESOURCE_EXHAUSTED,
-                        f"too many streams: at most {server.config.max_connections} (--max-connections)")
-            return
-        self.streams += 1
-        stream = ExtProcStream(server.service, self.tokenizers, in_flight=server.in_flight, defer_parse=True)
-        timeout = server.config.request_timeout_secs
-        deadline = server.clock() + timeout
-        try:
-            while True:
-                # A body that never completes would hold its bytes of the shared budget for ever:
-                # it has `--request-timeout-secs` from the stream's start, as an HTTP request has.
-                payload, expired = None, True
-                if not stream.awaiting_body:  # a cancel scope per message costs: only when needed
-                    payload, expired = await call.read(), False
-                else:
-                    with anyio.move_on_after(deadline - server.clock()):
-                        payload, expired = await call.read(), False
-                if expired:
-                    stream.expire(timeout)
-                    for reply in stream.replies():
-                        await call.write(reply.SerializeToString())
-                    return
-                if payload is None:
-                    return
-                try:
-                    message = ProcessingRequest.FromString(payload)
-                except DecodeError:
-                    call.finish(Status.INVALID_ARGUMENT, "not a ProcessingRequest")
-                    return
-                try:
-                    stream.receive(message, server.clock())
-                    if stream.body_ready:
-                        body = stream.take_body()
-                        # A large body is parsed, tokenized and hashed off the loop, as HTTP's
-                        # are; a small one here (a thread's round trip is most of its cost).
-                        if len(body) <= INLINE_BODY_BYTES:
-                            prepared = prepare_body(body, self.tokenizers, server.service.pools)
-                            stream.route_prepared(prepared, server.clock())
-                        else:
-                            prepared = await anyio.to_thread.run_sync(
-                                prepare_body, body, self.tokenizers, server.service.pools)
-                            stream.route_prepared(prepared, server.clock())
-                            if isinstance(prepared, ParsedBody):
-                                await anyio.to_thread.run_sync(prepared.release)
-                except Exception:  # noqa: BLE001 - confined to this stream: Envoy sees it end
-                    server.service.internal_error("ext_proc")
-                    return
-                if stream.pending_ticket is not None:
-                    await self._wait(stream)
-                for reply in stream.replies():
-                    await call.write(reply.SerializeToString())  # waits while the peer reads nothing
-                stream.replies_written()
-                await server.pump()
-                if stream.finished:
-                    return
-        finally:
-            self.streams -= 1
-            if stream.pending_ticket is not None:
-                server.resolvers.pop(stream.pending_ticket, None)
-            stream.close(server.clock())  # frees the booking if the response's end did not
-            if self.tg is not None:
-                self.tg.start_soon(server.pump)  # not awaited: this task may be cancelled
-
-    async def _wait(self, stream: Any) -> None:
-        """Until the queued selection is answered (`_Server._deliver` calls the resolver)."""
-        answered = anyio.Event()
-        ticket = stream.pending_ticket
-
-        def resolve(response: Any) -> None:
-            stream.resolve(response, self.server.clock())
-            answered.set()
-
-        self.server.resolvers[ticket] = resolve
-        await self.server.pump()
-        await answered.wait()
 
 
 def _bearer_matches(metadata: Mapping[str, bytes], token: bytes) -> bool:

@@ -465,7 +465,7 @@ async def serve(service: SelectionService, config: ServerConfig,
         tg.start_soon(server.timer)
         tg.start_soon(scrape_engines, service, config.engine_metrics_interval_secs)
         if ext_proc is not None:
-            tg.start_soon(ext_proc.run, tg)
+            tg.start_soon(ext_proc.run)
         server.subscriptions = Subscriptions(service, tg, server.pump)
         if config.ledger is not None and service.ledger is not None:
             options = config.ledger
