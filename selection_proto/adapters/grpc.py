@@ -5,9 +5,10 @@ a server is here, no more: no compression, no binary metadata, no deadlines (the
 its own).
 
 Flow control is per call: while its handler has read every message emitted, what arrives is
-acknowledged at once (a message may be larger than any window); while one waits unread, nothing
-is, until the transport says it has been consumed. A call whose handler is busy so holds back its
-own peer after one window, never the connection."""
+acknowledged, a quarter of a window at a time (a message may be larger than any window; a frame
+per message would be a cost on both sides); while one waits unread, nothing is, until the
+transport says it has been consumed. A call whose handler is busy so holds back its own peer
+after one window, never the connection."""
 
 from __future__ import annotations
 
@@ -94,12 +95,15 @@ class GrpcServer:
 
     def __init__(self, *, max_message_bytes: int, max_calls: int) -> None:
         self.max_message_bytes = max_message_bytes
-        self._h2 = H2Connection(H2Configuration(client_side=False, header_encoding=None))
+        # Our own headers are constants and checked status texts: h2 need not check them again.
+        self._h2 = H2Connection(H2Configuration(client_side=False, header_encoding=None,
+                                                validate_outbound_headers=False, normalize_outbound_headers=False))
         self._h2.local_settings = Settings(client=False, initial_values={
             SettingCodes.MAX_CONCURRENT_STREAMS: max_calls, SettingCodes.INITIAL_WINDOW_SIZE: STREAM_WINDOW})
         self._h2.initiate_connection()
         self._h2.increment_flow_control_window(CONNECTION_WINDOW - 65_535)
         self._calls: dict[int, _Call] = {}
+        self._received = 0  # connection-window bytes not yet given back
         self.started = False  # the peer's preface has arrived
         self.closed = False
 
@@ -142,8 +146,10 @@ class GrpcServer:
             elif isinstance(event, ConnectionTerminated):
                 self.closed = True
                 events += [CallReset(stream_id) for stream_id in self._calls]
-        if window:  # the connection's window is never what holds a call back
-            self._h2.increment_flow_control_window(window)
+        self._received += window
+        if self._received >= CONNECTION_WINDOW // 4:  # the connection's window never holds a call back
+            self._h2.increment_flow_control_window(self._received)
+            self._received = 0
         return events
 
     def _started(self, event: RequestReceived, events: list[Event]) -> None:
@@ -163,8 +169,7 @@ class GrpcServer:
         stream_id = event.stream_id
         call = self._calls.get(stream_id)
         data = event.data or b""
-        if call is None:  # answered already: its bytes are given back and dropped
-            self._give_back(stream_id, event.flow_controlled_length)
+        if call is None:  # answered (and reset) already: its bytes are dropped
             return
         call.buffer += data
         call.withheld += event.flow_controlled_length
@@ -184,20 +189,20 @@ class GrpcServer:
             call.unread += 1
             events.append(Message(stream_id, payload))
         if not call.unread:  # the handler keeps up: what is buffered is a message not yet whole
-            self._give_back(stream_id, call.withheld)
-            call.withheld = 0
+            self._give_back(call, stream_id)
 
     def _refuse(self, stream_id: int, code: int, text: str, events: list[Event]) -> None:
         self.finish(stream_id, code, text)
         self._reset_quietly(stream_id)
         events.append(CallReset(stream_id))
 
-    def _give_back(self, stream_id: int, size: int) -> None:
-        if size > 0:
+    def _give_back(self, call: _Call, stream_id: int) -> None:
+        if call.withheld >= STREAM_WINDOW // 4:
             try:
-                self._h2.increment_flow_control_window(size, stream_id)
+                self._h2.increment_flow_control_window(call.withheld, stream_id)
             except H2Error:
                 pass  # the stream is closed: nothing to give back to
+            call.withheld = 0
 
     def consumed(self, message: Message) -> None:
         """The handler took `message`: once it has taken all, its peer may send on."""
@@ -205,8 +210,7 @@ class GrpcServer:
         if call is not None:
             call.unread -= 1
             if not call.unread:
-                self._give_back(message.stream_id, call.withheld)
-                call.withheld = 0
+                self._give_back(call, message.stream_id)
 
     # -- what this side sends -------------------------------------------------------------------
 
