@@ -267,13 +267,13 @@ class ExtProcStream:
         if self.finished:
             return
         if response.status != 200:
-            message = jsonio.loads(response.body).get("error", "selection failed")
+            message = jsonio.loads_own(response.body).get("error", "selection failed")
             status = response.status  # the core's 409, 415 and 422 are the request's fault too: 400
             # The Gateway API protocol says 429 for "not now", so Dynamo's 529 is 429 here.
             self._refuse(429 if status == 529 else status if status in (404, 413, 429, 503) else 400 if status < 500
                          else 500, message, retry_after=dict(response.headers).get("retry-after"))
             return
-        answer = jsonio.loads(response.body)
+        answer = jsonio.loads_own(response.body)
         self.booking = (answer["reservation_id"], answer["model_name"], answer["tenant_id"])
         self._send_destination(answer["endpoint"], dict(response.headers).get(DECISION_HEADER))
         if self._buffered:

@@ -104,10 +104,13 @@ class GrpcServer:
         self._h2.increment_flow_control_window(CONNECTION_WINDOW - 65_535)
         self._calls: dict[int, _Call] = {}
         self._received = 0  # connection-window bytes not yet given back
+        self._unframed: set[int] = set()  # calls with messages queued since the last frames
         self.started = False  # the peer's preface has arrived
         self.closed = False
 
     def data_to_send(self) -> bytes:
+        while self._unframed:
+            self._flush(self._unframed.pop())
         return self._h2.data_to_send()
 
     # -- what the peer sent ---------------------------------------------------------------------
@@ -224,10 +227,11 @@ class GrpcServer:
             call.headers_sent = True
         call.outbound += len(payload).to_bytes(5, "big")
         call.outbound += payload
-        self._flush(stream_id)
+        self._unframed.add(stream_id)  # framed later, with the messages queued after it: fewer frames
 
     def pending(self, stream_id: int) -> int:
         """Bytes of the call's messages still waiting for the peer's window."""
+        self._flush(stream_id)
         call = self._calls.get(stream_id)
         return len(call.outbound) if call is not None else 0
 
@@ -256,6 +260,7 @@ class GrpcServer:
         return len(self._calls)
 
     def _flush(self, stream_id: int) -> None:
+        self._unframed.discard(stream_id)
         call = self._calls.get(stream_id)
         if call is None:
             return

@@ -60,7 +60,7 @@ def render(rid: Id, response: Response) -> bytes:
                              "text": body.decode("utf-8")})
     if 200 <= status < 300:
         return head + b',"result":' + body + b"}\n"
-    parsed = jsonio.loads(body) if body else None
+    parsed = jsonio.loads_own(body) if body else None
     message = parsed.get("error") if isinstance(parsed, dict) else None
     if not isinstance(message, str):
         message = HTTPStatus(status).phrase
