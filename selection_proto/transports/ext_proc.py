@@ -24,6 +24,7 @@ from ..core.metrics import LIMIT_REJECTIONS
 from .logs import log
 
 if TYPE_CHECKING:
+    from ..adapters.ext_proc import ExtProcStream
     from ..adapters.inflight import InFlight
     from ..adapters.openai import ChatTokenizer
     from ..core.service import SelectionService
@@ -396,8 +397,6 @@ class _ProcessHandler(_Handler):
     """`ExternalProcessor/Process`: one request through the gateway, an `ExtProcStream`."""
 
     def __init__(self, picker: _Picker, metadata: Mapping[str, bytes]) -> None:
-        from ..adapters.ext_proc import ExtProcStream
-
         self.picker = picker
         server = picker.server
         self.stream: ExtProcStream | None = None
@@ -413,7 +412,7 @@ class _ProcessHandler(_Handler):
                             f"too many streams: at most {server.config.max_connections} (--max-connections)")
         else:
             picker.streams += 1
-            self.stream = ExtProcStream(server.service, picker.tokenizers, in_flight=server.in_flight,
+            self.stream = picker.stream_type(server.service, picker.tokenizers, in_flight=server.in_flight,
                                         defer_parse=True)
 
     @property
@@ -427,16 +426,12 @@ class _ProcessHandler(_Handler):
         return self.stream is not None and not self.stream.past_body
 
     def message(self, payload: bytes) -> Callable[[], Awaitable[None]] | None:
-        from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
-        from google.protobuf.message import DecodeError
-
-        from ..adapters.ext_proc import prepare_body
-
-        stream, server = self.stream, self.picker.server
+        picker, stream = self.picker, self.stream
+        server = picker.server
         assert stream is not None
         try:
-            message = ProcessingRequest.FromString(payload)
-        except DecodeError:
+            message = picker.read_request(payload)
+        except picker.decode_error:
             self.outcome = (Status.INVALID_ARGUMENT, "not a ProcessingRequest")
             return None
         now = server.clock()
@@ -447,16 +442,16 @@ class _ProcessHandler(_Handler):
                 return partial(self._prepare_off_loop, body)
             # A small body is parsed, tokenized and hashed here (a thread's round trip is most of
             # its cost); a large one off the loop, as HTTP's are.
-            stream.route_prepared(prepare_body(body, self.picker.tokenizers, server.service.pools), now)
+            stream.route_prepared(picker.prepare_body(body, picker.tokenizers, server.service.pools), now)
         return self._wait if stream.pending_ticket is not None else None
 
     async def _prepare_off_loop(self, body: bytes) -> None:
-        from ..adapters.ext_proc import prepare_body
         from ..core.routes import ParsedBody
 
-        server, stream = self.picker.server, self.stream
+        picker, stream = self.picker, self.stream
+        server = picker.server
         assert stream is not None
-        prepared = await anyio.to_thread.run_sync(prepare_body, body, self.picker.tokenizers, server.service.pools)
+        prepared = await anyio.to_thread.run_sync(picker.prepare_body, body, picker.tokenizers, server.service.pools)
         stream.route_prepared(prepared, server.clock())
         if isinstance(prepared, ParsedBody):
             await anyio.to_thread.run_sync(prepared.release)
@@ -503,9 +498,18 @@ class _ProcessHandler(_Handler):
 
 
 class _Picker:
-    """The `ExternalProcessor` service's shared state: the tokenizers and the count of streams."""
+    """The `ExternalProcessor` service's shared state: the tokenizers, the count of streams, and
+    the `gateway` extra's parts (imported once: an import per message is a cost)."""
 
     def __init__(self, server: Host, tokenizers: Mapping[str, ChatTokenizer]) -> None:
+        from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
+        from google.protobuf.message import DecodeError
+
+        from ..adapters.ext_proc import ExtProcStream, prepare_body
+
+        self.read_request = ProcessingRequest.FromString
+        self.decode_error = DecodeError
+        self.stream_type, self.prepare_body = ExtProcStream, prepare_body
         self.server = server
         self.tokenizers = tokenizers
         self.streams = 0  # open now: at most `--max-connections`, as HTTP connections are
