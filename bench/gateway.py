@@ -7,6 +7,7 @@ against one fast fake engine (asyncio, a fixed 60-byte JSON answer), three ways:
     picker   wrk -> Envoy -> engine, Envoy asking `selection-proto serve --ext-proc-port`
 
     python bench/gateway.py [--seconds 5] [--connections 1,16] [--prompt-tokens 1024] [--paths direct,envoy,picker]
+                            [--backend asyncio|uvloop|trio]   (serve's event loop)
 
 Everything shares the machine's cores (Envoy runs one worker thread); read the figures as what
 each hop adds here, not as any one part's ceiling.
@@ -169,12 +170,13 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--paths", default="direct,envoy,picker",
                         help="picker takes the response mode: picker (streamed), picker:headers, picker:none")
+    parser.add_argument("--backend", default="asyncio", choices=("asyncio", "uvloop", "trio"))
     args = parser.parse_args()
     body = json.dumps({"model": "m", "prompt": list(range(args.prompt_tokens)), "max_tokens": 1}).encode()
     engine, api, ext_proc = (free_port() for _ in range(3))
     start_engine(engine)
     serve = subprocess.Popen([sys.executable, "-m", "selection_proto", "serve", "--port", str(api), "--kv-events",
-                              "approximate", "--ext-proc-port", str(ext_proc)], stderr=subprocess.DEVNULL)
+                              "approximate", "--ext-proc-port", str(ext_proc), "--backend", args.backend], stderr=subprocess.DEVNULL)
     folder = tempfile.mkdtemp()
     envoys: list[subprocess.Popen[bytes]] = []
     try:

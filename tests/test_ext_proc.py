@@ -462,15 +462,16 @@ def test_serve_loads_a_models_tokenizer_folder_and_refuses_bad_flags_in_one_line
     assert done.returncode == 1 and "for ext_proc" in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
-def test_the_picker_serves_on_trio_too() -> None:
+@pytest.mark.parametrize("backend", ["trio", "uvloop"])
+def test_the_picker_serves_on_trio_and_uvloop_too(backend: str) -> None:
     """The picker's gRPC runs on anyio (grpc.aio ran on asyncio only, and trio was refused):
-    under `--backend trio` health answers and a prompt is routed and freed."""
+    under `--backend trio` and `--backend uvloop` health answers and a prompt is routed and freed."""
     import grpc
     from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from test_http import Server, api_call
 
-    server = Server("--ext-proc-port", "0", "--backend", "trio", mode="approximate")
+    server = Server("--ext-proc-port", "0", "--backend", backend, mode="approximate")
     try:
         assert api_call(server.port, "POST", "/workers", {"worker_id": 1, "model_name": "m", "block_size": 4,
                                                           "endpoint": "http://10.0.0.1:8000"})[0] == 201
@@ -483,6 +484,21 @@ def test_the_picker_serves_on_trio_too() -> None:
         assert api_call(server.port, "GET", "/loads")[1][0]["loads"][0]["active_requests"] == 0
     finally:
         server.stop()
+
+
+def test_a_backend_is_checked_before_anything_starts_and_a_missing_one_named(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    from selection_proto.cli import main
+
+    assert main(["serve", "--backend", "uvlop"], env={}) == 2
+    assert capsys.readouterr().err.strip() == ("selection-proto: error: --backend: invalid choice 'uvlop' "
+                                               "(choose from asyncio, uvloop, trio)")
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # as if not installed
+    assert main(["serve", "--backend", "uvloop"], env={}) == 2
+    assert capsys.readouterr().err.strip() == ("selection-proto: error: --backend uvloop: the uvloop package is not "
+                                               "installed (pip install 'selection-proto[uvloop]')")
 
 
 def test_the_pickers_port_needs_the_servers_bearer_token(tmp_path: Any) -> None:
@@ -561,6 +577,52 @@ def test_a_body_that_never_completes_is_refused_after_the_request_timeout_and_fr
             answer = list(stub.Process(iter(complete), timeout=20))
             assert answer and answer[0].HasField("request_headers"), answer[:1]
         assert api_call(server.port, "GET", "/health") == (200, {"status": "ok"})
+    finally:
+        server.stop()
+
+
+def test_a_stream_whose_headers_come_after_its_time_is_refused_at_once_and_others_flow_meanwhile() -> None:
+    """A stream's `--request-timeout-secs` runs from its start: one silent past it, then sending
+    its headers and half a body, is refused 408 at once (not a second later), while streams
+    opened behind the silent one are served as usual."""
+    import threading
+    import time
+
+    import grpc
+    from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
+    from test_http import Server, api_call
+
+    server = Server("--ext-proc-port", "0", "--request-timeout-secs", "1", mode="approximate")
+    try:
+        target = server.ext_proc_url().removeprefix("grpc://")
+        assert api_call(server.port, "POST", "/workers", {"worker_id": 1, "model_name": "m", "block_size": 4,
+                                                          "endpoint": "http://127.0.0.1:9"})[0] == 201
+        held, spoke = threading.Event(), threading.Event()
+        spoke_at: list[float] = []
+
+        def late() -> Any:
+            held.wait(1.6)  # silent past its 1 s
+            spoke_at.append(time.monotonic())
+            spoke.set()
+            yield headers()
+            yield body(b'{"model": "m", "prompt": "x')
+            held.wait(30)
+
+        with grpc.insecure_channel(target) as channel:
+            stub = ExternalProcessorStub(channel)
+            replies = stub.Process(late(), timeout=20)
+            for _ in range(3):  # behind the silent stream, others come and go
+                answer = list(stub.Process(iter([headers(), body(completion([1, 2, 3, 4, 5]), end=True)]), timeout=5))
+                assert answer and answer[0].HasField("request_headers"), answer[:1]
+            assert not spoke.is_set()
+            first = next(replies)
+            refused_after = time.monotonic()
+            assert spoke.is_set() and first.immediate_response.status.code == 408, first
+            held.set()
+        assert refused_after - spoke_at[0] < 0.8  # at once, not after another timeout
+        assert api_call(server.port, "GET", "/health") == (200, {"status": "ok"})
+        assert all(load["active_requests"] == 0 for key in api_call(server.port, "GET", "/loads")[1]
+                   for load in key["loads"])
     finally:
         server.stop()
 
