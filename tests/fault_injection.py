@@ -60,8 +60,10 @@ FAULTS: dict[str, Callable[[], None]] = {
     # queue dispatch: a queued selection fails when it is finally run (not when run at once)
     "dispatch": lambda: _raising("dispatch", lambda self, *a: self._dispatching)(
         Selector, "_finish"),
-    # the endpoint picker's routing of a request body that names the model "boom"
-    "ext_proc": lambda: _raising("ext_proc", lambda self, now: b'"boom"' in self._body)(ExtProcStream, "_route"),
+    # the endpoint picker's booking of a request body that names the model "boom" (small bodies
+    # are booked in the connection's reader, large ones in a task of their own)
+    "ext_proc": lambda: _raising("ext_proc", lambda self, prepared, now: getattr(prepared, "value", {}).get(
+        "model_name") == "boom")(ExtProcStream, "route_prepared"),
 }
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import resource
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -208,8 +209,9 @@ def test_running_out_of_descriptors_backs_off_and_recovers() -> None:
 
 def test_a_failing_picker_stream_ends_alone_counted_and_logged_once() -> None:
     """The endpoint picker's adapter raising for one request: that gRPC stream ends with INTERNAL
-    (Envoy, not answered, fails that request), the error is counted and logged once, nothing
-    stays booked, and the next stream is routed."""
+    at once (Envoy, not answered, fails that request), the error is counted and logged once a
+    stream, nothing stays booked, and the next stream is routed; a body booked in the reader's
+    turn (small) or in a task of its own (over 64 KiB) alike."""
     import grpc
     from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
     from test_ext_proc import body, headers
@@ -223,13 +225,21 @@ def test_a_failing_picker_stream_ends_alone_counted_and_logged_once() -> None:
             assert post(server, "/workers", json.dumps(record).encode())[0] == 201
         with grpc.insecure_channel(url[len("grpc://"):]) as channel:
             stub = ExternalProcessorStub(channel)
-            with pytest.raises(grpc.RpcError) as failed:
-                list(stub.Process(iter([headers(), body(b'{"model": "boom", "prompt": [1, 2, 3, 4]}', end=True)])))
-            assert failed.value.code() == grpc.StatusCode.INTERNAL  # type: ignore[attr-defined]
+            held = threading.Event()
+            for prompt in (b"[1, 2, 3, 4]", json.dumps(list(range(20_000))).encode()):
+                def boom(prompt: bytes = prompt) -> Any:
+                    yield headers()
+                    yield body(b'{"model": "boom", "prompt": ' + prompt + b"}", end=True)
+                    held.wait(30)  # the call stays open: its status must come without the peer's end
+
+                with pytest.raises(grpc.RpcError) as failed:
+                    list(stub.Process(boom(), timeout=10))
+                assert failed.value.code() == grpc.StatusCode.INTERNAL  # type: ignore[attr-defined]
             routed = list(stub.Process(iter([headers(), body(b'{"model": "m", "prompt": [1, 2, 3, 4]}', end=True)])))
             assert routed[0].HasField("request_headers")
-        assert wait_for(lambda: internal_errors(server) == {"ext_proc": 1.0})
-        assert len(logged(server, "ext_proc")) == 1
+            held.set()
+        assert wait_for(lambda: internal_errors(server) == {"ext_proc": 2.0})
+        assert len(logged(server, "ext_proc")) == 2
         assert wait_for(lambda: all(load["active_requests"] == 0 for key in json.loads(get(server, "/loads")[1])
                                     for load in key["loads"]))
         assert_healthy(server)

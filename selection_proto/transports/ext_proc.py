@@ -289,19 +289,19 @@ class _Connection:
 
     async def _wait(self, call: _Call, wait: Callable[[], Awaitable[None]]) -> None:
         assert call.task is not None
-        with call.task:
+        with call.task:  # cancelled by `_end`: the peer reset the call
             try:
                 await wait()
             except Exception:  # noqa: BLE001 - confined to this call
                 self.owner.server.service.internal_error("ext_proc")
                 self._end(call, (Status.INTERNAL, "internal error"))
-            call.task = None
-            self._advance(call)
-            try:
-                await self.flush()
-            except _GONE:
-                pass  # the connection's reader sees it go
-            await self.owner.server.pump()
+        call.task = None
+        self._advance(call)
+        try:
+            await self.flush()
+        except _GONE:
+            pass  # the connection's reader sees it go
+        await self.owner.server.pump()
 
     def _end(self, call: _Call, outcome: tuple[int, str] | None) -> None:
         """The call is over: its status sent (None: the peer reset it), its handler closed."""
