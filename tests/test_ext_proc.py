@@ -919,3 +919,114 @@ def test_the_pickers_wire_refuses_hostile_calls_and_serves_on() -> None:
         assert api_call(server.port, "GET", "/health") == (200, {"status": "ok"})
     finally:
         server.stop()
+
+
+def test_many_interleaved_streams_on_one_connection_end_every_way_and_leak_nothing() -> None:
+    """The picker runs each call's messages in the connection reader's turn. Forty-eight streams
+    on one raw HTTP/2 connection, their messages interleaved, end every way: reset before the body
+    is whole, reset after being routed (a client leaving mid-response), half-closed after being
+    routed, and answered with a bad message. Each routed one got its destination; afterwards no
+    booking is left, and as many new streams as the cap allows are each taken (none counted twice
+    or leaked)."""
+    import socket
+    import time
+
+    import h2.config
+    import h2.connection
+    import h2.errors
+    import h2.events
+    from test_http import Server, api_call
+
+    cap = 60
+    server = Server("--ext-proc-port", "0", "--max-connections", str(cap), mode="approximate")
+    try:
+        port = int(server.ext_proc_url().rsplit(":", 1)[1])
+        assert api_call(server.port, "POST", "/workers", {"worker_id": 1, "model_name": "m", "block_size": 4,
+                                                          "endpoint": "http://10.0.0.1:8000"})[0] == 201
+        client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
+        client.initiate_connection()
+
+        def framed(message: ProcessingRequest) -> bytes:
+            payload = message.SerializeToString()
+            return len(payload).to_bytes(5, "big") + payload
+
+        def open_call() -> int:
+            stream_id = client.get_next_available_stream_id()
+            client.send_headers(stream_id, [
+                (b":method", b"POST"), (b":scheme", b"http"), (b":authority", b"picker"),
+                (b":path", b"/envoy.service.ext_proc.v3.ExternalProcessor/Process"),
+                (b"content-type", b"application/grpc"), (b"te", b"trailers")])
+            return stream_id
+
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            answers: dict[int, list[Any]] = {}
+
+            def exchange(until: Any) -> None:
+                sock.sendall(client.data_to_send())
+                while not until():
+                    chunk = sock.recv(65536)
+                    assert chunk, "the picker closed the connection"
+                    for event in client.receive_data(chunk):
+                        if isinstance(event, h2.events.DataReceived):
+                            client.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                        if getattr(event, "stream_id", None):
+                            answers.setdefault(event.stream_id, []).append(event)
+                    sock.sendall(client.data_to_send())
+
+            raw = completion(list(range(64)))
+            calls = [open_call() for _ in range(48)]
+            for stream_id in calls:
+                client.send_data(stream_id, framed(headers()))
+            for stream_id in calls:  # half a body each, all interleaved
+                client.send_data(stream_id, framed(body(raw[:40])))
+            exchange(lambda: True)
+            for n, stream_id in enumerate(calls):
+                if n % 4 == 0:
+                    client.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
+                elif n % 4 == 3:
+                    client.send_data(stream_id, b"\x00\x00\x00\x00\x04\xff\xff\xff\xff", end_stream=True)
+                else:
+                    client.send_data(stream_id, framed(body(raw[40:], end=True)))
+            routed = [s for n, s in enumerate(calls) if n % 4 in (1, 2)]
+
+            def replied(stream_id: int) -> bool:
+                return any(isinstance(e, h2.events.DataReceived) for e in answers.get(stream_id, []))
+
+            def status(stream_id: int) -> bytes | None:
+                for event in answers.get(stream_id, []):  # trailers, or a trailers-only answer
+                    if isinstance(event, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
+                        if (code := dict(event.headers).get(b"grpc-status")) is not None:
+                            return code
+                return None
+
+            exchange(lambda: all(replied(s) for s in routed)
+                     and all(status(s) is not None for n, s in enumerate(calls) if n % 4 == 3))
+            assert all(status(s) == b"3" for n, s in enumerate(calls) if n % 4 == 3)  # INVALID_ARGUMENT
+            for n, stream_id in enumerate(calls):
+                if n % 4 == 1:
+                    client.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
+                elif n % 4 == 2:
+                    client.end_stream(stream_id)
+            exchange(lambda: all(status(s) == b"0" for n, s in enumerate(calls) if n % 4 == 2))
+
+            def booked() -> int:
+                return int(api_call(server.port, "GET", "/loads")[1][0]["loads"][0]["active_requests"])
+
+            deadline = time.monotonic() + 10
+            while booked() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert booked() == 0
+            # The cap's every slot is free again: `cap` new streams are all taken and held.
+            held = [open_call() for _ in range(cap)]
+            for stream_id in held:
+                client.send_data(stream_id, framed(headers()))
+            sock.sendall(client.data_to_send())
+            sock.settimeout(1.0)
+            try:
+                exchange(lambda: any(status(s) is not None for s in held))
+            except TimeoutError:
+                pass  # nothing answered within a second: every stream was taken and is waiting
+            assert [s for s in held if status(s) is not None] == []
+        assert api_call(server.port, "GET", "/health") == (200, {"status": "ok"})
+    finally:
+        server.stop()
