@@ -10,7 +10,8 @@ against one fast fake engine (asyncio, a fixed 60-byte JSON answer), three ways:
                             [--backend asyncio|uvloop|trio]   (serve's event loop)
 
 Everything shares the machine's cores (Envoy runs one worker thread); read the figures as what
-each hop adds here, not as any one part's ceiling.
+each hop adds here, not as any one part's ceiling. For the picker's paths, "cpu ms" is `serve`'s
+CPU time over the run divided by the requests served: the picker's own cost, near what it adds.
 """
 
 from __future__ import annotations
@@ -136,6 +137,13 @@ def envoy_binary() -> str:
     return found
 
 
+def cpu_seconds(pid: int) -> float:
+    """A process's user and system CPU so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def wrk(port: int, body: bytes, connections: int, seconds: int) -> dict[str, float]:
     with tempfile.NamedTemporaryFile("wb", suffix=".json", delete=False) as data, \
             tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
@@ -159,8 +167,9 @@ def wrk(port: int, body: bytes, connections: int, seconds: int) -> dict[str, flo
         return value / 1000 if unit == "us" else value * 1000 if unit == "s" else value
 
     rate = re.search(r"Requests/sec:\s+([\d.]+)", out)
-    assert rate, out
-    return {"rps": float(rate.group(1)), "p50_ms": ms("50%"), "p99_ms": ms("99%")}
+    total = re.search(r"(\d+) requests in", out)
+    assert rate and total, out
+    return {"rps": float(rate.group(1)), "p50_ms": ms("50%"), "p99_ms": ms("99%"), "requests": int(total.group(1))}
 
 
 def main() -> None:
@@ -202,14 +211,17 @@ def main() -> None:
         for connections in (int(c) for c in args.connections.split(",")):
             for path in paths:
                 held = BookingSampler(api) if path.startswith("picker") else None
+                before = cpu_seconds(serve.pid)
                 result = wrk(ports[path], body, connections, args.seconds)
+                # serve's CPU a request: the picker's own work (the sampler's requests are ~1%)
+                cpu = (cpu_seconds(serve.pid) - before) * 1000 / result["requests"]
                 rows.append({"path": path, "connections": connections, **result,
-                             **({"booked_share": held.stop()} if held is not None else {})})
-        print(f"{'path':16} {'conns':>5} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'booked':>7}")
+                             **({"booked_share": held.stop(), "serve_cpu_ms": cpu} if held is not None else {})})
+        print(f"{'path':16} {'conns':>5} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'booked':>7} {'cpu ms':>7}")
         for row in rows:
-            booked = f"{row['booked_share']:>7.0%}" if "booked_share" in row else ""
+            picked = f"{row['booked_share']:>7.0%} {row['serve_cpu_ms']:>7.2f}" if "booked_share" in row else ""
             print(f"{row['path']:16} {row['connections']:>5} {row['rps']:>8.0f} {row['p50_ms']:>8.2f} "
-                  f"{row['p99_ms']:>8.2f} {booked}")
+                  f"{row['p99_ms']:>8.2f} {picked}")
         print(json.dumps(rows))
     finally:
         for envoy in envoys:
