@@ -1030,3 +1030,86 @@ def test_many_interleaved_streams_on_one_connection_end_every_way_and_leak_nothi
         assert api_call(server.port, "GET", "/health") == (200, {"status": "ok"})
     finally:
         server.stop()
+
+
+def test_picker_streams_waiting_in_the_queue_can_leave_and_the_rest_are_served_in_turn() -> None:
+    """Queueing on and the only engine busy: a small and a large (over 64 KiB: read in a worker
+    thread) request wait in the queue through the picker. The small one's client leaves: its
+    queued selection goes with it. Once the engine's booking ends, the large one is routed; in the
+    end nothing is booked or queued."""
+    import http.client
+    import threading
+    import time
+
+    import grpc
+    from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
+    from test_http import Server, api_call
+
+    def pending() -> float:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+        conn.close()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("selection_proto_queue_pending{"))
+
+    def until(condition: Any) -> None:
+        deadline = time.monotonic() + 10
+        while not condition():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+    server = Server("--ext-proc-port", "0", "--queue-threshold", "0.5", "--queue-max-pending", "4",
+                    mode="approximate")
+    release = threading.Event()
+    try:
+        assert api_call(server.port, "POST", "/workers", {"worker_id": 1, "model_name": "m", "block_size": 4,
+                                                          "endpoint": "http://10.0.0.1:8000",
+                                                          "max_num_batched_tokens": 16})[0] == 201
+        status, busy = api_call(server.port, "POST", "/select_and_reserve",
+                                {"model_name": "m", "token_ids": list(range(40))})
+        assert status == 200, busy
+
+        def held(prompt: list[int]) -> Any:
+            yield headers()
+            yield body(completion(prompt), end=True)
+            release.wait(30)
+
+        with grpc.insecure_channel(server.ext_proc_url().removeprefix("grpc://")) as channel:
+            stub = ExternalProcessorStub(channel)
+            small = stub.Process(held([7] * 40), timeout=30)
+            large = stub.Process(held(list(range(100, 20_100))), timeout=30)  # ~110 KB of JSON
+            until(lambda: pending() == 2)
+            small.cancel()
+            until(lambda: pending() == 1)
+            rid = busy["reservation_id"]
+            assert api_call(server.port, "DELETE", f"/reservations/{rid}?model_name=m&tenant_id=default")[0] == 200
+            first = next(large)
+            assert first.request_headers.response.header_mutation.set_headers[0].header.raw_value == b"10.0.0.1:8000"
+            release.set()
+            list(large)
+        until(lambda: pending() == 0 and api_call(server.port, "GET", "/loads")[1][0]["loads"][0]["active_requests"] == 0)
+        assert api_call(server.port, "GET", "/health") == (200, {"status": "ok"})
+    finally:
+        release.set()
+        server.stop()
+
+
+def test_health_checks_without_a_message_or_with_a_bad_one() -> None:
+    """gRPC health over a raw HTTP/2 call: no request message at all reads as the default service
+    (SERVING), bytes that are not a HealthCheckRequest are INVALID_ARGUMENT."""
+    from grpc_health.v1 import health_pb2
+    from test_http import Server
+
+    server = Server("--ext-proc-port", "0", mode="approximate")
+    try:
+        port = int(server.ext_proc_url().rsplit(":", 1)[1])
+        check = "/grpc.health.v1.Health/Check"
+        empty = _raw_call(port, check, b"")
+        assert empty[b"grpc-status"] == b"0"
+        bad = _raw_call(port, check, (4).to_bytes(5, "big") + b"\xff\xff\xff\xff")
+        assert bad[b"grpc-status"] == b"3" and b"HealthCheckRequest" in bad[b"grpc-message"]
+        named = health_pb2.HealthCheckRequest(service="readiness").SerializeToString()
+        assert _raw_call(port, check, len(named).to_bytes(5, "big") + named)[b"grpc-status"] == b"0"
+    finally:
+        server.stop()
