@@ -7,6 +7,7 @@ from __future__ import annotations
 import h2.config
 import h2.connection
 import h2.events
+import h2.settings
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,6 +18,7 @@ from selection_proto.adapters.grpc import (
     CallStarted,
     GrpcServer,
     Message,
+    WindowOpened,
 )
 
 PATH = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
@@ -73,7 +75,7 @@ def test_any_bytes_give_events_or_a_closed_connection_never_an_exception(garbage
         start_call(peer)
         server.receive(peer.data_to_send())
     events = server.receive(garbage)
-    assert all(isinstance(e, (CallStarted, Message, CallEnded, CallReset)) for e in events)
+    assert all(isinstance(e, (CallStarted, Message, CallEnded, CallReset, WindowOpened)) for e in events)
     server.data_to_send()  # whatever it answers (a GOAWAY, say) can be written
 
 
@@ -151,3 +153,21 @@ def test_replies_wait_for_the_peers_window_and_trailers_follow_them() -> None:
         if ended:
             break
     assert ended and received == 200_005 and server.pending(stream_id) == 0
+
+
+def test_replies_held_by_the_window_go_when_the_peer_widens_it_by_settings_alone() -> None:
+    """RFC 9113 §6.9.2: a SETTINGS_INITIAL_WINDOW_SIZE raise widens every stream's window, no
+    WINDOW_UPDATE needed. The held reply goes then, and the transport is told (`WindowOpened(0)`)
+    so that a call held back by its replies goes on; an unrelated frame tells it nothing."""
+    peer, server = client(), GrpcServer(max_message_bytes=8 << 20, max_calls=8)
+    stream_id = start_call(peer)
+    peer.increment_flow_control_window(1 << 20)  # the connection's window: not what holds it
+    pump(peer, server)
+    server.send_message(stream_id, b"r" * 100_000)  # over the stream's default 65,535-byte window
+    assert server.pending(stream_id) > 0
+    peer.receive_data(server.data_to_send())  # (the window's worth, not acknowledged)
+    peer.ping(b"12345678")
+    assert [e for e in server.receive(peer.data_to_send()) if isinstance(e, WindowOpened)] == []
+    peer.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 1 << 20})
+    events = server.receive(peer.data_to_send())
+    assert WindowOpened(0) in events and server.pending(stream_id) == 0

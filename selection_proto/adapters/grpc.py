@@ -21,6 +21,7 @@ from h2.errors import ErrorCodes
 from h2.events import (
     ConnectionTerminated,
     DataReceived,
+    RemoteSettingsChanged,
     RequestReceived,
     StreamEnded,
     StreamReset,
@@ -29,7 +30,7 @@ from h2.events import (
 from h2.exceptions import H2Error, ProtocolError
 from h2.settings import SettingCodes, Settings
 
-__all__ = ["CallEnded", "CallReset", "CallStarted", "GrpcServer", "Message", "Status"]
+__all__ = ["CallEnded", "CallReset", "CallStarted", "GrpcServer", "Message", "Status", "WindowOpened"]
 
 
 class Status:
@@ -72,7 +73,15 @@ class CallReset:
     stream_id: int
 
 
-Event = CallStarted | Message | CallEnded | CallReset
+@attrs.frozen
+class WindowOpened:
+    """The peer made room (0: for every call, by the connection's window or its SETTINGS): what
+    waited for it has been framed, and a call held back by `pending` may go on."""
+
+    stream_id: int
+
+
+Event = CallStarted | Message | CallEnded | CallReset | WindowOpened
 
 STREAM_WINDOW: Final = 1 << 20
 CONNECTION_WINDOW: Final = 1 << 24
@@ -146,6 +155,11 @@ class GrpcServer:
             elif isinstance(event, WindowUpdated):
                 for stream_id in [event.stream_id] if event.stream_id else list(self._calls):
                     self._flush(stream_id)
+                events.append(WindowOpened(event.stream_id))
+            elif isinstance(event, RemoteSettingsChanged) and self._calls and _widened(event):
+                for stream_id in list(self._calls):  # every call's window moved
+                    self._flush(stream_id)
+                events.append(WindowOpened(0))
             elif isinstance(event, ConnectionTerminated):
                 self.closed = True
                 events += [CallReset(stream_id) for stream_id in self._calls]
@@ -287,6 +301,15 @@ class GrpcServer:
                 self._h2.reset_stream(stream_id, ErrorCodes.NO_ERROR)
             except H2Error:
                 pass
+
+
+def _widened(event: RemoteSettingsChanged) -> bool:
+    """The peer's SETTINGS raised the initial window, so every stream's (RFC 9113 §6.9.2)."""
+    changed = event.changed_settings.get(SettingCodes.INITIAL_WINDOW_SIZE)
+    if changed is None:
+        return False
+    before = 65_535 if changed.original_value is None else changed.original_value
+    return changed.new_value > before
 
 
 def _percent_encoded(text: str) -> bytes:

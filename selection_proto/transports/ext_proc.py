@@ -19,7 +19,7 @@ import anyio
 import anyio.abc
 from anyio.streams.tls import TLSStream
 
-from ..adapters.grpc import CallEnded, CallReset, CallStarted, GrpcServer, Message, Status
+from ..adapters.grpc import CallEnded, CallReset, CallStarted, GrpcServer, Message, Status, WindowOpened
 from ..core.metrics import LIMIT_REJECTIONS
 from .logs import log
 
@@ -189,8 +189,6 @@ class _Connection:
                             break
                         for event in self.wire.receive(data):
                             self._dispatch(event)
-                        for call in list(self.blocked):  # a window may have opened
-                            self._advance(call)
                         await self.flush()
                         await server.pump()
                 except _GONE:
@@ -225,7 +223,11 @@ class _Connection:
         await self.owner.server.pump()
         return None
 
-    def _dispatch(self, event: CallStarted | Message | CallEnded | CallReset) -> None:
+    def _dispatch(self, event: CallStarted | Message | CallEnded | CallReset | WindowOpened) -> None:
+        if isinstance(event, WindowOpened):  # only then can a call held back by its replies go on
+            for held in [c for c in self.blocked if event.stream_id in (0, c.stream_id)]:
+                self._advance(held)
+            return
         if isinstance(event, CallStarted):
             owner = self.owner
             handler: _Handler
