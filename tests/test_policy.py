@@ -12,12 +12,12 @@ from conftest import Client, stored, worker
 from selection_proto.core.cost import (
     ATTENTION_CONTEXT_TOKENS,
     DECODE_DRAG,
-    DEFAULT_PREFILL_TOKENS_PER_SEC,
     KV_PRESSURE,
     REUSE_CREDIT,
 )
 from selection_proto.core.hashing import block_hashes
 from selection_proto.core.settings import Settings
+from selection_proto.core.speed import DEFAULT_PREFILL_TOKENS_PER_SEC
 
 PROMPT = list(range(64))  # 16 blocks of 4
 
@@ -120,3 +120,64 @@ def test_the_policy_and_the_speed_are_checked(make_client: Callable[..., Client]
         status, message = c.error("POST", "/workers", worker(1, prefill_tokens_per_sec=bad))
         assert status == 422 and "prefill_tokens_per_sec" in message
     assert c.ok("GET", "/workers") == []
+
+
+def _run(c: Client, worker_id: int, rid: str, tokens: int, secs: float) -> None:
+    """Book `tokens` new tokens on the worker now; their prefill completes `secs` later."""
+    c.ok("POST", "/reservations", {"model_name": "m", "token_ids": list(range(10**6, 10**6 + tokens)),
+                                   "worker_id": worker_id, "reservation_id": rid}, status=201)
+    c.now += secs
+    c.ok("POST", f"/reservations/{rid}/prefill_complete")
+    c.ok("DELETE", f"/reservations/{rid}")
+
+
+def test_ttft_learns_a_slow_worker_that_its_record_does_not_declare(make_client: Callable[..., Client]) -> None:
+    c = make_client(router_policy="ttft")
+    for wid in (1, 2, 3):
+        c.ok("POST", "/workers", worker(wid), status=201)
+    before = _explained(c)
+    assert before[1]["predicted_prefill_secs"] == pytest.approx(before[2]["predicted_prefill_secs"])
+    for n in range(3):  # worker 1 prefills 10,000 tokens a second, worker 2 four times slower
+        _run(c, 1, f"a{n}", 10_000, 1.0)
+        _run(c, 2, f"b{n}", 10_000, 4.0)
+    # Worker 3 has two prompts booked at once: the second waits for the first, which is not slowness.
+    for n in range(3):
+        for rid in (f"c{n}", f"d{n}"):
+            c.ok("POST", "/reservations", {"model_name": "m", "token_ids": list(range(10_000)),
+                                           "worker_id": 3, "reservation_id": rid}, status=201)
+        for rid in (f"c{n}", f"d{n}"):
+            c.now += 1.0
+            c.ok("POST", f"/reservations/{rid}/prefill_complete")
+            c.ok("DELETE", f"/reservations/{rid}")
+    rows = _explained(c)
+    # Damped: half the measured ratio in log terms, twice the time for four times slower.
+    assert rows[2]["predicted_prefill_secs"] == pytest.approx(2 * rows[1]["predicted_prefill_secs"])
+    assert rows[3]["predicted_prefill_secs"] == pytest.approx(rows[1]["predicted_prefill_secs"])
+    assert not rows[2]["chosen"]
+    learned = {line.split('worker_id="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+               for line in c.service.metrics_text(now=c.now).splitlines()
+               if line.startswith("selection_proto_worker_learned_speed{")}
+    assert learned["1"] == pytest.approx(learned["3"]) and learned["1"] == pytest.approx(4 * learned["2"])
+    # A declared speed wins over what was learned, and a worker that leaves is forgotten.
+    c.ok("POST", "/workers", worker(2, prefill_tokens_per_sec=DEFAULT_PREFILL_TOKENS_PER_SEC), status=201)
+    rows = _explained(c)
+    assert rows[2]["predicted_prefill_secs"] == pytest.approx(before[2]["predicted_prefill_secs"])
+    c.ok("DELETE", "/workers/1")
+    c.ok("POST", "/workers", worker(1), status=201)
+    assert _explained(c)[1]["predicted_prefill_secs"] == pytest.approx(before[1]["predicted_prefill_secs"])
+
+
+def test_the_dynamo_policy_and_frees_learn_nothing(make_client: Callable[..., Client]) -> None:
+    for policy, complete in (("dynamo", True), ("ttft", False)):
+        c = make_client(router_policy=policy)
+        for wid in (1, 2):
+            c.ok("POST", "/workers", worker(wid), status=201)
+        for n in range(3):
+            for wid, secs in ((1, 1.0), (2, 4.0)):
+                c.ok("POST", "/reservations", {"model_name": "m", "token_ids": list(range(10_000)),
+                                               "worker_id": wid, "reservation_id": f"r{n}"}, status=201)
+                c.now += secs
+                if complete:
+                    c.ok("POST", f"/reservations/r{n}/prefill_complete")
+                c.ok("DELETE", f"/reservations/r{n}")
+        assert "selection_proto_worker_learned_speed{" not in c.service.metrics_text(now=c.now)

@@ -16,6 +16,7 @@ from .pool import Pool
 from .prompt import PromptHashes
 from .responses import Candidate
 from .settings import Settings, resolve_weights
+from .speed import worker_speed
 from .types import RouterConfigOverride, SelectRequest
 
 __all__ = [
@@ -31,13 +32,9 @@ __all__ = [
     "estimates",
     "explain",
     "score",
-    "worker_speed",
     "tracks_prefill",
 ]
 
-# A worker's prefill speed when its record does not give one (only the ratios between workers
-# matter then: every term below is divided by it).
-DEFAULT_PREFILL_TOKENS_PER_SEC: Final = 10_000.0
 # The context (tokens) at which a new token's attention costs as much as the rest of its prefill.
 ATTENTION_CONTEXT_TOKENS: Final = 65_536.0
 # How much slower prefill runs on a rank whose KV cache is full of decoding requests (each
@@ -55,11 +52,6 @@ REUSE_CREDIT: Final = 0.5
 
 NO_OVERRIDE: Final = RouterConfigOverride()
 
-
-def worker_speed(prefill_tokens_per_sec: float | None, total_kv_blocks: int | None) -> tuple[float, int]:
-    """What `score` reads of a worker record under `router_policy=ttft` (`Pool.speeds`): seconds
-    per prefilled token, and its KV blocks (0: unknown)."""
-    return 1.0 / (prefill_tokens_per_sec or DEFAULT_PREFILL_TOKENS_PER_SEC), total_kv_blocks or 0
 # Device prefix, host extension and disk+external extension blocks per rank (core.md §7.4).
 Estimates = tuple[dict[Rank, int], dict[Rank, int], dict[Rank, int]]
 
@@ -145,7 +137,7 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
     scored: list[Scored] = []
     append = scored.append
     ttft = s.router_policy == "ttft"
-    speeds, unknown, pressure = state.speeds, worker_speed(None, None), KV_PRESSURE * bs
+    speeds, unknown, pressure = state.speeds.of, worker_speed(None, None), KV_PRESSURE * bs
     # The constants as locals: this loop runs once per candidate of every selection.
     drag_full, overflow_tokens = DECODE_DRAG, OVERFLOW_WEIGHT * bs
     per_context, reuse_credit = 1.0 / ATTENTION_CONTEXT_TOKENS, REUSE_CREDIT

@@ -153,6 +153,10 @@ FAMILIES: Final[Mapping[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]
     "selection_proto_rank_active_requests": ("gauge", "Live bookings per rank.", _RANK_LABELS, ()),
     "selection_proto_rank_prefill_tokens": ("gauge", "Booked prefill tokens per rank.", _RANK_LABELS, ()),
     "selection_proto_rank_decode_blocks": ("gauge", "Active decode blocks per rank.", _RANK_LABELS, ()),
+    "selection_proto_worker_learned_speed": (
+        "gauge", "router_policy=ttft: a worker's prefill speed against its pool's mean as learned (2: twice as "
+        "fast); workers whose record declares prefill_tokens_per_sec are not learned.",
+        _WORKER_LABELS, ()),
     KV_REPLAYS: ("counter", "Engine replays: requests, batches recovered and lost, replays that failed.",
                  ("result",), ()),
     SUBSCRIPTION_FAILURES: ("counter", "Subscription failures.",

@@ -22,6 +22,7 @@ from .index import DeviceTree, Rank
 from .predictions import Predictions
 from .sessions import SessionTable
 from .settings import Settings
+from .speed import Speeds
 from .tiers import KeyIndex
 from .tracker import Booking, Tracker
 from .verdict import RankWatch
@@ -59,8 +60,7 @@ class Pool:
         self.label = key_label(key)
         self.block_size = block_size
         self.eagle = False  # its workers' `is_eagle`: prompts that do not say use eagle windows
-        # worker -> (prefill tokens a second, KV blocks) as its record says, for router_policy=ttft
-        self.speeds: dict[int, tuple[float, int]] = {}  # cost.worker_speed of each worker
+        self.speeds = Speeds(learn=settings.router_policy == "ttft")  # what router_policy=ttft reads
         self.index = KeyIndex()
         self.budget = budget
         self.tracker = Tracker(settings.max_reservations_per_key, self.label, budget)

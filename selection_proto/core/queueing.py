@@ -93,7 +93,7 @@ class Admission:
     def _drain_secs(self, sel: Selection, tokens: int) -> float:
         """How long the candidates take to prefill `tokens` more than what they are prefilling now."""
         pool = sel.pool
-        rate = sum(1.0 / pool.speeds[r[0]][0] for r in sel.candidates if r[0] in pool.speeds) or 1.0
+        rate = sum(1.0 / pool.speeds.of[r[0]][0] for r in sel.candidates if r[0] in pool.speeds.of) or 1.0
         busy = sum(pool.tracker.loads[r].prefill_tokens for r in sel.candidates)
         return (busy + tokens) / rate
 
@@ -126,7 +126,7 @@ class Admission:
                                    "uncached tokens pending", self._drain_secs(sel, ahead))
         deadline_at = math.inf if req.deadline_ms is None else now + req.deadline_ms / 1000.0
         if req.deadline_ms is not None:
-            best = min((pool.speeds[r[0]][0] for r in sel.candidates if r[0] in pool.speeds), default=1e-4)
+            best = min((pool.speeds.of[r[0]][0] for r in sel.candidates if r[0] in pool.speeds.of), default=1e-4)
             predicted = self._drain_secs(sel, ahead) + cost * best
             if now + predicted > deadline_at:
                 raise self._refuse(pool, lane, "deadline", (

@@ -64,8 +64,11 @@ def gauges(records: Iterable[WorkerCatalogRecord], pools: Mapping[Key, Pool], bu
     requests: Samples = {}
     prefill: Samples = {}
     decode: Samples = {}
+    learned: Samples = {}
     for key, pool in pools.items():
         sessions[key] = float(len(pool.sessions))
+        for worker_id, speed in pool.speeds.learned().items():
+            learned[(*key, str(worker_id))] = speed
         for rank in pool.ranks():  # bounded by the worker and dp-size limits
             load = pool.tracker.loads[rank]
             labels = (*key, str(rank[0]), str(rank[1]))
@@ -96,6 +99,7 @@ def gauges(records: Iterable[WorkerCatalogRecord], pools: Mapping[Key, Pool], bu
         "selection_proto_rank_active_requests": requests,
         "selection_proto_rank_prefill_tokens": prefill,
         "selection_proto_rank_decode_blocks": decode,
+        "selection_proto_worker_learned_speed": learned,
     }
 
 

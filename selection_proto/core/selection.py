@@ -352,6 +352,7 @@ class Selector(Admission):
         if self._settings.track_active_blocks:
             blocks = list(prompt.seqs) if reuse else [self._rng.getrandbits(64) for _ in prompt.seqs]
         prefill = max(0, prompt.isl - cached) if track_prefill else 0
+        pool.speeds.observe(rank, pool.tracker.loads[rank].prefill_tokens, now)
         booking = pool.tracker.book(rid, rank, blocks, prefill, expected_output_tokens, now)
         pool.watch[rank].booked(booking, len(prompt.blocks), prompt.isl, cached, pool.block_size, now)
         self._metrics.booking(pool.key, "booked")
@@ -446,6 +447,10 @@ class Selector(Admission):
             if free and self.journal is not None and len(rid) <= self._settings.max_id_length:
                 self.journal.free_unknown(rid)  # its booking may be on its way from a replica
             raise
+        booked = pool.tracker.bookings[rid]
+        pool.speeds.observe(booked.rank, pool.tracker.loads[booked.rank].prefill_tokens, now)
+        if not free and not booked.prefill_done:
+            pool.speeds.completed(booked.rank[0], booked.prefill_tokens)
         booking = pool.free(rid, now) if free else pool.tracker.prefill_complete(rid)
         watch = pool.watch.get(booking.rank)
         if cached_tokens is not None and watch is not None and (seen := watch.observe(booking, cached_tokens)):

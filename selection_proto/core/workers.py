@@ -20,7 +20,6 @@ from .catalog import (
     event_endpoints,
     missing_metadata,
 )
-from .cost import worker_speed
 from .errors import BadRequest, NotReady
 from .index import Rank
 from .limits import Limits
@@ -171,7 +170,7 @@ class Workers:
         ranks = tuple((req.worker_id, r) for r in dp_range(req))
         pool.set_worker(req.worker_id, ranks, effective_taints(req))
         pool.eagle = bool(req.is_eagle)  # its other workers agree (`_lifecycle`)
-        pool.speeds[req.worker_id] = worker_speed(req.prefill_tokens_per_sec, req.total_kv_blocks)
+        pool.speeds.set(req.worker_id, req.prefill_tokens_per_sec, req.total_kv_blocks)
         endpoints = event_endpoints(req)
         for rank in ranks:
             pool.add_rank(rank)
@@ -190,7 +189,7 @@ class Workers:
         if pool is None:
             return
         self._drop_ranks(pool, pool.remove_worker(record.worker_id), now)
-        pool.speeds.pop(record.worker_id, None)
+        pool.speeds.forget(record.worker_id)
         self._streams.end_pushes(record.worker_id, f"worker {record.worker_id} is no longer schedulable")
         if not pool.workers:
             del self._pools[record.key]
@@ -209,7 +208,7 @@ class Workers:
         self._drop_ranks(pool, [r for r in old_ranks if r not in new_set], now)
         pool.set_worker(wid, new_ranks, effective_taints(req))
         pool.eagle = bool(req.is_eagle)
-        pool.speeds[wid] = worker_speed(req.prefill_tokens_per_sec, req.total_kv_blocks)
+        pool.speeds.set(wid, req.prefill_tokens_per_sec, req.total_kv_blocks)
         old_endpoints = event_endpoints(previous.request)
         new_endpoints = event_endpoints(req)
         subscribe = self._settings.kv_events == "subscribe"
