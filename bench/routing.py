@@ -3,6 +3,7 @@ Mooncake trace, loads and fleet sizes, for both router policies in process, Dyna
 HTTP (`--service`, when `--reference-python` is given) and the baselines.
 
     python bench/routing.py [--reference-python .venv-reference/bin/python] [--requests 3000] [--synthetic] [--hard]
+                            [--baselines]   (also random, round-robin and least-loaded)
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def main() -> int:
                         help="issue 31's cases: saturation, mixed engine speeds, no prefill_complete, event lag")
     parser.add_argument("--synthetic", action="store_true",
                         help="a generated high-reuse trace instead (synthetic_trace), one slice")
+    parser.add_argument("--baselines", action="store_true", help="also the cache-blind baselines")
     args = parser.parse_args()
     if args.synthetic:
         args.trace = os.path.join(tempfile.mkdtemp(), "synthetic.jsonl")
@@ -101,7 +103,7 @@ def main() -> int:
                 command = [sys.executable, "-m", "selection_proto", "simulate", args.trace, "--skip", str(skip),
                            "--requests", str(args.requests), "--load", str(load), "--engines", str(engines),
                            "--compare", "router_policy=dynamo", "router_policy=ttft", "--json", out.name,
-                           "--no-baselines", *extra]
+                           *([] if args.baselines else ["--no-baselines"]), *extra]
                 if reference is not None:
                     command += ["--service", f"http://127.0.0.1:{port}"]
                 subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
