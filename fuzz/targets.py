@@ -12,6 +12,7 @@ from typing import Final
 import msgpack
 
 from selection_proto import SelectionService, Settings, WorkerRequest
+from selection_proto.adapters.grpc import CallEnded, GrpcServer, Message
 from selection_proto.adapters.http import HttpConnection
 from selection_proto.adapters.jsonl import JsonRpcSession
 from selection_proto.adapters.ws import PushSession, server_handshake
@@ -208,6 +209,28 @@ def ledger_feed(data: bytes) -> None:
     assert service.handle("GET", "/loads", "", [], b"", now=3.0).status == 200
 
 
+def grpc_stream(data: bytes) -> None:
+    """Arbitrary bytes into the picker's gRPC framing (adapters/grpc.py on adapters/http2.py), in
+    chunks sized by the data, every message echoed and every ended call finished: nothing raises,
+    and what it writes is whole HTTP/2 frames."""
+    server = GrpcServer(max_message_bytes=1 << 16, max_calls=4)
+    out = bytearray(server.data_to_send())
+    step = (data[0] % 61 + 1) if data else 1
+    for position in range(0, len(data), step):
+        for event in server.receive(data[position:position + step]):
+            if isinstance(event, Message):
+                server.consumed(event)
+                server.send_message(event.stream_id, event.payload[:64])
+            elif isinstance(event, CallEnded):
+                server.finish(event.stream_id, 0)
+        out += server.data_to_send()
+    position = 0
+    while position < len(out):  # each frame whole: a 9-byte header and the length it says
+        length = int.from_bytes(out[position:position + 3], "big")
+        assert length <= 16_384 and position + 9 + length <= len(out), "a frame cut short"
+        position += 9 + length
+
+
 TARGETS: dict[str, Callable[[bytes], None]] = {
     "http": http_stream,
     "jsonl": jsonl_stream,
@@ -216,6 +239,7 @@ TARGETS: dict[str, Callable[[bytes], None]] = {
     "engine_batch": engine_batch,
     "msgpack_body": msgpack_body,
     "ledger_feed": ledger_feed,
+    "grpc": grpc_stream,
 }
 
 
@@ -246,6 +270,17 @@ def seeds(target: str) -> list[bytes]:
         return [b"\x00" + msgpack.packb({"model_name": "default", "token_ids": list(range(12))}),
                 b"\x01" + msgpack.packb(prompt),
                 b"\x02" + msgpack.packb({"worker_id": 3, "endpoint": "http://w3", "block_size": 4})]
+    if target == "grpc":  # a client's preface, a call with one message, its end; then a ping
+        path = b"/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+        block = (b"\x83\x86\x04" + bytes([len(path)]) + path  # :method POST, :scheme http, :path
+                 + b"\x0f\x10\x10application/grpc")  # content-type, a literal with its name indexed
+        message = b"\x00\x00\x00\x00\x05hello"
+
+        def frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+            return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+
+        return [b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0, b"") + frame(1, 4, 1, block)
+                + frame(0, 1, 1, message) + frame(6, 0, 0, b"12345678")]
     if target == "json_events":
         return [json.dumps([{"worker_id": 1, "event": {"event_id": 1, "data": {"stored": {"parent_hash": None,
                 "blocks": [{"block_hash": 5, "tokens_hash": 6}]}}}}]).encode()]

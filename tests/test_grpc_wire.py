@@ -4,10 +4,23 @@ connection."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import h2.config
 import h2.connection
+import h2.errors
 import h2.events
 import h2.settings
+import hpack
+from hyperframe.frame import (
+    ContinuationFrame,
+    DataFrame,
+    Frame,
+    GoAwayFrame,
+    HeadersFrame,
+    PingFrame,
+    RstStreamFrame,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,6 +29,7 @@ from selection_proto.adapters.grpc import (
     CallEnded,
     CallReset,
     CallStarted,
+    Event,
     GrpcServer,
     Message,
     WindowOpened,
@@ -171,3 +185,143 @@ def test_replies_held_by_the_window_go_when_the_peer_widens_it_by_settings_alone
     peer.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 1 << 20})
     events = server.receive(peer.data_to_send())
     assert WindowOpened(0) in events and server.pending(stream_id) == 0
+
+
+# -- the HTTP/2 layer under it (adapters/http2.py), each rule as a peer would break it ------------
+
+def opened() -> tuple[h2.connection.H2Connection, GrpcServer]:
+    peer, server = client(), GrpcServer(max_message_bytes=1 << 20, max_calls=2)
+    pump(peer, server)
+    return peer, server
+
+
+def raw_frames(server: GrpcServer, *frames: Frame, raw: bytes = b"") -> tuple[list[Event], list[Any]]:
+    """Send hand-made frames (or bytes); the server's events and the frames it answers with."""
+    events = server.receive(b"".join(f.serialize() for f in frames) + raw)
+    data = server.data_to_send()
+    answered: list[Any] = []  # hyperframe's frames, each of its own type
+    while data:
+        frame, length = Frame.parse_frame_header(memoryview(data[:9]))
+        frame.parse_body(memoryview(data[9:9 + length]))
+        answered.append(frame)
+        data = data[9 + length:]
+    return events, answered
+
+
+def goaway_code(answered: list[Any]) -> int | None:
+    return next((f.error_code for f in answered if isinstance(f, GoAwayFrame)), None)
+
+
+def test_pings_are_answered_and_a_malformed_one_ends_the_connection() -> None:
+    _, server = opened()
+    _, answered = raw_frames(server, PingFrame(0, b"abcdefgh"))
+    assert [(type(f), f.opaque_data, f.flags) for f in answered] == [(PingFrame, b"abcdefgh", {"ACK"})]
+    ping = PingFrame(0, b"abcdefgh").serialize()
+    events, answered = raw_frames(server, raw=ping[:2] + b"\x04" + ping[3:13])  # 4 bytes, not 8
+    assert events == [] and server.closed and goaway_code(answered) == 6  # FRAME_SIZE_ERROR
+
+
+def test_a_malformed_request_resets_its_stream_and_the_connection_goes_on() -> None:
+    """Upper-case or connection-specific names, `te` other than trailers, a pseudo-header after a
+    field, a missing :path: the stream is reset (PROTOCOL_ERROR), no call starts; a good one
+    after it does."""
+    bad_lists = [
+        [(b"Content-Type", b"application/grpc")],
+        [(b"connection", b"keep-alive")],
+        [(b"te", b"gzip")],
+        [(b"x-a", b"1"), (b":authority", b"late")],
+        [(b"x-a", b" padded ")],
+    ]
+    peer, server = opened()
+    base = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", PATH.encode()), (b":authority", b"p")]
+    encoder = hpack.Encoder()
+    for n, extra in enumerate(bad_lists):
+        stream_id = 2 * n + 1
+        block = encoder.encode([*base, *extra] if extra[0][0] != b"x-a" or n != 3 else
+                               [base[0], base[1], base[2], *extra])
+        events, answered = raw_frames(server, HeadersFrame(stream_id, block, flags={"END_HEADERS"}))
+        assert events == [] and [(type(f), f.error_code) for f in answered] == [(RstStreamFrame, 1)], extra
+    stream_id = 2 * len(bad_lists) + 1
+    block = encoder.encode([*base, (b"content-type", b"application/grpc")])
+    events, _ = raw_frames(server, HeadersFrame(stream_id, block, flags={"END_HEADERS"}))
+    assert events == [CallStarted(stream_id, PATH, {"content-type": b"application/grpc"})] and not server.closed
+
+
+def test_streams_past_the_cap_are_refused_not_the_connection() -> None:
+    _, server = opened()  # max_calls=2; a peer that ignores the SETTINGS saying so
+    encoder = hpack.Encoder()
+    block = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", PATH.encode()),
+             (b"content-type", b"application/grpc")]
+    events, answered = raw_frames(server, *(HeadersFrame(i, encoder.encode(block), flags={"END_HEADERS"})
+                                            for i in (1, 3, 5)))
+    assert [e.stream_id for e in events if isinstance(e, CallStarted)] == [1, 3]
+    assert [(type(f), f.stream_id, f.error_code) for f in answered] == [(RstStreamFrame, 5, 7)]  # REFUSED_STREAM
+    assert not server.closed
+
+
+def test_header_blocks_in_continuations_padding_and_priority_are_read() -> None:
+    """A block larger than a frame arrives in CONTINUATIONs; padded and prioritised frames too."""
+    peer, server = opened()
+    big = b"v" * 40_000  # over two 16 KiB frames: h2 splits it
+    stream_id = start_call(peer, ((b"x-big", big),))
+    peer.send_data(stream_id, framed(b"hello"), pad_length=17, end_stream=True)
+    events = server.receive(peer.data_to_send())
+    assert events[0] == CallStarted(stream_id, PATH, {"content-type": b"application/grpc", "te": b"trailers",
+                                                      "x-big": big})
+    assert events[1:] == [Message(stream_id, b"hello"), CallEnded(stream_id)]
+    encoder = hpack.Encoder()
+    block = encoder.encode([(b":method", b"POST"), (b":scheme", b"http"), (b":path", PATH.encode()),
+                            (b"content-type", b"application/grpc")])
+    frame = HeadersFrame(stream_id + 2, block, flags={"END_HEADERS", "PRIORITY", "PADDED"}, pad_length=3,
+                         depends_on=0, stream_weight=15)
+    _, fresh = opened()
+    assert fresh.receive(frame.serialize())[0] == CallStarted(stream_id + 2, PATH, {"content-type": b"application/grpc"})
+
+
+def test_header_floods_and_broken_frames_end_the_connection() -> None:
+    """A header block growing past 64 KiB, or kept open by empty CONTINUATIONs, a frame inside a
+    header block, DATA on a stream never opened: GOAWAY with the right code, nothing raised."""
+    block = hpack.Encoder().encode([(b":method", b"POST"), (b":scheme", b"http"), (b":path", PATH.encode())])
+    for frames, code in (
+        ([HeadersFrame(1, block[:1])] + [ContinuationFrame(1, b"\x00" * 16_000) for _ in range(5)], 11),
+        ([HeadersFrame(1, block[:1])] + [ContinuationFrame(1, b"") for _ in range(100)], 11),
+        ([HeadersFrame(1, block[:1]), PingFrame(0, b"12345678")], 1),
+        ([DataFrame(5, b"x")], 1),
+    ):
+        _, server = opened()
+        _, answered = raw_frames(server, *frames)
+        assert server.closed and goaway_code(answered) == code, (frames[-1], answered)
+
+
+def test_a_call_overrunning_its_window_or_reset_at_once_is_dropped_not_the_connection() -> None:
+    """DATA past a stream's window resets that stream (FLOW_CONTROL_ERROR); a call started and
+    broken in the same bytes, even one answered 415 at once, is reset without a raise."""
+    for content_type in (b"application/grpc", b"text/plain"):
+        _, server = opened()
+        block = hpack.Encoder().encode([(b":method", b"POST"), (b":scheme", b"http"), (b":path", PATH.encode()),
+                                        (b"content-type", content_type)])
+        events, answered = raw_frames(server, HeadersFrame(1, block, flags={"END_HEADERS"}),
+                                      *(DataFrame(1, b"\x00\x00\x00\x00\x00" * 3_000) for _ in range(80)))
+        assert (RstStreamFrame, 3) in [(type(f), getattr(f, "error_code", None)) for f in answered]
+        if content_type == b"application/grpc":
+            assert events[0] == CallStarted(1, PATH, {"content-type": content_type}) and events[-1] == CallReset(1)
+            server.send_message(1, b"late")  # the transport answering what it was told first
+        assert not server.closed and server.calls == 0
+
+
+def test_our_headers_follow_the_peers_table_size_and_frame_size() -> None:
+    """After the peer shrinks its HPACK table, our next block says so first (RFC 7541 §4.2); a
+    raised MAX_FRAME_SIZE lets replies go in larger frames. h2, as the client, checks both."""
+    peer, server = opened()
+    peer.update_settings({h2.settings.SettingCodes.HEADER_TABLE_SIZE: 0,
+                          h2.settings.SettingCodes.MAX_FRAME_SIZE: 65_536})
+    peer.increment_flow_control_window(1 << 20)
+    stream_id = start_call(peer)
+    pump(peer, server)
+    server.send_message(stream_id, b"r" * 40_000)
+    server.finish(stream_id, 3, "bad ünïcode % text")
+    got = peer.receive_data(server.data_to_send())
+    data = [e for e in got if isinstance(e, h2.events.DataReceived)]
+    trailers = next(e for e in got if isinstance(e, h2.events.TrailersReceived))
+    assert len(data) == 1 and len(data[0].data) == 40_005
+    assert dict(trailers.headers)[b"grpc-message"] == b"bad %C3%BCn%C3%AFcode %25 text"

@@ -1,4 +1,4 @@
-"""gRPC over HTTP/2 for a server, Sans-IO (h2 underneath): bytes in, calls and their
+"""gRPC over HTTP/2 for a server, Sans-IO (adapters/http2.py underneath): bytes in, calls and their
 length-prefixed messages out; replies and trailers back to bytes. It knows no service: the
 transport says what each call does (transports/ext_proc.py). What gRPC's PROTOCOL-HTTP2.md asks of
 a server is here, no more: no compression, no binary metadata, no deadlines (the transport keeps
@@ -8,29 +8,28 @@ Flow control is per call: while its handler has read every message emitted, what
 acknowledged, a quarter of a window at a time (a message may be larger than any window; a frame
 per message would be a cost on both sides); while one waits unread, nothing is, until the
 transport says it has been consumed. A call whose handler is busy so holds back its own peer
-after one window, never the connection."""
+after one window, never the connection (whose window http2.py gives back as bytes arrive)."""
 
 from __future__ import annotations
 
 from typing import Final
 
 import attrs
-from h2.config import H2Configuration
-from h2.connection import H2Connection
-from h2.errors import ErrorCodes
-from h2.events import (
-    ConnectionTerminated,
+
+from .http2 import (
     DataReceived,
-    RemoteSettingsChanged,
+    ErrorCode,
+    H2Server,
+    ProtocolError,
     RequestReceived,
     StreamEnded,
+    StreamGone,
     StreamReset,
+    Terminated,
     WindowUpdated,
 )
-from h2.exceptions import H2Error, ProtocolError
-from h2.settings import SettingCodes, Settings
 
-__all__ = ["CallEnded", "CallReset", "CallStarted", "GrpcServer", "Message", "Status", "WindowOpened"]
+__all__ = ["CallEnded", "CallReset", "CallStarted", "Event", "GrpcServer", "Message", "Status", "WindowOpened"]
 
 
 class Status:
@@ -104,15 +103,9 @@ class GrpcServer:
 
     def __init__(self, *, max_message_bytes: int, max_calls: int) -> None:
         self.max_message_bytes = max_message_bytes
-        # Our own headers are constants and checked status texts: h2 need not check them again.
-        self._h2 = H2Connection(H2Configuration(client_side=False, header_encoding=None,
-                                                validate_outbound_headers=False, normalize_outbound_headers=False))
-        self._h2.local_settings = Settings(client=False, initial_values={
-            SettingCodes.MAX_CONCURRENT_STREAMS: max_calls, SettingCodes.INITIAL_WINDOW_SIZE: STREAM_WINDOW})
-        self._h2.initiate_connection()
-        self._h2.increment_flow_control_window(CONNECTION_WINDOW - 65_535)
+        self._h2 = H2Server(max_concurrent_streams=max_calls, stream_window=STREAM_WINDOW,
+                            connection_window=CONNECTION_WINDOW)
         self._calls: dict[int, _Call] = {}
-        self._received = 0  # connection-window bytes not yet given back
         self._unframed: set[int] = set()  # calls with messages queued since the last frames
         self.started = False  # the peer's preface has arrived
         self.closed = False
@@ -131,18 +124,16 @@ class GrpcServer:
         try:
             h2_events = self._h2.receive_data(data)
         except ProtocolError as exc:
-            self._h2.close_connection(getattr(exc, "error_code", ErrorCodes.PROTOCOL_ERROR))
+            self._h2.close_connection(exc.code)
             self.closed = True
             return [CallReset(stream_id) for stream_id in self._calls]
-        self.started = self.started or bool(h2_events)
+        self.started = self._h2.preface_received
         events: list[Event] = []
-        window = 0
         for event in h2_events:
-            if isinstance(event, RequestReceived):
-                self._started(event, events)
-            elif isinstance(event, DataReceived):
-                window += event.flow_controlled_length
+            if isinstance(event, DataReceived):
                 self._data(event, events)
+            elif isinstance(event, RequestReceived):
+                self._started(event, events)
             elif isinstance(event, StreamEnded) and event.stream_id in self._calls:
                 call = self._calls[event.stream_id]
                 if call.buffer:  # a message cut short
@@ -152,30 +143,25 @@ class GrpcServer:
                     events.append(CallEnded(event.stream_id))
             elif isinstance(event, StreamReset) and self._calls.pop(event.stream_id, None) is not None:
                 events.append(CallReset(event.stream_id))
-            elif isinstance(event, WindowUpdated):
+            elif isinstance(event, WindowUpdated):  # 0: the connection's, or every stream's by SETTINGS
                 for stream_id in [event.stream_id] if event.stream_id else list(self._calls):
                     self._flush(stream_id)
                 events.append(WindowOpened(event.stream_id))
-            elif isinstance(event, RemoteSettingsChanged) and self._calls and _widened(event):
-                for stream_id in list(self._calls):  # every call's window moved
-                    self._flush(stream_id)
-                events.append(WindowOpened(0))
-            elif isinstance(event, ConnectionTerminated):
+            elif isinstance(event, Terminated):
                 self.closed = True
                 events += [CallReset(stream_id) for stream_id in self._calls]
-        self._received += window
-        if self._received >= CONNECTION_WINDOW // 4:  # the connection's window never holds a call back
-            self._h2.increment_flow_control_window(self._received)
-            self._received = 0
         return events
 
     def _started(self, event: RequestReceived, events: list[Event]) -> None:
         fields: dict[bytes, bytes] = {}
-        for name, value in event.headers or ():
-            fields.setdefault(bytes(name), bytes(value))
+        for name, value in event.headers:
+            fields.setdefault(name, value)
         stream_id = event.stream_id
         if fields.get(b":method") != b"POST" or not fields.get(b"content-type", b"").startswith(b"application/grpc"):
-            self._h2.send_headers(stream_id, [(b":status", b"415")], end_stream=True)
+            try:
+                self._h2.send_headers(stream_id, [(b":status", b"415")], end_stream=True)
+            except StreamGone:  # reset later in the same bytes
+                return
             self._reset_quietly(stream_id)
             return
         self._calls[stream_id] = _Call()
@@ -185,7 +171,7 @@ class GrpcServer:
     def _data(self, event: DataReceived, events: list[Event]) -> None:
         stream_id = event.stream_id
         call = self._calls.get(stream_id)
-        data = event.data or b""
+        data = event.data
         if call is None:  # answered (and reset) already: its bytes are dropped
             return
         call.buffer += data
@@ -215,10 +201,7 @@ class GrpcServer:
 
     def _give_back(self, call: _Call, stream_id: int) -> None:
         if call.withheld >= STREAM_WINDOW // 4:
-            try:
-                self._h2.increment_flow_control_window(call.withheld, stream_id)
-            except H2Error:
-                pass  # the stream is closed: nothing to give back to
+            self._h2.increment_flow_control_window(call.withheld, stream_id)  # (nothing if it has ended)
             call.withheld = 0
 
     def consumed(self, message: Message) -> None:
@@ -237,7 +220,11 @@ class GrpcServer:
         if call is None or call.trailers is not None:
             return  # reset, or finished: nobody reads it
         if not call.headers_sent:
-            self._h2.send_headers(stream_id, _GRPC_HEADERS)
+            try:
+                self._h2.send_headers(stream_id, _GRPC_HEADERS)
+            except StreamGone:  # reset in the same bytes that started it: its CallReset follows
+                self._calls.pop(stream_id, None)
+                return
             call.headers_sent = True
         call.outbound += len(payload).to_bytes(5, "big")
         call.outbound += payload
@@ -267,7 +254,7 @@ class GrpcServer:
     def go_away(self) -> None:
         """No new calls; those started go on to their end."""
         if not self.closed:
-            self._h2.close_connection(ErrorCodes.NO_ERROR)
+            self._h2.close_connection(ErrorCode.NO_ERROR)
 
     @property
     def calls(self) -> int:
@@ -289,27 +276,13 @@ class GrpcServer:
                 self._h2.send_headers(stream_id, call.trailers, end_stream=True)
                 del self._calls[stream_id]
                 self._reset_quietly(stream_id)
-        except H2Error:  # the peer reset it meanwhile
+        except StreamGone:  # the peer reset it meanwhile
             self._calls.pop(stream_id, None)
 
     def _reset_quietly(self, stream_id: int) -> None:
         """After the answer's end, a peer still sending is told to stop (RFC 9113 §8.1)."""
         self._calls.pop(stream_id, None)
-        stream = self._h2.streams.get(stream_id)
-        if stream is not None and not stream.closed:
-            try:
-                self._h2.reset_stream(stream_id, ErrorCodes.NO_ERROR)
-            except H2Error:
-                pass
-
-
-def _widened(event: RemoteSettingsChanged) -> bool:
-    """The peer's SETTINGS raised the initial window, so every stream's (RFC 9113 §6.9.2)."""
-    changed = event.changed_settings.get(SettingCodes.INITIAL_WINDOW_SIZE)
-    if changed is None:
-        return False
-    before = 65_535 if changed.original_value is None else changed.original_value
-    return changed.new_value > before
+        self._h2.reset_stream(stream_id, ErrorCode.NO_ERROR)  # (nothing if it has ended both ways)
 
 
 def _percent_encoded(text: str) -> bytes:
