@@ -403,7 +403,7 @@ def ext_proc_options(args: argparse.Namespace, env: Mapping[str, str], host: str
             pairs.append((model, path))
     import importlib.util
 
-    for module in ("h2", "grpc_health", "envoy", "tokenizers", "jinja2"):
+    for module in ("hpack", "grpc_health", "envoy", "tokenizers", "jinja2"):
         if importlib.util.find_spec(module) is None:
             raise UsageError(f"--ext-proc-port: no module named {module!r}; install selection-proto[gateway]")
     from .transports.config import ExtProcOptions

@@ -325,3 +325,24 @@ def test_our_headers_follow_the_peers_table_size_and_frame_size() -> None:
     trailers = next(e for e in got if isinstance(e, h2.events.TrailersReceived))
     assert len(data) == 1 and len(data[0].data) == 40_005
     assert dict(trailers.headers)[b"grpc-message"] == b"bad %C3%BCn%C3%AFcode %25 text"
+
+
+def test_a_repeated_header_block_reads_what_the_table_holds_now() -> None:
+    """The same bytes decode to other fields once the peer's HPACK table changed: a block that
+    refers to a table entry is not answered from what it decoded to before (http2.py keeps
+    decoded blocks per table state)."""
+    peer, server = client(), GrpcServer(max_message_bytes=1 << 20, max_calls=8)
+    pump(peer, server)
+    path = PATH.encode()
+    pseudo = b"\x83\x86\x04" + bytes([len(path)]) + path + b"\x0f\x10\x10application/grpc"
+
+    def inserted(value: bytes) -> bytes:  # x-a: value, with incremental indexing (entry 62)
+        return pseudo + b"\x40\x03x-a" + bytes([len(value)]) + value
+
+    refers = pseudo + b"\xbe"  # x-a as entry 62 holds it
+    seen = []
+    for stream_id, block in zip(range(1, 20, 2), [inserted(b"1"), refers, refers, inserted(b"2"), refers],
+                                strict=False):
+        events, _ = raw_frames(server, HeadersFrame(stream_id, block, flags={"END_HEADERS"}))
+        seen.append(events[0].metadata["x-a"])  # type: ignore[union-attr]
+    assert seen == [b"1", b"1", b"1", b"2", b"2"]

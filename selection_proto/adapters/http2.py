@@ -20,6 +20,7 @@ from enum import IntEnum
 from typing import Final, NamedTuple
 
 from hpack import Decoder, HPACKError
+from hpack.table import HeaderTable
 
 __all__ = ["DataReceived", "ErrorCode", "H2Server", "ProtocolError", "RequestReceived", "StreamEnded",
            "StreamReset", "Terminated", "WindowUpdated"]
@@ -136,6 +137,23 @@ def _literal(name: bytes, value: bytes) -> bytes:
 
 
 _STATIC_NAMES: Final = {b":status": 8, b"content-type": 31}
+DECODED_BLOCKS: Final = 32  # header blocks remembered per connection, decoded and checked
+
+
+class _CountedTable(HeaderTable):
+    """hpack's dynamic table, counting its insertions: with its length and size limit, a state
+    that identifies its contents, so that a header block decoded in that state need not be again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.insertions = 0
+
+    def add(self, name: bytes, value: bytes) -> None:
+        self.insertions += 1
+        super().add(name, value)
+
+    def state(self) -> tuple[int, int, int]:
+        return self.insertions, len(self.dynamic_entries), self.maxsize
 
 
 class H2Server:
@@ -151,6 +169,10 @@ class H2Server:
         self._out = bytearray()
         self._decoder = Decoder()
         self._decoder.max_header_list_size = MAX_HEADER_BLOCK
+        self._table = self._decoder.header_table = _CountedTable()
+        # A peer sends the same block for each call (Envoy: the same literals, never indexed):
+        # block -> (table state, its fields, well formed as a request).
+        self._decoded: dict[bytes, tuple[tuple[int, int, int], list[tuple[bytes, bytes]], bool]] = {}
         self._highest = 0  # the highest stream id the peer opened
         self._goaway_last: int | None = None  # set once we sent GOAWAY
         self._continuing: tuple[int, int, bytearray] | None = None  # (stream, flags, block) of a HEADERS
@@ -292,11 +314,7 @@ class H2Server:
             self._header_block(stream_id, continuing[1], bytes(block), events)
 
     def _header_block(self, stream_id: int, flags: int, block: bytes, events: list[Event]) -> None:
-        try:  # decoded whatever becomes of the stream: the decoder's table must follow the peer's
-            headers = self._decoder.decode(block, raw=True)
-        except (HPACKError, IndexError, ValueError) as exc:
-            raise ProtocolError(ErrorCode.COMPRESSION_ERROR, f"a header block that does not decode: {exc}") from None
-        fields = [(bytes(n), bytes(v)) for n, v in headers]
+        fields, well_formed = self._decode(block)
         end = bool(flags & END_STREAM)
         stream = self.streams.get(stream_id)
         if stream is not None:  # trailers
@@ -312,13 +330,32 @@ class H2Server:
                 len(self.streams) >= self.max_concurrent_streams:
             self._reset(stream_id, ErrorCode.REFUSED_STREAM)
             return
-        if not _well_formed(fields):
+        if not well_formed:
             self._reset(stream_id, ErrorCode.PROTOCOL_ERROR)
             return
         stream = self.streams[stream_id] = _Stream(self._remote_window, self.stream_window)
-        events.append(RequestReceived(stream_id, fields))
+        events.append(RequestReceived(stream_id, list(fields)))
         if end:
             self._remote_end(stream_id, stream, events)
+
+    def _decode(self, block: bytes) -> tuple[list[tuple[bytes, bytes]], bool]:
+        """The block's fields, and whether they make a well-formed request. Decoded whatever
+        becomes of the stream: the decoder's table must follow the peer's."""
+        state = self._table.state()
+        known = self._decoded.get(block)
+        if known is not None and known[0] == state:
+            return known[1], known[2]
+        try:
+            headers = self._decoder.decode(block, raw=True)
+        except (HPACKError, IndexError, ValueError) as exc:
+            raise ProtocolError(ErrorCode.COMPRESSION_ERROR, f"a header block that does not decode: {exc}") from None
+        fields = [(bytes(n), bytes(v)) for n, v in headers]
+        well_formed = _well_formed(fields)
+        if self._table.state() == state:  # the block did not change the table: it will decode the same
+            if len(self._decoded) >= DECODED_BLOCKS:
+                self._decoded.clear()
+            self._decoded[block] = (state, fields, well_formed)
+        return fields, well_formed
 
     def _remote_end(self, stream_id: int, stream: _Stream, events: list[Event]) -> None:
         stream.remote_closed = True
