@@ -17,7 +17,7 @@ import re
 from collections import deque
 from collections.abc import Iterator, Mapping
 from typing import Any, Final
-from urllib.parse import quote, urlsplit
+from urllib.parse import urlsplit
 
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
@@ -37,6 +37,7 @@ from envoy.type.v3.http_status_pb2 import HttpStatus
 
 from ..core import jsonio
 from ..core.ahead import hash_ahead
+from ..core.errors import SelectionError
 from ..core.handler import DECISION_HEADER
 from ..core.metrics import EXT_PROC_STREAMS
 from ..core.pool import Key, Pool
@@ -331,8 +332,10 @@ class ExtProcStream:
         if self.booking is not None and not self._prefilled and (chunk or end):
             self._prefilled = True  # the first bytes of the answer: the prompt is prefilled
             rid, model, tenant = self.booking
-            self._service.handle("POST", f"/reservations/{quote(rid, safe='')}/prefill_complete",
-                                 _query(model, tenant), (), b"", now=now)
+            try:  # the typed call, not `handle`: a third of the time, and nobody reads an answer
+                self._service.prefill_complete(rid, model_name=model, tenant_id=tenant, now=now)
+            except SelectionError:
+                pass  # expired, or its worker left: nothing to mark
         if self._response_buffered:
             self._out.append(ProcessingResponse(response_body=BodyResponse()))
         else:
@@ -371,9 +374,10 @@ class ExtProcStream:
         if self.booking is not None:
             rid, model, tenant = self.booking
             self.booking = None
-            observed = b"" if self.cached_tokens is None else b'{"cached_tokens":%d}' % self.cached_tokens
-            self._service.handle("DELETE", f"/reservations/{quote(rid, safe='')}", _query(model, tenant), (),
-                                 observed, now=now)
+            try:
+                self._service.free(rid, model_name=model, tenant_id=tenant, cached_tokens=self.cached_tokens, now=now)
+            except SelectionError:
+                pass  # expired, or its worker left: nothing to free
 
 
 def prepare_body(body: bytes, tokenizers: Mapping[str, ChatTokenizer], pools: Mapping[Key, Pool] | None = None
@@ -388,10 +392,6 @@ def prepare_body(body: bytes, tokenizers: Mapping[str, ChatTokenizer], pools: Ma
     request: dict[str, Any] = {"model_name": prompt.model, "token_ids": prompt.token_ids}
     parsed = ParsedBody(request, True, len(body), lambda: request)
     return parsed if pools is None else hash_ahead(pools, parsed)
-
-
-def _query(model: str, tenant: str) -> str:
-    return f"model_name={quote(model, safe='')}&tenant_id={quote(tenant, safe='')}"
 
 
 def _host_port(endpoint: str) -> tuple[str, int]:

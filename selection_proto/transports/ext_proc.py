@@ -165,14 +165,25 @@ class _Connection:
         self.calls: dict[int, _Call] = {}
         self.deadlines: deque[tuple[float, _Call]] = deque()  # in start order, so in deadline order
         self.blocked: set[_Call] = set()  # replies waiting for the peer's window
-        self.lock = anyio.Lock(fast_acquire=True)
+        self.outbox = bytearray()
+        self.writing = False
         self.group: anyio.abc.TaskGroup | None = None
 
     async def flush(self) -> None:
-        async with self.lock:
-            data = self.wire.data_to_send()
-            if data:
+        """Write what the wire has to say. One writer at a time, without a lock (its cost was a
+        tenth of a call): a caller that finds another writing leaves its bytes to that one, which
+        sends them, in order, before it stops."""
+        self.outbox += self.wire.data_to_send()
+        if self.writing:
+            return
+        self.writing = True
+        try:
+            while self.outbox:
+                data = bytes(self.outbox)
+                self.outbox.clear()
                 await self.stream.send(data)
+        finally:
+            self.writing = False
 
     async def serve(self) -> None:
         server = self.owner.server
