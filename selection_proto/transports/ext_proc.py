@@ -17,11 +17,13 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import anyio
 import anyio.abc
+import sniffio
 from anyio.streams.tls import TLSStream
 
 from ..adapters.grpc import CallEnded, CallReset, CallStarted, GrpcServer, Message, Status, WindowOpened
 from ..core.metrics import LIMIT_REJECTIONS
 from .logs import log
+from .loop_stream import LoopListener
 
 if TYPE_CHECKING:
     from ..adapters.ext_proc import ExtProcStream
@@ -88,7 +90,7 @@ class ExtProcServer:
         self.connections: set[_Connection] = set()
         self.serving = True
         self.tls: ssl.SSLContext | None = None
-        self.listener: anyio.abc.Listener[anyio.abc.SocketStream] | None = None
+        self.listener: anyio.abc.Listener[anyio.abc.SocketStream] | LoopListener | None = None
 
     async def start(self) -> None:
         options = self.options
@@ -99,18 +101,27 @@ class ExtProcServer:
                 self.tls.load_cert_chain(options.tls_cert, options.tls_key)
                 self.tls.set_alpn_protocols(["h2"])
             # Shared by the processes of --processes; else a port in use must fail the start.
-            self.listener = await anyio.create_tcp_listener(local_host=options.host, local_port=options.port,
-                                                            reuse_port=self.server.config.reuse_port)
+            reuse_port = self.server.config.reuse_port
+            if sniffio.current_async_library() == "asyncio":  # (uvloop's loop too) its own streams
+                self.listener = await LoopListener.bind(options.host, options.port, reuse_port=reuse_port, tls=self.tls,
+                                                        handshake_timeout=self.server.config.request_timeout_secs)
+            else:
+                self.listener = await anyio.create_tcp_listener(local_host=options.host, local_port=options.port,
+                                                                reuse_port=reuse_port)
         except (OSError, ssl.SSLError) as exc:
             raise RuntimeError(f"cannot listen on {options.host}:{options.port} for ext_proc: "
                                f"{getattr(exc, 'strerror', None) or exc}") from exc
-        port = self.listener.extra(anyio.abc.SocketAttribute.local_port)
+        port = self.listener.port if isinstance(self.listener, LoopListener) else \
+            self.listener.extra(anyio.abc.SocketAttribute.local_port)
         scheme = "grpcs" if self.tls is not None else "grpc"
         log("info", "ext_proc_listening", url=f"{scheme}://{host}:{port}", tokenizers=sorted(options.tokenizers))
 
     async def run(self) -> None:
         """Accept and serve until cancelled."""
         assert self.listener is not None
+        if isinstance(self.listener, LoopListener):
+            await self.listener.serve(self._connection)
+            return
         async with self.listener:
             await self.listener.serve(self._connection)
 
@@ -134,7 +145,7 @@ class ExtProcServer:
         conn = _Connection(self, stream)
         self.connections.add(conn)
         try:
-            if self.tls is not None:
+            if self.tls is not None and not isinstance(self.listener, LoopListener):  # (that one's TLS is asyncio's)
                 with anyio.move_on_after(config.request_timeout_secs):
                     conn.stream = await TLSStream.wrap(stream, server_side=True, ssl_context=self.tls,
                                                        standard_compatible=False)

@@ -1,0 +1,165 @@
+"""A TCP listener whose connections are byte streams on asyncio's own transports: the picker's
+port when `serve` runs on asyncio or uvloop. anyio's stream layer resumed and paused the
+transport's reader on every read and yielded to the loop once more after every write: a fifth of
+a picker call's CPU (docs/PERFORMANCE.md). On trio the picker keeps anyio's listener.
+
+A stream here reads ahead up to `READ_AHEAD` bytes, then pauses its transport until they are
+taken; a write waits while the transport's buffer is over its high-water mark. TLS, when asked,
+is asyncio's, with the handshake bounded by `handshake_timeout`."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from collections.abc import Callable, Coroutine
+from typing import Any, Final, cast
+
+import anyio
+import anyio.abc
+
+__all__ = ["LoopListener", "LoopStream"]
+
+READ_AHEAD: Final = 1 << 20
+
+
+class LoopListener:
+    """Accepts once `serve` runs; each connection is handed to `handler` in a task of its own,
+    cancelled with `serve`."""
+
+    def __init__(self, server: asyncio.Server, on_connection: list[Callable[[LoopStream], None]]) -> None:
+        self._server = server
+        self._on_connection = on_connection  # the one callback a new connection calls, set by `serve`
+
+    @classmethod
+    async def bind(cls, host: str, port: int, *, reuse_port: bool, tls: ssl.SSLContext | None,
+                   handshake_timeout: float) -> LoopListener:
+        """Listening at once (a port in use raises OSError here), accepting from `serve` on."""
+        on_connection: list[Callable[[LoopStream], None]] = []
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(
+            lambda: _Protocol(on_connection[0]), host, port, reuse_port=reuse_port or None, ssl=tls,
+            ssl_handshake_timeout=handshake_timeout if tls is not None else None, start_serving=False)
+        return cls(server, on_connection)
+
+    @property
+    def port(self) -> int:
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def serve(self, handler: Callable[[anyio.abc.ByteStream], Coroutine[Any, Any, None]]) -> None:
+        async with anyio.create_task_group() as group:
+            def start(stream: LoopStream) -> None:
+                group.start_soon(handler, stream)
+
+            self._on_connection.append(start)
+            try:
+                await self._server.start_serving()
+                await anyio.sleep_forever()
+            finally:
+                self._server.close()
+
+
+class _Protocol(asyncio.Protocol):
+    def __init__(self, started: Callable[[LoopStream], None]) -> None:
+        self._started = started
+        self.stream: LoopStream | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.stream = LoopStream(cast(asyncio.Transport, transport))  # (uvloop's are not subclasses)
+        self._started(self.stream)
+
+    def data_received(self, data: bytes) -> None:
+        assert self.stream is not None
+        self.stream.arrived(data)
+
+    def eof_received(self) -> bool:
+        assert self.stream is not None
+        self.stream.ended(None)
+        return False  # the transport closes itself
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.stream is not None:
+            self.stream.ended(exc)
+            self.stream.writable()
+
+    def pause_writing(self) -> None:
+        assert self.stream is not None
+        self.stream.paused = True
+
+    def resume_writing(self) -> None:
+        assert self.stream is not None
+        self.stream.writable()
+
+
+class LoopStream(anyio.abc.ByteStream):
+    """anyio's byte-stream interface (EndOfStream at the end, BrokenResourceError when the peer
+    broke off) over one asyncio transport."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._chunks: deque[bytes] = deque()
+        self._buffered = 0
+        self._reading = True
+        self._ended = False
+        self._broken: str | None = None  # why the connection broke, if it did
+        self._readable: asyncio.Future[None] | None = None
+        self._drained: asyncio.Future[None] | None = None
+        self.paused = False  # the transport's write buffer is over its high-water mark
+
+    def arrived(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered > READ_AHEAD and self._reading:
+            self._reading = False
+            self._transport.pause_reading()
+        self._wake(self._readable)
+
+    def ended(self, exc: Exception | None) -> None:
+        if not self._ended:
+            self._ended, self._broken = True, None if exc is None else str(exc)
+        self._wake(self._readable)
+
+    def writable(self) -> None:
+        self.paused = False
+        self._wake(self._drained)
+
+    @staticmethod
+    def _wake(waiter: asyncio.Future[None] | None) -> None:
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def receive(self, max_bytes: int = 65536) -> bytes:
+        while not self._chunks:
+            if self._ended:
+                raise anyio.EndOfStream if self._broken is None else anyio.BrokenResourceError(self._broken)
+            self._readable = asyncio.get_running_loop().create_future()
+            try:
+                await self._readable
+            finally:
+                self._readable = None
+        chunk = self._chunks.popleft()
+        if len(chunk) > max_bytes:
+            chunk, rest = chunk[:max_bytes], chunk[max_bytes:]
+            self._chunks.appendleft(rest)
+        self._buffered -= len(chunk)
+        if not self._reading and self._buffered <= READ_AHEAD // 2:
+            self._reading = True
+            self._transport.resume_reading()
+        return chunk
+
+    async def send(self, item: bytes) -> None:
+        if self._transport.is_closing():
+            raise anyio.BrokenResourceError("the connection is closed")
+        self._transport.write(item)
+        while self.paused and not self._transport.is_closing():
+            self._drained = asyncio.get_running_loop().create_future()
+            try:
+                await self._drained
+            finally:
+                self._drained = None
+
+    async def send_eof(self) -> None:
+        self._transport.write_eof()
+
+    async def aclose(self) -> None:
+        self._transport.close()
