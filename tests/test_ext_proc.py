@@ -1113,3 +1113,59 @@ def test_health_checks_without_a_message_or_with_a_bad_one() -> None:
         assert _raw_call(port, check, len(named).to_bytes(5, "big") + named)[b"grpc-status"] == b"0"
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "uvloop"])
+def test_the_pickers_loop_streams_read_ahead_a_bounded_amount_and_end_cleanly(backend: str) -> None:
+    """transports/loop_stream.py over a real socket: while its reader does not read, a stream
+    holds at most READ_AHEAD (plus one read) and the sender is held back by TCP; then every byte
+    arrives in order, the end reads as EndOfStream, and writes to a peer gone raise
+    BrokenResourceError, never hang."""
+    import anyio
+
+    from selection_proto.transports.loop_stream import READ_AHEAD, LoopListener
+
+    sent = bytes(range(256)) * (4 * 4096)  # 4 MiB
+    outcome: dict[str, Any] = {}
+
+    async def main() -> None:
+        listener = await LoopListener.bind("127.0.0.1", 0, reuse_port=False, tls=None, handshake_timeout=5)
+        reading = anyio.Event()
+        done = anyio.Event()
+
+        async def handler(stream: Any) -> None:
+            await reading.wait()
+            outcome["held"] = stream._buffered
+            got = bytearray()
+            with pytest.raises(anyio.EndOfStream):
+                while True:
+                    got += await stream.receive()
+            outcome["got"] = bytes(got)
+            with pytest.raises(anyio.BrokenResourceError):
+                for _ in range(1000):  # the peer is gone: a write fails at once or soon after
+                    await stream.send(b"x" * 65536)
+                    await anyio.sleep(0.001)
+            done.set()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(listener.serve, handler)
+            client = await anyio.connect_tcp("127.0.0.1", listener.port)
+
+            async def push() -> None:
+                await client.send(sent)
+                await client.send_eof()
+
+            group.start_soon(push)
+            await anyio.sleep(0.5)  # the client sends as far as the buffers let it
+            reading.set()
+            with anyio.fail_after(10):
+                while "got" not in outcome:
+                    await anyio.sleep(0.01)
+            await client.aclose()
+            with anyio.fail_after(10):
+                await done.wait()
+            group.cancel_scope.cancel()
+
+    anyio.run(main, backend="asyncio", backend_options={"use_uvloop": backend == "uvloop"})
+    assert outcome["held"] <= READ_AHEAD + 65536 * 4
+    assert outcome["got"] == sent
