@@ -17,13 +17,12 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import anyio
 import anyio.abc
-import sniffio
 from anyio.streams.tls import TLSStream
 
 from ..adapters.grpc import CallEnded, CallReset, CallStarted, GrpcServer, Message, Status, WindowOpened
 from ..core.metrics import LIMIT_REJECTIONS
 from .logs import log
-from .loop_stream import LoopListener
+from .loop_stream import LoopListener, on_asyncio
 
 if TYPE_CHECKING:
     from ..adapters.ext_proc import ExtProcStream
@@ -102,7 +101,7 @@ class ExtProcServer:
                 self.tls.set_alpn_protocols(["h2"])
             # Shared by the processes of --processes; else a port in use must fail the start.
             reuse_port = self.server.config.reuse_port
-            if sniffio.current_async_library() == "asyncio":  # (uvloop's loop too) its own streams
+            if on_asyncio():  # (uvloop's loop too) its own streams
                 self.listener = await LoopListener.bind(options.host, options.port, reuse_port=reuse_port, tls=self.tls,
                                                         handshake_timeout=self.server.config.request_timeout_secs)
             else:

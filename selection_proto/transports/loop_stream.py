@@ -18,9 +18,18 @@ from typing import Any, Final, cast
 import anyio
 import anyio.abc
 
-__all__ = ["LoopListener", "LoopStream"]
+__all__ = ["LoopListener", "LoopStream", "on_asyncio"]
 
 READ_AHEAD: Final = 1 << 20
+
+
+def on_asyncio() -> bool:
+    """The running event loop is asyncio's (or uvloop's), not trio's."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 class LoopListener:
