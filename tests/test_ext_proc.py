@@ -1169,3 +1169,65 @@ def test_the_pickers_loop_streams_read_ahead_a_bounded_amount_and_end_cleanly(ba
     anyio.run(main, backend="asyncio", backend_options={"use_uvloop": backend == "uvloop"})
     assert outcome["held"] <= READ_AHEAD + 65536 * 4
     assert outcome["got"] == sent
+
+
+def test_the_pickers_http2_refuses_broken_frames_over_a_socket_and_serves_on() -> None:
+    """Our HTTP/2 (adapters/http2.py) over a real socket: a header block kept open by empty
+    CONTINUATIONs and an oversized frame each end their connection with GOAWAY (ENHANCE_YOUR_CALM,
+    FRAME_SIZE_ERROR); a malformed request's stream is reset PROTOCOL_ERROR while its connection
+    stays up; afterwards a call is served and `/health` answers."""
+    import socket
+
+    import hpack
+    from hyperframe.frame import (
+        ContinuationFrame,
+        Frame,
+        GoAwayFrame,
+        HeadersFrame,
+        RstStreamFrame,
+        SettingsFrame,
+    )
+    from test_http import Server, api_call
+
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + SettingsFrame(0).serialize()
+    process = b"/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+    request = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", process), (b"content-type", b"application/grpc")]
+
+    def frames_answered(port: int, data: bytes, until_closed: bool) -> list[Any]:
+        got, answered = b"", []
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(preface + data)
+            sock.settimeout(2 if not until_closed else 10)
+            try:
+                while chunk := sock.recv(65536):
+                    got += chunk
+            except TimeoutError:
+                pass
+        while len(got) >= 9:
+            frame, length = Frame.parse_frame_header(memoryview(got[:9]))
+            frame.parse_body(memoryview(got[9:9 + length]))
+            answered.append(frame)
+            got = got[9 + length:]
+        return answered
+
+    server = Server("--ext-proc-port", "0", mode="approximate")
+    try:
+        port = int(server.ext_proc_url().rsplit(":", 1)[1])
+        block = hpack.Encoder().encode(request)
+        flood = HeadersFrame(1, block[:2]).serialize() + ContinuationFrame(1, b"").serialize() * 200
+        assert [f.error_code for f in frames_answered(port, flood, True) if isinstance(f, GoAwayFrame)] == [11]
+        oversized = (20_000).to_bytes(3, "big") + b"\x00\x00\x00\x00\x00\x01" + b"\x00" * 20_000
+        assert [f.error_code for f in frames_answered(port, oversized, True) if isinstance(f, GoAwayFrame)] == [6]
+        malformed = HeadersFrame(1, hpack.Encoder().encode([*request, (b"Upper", b"x")]),
+                                 flags={"END_HEADERS"}).serialize()
+        answered = frames_answered(port, malformed, False)
+        assert [(type(f), f.error_code) for f in answered if isinstance(f, (RstStreamFrame, GoAwayFrame))] == [
+            (RstStreamFrame, 1)]
+        message = ProcessingRequest(request_headers=HttpHeaders(end_of_stream=True)).SerializeToString()
+        assert api_call(server.port, "POST", "/workers", {"worker_id": 1, "model_name": "m", "block_size": 4,
+                                                          "endpoint": "http://10.0.0.1:8000"})[0] == 201
+        served = _raw_call(port, process.decode(), len(message).to_bytes(5, "big") + message)
+        assert served[b"grpc-status"] == b"0"
+        assert api_call(server.port, "GET", "/health") == (200, {"status": "ok"})
+    finally:
+        server.stop()
