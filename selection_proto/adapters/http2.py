@@ -22,7 +22,7 @@ from typing import Final, NamedTuple
 from hpack import Decoder, HPACKError
 from hpack.table import HeaderTable
 
-__all__ = ["DataReceived", "ErrorCode", "H2Server", "ProtocolError", "RequestReceived", "StreamEnded",
+__all__ = ["DataReceived", "ErrorCode", "H2Server", "ProtocolError", "RequestReceived", "StreamEnded", "StreamGone",
            "StreamReset", "Terminated", "WindowUpdated"]
 
 PREFACE: Final = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
