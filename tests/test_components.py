@@ -468,3 +468,85 @@ def test_predictions_expire_per_booking_and_a_rebooked_prefix_moves_with_its_new
     assert predictions.next_expiry() == 15.0
     predictions.expire(15.0)
     assert tree.find(first)[0] == {} and budget.index_blocks == 0 and predictions.next_expiry() is None
+
+
+@given(st.lists(st.tuples(st.sampled_from(["book", "free", "prefill", "free_later", "tick", "overlap", "loads",
+                                           "dump", "deadline"]), st.integers(0, 5)), max_size=40))
+def test_deferred_work_is_invisible_to_every_call(steps: list[tuple[str, int]]) -> None:
+    """Work left until an answer is written (a booking's predicted blocks; a free deferred as the
+    picker defers one) changes no answer: a service whose deferred work is never run by its
+    caller answers every call as a twin that runs it after each."""
+    import random
+    from functools import partial
+
+    from selection_proto.core.errors import SelectionError
+    from selection_proto.core.service import SelectionService
+    from selection_proto.core.settings import Settings
+    from selection_proto.core.types import OverlapScoresRequest, SelectAndReserveRequest
+
+    def fleet() -> SelectionService:
+        service = SelectionService(Settings(kv_events="approximate", router_ttl_secs=5.0), random.Random(3))
+        for wid in (1, 2):
+            service.upsert_worker(WorkerRequest(worker_id=wid, model_name="m", block_size=2, endpoint=f"http://w{wid}"),
+                                  now=0.0)
+        return service
+
+    def free_quietly(service: SelectionService, rid: str, now: float) -> None:
+        try:
+            service.free(rid, now=now)
+        except SelectionError:
+            pass  # freed already, or never booked: the picker's free is as quiet
+
+    def step(service: SelectionService, kind: str, n: int, now: float) -> Any:
+        prompt = list(range(n, n + 12))
+        rid = f"r{n}"
+        try:
+            if kind == "book":
+                return service.select_and_reserve(SelectAndReserveRequest(
+                    model_name="m", token_ids=prompt, reservation_id=rid), now=now).worker_id
+            if kind in ("free", "prefill"):
+                return (service.free if kind == "free" else service.prefill_complete)(rid, now=now)
+            if kind == "free_later":  # as the picker frees once its echo is written
+                service.deferred.add(partial(free_quietly, service, rid, now))
+                return None
+            if kind == "tick":
+                service.tick(now)
+                return None
+            if kind == "overlap":
+                return service.overlap_scores(OverlapScoresRequest(model_name="m", token_ids=prompt), now=now).to_json()
+            if kind == "loads":
+                return [load.to_json() for load in service.loads()]
+            if kind == "dump":
+                return service.dump()
+            return service.next_deadline()
+        except SelectionError as exc:
+            return exc.status, exc.message
+
+    lazy, eager = fleet(), fleet()
+    for i, (kind, n) in enumerate(steps):
+        now = 1.0 + i * 0.7
+        assert step(lazy, kind, n, now) == step(eager, kind, n, now), (i, kind)
+        eager.deferred.run()
+    assert "selection_proto_internal_errors_total{" not in lazy.metrics_text(now=100.0)
+
+
+def test_deferred_work_runs_in_order_once_and_confines_a_failure() -> None:
+    from selection_proto.core.deferred import Deferred
+
+    errors: list[str] = []
+    done: list[str] = []
+    deferred = Deferred(errors.append)
+
+    def nested() -> None:
+        done.append("nested")
+        deferred.run()  # a piece that calls the service settles nothing nested...
+        deferred.add(lambda: done.append("added"))  # ...and what it defers runs after it
+
+    def fails() -> None:
+        raise RuntimeError("a piece's own fault")
+
+    for piece in (nested, fails, lambda: done.append("last")):
+        deferred.add(piece)
+    assert deferred
+    deferred.run()
+    assert done == ["nested", "last", "added"] and errors == ["deferred"] and not deferred

@@ -59,7 +59,8 @@ def run(stream: ExtProcStream, *messages: ProcessingRequest) -> list[ProcessingR
     for message in messages:
         stream.receive(message, 1.0)
         out.extend(stream.replies())
-        stream.replies_written()  # as the gRPC server does once it wrote them
+        stream.replies_written()  # as the gRPC server does once it wrote them,
+        stream._service.deferred.run()  # and then its pump
     return out
 
 
@@ -110,8 +111,11 @@ def test_the_response_is_echoed_at_once_prefill_marked_by_the_first_chunk_and_fr
     pool = next(iter(service.pools.values()))
     assert run(stream, ProcessingRequest(response_headers=HttpHeaders()))[0].HasField("response_headers")
     assert not pool.tracker.bookings[rid].prefill_done
-    echoed = run(stream, response_body(b"data: 1\n\n"))
+    stream.receive(response_body(b"data: 1\n\n"), 1.0)
+    echoed = list(stream.replies())
     assert echoed[0].response_body.response.body_mutation.streamed_response.body == b"data: 1\n\n"
+    assert not pool.tracker.bookings[rid].prefill_done  # the echo first: the engine's bytes wait for nothing
+    service.deferred.run()  # then what it changes, once it is written
     assert pool.tracker.bookings[rid].prefill_done and active(service) == 1
     big = b"x" * (CHUNK_BYTES * 2 + 5)  # a response chunk larger than Envoy allows back: cut
     assert [len(r.response_body.response.body_mutation.streamed_response.body)

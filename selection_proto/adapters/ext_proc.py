@@ -4,7 +4,9 @@ the core's `handle` as an HTTP client would (docs/GATEWAY.md).
 
 Feed each message to `receive`, hand the answer of a queued selection to `resolve`, send what
 `replies` yields, end the stream when `finished`, and call `close` once when the stream ends
-however it ends: it frees the booking if the response's end did not. The order of replies is
+however it ends: it frees the booking if the response's end did not. What the response's passing
+changes (the prefill mark, the free) waits in `service.deferred`: run it once the replies are
+written, so that the engine's bytes wait for nothing else. The order of replies is
 the one Envoy demands under FULL_DUPLEX_STREAMED: nothing until the request body is whole, then
 the request headers' reply (the destination in the header and in `envoy.lb` metadata), then the
 body in pieces of at most 62,000 bytes; each response chunk echoed at once. The engine's own count of
@@ -15,7 +17,8 @@ from __future__ import annotations
 
 import re
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from functools import partial
 from typing import Any, Final
 from urllib.parse import urlsplit
 
@@ -140,12 +143,12 @@ class ExtProcStream:
         elif kind == "response_headers":
             self._out.append(ProcessingResponse(response_headers=HeadersResponse()))
             if message.response_headers.end_of_stream:
-                self.close(now)
+                self._response_ended(now)
         elif kind == "response_body":
             self._response_body(message.response_body.body, message.response_body.end_of_stream, now)
         elif kind == "response_trailers":
             self._out.append(ProcessingResponse(response_trailers=TrailersResponse()))
-            self.close(now)
+            self._response_ended(now)
 
     @property
     def awaiting_body(self) -> bool:
@@ -331,11 +334,8 @@ class ExtProcStream:
             self._usage(chunk)
         if self.booking is not None and not self._prefilled and (chunk or end):
             self._prefilled = True  # the first bytes of the answer: the prompt is prefilled
-            rid, model, tenant = self.booking
-            try:  # the typed call, not `handle`: a third of the time, and nobody reads an answer
-                self._service.prefill_complete(rid, model_name=model, tenant_id=tenant, now=now)
-            except SelectionError:
-                pass  # expired, or its worker left: nothing to mark
+            # After the echo is written (the engine's bytes wait for nothing else), by the typed call.
+            self._service.deferred.add(partial(_finish, self._service.prefill_complete, self.booking, None, now))
         if self._response_buffered:
             self._out.append(ProcessingResponse(response_body=BodyResponse()))
         else:
@@ -345,7 +345,14 @@ class ExtProcStream:
                     body_mutation=BodyMutation(streamed_response=StreamedBodyResponse(
                         body=piece, end_of_stream=end and start + CHUNK_BYTES >= len(chunk)))))))
         if end:
-            self.close(now)
+            self._response_ended(now)
+
+    def _response_ended(self, now: float) -> None:
+        """The engine's answer is through: its booking is freed once the echo is written."""
+        self._release()
+        if self.booking is not None:
+            self._service.deferred.add(partial(_finish, self._service.free, self.booking, self.cached_tokens, now))
+            self.booking = None
 
     def _refuse(self, status: int, message: str, param: str | None = None, retry_after: str | None = None) -> None:
         """An immediate response in OpenAI's error shape; the stream ends after it."""
@@ -372,12 +379,18 @@ class ExtProcStream:
             self._service.cancel(self.pending_ticket, now=now)
             self.pending_ticket = None
         if self.booking is not None:
-            rid, model, tenant = self.booking
+            _finish(self._service.free, self.booking, self.cached_tokens, now)
             self.booking = None
-            try:
-                self._service.free(rid, model_name=model, tenant_id=tenant, cached_tokens=self.cached_tokens, now=now)
-            except SelectionError:
-                pass  # expired, or its worker left: nothing to free
+
+
+def _finish(call: Callable[..., None], booking: tuple[str, str, str], cached_tokens: int | None, now: float) -> None:
+    """`prefill_complete` or `free` of the stream's booking; one that expired, or whose worker
+    left, has nothing to change."""
+    rid, model, tenant = booking
+    try:
+        call(rid, model_name=model, tenant_id=tenant, cached_tokens=cached_tokens, now=now)
+    except SelectionError:
+        pass
 
 
 def prepare_body(body: bytes, tokenizers: Mapping[str, ChatTokenizer], pools: Mapping[Key, Pool] | None = None

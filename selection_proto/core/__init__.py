@@ -20,7 +20,8 @@ Each concept has one module:
   JSON), `engine` (engine msgpack), `streams` (event sources, their lifecycle table, message
   decoding), `freshness` (continuity of ids and seqs), `tally` (what a batch did);
 * `limits` (every limit checked and counted), `budget` (the state budget), `snapshot` (dump and
-  restore), `metrics` (families, recorders, the exposition).
+  restore), `metrics` (families, recorders, the exposition), `deferred` (work left until the
+  answer is written).
 """
 from .errors import (
     BadRequest,

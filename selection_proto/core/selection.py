@@ -12,6 +12,7 @@ import random
 import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Final
 
 import attrs
@@ -29,6 +30,7 @@ from .cost import (
     tracks_prefill,
 )
 from .decisions import Decision, decision
+from .deferred import Deferred
 from .errors import (
     BadRequest,
     Conflict,
@@ -65,11 +67,11 @@ class Selector(Admission):
 
     __slots__ = ("_settings", "_rng", "_metrics", "_limits", "_catalog", "_pools", "_tickets",
                  "_outbox", "_internal_error", "stopping", "pending", "log_decisions",
-                 "journal")
+                 "journal", "_deferred")
 
     def __init__(self, settings: Settings, rng: random.Random, metrics: Metrics, limits: Limits,
                  catalog: Catalog, pools: Mapping[Key, Pool], tickets: Tickets,
-                 outbox: deque[OutputEvent], internal_error: Callable[[str], None]) -> None:
+                 outbox: deque[OutputEvent], internal_error: Callable[[str], None], deferred: Deferred) -> None:
         self._settings = settings
         self._rng = rng
         self._metrics = metrics
@@ -79,6 +81,7 @@ class Selector(Admission):
         self._tickets = tickets
         self._outbox = outbox
         self._internal_error = internal_error
+        self._deferred = deferred
         self._dispatching = False
         self.stopping = False  # set by the service's shutdown: no new selections or bookings
         self.log_decisions = False  # a debug notice for every choice (`--log-level debug`)
@@ -358,8 +361,9 @@ class Selector(Admission):
         self._metrics.booking(pool.key, "booked")
         if self.journal is not None:
             self.journal.booked(pool.key, booking)
-        if pool.predictions is not None:
-            pool.predictions.record(rank, prompt.blocks, now, prompt.seqs if prompt.chained else None)
+        if pool.predictions is not None:  # after the answer is written (deferred.py): no answer reads them
+            self._deferred.add(partial(pool.predictions.record, rank, prompt.blocks, now,
+                                       prompt.seqs if prompt.chained else None))
         return booking
 
     def reserve(self, req: ReservationRequest, now: float) -> ReservationResponse:

@@ -21,6 +21,7 @@ import attrs
 from .admission import Tickets
 from .budget import StateBudget
 from .catalog import Catalog
+from .deferred import Deferred
 from .engine_metrics import EngineMetrics, EngineSample
 from .errors import Conflict, NotReady, SelectionError, StreamError
 from .events import KvEvent
@@ -69,8 +70,8 @@ _PATCH_FIELDS: Final = tuple(f.name for f in attrs.fields(WorkerPatchRequest))
 
 
 class SelectionService:
-    """The Sans-IO selection service. See core.md §4.2 for the method table. `catalog` and `pools`
-    may be read (by tests, for inspection); only the service writes them."""
+    """The Sans-IO selection service (core.md §4.2 has the method table). `catalog` and `pools` may
+    be read; only the service writes them. Run `deferred` once answers are written (deferred.py)."""
 
     def __init__(self, settings: Settings | None = None, rng: random.Random | None = None,
                  tracking_key: bytes | None = None, log_decisions: bool = False) -> None:
@@ -92,8 +93,9 @@ class SelectionService:
         self._outbox: deque[OutputEvent] = deque()
         self._tickets = tickets = Tickets()
         self._streams = Streams(self._pools, self._outbox)
+        self.deferred = Deferred(self.internal_error)
         self._selector = Selector(s, self.rng, self.metrics, self.limits, self.catalog, self._pools,
-                                  tickets, self._outbox, self.internal_error)
+                                  tickets, self._outbox, self.internal_error, self.deferred)
         self.ledger: Ledger | None = None  # the mirror of a ledger shared with replicas (`share`)
         self._selector.log_decisions = log_decisions
         self._workers = Workers(s, self.metrics, self.limits, self.budget, self.catalog, self._pools,
@@ -122,7 +124,9 @@ class SelectionService:
     # -- time and outputs ------------------------------------------------------------------------
 
     def _advance(self, now: float) -> float:
-        """The clock guard: time never runs backwards inside the service."""
+        """The clock guard (time never runs backwards inside the service), after deferred work."""
+        if self.deferred:
+            self.deferred.run()
         if now > self._now:
             self._now = now
         return self._now
@@ -132,9 +136,8 @@ class SelectionService:
         return self._outbox.popleft() if self._outbox else None
 
     def tick(self, now: float) -> None:
-        """Let time pass to `now`: apply the next step of a request applied in steps, expire
-        bookings older than `active_request_expiry_secs`, time out queued selections, and dispatch
-        those that can run. Call it at `next_deadline()`."""
+        """Let time pass to `now` (call it at `next_deadline()`): the next step of a request applied in
+        steps, bookings past `active_request_expiry_secs` expired, queued selections timed out or run."""
         now = self._advance(now)
         if self._ingest.stepping:
             self._ingest.step(now)
@@ -149,6 +152,7 @@ class SelectionService:
     def next_deadline(self) -> float | None:
         """The earliest `now` at which `tick` has work: a booking expiry or a queue timeout, or at
         once while a request is applied in steps."""
+        self.deferred.run()
         deadlines = [d for pool in self._pools.values() if (d := pool.next_deadline(self.settings)) is not None]
         if self._ingest.stepping:
             deadlines.append(self._now)
@@ -195,8 +199,7 @@ class SelectionService:
         count = self.catalog.schedulable
         return count > 0 and self.serving() and (self.ledger is None or self.ledger.ready()), count
 
-    def list_workers(self, model_name: str | None = None, tenant_id: str | None = None
-                     ) -> list[WorkerCatalogRecord]:
+    def list_workers(self, model_name: str | None = None, tenant_id: str | None = None) -> list[WorkerCatalogRecord]:
         """The catalog's records in (model, tenant, worker) order, filtered by key."""
         return [r for r in self.catalog.sorted()
                 if (model_name is None or r.key[0] == model_name)
@@ -227,8 +230,7 @@ class SelectionService:
         """Pick a rank for a prompt (core.md §9.7) without booking it; a `Pending` when it was queued."""
         return self._selector.select(req, self._advance(now), reserve=False)
 
-    def select_and_reserve(self, req: SelectAndReserveRequest, *, now: float
-                           ) -> SelectResponse | Pending:
+    def select_and_reserve(self, req: SelectAndReserveRequest, *, now: float) -> SelectResponse | Pending:
         """Pick a rank and book the prompt on it under `reservation_id` (drawn from the seeded
         generator when absent); a `Pending` when it was queued."""
         return self._selector.select(req, self._advance(now), reserve=True)
@@ -267,24 +269,22 @@ class SelectionService:
         """A scrape of the worker's `metrics_endpoint`: its sample (`engine_metrics.parse`) or why not."""
         self.engines.record(worker_id, sample, error, self._advance(now))
 
-    def output_block(self, reservation_id: str, decay_fraction: float | None = None, *,
-                     now: float) -> None:
+    def output_block(self, reservation_id: str, decay_fraction: float | None = None, *, now: float) -> None:
         """One more decode block for a booking, optionally re-weighing its output and unshared
         prompt blocks (1.6.1's `output_block`). Raises BadRequest (range), NotFound."""
         self._advance(now)
         self._selector.output_block(reservation_id, decay_fraction)
 
-    def loads(self, model_name: str | None = None, tenant_id: str | None = None
-              ) -> list[ModelLoadResponse]:
+    def loads(self, model_name: str | None = None, tenant_id: str | None = None) -> list[ModelLoadResponse]:
         """Each key's per-rank load and its queue, filtered by key."""
+        self.deferred.run()
         return loads(self._pools, model_name, tenant_id, self.engines, self._now)
 
     def potential_loads(self, req: PotentialLoadsRequest, *, now: float) -> list[PotentialLoad]:
         """What each rank's load would be if the prompt ran there (no booking)."""
         now = self._advance(now)
         pool = self._selector.gate(req.model_name, req.tenant_id, now)
-        return potential_loads(pool, self.limits.prompt(req, pool), req.router_config_override,
-                               self.settings)
+        return potential_loads(pool, self.limits.prompt(req, pool), req.router_config_override, self.settings)
 
     def overlap_scores(self, req: OverlapScoresRequest, *, now: float) -> OverlapScoresResponse:
         """Cached blocks per rank and tier for a prompt, with each rank's freshness (events.md §6)."""
@@ -308,10 +308,9 @@ class SelectionService:
     def begin_kv_events(self, events: Sequence[KvEvent], *, now: float, worker_id: int | None = None,
                         dp_rank: int | None = None, model_name: str | None = None,
                         tenant_id: str | None = None) -> ApplyReport | Pending:
-        """`apply_kv_events`, except that more than `max_events_per_step` events are applied that
-        many at a time by `tick` (due at once), so that one request does not hold everyone up; a
-        `Pending` then, answered by a `SelectionReady` with the whole report. Every check still runs
-        before the first event; a worker that leaves meanwhile fails the rest of its events."""
+        """`apply_kv_events`, but over `max_events_per_step` events they go that many at a time by
+        `tick` (due at once): a `Pending`, answered by a `SelectionReady` with the whole report.
+        Every check runs before the first event; a worker that leaves fails the rest of its events."""
         return self._ingest.begin(events, (worker_id, dp_rank, model_name, tenant_id), self._advance(now))
 
     def apply_engine_batch(self, payload: bytes, *, worker_id: int | None, dp_rank: int | None = None,
@@ -334,10 +333,9 @@ class SelectionService:
                        seq: int | None = None, now: float, start: int = 0,
                        stop: int | None = None) -> ApplyReport:
         """One message of a stream: text is JSON events, bytes one engine batch, or what
-        `decode_stream_message` made of either (possibly in another thread). `start`/`stop` apply
-        only those events, so that a large message can be applied in slices, in order, with the
-        event loop running in between. A push stream that must be closed raises StreamError; a
-        subscription drops and counts bad messages."""
+        `decode_stream_message` made of either (maybe in a thread). `start`/`stop`: only those
+        events (a large message applied in slices). A push stream that must be closed raises
+        StreamError; a subscription drops and counts bad messages."""
         now = self._advance(now)
         source = self._streams.get(stream)
         if source is None:
@@ -387,8 +385,9 @@ class SelectionService:
 
     def dump(self, model_name: str | None = None, tenant_id: str | None = None) -> dict[str, Any]:
         """A replayable snapshot of catalog and index (api.md §7), filtered by key."""
-        return dump_of(self.catalog.sorted(), {k: (p.block_size, p.index) for k, p in self._pools.items()},
-                       model_name, tenant_id)
+        self.deferred.run()
+        indexes = {k: (p.block_size, p.index) for k, p in self._pools.items()}
+        return dump_of(self.catalog.sorted(), indexes, model_name, tenant_id)
 
     def restore(self, dump: Any, *, now: float) -> None:
         """Replay a `/dump` into this empty service (api.md §7): validated whole first."""
@@ -444,6 +443,7 @@ class SelectionService:
         `body` may be a `ParsedBody` when the caller has parsed the JSON already."""
         if self.ledger is None:
             return handle_request(self, method, path, query, headers, body, now)
+        self.deferred.run()  # before the request begins: its answer waits for its own ledger writes only
         request = (method, path, query, tuple(headers), body)
         self.ledger.begin_request()
         return self.ledger.held(request, handle_request(self, *request, now), now)

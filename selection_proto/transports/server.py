@@ -185,9 +185,11 @@ class _Server:
             raise anyio.BrokenResourceError("send timed out")
 
     async def pump(self, wake_timer: bool = True) -> None:
-        """Deliver the core's outputs: answers of queued selections to their connections,
+        """Run the work the core deferred until answers were written (callers pump after writing),
+        then deliver the core's outputs: answers of queued selections to their connections,
         subscription changes to the subscriber, closes to their WebSocket sessions, internal
         errors to the log. A failure delivering one output is confined to it."""
+        self.service.deferred.run()
         while (out := self.service.next_output()) is not None:
             try:
                 await self._deliver(out)

@@ -1,0 +1,48 @@
+"""Work that waits until the answer is written: what a call changes that its own answer does not
+depend on (a booking's predicted blocks; the picker's prefill mark and free as a response
+passes), so that the transport writes the answer first and then runs
+`SelectionService.deferred`. Every service call that reads the state settles first, so nothing
+but the clock can tell deferred work from work done at once, and its order is the order it was
+deferred in."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+__all__ = ["Deferred"]
+
+
+class Deferred:
+    """A queue of work run in order by `run`, once: work that calls the service (a free) settles
+    nothing nested, and what it defers in turn (the predictions of a queued selection it let
+    run) runs after it, in the same `run`."""
+
+    __slots__ = ("_work", "_running", "_internal_error")
+
+    def __init__(self, internal_error: Callable[[str], None]) -> None:
+        self._work: deque[Callable[[], object]] = deque()
+        self._running = False
+        self._internal_error = internal_error  # a failure is counted and confined to its piece
+
+    def __bool__(self) -> bool:
+        return bool(self._work) and not self._running
+
+    def add(self, work: Callable[[], object]) -> None:
+        self._work.append(work)
+
+    def run(self) -> None:
+        """Do the work queued, in order."""
+        if self._running:
+            return
+        self._running = True
+        try:
+            work = self._work
+            while work:
+                job = work.popleft()
+                try:
+                    job()
+                except Exception:  # noqa: BLE001 - one piece's failure is confined to it
+                    self._internal_error("deferred")
+        finally:
+            self._running = False
