@@ -94,6 +94,34 @@ def test_nothing_is_answered_until_the_body_is_whole_then_headers_then_pieces_in
     assert active(service) == 1
 
 
+def test_under_a_strict_ledger_the_destination_waits_for_the_ledgers_word() -> None:
+    """Without a ledger the picker selects by the typed call; under one through `handle`, whose
+    answer strict admission holds until the ledger has the booking."""
+    from selection_proto.core.journal import LedgerSettings
+    from selection_proto.core.ledger_wire import LedgerSnapshot, Reply
+    from selection_proto.core.outputs import SelectionReady
+
+    service = SelectionService(Settings(kv_events="approximate"), random.Random(3))
+    mirror = service.share(LedgerSettings(admission="strict"), "me")
+    mirror.connected(True, 0.0)
+    mirror.load(LedgerSnapshot("e", 0, b"0-0", {}, set(), {}, {}, {}, {}, {}), 0.0)
+    worker = {"worker_id": 1, "model_name": "m", "block_size": 4, "endpoint": "http://10.0.0.1:8000"}
+    assert service.handle("POST", "/workers", "", JSON, json.dumps(worker).encode(), now=0.0).status == 201
+    mirror.journal.take(100)
+    stream = ExtProcStream(service)
+    assert run(stream, headers(), body(completion(list(range(16))), end=True)) == []  # held
+    assert stream.pending_ticket is not None
+    ops = mirror.journal.take(10)
+    assert [op.kind for op in ops] == ["add"]
+    mirror.results(ops, [Reply("ok", 1)], 1.0)
+    ready, = [out for out in iter(service.next_output, None) if isinstance(out, SelectionReady)]
+    assert ready.ticket == stream.pending_ticket
+    stream.resolve(ready.response, 1.0)
+    routed = list(stream.replies())
+    assert routed[0].request_headers.response.header_mutation.set_headers[0].header.raw_value == b"10.0.0.1:8000"
+    assert active(service) == 1
+
+
 def test_a_duplicate_end_of_stream_is_ignored() -> None:
     """Envoy 1.35+ may deliver the final body chunk twice for bodies near 1 MB (envoy#46237)."""
     service = fleet()

@@ -40,11 +40,11 @@ from envoy.type.v3.http_status_pb2 import HttpStatus
 
 from ..core import jsonio
 from ..core.ahead import hash_ahead
-from ..core.errors import SelectionError
-from ..core.handler import DECISION_HEADER
+from ..core.errors import SelectionError, TooManyRequests
+from ..core.handler import DECISION_HEADER, select_and_reserve_parsed
 from ..core.metrics import EXT_PROC_STREAMS
 from ..core.pool import Key, Pool
-from ..core.responses import Pending
+from ..core.responses import Pending, SelectResponse
 from ..core.routes import MAX_BODY, ParsedBody
 from ..core.service import SelectionService
 from ..core.wire import Response
@@ -215,8 +215,18 @@ class ExtProcStream:
         except OpenAIError as exc:
             self._refuse(exc.status, exc.message)
             return
-        # Handed over parsed, checked by the core as any `/select_and_reserve` body is.
-        answer = self._service.handle("POST", "/select_and_reserve", "", _JSON, prepared, now=now)
+        # Handed over parsed, checked by the core as any `/select_and_reserve` body is; under a
+        # ledger through `handle`, whose requests strict admission holds and reruns.
+        answer: Response | SelectResponse | Pending
+        if self._service.ledger is None:
+            try:
+                answer = select_and_reserve_parsed(self._service, prepared, now)
+            except SelectionError as exc:
+                self._failed(exc.status, exc.message, dict(exc.headers()).get("retry-after")
+                             if isinstance(exc, TooManyRequests) else None)
+                return
+        else:
+            answer = self._service.handle("POST", "/select_and_reserve", "", _JSON, prepared, now=now)
         if isinstance(answer, Pending):
             self.pending_ticket = answer.ticket
         else:
@@ -265,21 +275,23 @@ class ExtProcStream:
             raise OpenAIError(503, "no endpoint of the subset hint serves this model")
         return allowed
 
-    def resolve(self, response: Response, now: float) -> None:
+    def resolve(self, response: Response | SelectResponse, now: float) -> None:
         """The answer of `/select_and_reserve` (at once, or of the queued `pending_ticket`)."""
         self.pending_ticket = None
         if self.finished:
             return
-        if response.status != 200:
-            message = jsonio.loads_own(response.body).get("error", "selection failed")
-            status = response.status  # the core's 409, 415 and 422 are the request's fault too: 400
-            # The Gateway API protocol says 429 for "not now", so Dynamo's 529 is 429 here.
-            self._refuse(429 if status == 529 else status if status in (404, 413, 429, 503) else 400 if status < 500
-                         else 500, message, retry_after=dict(response.headers).get("retry-after"))
+        if isinstance(response, SelectResponse):
+            assert response.reservation_id is not None
+            self.booking = (response.reservation_id, response.model_name, response.tenant_id)
+            self._send_destination(response.endpoint, response.decision)
+        elif response.status != 200:
+            self._failed(response.status, jsonio.loads_own(response.body).get("error", "selection failed"),
+                         dict(response.headers).get("retry-after"))
             return
-        answer = jsonio.loads_own(response.body)
-        self.booking = (answer["reservation_id"], answer["model_name"], answer["tenant_id"])
-        self._send_destination(answer["endpoint"], dict(response.headers).get(DECISION_HEADER))
+        else:
+            answer = jsonio.loads_own(response.body)
+            self.booking = (answer["reservation_id"], answer["model_name"], answer["tenant_id"])
+            self._send_destination(answer["endpoint"], dict(response.headers).get(DECISION_HEADER))
         if self._buffered:
             return  # the body goes on unchanged: the destination rode on its reply
         body = bytes(self._body)
@@ -289,6 +301,12 @@ class ExtProcStream:
             self._out.append(ProcessingResponse(request_body=BodyResponse(response=CommonResponse(
                 body_mutation=BodyMutation(streamed_response=StreamedBodyResponse(body=piece, end_of_stream=last))))))
         self._body = bytearray()
+
+    def _failed(self, status: int, message: str, retry_after: str | None) -> None:
+        """The selection's refusal, in the gateway's terms: the core's 409, 415 and 422 are the
+        request's fault too (400), and Dynamo's 529 is the Gateway API protocol's "not now", 429."""
+        self._refuse(429 if status == 529 else status if status in (404, 413, 429, 503) else 400 if status < 500
+                     else 500, message, retry_after=retry_after)
 
     def _route_bodyless(self) -> None:
         """A request without a body (`GET /v1/models`): any schedulable worker, nothing booked."""
