@@ -55,7 +55,8 @@ def _component(cls: type, schemas: dict[str, Any]) -> None:
             prop = {"anyOf": [prop, {"type": "null"}]}
         if meta.get("required"):
             required.append(field.name)
-        elif field.default is not attrs.NOTHING and not isinstance(field.default, FACTORY_TYPE):
+        elif field.default is not attrs.NOTHING and not isinstance(field.default, FACTORY_TYPE) \
+                and not attrs.has(type(field.default)):  # an object's default is its members' defaults
             prop["default"] = field.default
         props[field.name] = prop
     schema: dict[str, Any] = {"type": "object", "properties": props}
