@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import struct
+import sys
 import threading
 import time
 import urllib.request
@@ -148,9 +149,15 @@ def assert_its_turn(seconds: list[float], idle: list[float], p99: float | None, 
                     p50: float | None = None) -> None:
     """`/health` kept its turn while the server worked: its p50, p99 and worst round trips under the
     goals (bench/ measures the figures themselves), plus three times what the same probes took on
-    the idle server moments before, so that a machine busy with other work does not fail them."""
+    the idle server moments before, so that a machine busy with other work does not fail them.
+    Under coverage's tracer (the server's process is traced too) the goals count twice: tracing
+    slows the flood's work more than an idle probe's."""
     def at(values: list[float], share: float) -> float:
         return values[min(len(values) - 1, int(len(values) * share))]
+
+    traced = 2.0 if sys.gettrace() is not None else 1.0
+    p50, p99, worst = (None if goal is None else goal * traced for goal in (p50, p99, worst))
+    assert worst is not None
 
     if p50 is not None:
         assert at(seconds, 0.5) < p50 + 3 * at(idle, 0.5), (seconds[len(seconds) // 2], idle[len(idle) // 2])
@@ -257,7 +264,6 @@ def test_stdio_answers_as_fast_with_hundreds_of_zmq_subscriptions() -> None:
     """Each ZMQ subscription used to hold a worker thread of its own (and anyio's default thread
     limiter, which stdio's writes wait on): past ~40 of them, each answer waited ~100 ms."""
     import subprocess
-    import sys
 
     proc = subprocess.Popen([sys.executable, "-m", "selection_proto", "stdio", "--kv-events", "subscribe"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
