@@ -44,25 +44,29 @@ async def serve_stdio(service: SelectionService) -> None:
     subscriptions: list[Subscriptions] = []
 
     async def flush() -> None:
-        while (event := service.next_output()) is not None:
-            try:
-                if isinstance(event, Notice):
-                    log(event.level, event.event, **dict(event.fields))
-                elif isinstance(event, InternalError):
-                    log_internal_error(event.where, event.detail)
-                elif isinstance(event, SelectionReady):
-                    session.deliver(event)
-                elif subscriptions:
-                    subscriptions[0].route(event)
-            except Exception:  # noqa: BLE001 - confined to this output
-                service.internal_error("pump")
-        data = session.data_to_send()
-        if data:
-            try:
-                await anyio.to_thread.run_sync(_write_all, out, data)
-            except OSError as exc:  # the reader closed our stdout: nobody is left to answer
-                log("warning", "stdout_closed", detail=exc.strerror or str(exc))
-                done.set()
+        while True:
+            while (event := service.next_output()) is not None:
+                try:
+                    if isinstance(event, Notice):
+                        log(event.level, event.event, **dict(event.fields))
+                    elif isinstance(event, InternalError):
+                        log_internal_error(event.where, event.detail)
+                    elif isinstance(event, SelectionReady):
+                        session.deliver(event)
+                    elif subscriptions:
+                        subscriptions[0].route(event)
+                except Exception:  # noqa: BLE001 - confined to this output
+                    service.internal_error("pump")
+            data = session.data_to_send()
+            if data:
+                try:
+                    await anyio.to_thread.run_sync(_write_all, out, data)
+                except OSError as exc:  # the reader closed our stdout: nobody is left to answer
+                    log("warning", "stdout_closed", detail=exc.strerror or str(exc))
+                    done.set()
+            if not service.deferred:
+                return
+            service.deferred.run()  # what the answers just written left for later (core/deferred.py)
 
     async def read() -> None:
         token = anyio.lowlevel.current_token()
