@@ -233,3 +233,15 @@ def test_a_refused_bookings_free_from_the_feed_before_the_reply_still_answers_20
     mirror.apply([entry(1, "free", "raced", origin=b"the-booking-replica")], 1.0)
     mirror.results(ops, [Reply("tombstoned", 0)], 1.0)
     assert answers(service) == {held.ticket: (200, {"status": "ok"})}
+
+
+def test_a_ledger_input_runs_the_deferred_work_first() -> None:
+    """Work a call left until its answer was written (the picker's free as a response passes)
+    comes before anything the ledger brings, as it comes before any service call."""
+    service, mirror = replica()
+    assert send(service, "POST", "/select_and_reserve", {**PROMPT, "reservation_id": "b1"}).status == 200
+    mirror.journal.take(10)
+    service.deferred.add(lambda: service.free("b1", now=1.0))
+    mirror.apply([], 1.0)
+    assert [(op.kind, op.ident) for op in mirror.journal.take(10)] == [("free", "b1")]
+    assert not service.deferred

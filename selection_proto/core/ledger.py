@@ -18,6 +18,7 @@ from . import jsonio
 from .admission import Tickets
 from .catalog import Catalog
 from .codec import from_json
+from .deferred import Deferred
 from .errors import NotFound, SelectionError
 from .journal import LEDGER_DOWN, Journal, LedgerOp, LedgerSettings
 from .ledger_wire import (
@@ -75,7 +76,7 @@ class Ledger:
                  catalog: Catalog, selector: Selector, metrics: Metrics, tickets: Tickets,
                  outbox: deque[OutputEvent],
                  upsert: Callable[..., object], delete: Callable[..., object],
-                 rerun: Callable[[Request, float], Response | Pending]) -> None:
+                 rerun: Callable[[Request, float], Response | Pending], deferred: Deferred) -> None:
         self.settings = settings
         self.origin = origin  # this incarnation's name in the feed
         self.journal = Journal(settings, origin)
@@ -96,6 +97,7 @@ class Ledger:
         self._holds: dict[int, _Hold] = {}
         self._frees: dict[str, _Hold] = {}  # rid -> a free waiting for its booking (free_grace_secs)
         self._rerunning: _Hold | None = None
+        self._deferred = deferred  # run first by every input, as by every service call (deferred.py)
         selector.journal = self.journal
 
     @property
@@ -189,6 +191,7 @@ class Ledger:
 
     def tick(self, now: float) -> None:
         """Answer the frees whose booking did not come within `free_grace_secs`: 404, as unknown."""
+        self._deferred.run()
         for rid, hold in list(self._frees.items()):
             if hold.grace is not None and hold.grace <= now:
                 del self._frees[rid]
@@ -200,6 +203,7 @@ class Ledger:
     def connected(self, up: bool, now: float) -> None:
         """The transport reached the ledger, or lost it. Lost: held strict bookings stand as
         advisory ones (open mode) or are undone and refused (closed mode)."""
+        self._deferred.run()
         journal = self.journal
         if up == journal.connected:
             return
@@ -227,6 +231,7 @@ class Ledger:
 
     def results(self, ops: list[LedgerOp], replies: list[Reply], now: float) -> None:
         """The ledger's reply to one write of `ops`."""
+        self._deferred.run()
         journal = self.journal
         for op, reply in zip(ops, replies, strict=True):
             word = reply.word
@@ -266,6 +271,7 @@ class Ledger:
     def apply(self, entries: Iterable[tuple[Any, Any]], now: float) -> None:
         """Feed entries as `XREAD` gives them, in order. A jump in sequence numbers (the feed was
         trimmed under this reader) stops here and asks for a snapshot."""
+        self._deferred.run()
         for entry_id, fields in entries:
             if self.needs_snapshot:
                 return
@@ -398,6 +404,7 @@ class Ledger:
     def load(self, snap: LedgerSnapshot, now: float) -> None:
         """Replace the mirror with the ledger's state (start, gap, reconnect). Own changes still in
         the journal stand; they reach the ledger next."""
+        self._deferred.run()
         self.epoch, self.n, self.cursor = snap.epoch, snap.n, snap.cursor
         journal = self.journal
         journal.adds, journal.own = dict(snap.adds), {}
@@ -439,6 +446,7 @@ class Ledger:
     def reseed(self) -> None:
         """The ledger came back empty (its epoch changed): give it again what this replica knows
         first-hand, its own bookings and the catalog, ahead of what is queued."""
+        self._deferred.run()
         journal = self.journal
         queued = {op.ident for op in journal.ops if op.kind == ADD}
         pending = list(journal.ops)

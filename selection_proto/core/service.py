@@ -113,7 +113,7 @@ class SelectionService:
         self.ledger = Ledger(settings, origin, pools=self._pools, catalog=self.catalog,
                              selector=self._selector, metrics=self.metrics, tickets=self._tickets,
                              outbox=self._outbox, upsert=self.upsert_worker, delete=self.delete_worker,
-                             rerun=lambda request, now: self.handle(*request, now=now))
+                             rerun=lambda request, now: self.handle(*request, now=now), deferred=self.deferred)
         return self.ledger
 
     @property
