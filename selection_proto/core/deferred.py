@@ -1,7 +1,7 @@
 """Work that waits until the answer is written: what a call changes that its own answer does not
 depend on (a booking's predicted blocks; the picker's prefill mark and free as a response
 passes), so that the transport writes the answer first and then runs
-`SelectionService.deferred`. Every service call that reads the state settles first, so nothing
+`SelectionService.deferred`. Every service call and every ledger input runs it first, so nothing
 but the clock can tell deferred work from work done at once, and its order is the order it was
 deferred in."""
 
