@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from selection_proto import WorkerRequest
@@ -470,8 +470,14 @@ def test_predictions_expire_per_booking_and_a_rebooked_prefix_moves_with_its_new
     assert tree.find(first)[0] == {} and budget.index_blocks == 0 and predictions.next_expiry() is None
 
 
-@given(st.lists(st.tuples(st.sampled_from(["book", "free", "prefill", "free_later", "tick", "overlap", "loads",
-                                           "dump", "deadline"]), st.integers(0, 5)), max_size=40))
+STEPS = ("book", "book", "book", "free", "prefill", "free_later", "free_later", "tick", "overlap", "loads", "dump",
+         "deadline", "outputs", "outputs")  # bookings, deferred frees and drained outputs the most often
+
+
+@settings(max_examples=max(2_000, settings().max_examples))  # ~2 ms each
+@example(steps=[("book", 0)] * 6 + [("book", 1), ("book", 0), ("book", 0), ("free_later", 0), ("free_later", 0),
+                ("book", 0)])  # what a deferred free's dispatch deferred ran after the next free: out of order
+@given(st.lists(st.tuples(st.sampled_from(STEPS), st.integers(0, 2)), max_size=40))
 def test_deferred_work_is_invisible_to_every_call(steps: list[tuple[str, int]]) -> None:
     """Work left until an answer is written (a booking's predicted blocks; a free deferred as the
     picker defers one) changes no answer: a service whose deferred work is never run by its
@@ -480,15 +486,19 @@ def test_deferred_work_is_invisible_to_every_call(steps: list[tuple[str, int]]) 
     from functools import partial
 
     from selection_proto.core.errors import SelectionError
+    from selection_proto.core.outputs import SelectionReady
+    from selection_proto.core.responses import Pending
     from selection_proto.core.service import SelectionService
     from selection_proto.core.settings import Settings
     from selection_proto.core.types import OverlapScoresRequest, SelectAndReserveRequest
 
     def fleet() -> SelectionService:
-        service = SelectionService(Settings(kv_events="approximate", router_ttl_secs=5.0), random.Random(3))
-        for wid in (1, 2):
-            service.upsert_worker(WorkerRequest(worker_id=wid, model_name="m", block_size=2, endpoint=f"http://w{wid}"),
-                                  now=0.0)
+        service = SelectionService(Settings(kv_events="approximate", router_ttl_secs=5.0, queue_threshold=0.5,
+                                            queue_timeout_secs=3.0), random.Random(3))
+        for wid in (1, 2):  # a 12-token prompt's prefill keeps its worker busy: the third queues
+            service.upsert_worker(WorkerRequest(worker_id=wid, model_name="m", block_size=2, endpoint=f"http://w{wid}",
+                                                max_num_batched_tokens=16), now=0.0)
+        assert service.catalog.schedulable == 2
         return service
 
     def free_quietly(service: SelectionService, rid: str, now: float) -> None:
@@ -502,8 +512,12 @@ def test_deferred_work_is_invisible_to_every_call(steps: list[tuple[str, int]]) 
         rid = f"r{n}"
         try:
             if kind == "book":
-                return service.select_and_reserve(SelectAndReserveRequest(
-                    model_name="m", token_ids=prompt, reservation_id=rid), now=now).worker_id
+                answer = service.select_and_reserve(SelectAndReserveRequest(
+                    model_name="m", token_ids=prompt, reservation_id=rid), now=now)
+                return answer if isinstance(answer, Pending) else answer.worker_id
+            if kind == "outputs":  # queued selections a free let run, among others
+                return [(out.ticket, out.response.status, out.response.body) if isinstance(out, SelectionReady)
+                        else type(out).__name__ for out in iter(service.next_output, None)]
             if kind in ("free", "prefill"):
                 return (service.free if kind == "free" else service.prefill_complete)(rid, now=now)
             if kind == "free_later":  # as the picker frees once its echo is written
@@ -540,7 +554,7 @@ def test_deferred_work_runs_in_order_once_and_confines_a_failure() -> None:
     def nested() -> None:
         done.append("nested")
         deferred.run()  # a piece that calls the service settles nothing nested...
-        deferred.add(lambda: done.append("added"))  # ...and what it defers runs after it
+        deferred.add(lambda: done.append("added"))  # ...and what it defers runs right after it
 
     def fails() -> None:
         raise RuntimeError("a piece's own fault")
@@ -549,4 +563,32 @@ def test_deferred_work_runs_in_order_once_and_confines_a_failure() -> None:
         deferred.add(piece)
     assert deferred
     deferred.run()
-    assert done == ["nested", "last", "added"] and errors == ["deferred"] and not deferred
+    assert done == ["nested", "added", "last"] and errors == ["deferred"] and not deferred
+
+
+def test_a_dispatched_selections_predictions_are_in_the_tree_before_the_next_one_runs() -> None:
+    """Only a call's own answer goes out before its work is done: a queued selection that a free
+    lets run books its predicted blocks at once, so that the next one dispatched sees them."""
+    import random
+
+    from selection_proto.core.hashing import block_hashes
+    from selection_proto.core.responses import Pending
+    from selection_proto.core.service import SelectionService
+    from selection_proto.core.settings import Settings
+    from selection_proto.core.types import SelectAndReserveRequest
+
+    service = SelectionService(Settings(kv_events="approximate", queue_threshold=0.5), random.Random(3))
+    service.upsert_worker(WorkerRequest(worker_id=1, model_name="m", block_size=2, endpoint="http://w1",
+                                        max_num_batched_tokens=16), now=0.0)
+
+    def book(rid: str, first: int) -> Any:
+        return service.select_and_reserve(SelectAndReserveRequest(
+            model_name="m", token_ids=list(range(first, first + 12)), reservation_id=rid), now=1.0)
+
+    assert book("a", 100).worker_id == 1  # its 12 prefill tokens make the worker busy
+    assert service.deferred  # a's predicted blocks: after its answer
+    assert isinstance(book("queued", 200), Pending) and not service.deferred
+    service.free("a", now=2.0)  # "queued" runs inside the free
+    pool = next(iter(service.pools.values()))
+    assert "queued" in pool.tracker.bookings and not service.deferred
+    assert pool.index.device.find(block_hashes(list(range(200, 212)), 2))[0] == {(1, 0): 6}

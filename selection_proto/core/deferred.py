@@ -15,8 +15,8 @@ __all__ = ["Deferred"]
 
 class Deferred:
     """A queue of work run in order by `run`, once: work that calls the service (a free) settles
-    nothing nested, and what it defers in turn (the predictions of a queued selection it let
-    run) runs after it, in the same `run`."""
+    nothing nested, and what it defers in turn runs right after it, before the work queued
+    behind it, as had it been done at once."""
 
     __slots__ = ("_work", "_running", "_internal_error")
 
@@ -33,16 +33,17 @@ class Deferred:
 
     def run(self) -> None:
         """Do the work queued, in order."""
-        if self._running:
+        if self._running or not self._work:
             return
         self._running = True
         try:
-            work = self._work
-            while work:
-                job = work.popleft()
+            while self._work:
+                job = self._work.popleft()
+                rest, self._work = self._work, deque()
                 try:
                     job()
                 except Exception:  # noqa: BLE001 - one piece's failure is confined to it
                     self._internal_error("deferred")
+                self._work.extend(rest)  # behind what `job` deferred
         finally:
             self._running = False

@@ -361,9 +361,12 @@ class Selector(Admission):
         self._metrics.booking(pool.key, "booked")
         if self.journal is not None:
             self.journal.booked(pool.key, booking)
-        if pool.predictions is not None:  # after the answer is written (deferred.py): no answer reads them
-            self._deferred.add(partial(pool.predictions.record, rank, prompt.blocks, now,
-                                       prompt.seqs if prompt.chained else None))
+        if pool.predictions is not None:
+            record = partial(pool.predictions.record, rank, prompt.blocks, now, prompt.seqs if prompt.chained else None)
+            if self._dispatching:
+                record()  # a queued selection's: the next one this dispatch runs must see them
+            else:
+                self._deferred.add(record)  # after the answer is written (deferred.py): no answer reads them
         return booking
 
     def reserve(self, req: ReservationRequest, now: float) -> ReservationResponse:

@@ -125,14 +125,14 @@ class SelectionService:
 
     def _advance(self, now: float) -> float:
         """The clock guard (time never runs backwards inside the service), after deferred work."""
-        if self.deferred:
-            self.deferred.run()
+        self.deferred.run()
         if now > self._now:
             self._now = now
         return self._now
 
     def next_output(self) -> OutputEvent | None:
         """The next output for the caller (held answers, subscription changes, closes, errors), or None."""
+        self.deferred.run()  # (a deferred free may let queued selections run)
         return self._outbox.popleft() if self._outbox else None
 
     def tick(self, now: float) -> None:
