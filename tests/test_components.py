@@ -592,3 +592,8 @@ def test_a_dispatched_selections_predictions_are_in_the_tree_before_the_next_one
     pool = next(iter(service.pools.values()))
     assert "queued" in pool.tracker.bookings and not service.deferred
     assert pool.index.device.find(block_hashes(list(range(200, 212)), 2))[0] == {(1, 0): 6}
+    # A huge prompt's predictions are its own request's cost: recorded before its answer.
+    service.free("queued", now=3.0)
+    huge = SelectAndReserveRequest(model_name="m", token_ids=list(range(2 * 4_097)), reservation_id="h2")
+    service.select_and_reserve(huge, now=4.0)
+    assert not service.deferred and pool.index.device.size((1, 0)) >= 4_097

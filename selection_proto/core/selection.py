@@ -60,6 +60,7 @@ __all__ = ["SHUTTING_DOWN", "Selector"]
 
 SHUTTING_DOWN: Final = "selection service is shutting down"
 NO_CAPACITY: Final = 10_000_000  # 1.6.1's prefill capacity of a worker without max_num_batched_tokens
+DEFER_MAX_BLOCKS: Final = 4_096  # predictions recorded after the answer (deferred.py) up to this many blocks
 
 
 class Selector(Admission):
@@ -363,8 +364,10 @@ class Selector(Admission):
             self.journal.booked(pool.key, booking)
         if pool.predictions is not None:
             record = partial(pool.predictions.record, rank, prompt.blocks, now, prompt.seqs if prompt.chained else None)
-            if self._dispatching:
-                record()  # a queued selection's: the next one this dispatch runs must see them
+            if self._dispatching or len(prompt.blocks) > DEFER_MAX_BLOCKS:
+                # A queued selection's: the next one this dispatch runs must see them. A huge
+                # prompt's: their cost is its own request's to wait for, not the next client's.
+                record()
             else:
                 self._deferred.add(record)  # after the answer is written (deferred.py): no answer reads them
         return booking
