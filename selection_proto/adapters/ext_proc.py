@@ -1,6 +1,6 @@
 """Sans-IO endpoint picker: one Envoy ext_proc stream (one HTTP request through the gateway), as a
-state machine over Envoy's `ProcessingRequest` and `ProcessingResponse` messages, booking through
-the core's `handle` as an HTTP client would (docs/GATEWAY.md).
+state machine over Envoy's `ProcessingRequest` and `ProcessingResponse` messages, booking as a
+`/select_and_reserve` request would (by the typed call; through `handle` under a ledger) (docs/GATEWAY.md).
 
 Feed each message to `receive`, hand the answer of a queued selection to `resolve`, send what
 `replies` yields, end the stream when `finished`, and call `close` once when the stream ends

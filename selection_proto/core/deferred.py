@@ -2,8 +2,8 @@
 depend on (a booking's predicted blocks; the picker's prefill mark and free as a response
 passes), so that the transport writes the answer first and then runs
 `SelectionService.deferred`. Every service call and every ledger input runs it first, so nothing
-but the clock can tell deferred work from work done at once, and its order is the order it was
-deferred in."""
+but the clock can tell deferred work from work done at once, in the order it would have been
+done at once."""
 
 from __future__ import annotations
 

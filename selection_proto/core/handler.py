@@ -268,8 +268,11 @@ def _h_select(service: Service, param: str | None, query: str, body: Body, now: 
 
 def _h_select_and_reserve(service: Service, param: str | None, query: str, body: Body,
                           now: float) -> Response | Pending:
-    req = _decode(body, lambda v, ctx: from_json(SelectAndReserveRequest, v, "", ctx))
-    return _select_answer(service.select_and_reserve(req, now=now))
+    return _select_answer(service.select_and_reserve(_select_and_reserve_request(body), now=now))
+
+
+def _select_and_reserve_request(body: Body) -> SelectAndReserveRequest:
+    return _decode(body, lambda v, ctx: from_json(SelectAndReserveRequest, v, "", ctx))
 
 
 def select_and_reserve_parsed(service: Service, body: ParsedBody, now: float) -> SelectResponse | Pending:
@@ -279,8 +282,7 @@ def select_and_reserve_parsed(service: Service, body: ParsedBody, now: float) ->
     service.limits.prehashed = body.prehashed
     try:
         service.limits.body_size(body.size, MAX_BODY)
-        return service.select_and_reserve(_decode(body, lambda v, ctx: from_json(SelectAndReserveRequest, v, "", ctx)),
-                                          now=now)
+        return service.select_and_reserve(_select_and_reserve_request(body), now=now)
     except SelectionError:
         raise
     except Exception:  # noqa: BLE001 - as `handle`: counted and logged, the caller answers 500
