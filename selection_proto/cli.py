@@ -29,6 +29,7 @@ from .config import (
     flag_on,
     kind_of,
     print_config,
+    require_extra,
     settings_from,
     transport_value,
     warn_unknown_env,
@@ -212,11 +213,7 @@ def _check_backend(backend: str) -> None:
     if backend not in ("asyncio", "uvloop", "trio"):
         raise UsageError(f"--backend: invalid choice {backend!r} (choose from asyncio, uvloop, trio)")
     if backend != "asyncio":
-        try:
-            __import__(backend)
-        except ImportError:
-            raise UsageError(f"--backend {backend}: the {backend} package is not installed "
-                             f"(pip install 'selection-proto[{backend}]')") from None
+        require_extra(f"--backend {backend}", backend, backend)
 
 
 def _run(backend: str, func: Callable[..., Awaitable[Any]], *args: Any) -> Any:
@@ -287,6 +284,7 @@ def _tracking_key(args: argparse.Namespace, env: Mapping[str, str]) -> bytes | N
         path = env.get("DYN_ROUTER_TRACKING_KEY_FILE")
     if path is None:
         return None
+    require_extra("--router-tracking-key-file", "tracking", "blake3")
     try:
         with open(path, "rb") as fh:
             return fh.read(4096)
@@ -447,6 +445,7 @@ def _ledger(args: argparse.Namespace, env: Mapping[str, str], service: Selection
         return None
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise UsageError(f"--ledger: expected redis://, rediss:// or unix:// URL, not {url!r}")
+    require_extra("--ledger", "ledger", "redis")
     if processes > 1 and transport_value(args, env, "snapshot", None, str) is not None:
         raise UsageError("--snapshot with --processes above 1: the ledger holds the shared state")
     values = {}

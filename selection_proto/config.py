@@ -386,6 +386,16 @@ def _toml(value: Any) -> str:
     return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def require_extra(what: str, extra: str, *modules: str) -> None:
+    """Refuse `what` in one line that names the extra to install, when one of its modules is missing
+    (a bare install serves without any extra)."""
+    import importlib.util
+
+    for module in modules:
+        if importlib.util.find_spec(module) is None:
+            raise UsageError(f"{what}: no module named {module!r}; install 'selection-proto[{extra}]'")
+
+
 def ext_proc_options(args: argparse.Namespace, env: Mapping[str, str], host: str) -> Any:
     """`serve`'s endpoint picker options (a `transports.config.ExtProcOptions`), or None without
     `--ext-proc-port`."""
@@ -401,11 +411,7 @@ def ext_proc_options(args: argparse.Namespace, env: Mapping[str, str], host: str
             raise UsageError(f"--tokenizer: expected MODEL=PATH, not {item.strip()!r}")
         if item.strip():
             pairs.append((model, path))
-    import importlib.util
-
-    for module in ("hpack", "grpc_health", "envoy", "tokenizers", "jinja2"):
-        if importlib.util.find_spec(module) is None:
-            raise UsageError(f"--ext-proc-port: no module named {module!r}; install selection-proto[gateway]")
+    require_extra("--ext-proc-port", "gateway", "hpack", "grpc_health", "envoy", "tokenizers", "jinja2")
     from .transports.config import ExtProcOptions
     from .transports.ext_proc import load_tokenizers
     try:

@@ -529,8 +529,8 @@ def test_a_backend_is_checked_before_anything_starts_and_a_missing_one_named(
                                                "(choose from asyncio, uvloop, trio)")
     monkeypatch.setitem(sys.modules, "uvloop", None)  # as if not installed
     assert main(["serve", "--backend", "uvloop"], env={}) == 2
-    assert capsys.readouterr().err.strip() == ("selection-proto: error: --backend uvloop: the uvloop package is not "
-                                               "installed (pip install 'selection-proto[uvloop]')")
+    assert capsys.readouterr().err.strip() == ("selection-proto: error: --backend uvloop: no module named 'uvloop'; "
+                                               "install 'selection-proto[uvloop]'")
 
 
 def test_the_pickers_port_needs_the_servers_bearer_token(tmp_path: Any) -> None:

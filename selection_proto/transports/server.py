@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Callable
 from functools import partial
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
@@ -27,7 +28,6 @@ from ..core.service import SelectionService
 from ..core.streams import decode_or_error
 from ..core.wire import Response, error_response
 from .config import LedgerOptions, ServerConfig
-from .ext_proc import ExtProcServer
 from .ledger import LedgerLink
 from .logs import log, log_internal_error
 from .peers import recover_from_peers
@@ -37,6 +37,9 @@ from .scrape import scrape_engines
 from .snapshots import Snapshots, dump_in_child
 from .status import StatusFeeds
 from .subscriber import Subscriptions
+
+if TYPE_CHECKING:
+    from .ext_proc import ExtProcServer
 
 __all__ = ["LedgerOptions", "ServerConfig", "serve"]
 
@@ -436,8 +439,13 @@ async def serve(service: SelectionService, config: ServerConfig,
     scheme = "https" if config.tls is not None else "http"
     log("info", "listening", url=f"{scheme}://{host}:{port}", version=__version__,
         settings=attrs.asdict(service.settings))
-    ext_proc = ExtProcServer(server, config.ext_proc) if config.ext_proc is not None else None
-    if ext_proc is not None:
+    ext_proc: ExtProcServer | None = None
+    if config.ext_proc is not None:
+        # The picker's HTTP/2 and protobuf come with the `gateway` extra: a bare install serves
+        # the HTTP API without importing them (config.py refuses --ext-proc-port without it).
+        from .ext_proc import ExtProcServer
+
+        ext_proc = ExtProcServer(server, config.ext_proc)
         await ext_proc.start()  # a port in use ends serve here, as the HTTP port's does above
     if ready is not None:
         ready(config.host, port)
