@@ -2,7 +2,7 @@
 another connection sends, over and over, one of the heaviest requests a client may send
 (docs/INVARIANTS.md, "No single request stalls everyone"; goal: p99 under 50 ms).
 
-    python bench/stalls.py [--scenarios ws_events,ws_flood,picker_echo,delete_bookings,ready,select_1m,select_booked,post_events,snapshot]
+    python bench/stalls.py [--scenarios idle,select_nan,book_1m_push,book_1m_approx,ws_events,ws_flood,picker_echo,delete_bookings,ready,select_1m,select_booked,post_events,snapshot]
         [--seconds 5] [--bookings 100000] [--workers 100000] [--blocks 200000]
 
 Each scenario starts its own `selection-proto serve --kv-events push` and prepares its state
@@ -329,6 +329,63 @@ def _nine_huge_bookings(conn: Conn) -> None:
 
 
 scenario_select_1m = _select_million(_eight_workers)
+
+
+def scenario_idle(opts: argparse.Namespace) -> dict[str, float]:
+    """The baseline: `/health` while the other connection asks `/health` too."""
+    proc, port = start([])
+    try:
+        return measure(port, lambda conn: conn.call("GET", "/health"), opts.seconds)
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def scenario_select_nan(opts: argparse.Namespace) -> dict[str, float]:
+    """`POST /select` of 1,048,576 token ids ending in `NaN`: not JSON, so orjson refuses it and the
+    error's text comes from another reader."""
+    proc, port = start([])
+    try:
+        _eight_workers(Conn(port))
+        body = (b'{"model_name":"m","token_ids":[' + ",".join(map(str, range(1_048_575))).encode()
+                + b',NaN]}')
+
+        def heavy(conn: Conn) -> None:
+            assert conn.call("POST", "/select", body)[0] == 400
+
+        return measure(port, heavy, opts.seconds)
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def _book_million(mode: str) -> Callable[[argparse.Namespace], dict[str, float]]:
+    """A scenario: book one 1,048,576-token prompt on a worker of block size 1 and free it, over and over."""
+    def scenario(opts: argparse.Namespace) -> dict[str, float]:
+        proc, port = start(["--kv-events", mode])
+        try:
+            Conn(port).call("POST", "/workers", json.dumps(worker(1, block_size=1)).encode())
+            count = [0]
+
+            def heavy(conn: Conn) -> None:
+                count[0] += 1
+                rid = f"r{count[0]}"
+                body = json.dumps({"model_name": "m", "token_ids": list(range(count[0], count[0] + 1_048_576)),
+                                   "reservation_id": rid}, separators=(",", ":")).encode()
+                status, answer = conn.call("POST", "/select_and_reserve", body)
+                assert status == 200, answer[:200]
+                assert conn.call("DELETE", f"/reservations/{rid}")[0] == 200
+
+            return measure(port, heavy, opts.seconds)
+        finally:
+            proc.terminate()
+            proc.wait()
+
+    return scenario
+
+
+scenario_book_1m_push = _book_million("push")
+scenario_book_1m_approx = _book_million("approximate")
 scenario_select_booked = _select_million(_nine_huge_bookings)
 
 
@@ -357,7 +414,8 @@ def scenario_snapshot(opts: argparse.Namespace) -> dict[str, float]:
         os.rmdir(folder)
 
 
-SCENARIOS = {"ws_events": scenario_ws_events, "ws_flood": scenario_ws_flood, "picker_echo": scenario_picker_echo, "delete_bookings": scenario_delete_bookings,
+SCENARIOS = {"idle": scenario_idle, "select_nan": scenario_select_nan, "book_1m_push": scenario_book_1m_push,
+             "book_1m_approx": scenario_book_1m_approx, "ws_events": scenario_ws_events, "ws_flood": scenario_ws_flood, "picker_echo": scenario_picker_echo, "delete_bookings": scenario_delete_bookings,
              "ready": scenario_ready, "select_1m": scenario_select_1m,
              "select_booked": scenario_select_booked, "post_events": scenario_post_events,
              "snapshot": scenario_snapshot}

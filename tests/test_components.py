@@ -153,6 +153,17 @@ def test_both_json_readers_agree(text: str) -> None:
     assert outcomes[0] == outcomes[1], outcomes
 
 
+@pytest.mark.parametrize("raw", [b'["\xff"]', b'["\xed\xa0\x80"]', b'{"a": "\xc3"}'])
+def test_both_json_readers_name_invalid_utf8_as_such(raw: bytes) -> None:
+    # orjson calls a surrogate encoded in UTF-8 bytes a "surrogate" too: it is not an escape.
+    details = []
+    for reader in (jsonio.loads, jsonio.loads_exact):
+        with pytest.raises(jsonio.JSONSyntaxError) as caught:
+            reader(raw)
+        details.append(caught.value.detail)
+    assert details[0] == details[1] and details[0].startswith("invalid UTF-8 at byte"), details
+
+
 def json_repr(value: object) -> object:
     if isinstance(value, float) and value.is_integer():
         return int(value)  # orjson's float for an integer beyond 64 bits

@@ -306,8 +306,9 @@ class HttpConnection:
         self._answer(method, path, query, headers, body)
 
     def complete_large(self, parsed: ParsedBody | None) -> None:
-        """The `large_request`'s body as `handler.prepare_large_body` read it (None: not JSON,
-        which `handle` then reports itself, with the usual text); answers it and goes on."""
+        """The `large_request`'s body as `handler.prepare_large_body` read it (None: msgpack that
+        does not parse, which `handle` then reports itself, with the usual text); answers it and
+        goes on."""
         request = self.large_request
         if request is None or self.closed:
             return

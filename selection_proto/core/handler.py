@@ -115,6 +115,8 @@ Body = bytes | ParsedBody
 
 def _decode(body: Body, build: Callable[[Any, ShapeContext], T]) -> T:
     if isinstance(body, ParsedBody):
+        if body.error is not None:
+            raise body.error
         value, bools = body.value, body.may_contain_bools
     else:
         value, bools = _parse_json(body)
@@ -368,30 +370,35 @@ def _h_events_post(service: Service, param: str | None, query: str, body: Body, 
     return report if isinstance(report, Pending) else _ok(report)
 
 
-def _parse_events_large(raw: bytes) -> tuple[Any, bool] | None:
+def _parse_events_large(raw: bytes) -> tuple[Any, bool]:
     # An array of events, read one at a time so that the event loop's thread gets the GIL.
     try:
-        with jsonio.gc_paused():
-            return jsonio.loads_array_stepwise(raw.decode("utf-8"))
-    except (UnicodeDecodeError, jsonio.JSONSyntaxError):
-        return None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return jsonio.parse_large(raw)  # refused at once, with the byte's position
+    with jsonio.gc_paused():
+        return jsonio.loads_array_stepwise(text)
 
 
 def prepare_large_body(path: str, raw: bytes, media: str | None = None,
                        block_sizes: Collection[int] = ()) -> ParsedBody | None:
     """A large JSON (or, `media` says, msgpack) body parsed, and for `POST /kv_events` its events
-    decoded, as `handle` would; None when it does not parse (then `handle` reports it). A prompt
-    is hashed ahead in `block_sizes` (`ahead.prepare_ahead`). Pure: for a worker
-    thread."""
+    decoded, as `handle` would; None when msgpack does not parse (then `handle` reports it). A
+    JSON text that does not parse carries its error, which `handle` answers without reading the
+    text again. A prompt is hashed ahead in `block_sizes` (`ahead.prepare_ahead`). Pure: for a
+    worker thread."""
     if media in MSGPACK_TYPES:
         try:
             with jsonio.gc_paused():
                 return parse_msgpack(raw)
         except InvalidMsgpack:
             return None
-    parsed = _parse_events_large(raw) if path == "/kv_events" else jsonio.parse_large(raw)
-    if parsed is None:
-        return None
+    try:
+        parsed = _parse_events_large(raw) if path == "/kv_events" else jsonio.parse_large(raw)
+    except jsonio.JSONSyntaxError as exc:
+        refused = ParsedBody(None, False, len(raw), lambda: jsonio.loads_exact(raw))
+        refused.error = InvalidJson(exc.detail)
+        return refused
     body = ParsedBody(parsed[0], parsed[1], len(raw), lambda: jsonio.loads_exact(raw))
     route = route_of("POST", path)
     if route is not None and route.prompt and block_sizes:

@@ -254,14 +254,11 @@ def loads_array_stepwise(text: str) -> tuple[Any, bool]:
         return loads_with_hints(text)
 
 
-def parse_large(data: bytes) -> tuple[Any, bool] | None:
-    """`loads_with_hints` for a large body, with the cyclic GC paused, or None when it is not
-    JSON (the caller lets `handle` parse it again for the error text). Pure: any thread."""
-    try:
-        with gc_paused():
-            return loads_with_hints(data)
-    except JSONSyntaxError:
-        return None
+def parse_large(data: bytes) -> tuple[Any, bool]:
+    """`loads_with_hints` for a large body, with the cyclic GC paused; raises JSONSyntaxError as
+    it does. Pure: any thread."""
+    with gc_paused():
+        return loads_with_hints(data)
 
 
 def loads_exact(data: bytes | str) -> Any:
@@ -314,7 +311,7 @@ def _parse(data: bytes | str) -> Any:
             text = str(exc).lower()
             if "recursion" in text:
                 raise JSONSyntaxError("nesting too deep") from None
-            if "surrogate" in text:
+            if "surrogate" in text and "utf-8" not in text:  # (orjson says "surrogates" of bad UTF-8 too)
                 raise JSONSyntaxError(LONE_SURROGATE) from None
     return _stdlib_loads(data)
 

@@ -148,7 +148,7 @@ class ParsedBody:
     (JSON lines parse each whole line once). `exact` re-reads the same value with exact integers
     (see `jsonio.loads_exact`); `size` is the length of the text it came from."""
 
-    __slots__ = ("value", "may_contain_bools", "size", "exact", "events", "prehashed")
+    __slots__ = ("value", "may_contain_bools", "size", "exact", "events", "prehashed", "error")
 
     def __init__(self, value: Any, may_contain_bools: bool, size: int, exact: Callable[[], Any]) -> None:
         self.value = value
@@ -160,6 +160,9 @@ class ParsedBody:
         self.events: Any = None
         # For selections and bookings: the prompt's hashes computed ahead (`prompt.prehash`).
         self.prehashed: Any = None
+        # Why the text is not JSON, found where it was parsed: `handle` answers it without
+        # reading the text again on its own thread (`handler.prepare_large_body`).
+        self.error: Exception | None = None
 
     def release(self) -> None:
         """Drop what was parsed: freeing millions of objects takes tens of milliseconds, so a
