@@ -2,7 +2,7 @@
 another connection sends, over and over, one of the heaviest requests a client may send
 (docs/INVARIANTS.md, "No single request stalls everyone"; goal: p99 under 50 ms).
 
-    python bench/stalls.py [--scenarios idle,select_nan,book_1m_push,book_1m_approx,ws_events,ws_flood,picker_echo,delete_bookings,ready,select_1m,select_booked,post_events,snapshot]
+    python bench/stalls.py [--scenarios idle,picker_tokenize,picker_chat,select_nan,book_1m_push,book_1m_approx,ws_events,ws_flood,picker_echo,delete_bookings,ready,select_1m,select_booked,post_events,snapshot]
         [--seconds 5] [--bookings 100000] [--workers 100000] [--blocks 200000]
 
 Each scenario starts its own `selection-proto serve --kv-events push` and prepares its state
@@ -185,8 +185,37 @@ def scenario_ws_flood(opts: argparse.Namespace) -> dict[str, float]:
 
 
 def scenario_picker_echo(opts: argparse.Namespace) -> dict[str, float]:
-    """Issue 35: ext_proc streams of a 7.7 MB text completion each (parsed and tokenized in a
+    """ext_proc streams of a 7.7 MB text completion each (parsed and turned into text tokens in a
     thread; the body echoed back to the client in 62,000-byte pieces from the loop)."""
+    return _picker({"model": "m", "prompt": "hello world " * 640_000}, opts, tokenizer=False)
+
+
+def scenario_picker_tokenize(opts: argparse.Namespace) -> dict[str, float]:
+    """A 4 MiB completion through the picker, tokenized by the model's tokenizer."""
+    return _picker({"model": "m", "prompt": "hello world how are you ? " * 160_000}, opts, tokenizer=True)
+
+
+def scenario_picker_chat(opts: argparse.Namespace) -> dict[str, float]:
+    """A 220,000-message chat through the picker, rendered by the model's chat template and tokenized."""
+    return _picker({"model": "m", "messages": [{"role": "user", "content": "hello"}] * 220_000}, opts,
+                   tokenizer=True)
+
+
+def _small_tokenizer_folder() -> str:
+    """tests/test_ext_proc.py's word-level tokenizer and chat template, written to a folder."""
+    sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+    from test_ext_proc import small_tokenizer
+
+    text, config = small_tokenizer()
+    folder = tempfile.mkdtemp()
+    with open(os.path.join(folder, "tokenizer.json"), "w") as fh:
+        fh.write(text)
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as fh:
+        json.dump(config, fh)
+    return folder
+
+
+def _picker(request: dict[str, Any], opts: argparse.Namespace, tokenizer: bool) -> dict[str, float]:
     import grpc
     from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
     from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody, HttpHeaders, ProcessingRequest
@@ -195,10 +224,11 @@ def scenario_picker_echo(opts: argparse.Namespace) -> dict[str, float]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         grpc_port = probe.getsockname()[1]
-    proc, port = start(["--ext-proc-port", str(grpc_port), "--kv-events", "approximate"])
+    extra = ["--tokenizer", f"m={_small_tokenizer_folder()}"] if tokenizer else []
+    proc, port = start(["--ext-proc-port", str(grpc_port), "--kv-events", "approximate", *extra])
     try:
         Conn(port).call("POST", "/workers", json.dumps(worker(1, endpoint="http://127.0.0.1:9")).encode())
-        body = json.dumps({"model": "m", "prompt": "hello world " * 640_000}).encode()
+        body = json.dumps(request).encode()
         messages = [ProcessingRequest(request_headers=HttpHeaders(headers=HeaderMap(headers=[
             HeaderValue(key=":path", raw_value=b"/v1/completions"), HeaderValue(key=":method", raw_value=b"POST")]))),
             ProcessingRequest(request_body=HttpBody(body=body, end_of_stream=True))]
@@ -414,7 +444,7 @@ def scenario_snapshot(opts: argparse.Namespace) -> dict[str, float]:
         os.rmdir(folder)
 
 
-SCENARIOS = {"idle": scenario_idle, "select_nan": scenario_select_nan, "book_1m_push": scenario_book_1m_push,
+SCENARIOS = {"idle": scenario_idle, "picker_tokenize": scenario_picker_tokenize, "picker_chat": scenario_picker_chat, "select_nan": scenario_select_nan, "book_1m_push": scenario_book_1m_push,
              "book_1m_approx": scenario_book_1m_approx, "ws_events": scenario_ws_events, "ws_flood": scenario_ws_flood, "picker_echo": scenario_picker_echo, "delete_bookings": scenario_delete_bookings,
              "ready": scenario_ready, "select_1m": scenario_select_1m,
              "select_booked": scenario_select_booked, "post_events": scenario_post_events,

@@ -87,8 +87,12 @@ class ChatTokenizer:
         return self._encode(text, True)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        # The batch call lets go of the GIL while it tokenizes (`encode` holds it throughout: a
+        # 4 MiB prompt stopped the event loop for 1.4 s); the fast one skips the offsets, which
+        # routing never reads, in half the time. Their ids are `encode`'s.
         try:
-            return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+            (encoding,) = self._tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)
+            return list(encoding.ids)
         except Exception as exc:  # noqa: BLE001 - a lone surrogate, say: the request's fault
             raise OpenAIError(400, f"the prompt cannot be tokenized: {exc}", "prompt") from None
 
