@@ -390,7 +390,8 @@ def scenario_select_nan(opts: argparse.Namespace) -> dict[str, float]:
 
 
 def _book_million(mode: str) -> Callable[[argparse.Namespace], dict[str, float]]:
-    """A scenario: book one 1,048,576-token prompt on a worker of block size 1 and free it, over and over."""
+    """A scenario: book one 1,048,576-token prompt on a worker of block size 1, and free it half a
+    second later (its request "runs"), over and over."""
     def scenario(opts: argparse.Namespace) -> dict[str, float]:
         proc, port = start(["--kv-events", mode])
         try:
@@ -404,7 +405,9 @@ def _book_million(mode: str) -> Callable[[argparse.Namespace], dict[str, float]]
                                    "reservation_id": rid}, separators=(",", ":")).encode()
                 status, answer = conn.call("POST", "/select_and_reserve", body)
                 assert status == 200, answer[:200]
+                time.sleep(0.5)
                 assert conn.call("DELETE", f"/reservations/{rid}")[0] == 200
+                time.sleep(0.5)
 
             return measure(port, heavy, opts.seconds)
         finally:

@@ -603,8 +603,20 @@ def test_a_dispatched_selections_predictions_are_in_the_tree_before_the_next_one
     pool = next(iter(service.pools.values()))
     assert "queued" in pool.tracker.bookings and not service.deferred
     assert pool.index.device.find(block_hashes(list(range(200, 212)), 2))[0] == {(1, 0): 6}
-    # A huge prompt's predictions are its own request's cost: recorded before its answer.
+    # A huge prompt's predictions wait for its answer too, in pieces that a transport runs one
+    # at a time with other clients served between them; the next call runs what is left first.
+    from selection_proto.core.tracker import PIECE_BLOCKS
+
     service.free("queued", now=3.0)
-    huge = SelectAndReserveRequest(model_name="m", token_ids=list(range(2 * 4_097)), reservation_id="h2")
+    tokens = list(range(1000, 1000 + 2 * (PIECE_BLOCKS + 1)))
+    huge = SelectAndReserveRequest(model_name="m", token_ids=tokens, reservation_id="h2")
     service.select_and_reserve(huge, now=4.0)
-    assert not service.deferred and pool.index.device.size((1, 0)) >= 4_097
+    seen = []
+    while pool.index.device.find(block_hashes(tokens, 2))[0] != {(1, 0): PIECE_BLOCKS}:
+        assert service.deferred, seen
+        service.deferred.run(limit=1)  # the booking's load first, then its predictions
+        seen.append(pool.index.device.find(block_hashes(tokens, 2))[0])
+    assert service.deferred  # the second piece is still to come
+    service.loads()  # any call: the rest first
+    assert not service.deferred
+    assert pool.index.device.find(block_hashes(tokens, 2))[0] == {(1, 0): PIECE_BLOCKS + 1}

@@ -36,14 +36,21 @@ LARGE_BODY: Final = 256 * 1024
 
 
 class LargeRequest(NamedTuple):
-    """A request whose JSON body is large enough to be parsed away from the event loop, or a
-    `GET /dump`, whose answer the caller produces away from it (`answer_with`)."""
+    """A request whose JSON body is large enough to be parsed away from the event loop (`parse`),
+    a `GET /dump`, whose answer the caller produces away from it (`answer_with`), or one that
+    reads the service's state while deferred work is pending, which the caller runs a piece at a
+    time first, its other clients served between pieces (core/deferred.py)."""
 
     method: str
     path: str
     query: str
     headers: list[tuple[str, str]]
     body: bytes
+    parse: bool = False
+
+
+# Answers that read none of the service's state: they need not wait for its deferred work.
+STATELESS_PATHS: Final = frozenset({"/health", "/readyz"})
 
 
 def _takes_json(method: str, path: str, headers: list[tuple[str, str]]) -> bool:
@@ -301,19 +308,22 @@ class HttpConnection:
             self.large_request = LargeRequest(method, path, query, headers, body)
             return
         if self._defer_large and len(body) > LARGE_BODY and _takes_json(method, path, headers):
+            self.large_request = LargeRequest(method, path, query, headers, body, parse=True)
+            return
+        if self._defer_large and self._service.deferred and path not in STATELESS_PATHS:
             self.large_request = LargeRequest(method, path, query, headers, body)
             return
         self._answer(method, path, query, headers, body)
 
     def complete_large(self, parsed: ParsedBody | None) -> None:
-        """The `large_request`'s body as `handler.prepare_large_body` read it (None: msgpack that
-        does not parse, which `handle` then reports itself, with the usual text); answers it and
-        goes on."""
+        """The `large_request`'s body as `handler.prepare_large_body` read it (None: not parsed
+        ahead, or msgpack that does not parse, which `handle` then reports itself, with the usual
+        text); answers it and goes on."""
         request = self.large_request
         if request is None or self.closed:
             return
         self.large_request = None
-        method, path, query, headers, raw = request
+        method, path, query, headers, raw, _ = request
         self._answer(method, path, query, headers, raw if parsed is None else parsed)
         self._drain()
 

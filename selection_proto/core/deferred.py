@@ -31,13 +31,17 @@ class Deferred:
     def add(self, work: Callable[[], object]) -> None:
         self._work.append(work)
 
-    def run(self) -> None:
-        """Do the work queued, in order."""
+    def run(self, limit: int | None = None) -> None:
+        """Do the work queued, in order; with a `limit`, that many pieces at most (a transport
+        lets its other clients in between pieces of a huge booking's work)."""
         if self._running or not self._work:
             return
         self._running = True
+        left = limit
         try:
-            while self._work:
+            while self._work and (left is None or left > 0):
+                if left is not None:
+                    left -= 1
                 job = self._work.popleft()
                 rest, self._work = self._work, deque()
                 try:

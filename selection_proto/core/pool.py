@@ -24,7 +24,7 @@ from .sessions import SessionTable
 from .settings import Settings
 from .speed import Speeds
 from .tiers import KeyIndex
-from .tracker import Booking, Tracker
+from .tracker import Booking, Defer, Tracker
 from .verdict import RankWatch
 
 __all__ = ["RECENT_DECISIONS", "Key", "Pool", "holding", "key_label"]
@@ -130,9 +130,10 @@ class Pool:
         self._ranks = None
         return self._released(self.tracker.drop_ranks(ranks), now)
 
-    def free(self, rid: str, now: float) -> Booking:
-        """End a booking (404 if unknown), and its hold on a session's binding."""
-        return self._released([self.tracker.free(rid)], now)[0]
+    def free(self, rid: str, now: float, defer: Defer | None = None) -> Booking:
+        """End a booking (404 if unknown), and its hold on a session's binding; `defer`: see
+        `Tracker.book`."""
+        return self._released([self.tracker.free(rid, defer)], now)[0]
 
     def expire(self, now: float, max_age: float) -> list[Booking]:
         """End the bookings older than `max_age`."""

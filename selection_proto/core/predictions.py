@@ -9,7 +9,8 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from itertools import compress, repeat
 from operator import eq
 from typing import Final
@@ -52,18 +53,36 @@ class Predictions:
     def record(self, rank: Rank, blocks: Sequence[int], now: float, seqs: Sequence[int] | None = None) -> None:
         """A booking of these public block hashes landed on `rank`; `seqs`, their sequence hashes
         when the caller has them already (computed here otherwise)."""
+        for piece in self.pieces(rank, blocks, now, seqs, len(blocks)):
+            piece()
+
+    def pieces(self, rank: Rank, blocks: Sequence[int], now: float, seqs: Sequence[int] | None,
+               size: int) -> list[Callable[[], None]]:
+        """`record` as steps of `size` blocks each, to run in order with nothing read between:
+        each stores its blocks after the last one's, as an engine's events would."""
         if not blocks:
-            return
-        if seqs is None:
-            seqs = sequence_hashes(blocks)
+            return []
         expiry = math.ceil(round((now + self._ttl) / BUCKET, 9)) * BUCKET
-        tree = self.tree
-        before = tree.size(rank)
-        tree.store(rank, None, list(zip(seqs, blocks, strict=True)))
-        self._budget.index_blocks += tree.size(rank) - before
-        self._expiry.setdefault(rank, {}).update(dict.fromkeys(seqs, expiry))
-        self._order += 1
-        heapq.heappush(self._heap, (expiry, self._order, rank, _Batch(seqs)))
+        chained: list[int] = []  # the sequence hashes so far, the whole booking's at the end
+        starts = range(0, len(blocks), size)
+
+        def piece(start: int) -> None:
+            part = blocks[start:start + size]
+            if seqs is not None:
+                hashes = seqs[start:start + size]
+            else:  # the chain goes on from the last piece's last hash
+                hashes = sequence_hashes([chained[-1], *part])[1:] if chained else sequence_hashes(part)
+            chained.extend(hashes)
+            tree = self.tree
+            before = tree.size(rank)
+            tree.store(rank, chained[start - 1] if start else None, list(zip(hashes, part, strict=True)))
+            self._budget.index_blocks += tree.size(rank) - before
+            self._expiry.setdefault(rank, {}).update(dict.fromkeys(hashes, expiry))
+            if start == starts[-1]:
+                self._order += 1
+                heapq.heappush(self._heap, (expiry, self._order, rank, _Batch(chained if seqs is None else seqs)))
+
+        return [partial(piece, start) for start in starts]
 
     def _live(self, expiry: float, rank: Rank, batch: _Batch) -> list[int]:
         """The blocks of a batch still due at `expiry` (not booked again since)."""

@@ -12,7 +12,6 @@ import random
 import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
-from functools import partial
 from typing import Final
 
 import attrs
@@ -53,14 +52,13 @@ from .queueing import Admission, Selection
 from .responses import Excluded, Overlap, Pending, ReservationResponse, SelectResponse
 from .sessions import check_session_id, mismatch
 from .settings import Settings
-from .tracker import Booking, DuplicateReservation, rank_text
+from .tracker import PIECE_BLOCKS, Booking, DuplicateReservation, rank_text
 from .types import ReservationRequest, SelectAndReserveRequest, SelectRequest
 
 __all__ = ["SHUTTING_DOWN", "Selector"]
 
 SHUTTING_DOWN: Final = "selection service is shutting down"
 NO_CAPACITY: Final = 10_000_000  # 1.6.1's prefill capacity of a worker without max_num_batched_tokens
-DEFER_MAX_BLOCKS: Final = 4_096  # predictions recorded after the answer (deferred.py) up to this many blocks
 
 
 class Selector(Admission):
@@ -357,19 +355,20 @@ class Selector(Admission):
             blocks = list(prompt.seqs) if reuse else [self._rng.getrandbits(64) for _ in prompt.seqs]
         prefill = max(0, prompt.isl - cached) if track_prefill else 0
         pool.speeds.observe(rank, pool.tracker.loads[rank].prefill_tokens, now)
-        booking = pool.tracker.book(rid, rank, blocks, prefill, expected_output_tokens, now)
+        booking = pool.tracker.book(rid, rank, blocks, prefill, expected_output_tokens, now,
+                                    defer=self._deferred.add if not self._dispatching else None)
         pool.watch[rank].booked(booking, len(prompt.blocks), prompt.isl, cached, pool.block_size, now)
         self._metrics.booking(pool.key, "booked")
         if self.journal is not None:
             self.journal.booked(pool.key, booking)
         if pool.predictions is not None:
-            record = partial(pool.predictions.record, rank, prompt.blocks, now, prompt.seqs if prompt.chained else None)
-            if self._dispatching or len(prompt.blocks) > DEFER_MAX_BLOCKS:
-                # A queued selection's: the next one this dispatch runs must see them. A huge
-                # prompt's: their cost is its own request's to wait for, not the next client's.
-                record()
-            else:
-                self._deferred.add(record)  # after the answer is written (deferred.py): no answer reads them
+            pieces = pool.predictions.pieces(rank, prompt.blocks, now, prompt.seqs if prompt.chained else None,
+                                             PIECE_BLOCKS)
+            for piece in pieces:
+                if self._dispatching:
+                    piece()  # a queued selection's: the next one this dispatch runs must see them
+                else:
+                    self._deferred.add(piece)  # after the answer is written (deferred.py): no answer reads them
         return booking
 
     def reserve(self, req: ReservationRequest, now: float) -> ReservationResponse:
@@ -461,7 +460,10 @@ class Selector(Admission):
         pool.speeds.observe(booked.rank, pool.tracker.loads[booked.rank].prefill_tokens, now)
         if not free and not booked.prefill_done:
             pool.speeds.completed(booked.rank[0], booked.prefill_tokens)
-        booking = pool.free(rid, now) if free else pool.tracker.prefill_complete(rid)
+        # The blocks a huge booking leaves are uncounted after the answer, unless queued
+        # selections are about to run (they must see them gone).
+        defer = self._deferred.add if not pool.queue and not self._dispatching else None
+        booking = pool.free(rid, now, defer) if free else pool.tracker.prefill_complete(rid)
         watch = pool.watch.get(booking.rank)
         if cached_tokens is not None and watch is not None and (seen := watch.observe(booking, cached_tokens)):
             self._metrics.kv_observed(pool.key, booking.rank[0], *seen)

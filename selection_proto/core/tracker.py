@@ -9,13 +9,22 @@ from zero, as 1.6.1 rounds it; with no output blocks it is just the number of di
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import partial
+from typing import Final
 
 from .budget import StateBudget
 from .errors import Conflict, NotFound, TooManyRequests
 from .index import Rank
 from .sessions import Lease
 
-__all__ = ["Booking", "DuplicateReservation", "RankLoad", "Tracker", "rank_text"]
+__all__ = ["PIECE_BLOCKS", "Booking", "Defer", "DuplicateReservation", "RankLoad", "Tracker", "rank_text"]
+
+# A huge booking's blocks are counted in (and out of) its rank's load this many at a time, each
+# piece a few milliseconds, when the caller defers them until its answer is written (deferred.py):
+# a transport lets its other clients in between pieces.
+PIECE_BLOCKS: Final = 16_384
+Defer = Callable[[Callable[[], object]], None]
 
 
 def rank_text(rank: Rank) -> str:
@@ -118,9 +127,11 @@ class Tracker:
             raise TooManyRequests(f"reservation limit reached for {self.label}: at most {self.limit} active")
 
     def book(self, rid: str, rank: Rank, blocks: list[int] | None, prefill_tokens: int,
-             expected_output_tokens: int | None, now: float, checked: bool = True) -> Booking:
+             expected_output_tokens: int | None, now: float, checked: bool = True,
+             defer: Defer | None = None) -> Booking:
         """`checked=False`: a mirrored booking, which the ledger already took (only the id is
-        checked, by the caller)."""
+        checked, by the caller). `defer`: where the counting of a booking of over `PIECE_BLOCKS`
+        blocks goes, in pieces (no answer of the call that books reads it)."""
         if checked:
             self.check_can_book(rid)
         load = self.loads[rank]
@@ -131,10 +142,7 @@ class Tracker:
         load.requests += 1
         load.prefill_tokens += prefill_tokens
         if blocks:
-            unique = load.unique
-            for h in blocks:
-                unique[h] = unique.get(h, 0) + 1
-            load.changes += 1  # after the change: a count made meanwhile (another thread) is stale
+            _in_pieces(_count, load, blocks, defer)
         return booking
 
     def get(self, rid: str) -> Booking:
@@ -173,7 +181,8 @@ class Tracker:
             else:
                 weights[h] = decay_fraction
 
-    def free(self, rid: str) -> Booking:
+    def free(self, rid: str, defer: Defer | None = None) -> Booking:
+        """End the booking; `defer` as for `book`."""
         booking = self.bookings.pop(rid, None)
         if booking is None:
             raise NotFound(f"reservation {rid} not found")
@@ -186,18 +195,8 @@ class Tracker:
         if booking.output_weight:
             load.extra -= booking.output_weight
         if booking.blocks:
-            unique, weights = load.unique, load.weights
-            for h in booking.blocks:
-                left = unique[h] - 1
-                if left:
-                    unique[h] = left
-                else:
-                    del unique[h]
-                    if weights:
-                        weight = weights.pop(h, None)
-                        if weight is not None:
-                            load.extra -= weight - 1.0
-            load.changes += 1
+            # A weighed block's weight leaves `extra` with it: that is read at once, so no pieces.
+            _in_pieces(_uncount, load, booking.blocks, defer if not load.weights else None)
         if not load.weights and load.requests == 0:
             load.extra = 0.0  # no rounding error outlives the bookings
         return booking
@@ -215,3 +214,35 @@ class Tracker:
             return booking.booked_at + max_age
         return None
 
+
+
+def _in_pieces(step: Callable[[RankLoad, list[int]], None], load: RankLoad, blocks: list[int],
+               defer: Defer | None) -> None:
+    if defer is None or len(blocks) <= PIECE_BLOCKS:
+        step(load, blocks)
+        return
+    load.changes += 1  # what another thread counts before the pieces run is stale already
+    for start in range(0, len(blocks), PIECE_BLOCKS):
+        defer(partial(step, load, blocks[start:start + PIECE_BLOCKS]))
+
+
+def _count(load: RankLoad, blocks: list[int]) -> None:
+    unique = load.unique
+    for h in blocks:
+        unique[h] = unique.get(h, 0) + 1
+    load.changes += 1  # after the change: a count made meanwhile (another thread) is stale
+
+
+def _uncount(load: RankLoad, blocks: list[int]) -> None:
+    unique, weights = load.unique, load.weights
+    for h in blocks:
+        left = unique[h] - 1
+        if left:
+            unique[h] = left
+        else:
+            del unique[h]
+            if weights:
+                weight = weights.pop(h, None)
+                if weight is not None:
+                    load.extra -= weight - 1.0
+    load.changes += 1

@@ -187,12 +187,20 @@ class _Server:
             await anyio.aclose_forcefully(stream)
             raise anyio.BrokenResourceError("send timed out")
 
+    async def settle(self) -> None:
+        """Run the deferred work a piece at a time, other clients served between pieces (a huge
+        booking's are many); a request that comes meanwhile runs the rest first (deferred.py)."""
+        while self.service.deferred:
+            self.service.deferred.run(limit=1)
+            if self.service.deferred:
+                await anyio.sleep(0)
+
     async def pump(self, wake_timer: bool = True) -> None:
         """Run the work the core deferred until answers were written (callers pump after writing),
         then deliver the core's outputs: answers of queued selections to their connections,
         subscription changes to the subscriber, closes to their WebSocket sessions, internal
         errors to the log. A failure delivering one output is confined to it."""
-        self.service.deferred.run()
+        await self.settle()
         while (out := self.service.next_output()) is not None:
             try:
                 await self._deliver(out)
@@ -259,12 +267,14 @@ class _Server:
                 if self.snapshots is not None:
                     self.snapshots.tick()
                 reported = self.clock()
+            await self.settle()
             deadline = self.service.next_deadline()
             delay = 1.0 if deadline is None else min(1.0, max(0.0, deadline - self.clock()))
             self.timer_target = self.clock() + delay
             with anyio.move_on_after(delay):
                 await self.wake.wait()
             self.wake = anyio.Event()
+            await self.settle()
             try:
                 self.service.tick(self.clock())
             except Exception:  # noqa: BLE001 - the timer keeps running; a second look waits 1 s
@@ -317,11 +327,16 @@ class _Server:
                 if conn.large_request is None:
                     break
                 # A dump is written by a child; megabytes of JSON parsed (and freed) in a thread.
+                await self.settle()
                 if (large := conn.large_request).path == "/dump":
                     conn.answer_with(await dump_in_child(self.service, large, self.clock))
                     continue
+                if not large.parse:
+                    conn.complete_large(None)
+                    continue
                 parsed = await anyio.to_thread.run_sync(
                     prepare_ahead, self.service.pools, large.path, large.body, media_type(large.headers))
+                await self.settle()  # pieces deferred by requests answered while it was parsed
                 conn.complete_large(parsed)
                 if parsed is not None:
                     await anyio.to_thread.run_sync(parsed.release)

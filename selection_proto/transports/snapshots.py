@@ -98,7 +98,7 @@ async def dump_in_child(service: SelectionService, request: LargeRequest, clock:
     """`GET /dump`, written by a forked child from its copy of memory (as the periodic snapshot
     is) and read back in a worker thread: a million blocks take seconds to encode, which would
     hold every other client. Where it cannot fork, answered here."""
-    method, path, query, headers, body = request
+    method, path, query, headers, body, _ = request
 
     def answer() -> Response:
         result = service.handle(method, path, query, headers, body, now=clock())
