@@ -29,7 +29,8 @@ class Fleet:
     request's prefill completes (and its booking is freed) after its tokens / SPEED seconds."""
 
     def __init__(self, make_client: Callable[..., Client], workers: int = 4, **settings: Any) -> None:
-        self.c = make_client(queue_threshold=1e-6, queue_max_pending=100_000, queue_timeout_secs=100_000, **settings)
+        settings = {"queue_max_pending": 100_000, **settings}
+        self.c = make_client(queue_threshold=1e-6, queue_timeout_secs=100_000, **settings)
         self.c.now = 0.0  # virtual time starts at 0 (the service never lets it run backwards)
         for wid in range(1, workers + 1):
             self.c.ok("POST", "/workers", worker(wid, max_num_batched_tokens=PROMPT, prefill_tokens_per_sec=SPEED),
@@ -41,6 +42,7 @@ class Fleet:
         self.tickets: dict[int, dict[str, Any]] = {}
         self.done: list[dict[str, Any]] = []  # every request: tenant, arrived, dispatched or refused
         self.busy_secs = 0.0
+        self.most_queued = 0  # the most requests the key's queue held after any event
 
     def at(self, when: float, kind: str, payload: Any) -> None:
         self.seq += 1
@@ -83,6 +85,7 @@ class Fleet:
                 self.c.service.handle("DELETE", f"/reservations/{payload}", "", [], b"", now=when)
             self.c.service.tick(when)
             self._outputs()
+            self.most_queued = max(self.most_queued, len(self.c.service.pools[("m", "default")].queue))
 
     def arrivals(self, rate: float, start: float, stop: float, meta: dict[str, Any], body: dict[str, Any],
                  tokens: int = PROMPT) -> None:
@@ -130,6 +133,123 @@ def test_one_tenants_burst_does_not_become_the_others_latency(make_client: Calla
     # One FIFO for both (no fairness ID): A waits behind B's whole backlog.
     fifo = waits(_tenants(make_client, burst=True, fair=False).done, "a", 30, 60 + 300)
     assert p99(fifo) > 10 * bound, p99(fifo)
+
+
+def test_a_light_tenant_is_never_refused_because_a_heavy_one_filled_the_queue(
+        make_client: Callable[..., Client]) -> None:
+    """B bursts at 10x the fleet into a key whose queue holds 64: A's steady 20% is admitted whole,
+    B is refused at the door once it holds its share, and its newest waiting request gives way to A's."""
+    cap = 64
+    for fair in (True, False):
+        fleet = Fleet(make_client, queue_max_pending=cap, fairness=fair)
+        fleet.arrivals(0.2 * CAPACITY, 0, 120, {"tenant": "a"}, {"fairness_id": "a"})
+        fleet.arrivals(10 * CAPACITY, 30, 60, {"tenant": "b"}, {"fairness_id": "b"})
+        fleet.run(10_000)
+        assert fleet.most_queued == cap  # the cap still bounds the queue
+        a = [r for r in fleet.done if r["tenant"] == "a"]
+        b_refused = [r["refused"] for r in fleet.done if r["tenant"] == "b" and "refused" in r]
+        full = f"queue is full for model=m tenant=default: {cap} requests pending"
+        if not fair:  # one lane: A is refused with B (what the door did for every tenant before)
+            assert sum(1 for r in a if "refused" in r and r["refused"][1] == full) > 5
+            continue
+        assert len(a) > 80 and all("dispatched" in r for r in a)
+        at_door = [r for r in b_refused if len(r) == 3]
+        shed = [r for r in b_refused if len(r) == 2]  # ended while waiting
+        assert len(at_door) > 300 and all(r[:2] == (429, full) and int(r[2]["retry-after"]) >= 1 for r in at_door)
+        prefix = "queue is full for model=m tenant=default: shed for a fairness ID within its share (fairness ID 'b' held "
+        assert shed and all(r[0] == 429 and r[1].startswith(prefix) for r in shed)
+        held = [int(r[1][len(prefix):].split()[0]) for r in shed]  # B held more than its half
+        assert all(cap // 2 < n <= cap and r[1].endswith(f" of {cap} requests pending)") for n, r in zip(held, shed, strict=True))
+        metrics = fleet.c.call("GET", "/metrics")[1]
+        assert f'policy_class="default",fairness_id="b",event="shed"}} {len(b_refused)}.0' in metrics
+
+
+class DoorMachine(RuleBasedStateMachine):
+    """Any interleaving of three tenants' arrivals, dispatches, cancellations and timeouts at a
+    key whose queue holds 5: a tenant below its share of the queue (5 / the tenants waiting with it)
+    is never refused for fullness, one at or above it always is when the queue is full, only a
+    tenant above its share is shed, and the queue never holds more than 5."""
+
+    CAP = 5
+
+    def __init__(self) -> None:
+        super().__init__()
+        from selection_proto import SelectionService, Settings
+
+        self.c = Client(SelectionService(Settings(kv_events="push", queue_threshold=1e-6, queue_max_pending=self.CAP,
+                                                  queue_timeout_secs=50)))
+        self.c.now = 0.0
+        self.c.ok("POST", "/workers", worker(1, max_num_batched_tokens=PROMPT), status=201)
+        self.c.ok("POST", "/reservations", {"model_name": "m", "reservation_id": "hold", "worker_id": 1,
+                                            "token_ids": list(range(16))}, status=201)
+        self.holder = "hold"
+        self.n = 0
+        self.waiting: dict[int, str] = {}  # ticket -> tenant
+
+    def _counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for tenant in self.waiting.values():
+            counts[tenant] = counts.get(tenant, 0) + 1
+        return counts
+
+    def _outputs(self, arriving: str | None = None) -> None:
+        for out in iter(self.c.service.next_output, None):
+            if not isinstance(out, SelectionReady):
+                continue
+            tenant = self.waiting.pop(out.ticket)
+            body = json.loads(out.response.body)
+            if out.response.status == 200:
+                self.holder = body["reservation_id"]
+            elif "shed for a fairness ID" in body["error"]:
+                counts = self._counts()
+                counts[tenant] = counts.get(tenant, 0) + 1
+                sharing = len(counts) + (arriving not in counts)  # the one it made room for shares too
+                assert arriving is not None and counts[tenant] * sharing > self.CAP, (tenant, counts)
+
+    @rule(tenant=st.sampled_from(["a", "b", "c"]))
+    def arrive(self, tenant: str) -> None:
+        counts = self._counts()
+        sharing = len(counts) + (tenant not in counts)
+        self.n += 1
+        result = self.c.service.handle("POST", "/select_and_reserve", "", [("content-type", "application/json")],
+                                       json.dumps({"model_name": "m", "token_ids": [self.n, 1, 2], "fairness_id": tenant,
+                                                   "reservation_id": f"r{self.n}"}).encode(), now=self.c.now)
+        full = len(self.waiting) >= self.CAP
+        if isinstance(result, Pending):
+            assert not full or counts.get(tenant, 0) * sharing < self.CAP
+            self._outputs(tenant)  # the one shed for it, if any
+            self.waiting[result.ticket] = tenant
+        elif result.status == 200:  # the worker was free (its booking expired): it runs at once
+            self.holder = json.loads(result.body)["reservation_id"]
+        else:
+            assert result.status == 429 and full and counts.get(tenant, 0) * sharing >= self.CAP, result.body
+
+    @precondition(lambda self: self.waiting)
+    @rule()
+    def dispatch_one(self) -> None:
+        self.c.call("DELETE", f"/reservations/{self.holder}")  # 404 once it expired: the queue still moves
+        self._outputs()
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data())
+    def cancel(self, data: st.DataObject) -> None:
+        ticket = data.draw(st.sampled_from(sorted(self.waiting)))
+        assert self.c.service.cancel(ticket, now=self.c.now)
+        del self.waiting[ticket]
+
+    @rule(secs=st.sampled_from([1.0, 60.0]))
+    def wait(self, secs: float) -> None:
+        self.c.now += secs
+        self.c.service.tick(self.c.now)
+        self._outputs()  # a long wait times every waiting request out
+
+    @invariant()
+    def bounded(self) -> None:
+        assert len(self.c.service.pools[("m", "default")].queue) == len(self.waiting) <= self.CAP
+
+
+DoorMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+test_a_tenant_within_its_share_is_never_refused_for_fullness = DoorMachine.TestCase
 
 
 def test_class_weights_split_the_uncached_tokens(make_client: Callable[..., Client]) -> None:
@@ -389,6 +509,57 @@ def test_over_a_real_socket_the_door_answers_with_retry_after_and_hostile_member
         status, _, payload = read_response(waiting, bytearray())
         waiting.close()
         assert status == 200 and json.loads(payload)["lane"]["fairness_id"] == "team-a"
+        assert api_call(server.port, "GET", "/health") == (200, {"status": "ok"})
+    finally:
+        server.stop()
+
+
+def test_over_a_real_socket_a_light_tenant_takes_the_place_of_a_heavy_ones_newest() -> None:
+    """`serve` with a queue of 4 per key: B's four waiting clients fill it, B's fifth is refused; A's
+    client still waits, B's newest gives way (429 with Retry-After), and A is served."""
+    import socket
+    import time
+
+    from test_http import Server, api_call, read_response, request
+
+    server = Server("--queue-threshold", "0.000001", "--queue-max-pending", "4")
+    try:
+        assert api_call(server.port, "POST", "/workers", worker(1, max_num_batched_tokens=64))[0] == 201
+        assert api_call(server.port, "POST", "/reservations", {"model_name": "m", "reservation_id": "hold",
+                                                               "worker_id": 1, "token_ids": list(range(16))})[0] == 201
+
+        def send(tenant: str, n: int) -> socket.socket:
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+            sock.sendall(request("POST", "/select", {"model_name": "m", "token_ids": [n, 2, 3], "fairness_id": tenant}))
+            return sock
+
+        def pending(count: int) -> None:
+            deadline = time.monotonic() + 10
+            while api_call(server.port, "GET", "/loads")[1][0]["pending_count"] != count:
+                assert time.monotonic() < deadline, f"never {count} pending"
+                time.sleep(0.02)
+
+        b = []
+        for n in range(4):
+            b.append(send("b", n))
+            pending(n + 1)  # in this order: the last is B's newest
+        fifth = send("b", 4)
+        status, headers, payload = read_response(fifth, bytearray())
+        fifth.close()
+        assert (status, json.loads(payload)) == (429, {"error": "queue is full for model=m tenant=default: 4 requests "
+                                                                "pending"})
+        a = send("a", 9)
+        status, headers, payload = read_response(b[-1], bytearray())  # B's newest gave way
+        assert status == 429 and int(headers["retry-after"]) >= 1
+        assert json.loads(payload)["error"] == ("queue is full for model=m tenant=default: shed for a fairness ID "
+                                                "within its share (fairness ID 'b' held 4 of 4 requests pending)")
+        pending(4)
+        assert api_call(server.port, "DELETE", "/reservations/hold")[0] == 200
+        for sock in (a, *b[:-1]):
+            status, _, payload = read_response(sock, bytearray())
+            assert status == 200 and json.loads(payload)["worker_id"] == 1
+        for sock in (a, *b):
+            sock.close()
         assert api_call(server.port, "GET", "/health") == (200, {"status": "ok"})
     finally:
         server.stop()

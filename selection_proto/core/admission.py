@@ -17,7 +17,8 @@ How a ticket ends, once (the label is the `selection_proto_queue_events_total` e
 | `dispatched` | a candidate stopped being busy (a free, a prefill completion, a join, an update, a tick) | its selection |
 | `failed` | its selection failed when run, or the key lost its last worker | that error |
 | `timed_out` | it waited its class's (or the service's) queue timeout | 503 |
-| `deadline` | its `deadline_ms` passed while it waited | 429 |
+| `deadline` | its `deadline_ms` passed while it waited | 429 (`overload_status_code`), `Retry-After` |
+| `shed` | the key's queue was full and a fairness ID within its share arrived: it was the newest request of the fairness ID holding the most | 429 (`overload_status_code`), `Retry-After` |
 | `shutdown` | the service began shutting down | 503 |
 | `cancelled` | its client went away | nothing |
 
@@ -38,7 +39,7 @@ from .types import SelectRequest
 __all__ = ["DEFAULT_CLASS", "OUTCOMES", "FlowClass", "FlowQueue", "Lane", "QueuedSelection", "Tickets",
            "order_key", "parse_classes"]
 
-OUTCOMES: Final = ("dispatched", "failed", "timed_out", "deadline", "shutdown", "cancelled")
+OUTCOMES: Final = ("dispatched", "failed", "timed_out", "deadline", "shed", "shutdown", "cancelled")
 _CLASS_KEYS: Final = ("max_queued", "max_queued_tokens", "queue_timeout_secs")
 
 
@@ -242,6 +243,21 @@ class FlowQueue:
         self._tickets.clear()
         self._counts.clear()
         return entries
+
+    def make_room(self, fairness_id: str, cap: int) -> QueuedSelection | None:
+        """When the queue holds `cap` requests and one of `fairness_id` would join: the request to
+        shed for it, or None when `fairness_id` already holds its share. A fairness ID's share is
+        `cap / k`, k the fairness IDs waiting with it; one below its share means another is above
+        (the queue is full), and that one, the fairness ID holding the most, gives up its newest
+        request. Visits the fairness IDs, then that one's flows."""
+        counts = {name: count[0] for (kind, name), count in self._counts.items() if kind == "fairness"}
+        mine = counts.get(fairness_id, 0)
+        sharing = len(counts) + (fairness_id not in counts)
+        if mine * sharing >= cap:
+            return None
+        heaviest = max((name for name in counts if name != fairness_id), key=lambda name: (counts[name], name))
+        return max((e for cls in self._classes.values() if (flow := cls.flows.get(heaviest)) is not None
+                    for e in flow.entries), key=lambda e: e.ticket)
 
     def late(self, now: float) -> list[QueuedSelection]:
         """The entries whose time is up (still queued), in run order."""
