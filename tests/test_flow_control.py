@@ -581,6 +581,49 @@ def test_a_json_lines_router_gets_the_refusal_and_when_to_retry() -> None:
     assert errors[4]["message"].startswith("sheddable request (priority -1) refused")
 
 
+def test_a_deadline_that_passes_in_the_queue_is_refused_like_the_doors_refusals() -> None:
+    """Over HTTP and JSON lines, with `overload_status_code=529`: a request whose deadline passes while
+    it waits is answered 529 with when to retry (`Retry-After`, `data.retry_after`)."""
+    import socket
+    import subprocess
+    import sys
+
+    from test_http import Server, api_call, read_response, request
+
+    server = Server("--queue-threshold", "0.000001", "--overload-status-code", "529")
+    try:
+        assert api_call(server.port, "POST", "/workers", worker(1, max_num_batched_tokens=64))[0] == 201
+        assert api_call(server.port, "POST", "/reservations", {"model_name": "m", "reservation_id": "hold",
+                                                               "worker_id": 1, "token_ids": list(range(16))})[0] == 201
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(request("POST", "/select", {"model_name": "m", "token_ids": [1, 2, 3], "deadline_ms": 300}))
+            status, headers, payload = read_response(sock, bytearray())
+        assert status == 529 and int(headers["retry-after"]) >= 1, (status, headers)
+        assert json.loads(payload)["error"].startswith("request deadline exceeded: deadline_ms 300 passed after ")
+    finally:
+        server.stop()
+
+    from test_jsonl import rpc
+
+    proc = subprocess.Popen([sys.executable, "-m", "selection_proto", "stdio", "--kv-events", "push",
+                             "--queue-threshold", "0.000001", "--overload-status-code", "529"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        proc.stdin.write(rpc(1, "workers.create", **worker(1, max_num_batched_tokens=64))
+                         + rpc(2, "reservations.create", model_name="m", reservation_id="hold", worker_id=1,
+                               token_ids=list(range(16)))
+                         + rpc(3, "select", model_name="m", token_ids=[1, 2], deadline_ms=300))
+        proc.stdin.flush()
+        answers = [json.loads(proc.stdout.readline()) for _ in range(3)]  # the third only once its deadline passed
+        error = next(a for a in answers if a["id"] == 3)["error"]
+        assert error["code"] == 529 and error["data"]["retry_after"] >= 1, error
+        assert error["message"].startswith("request deadline exceeded: deadline_ms 300 passed after ")
+    finally:
+        proc.stdin.close()
+        assert proc.wait(timeout=30) == 0
+
+
 def test_the_picker_reads_who_and_how_important_from_the_headers() -> None:
     from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
     from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody, HttpHeaders, ProcessingRequest

@@ -213,9 +213,11 @@ class Admission:
             pool.queue.remove(entry)
             waited = format(now - entry.enqueued_at, ".3g")
             error: SelectionError
-            if entry.deadline_at <= now:
+            if entry.deadline_at <= now:  # a refusal like the door's: when what is ahead of it has drained
                 error = TooManyRequests(f"request deadline exceeded: deadline_ms {entry.req.deadline_ms:g} passed "
-                                        f"after {waited} s in the queue for {pool.label}", 429)
+                                        f"after {waited} s in the queue for {pool.label}",
+                                        self._settings.overload_status_code,
+                                        self._drain_secs(pool, pool.ranks(), pool.queue.work_ahead(entry.lane)))
                 outcome = "deadline"
             else:
                 timeout = format(entry.expires_at - entry.enqueued_at, "g")
