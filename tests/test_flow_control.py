@@ -29,8 +29,8 @@ class Fleet:
     request's prefill completes (and its booking is freed) after its tokens / SPEED seconds."""
 
     def __init__(self, make_client: Callable[..., Client], workers: int = 4, **settings: Any) -> None:
-        settings = {"queue_max_pending": 100_000, **settings}
-        self.c = make_client(queue_threshold=1e-6, queue_timeout_secs=100_000, **settings)
+        settings = {"queue_max_pending": 100_000, "queue_threshold": 1e-6, **settings}
+        self.c = make_client(queue_timeout_secs=100_000, **settings)
         self.c.now = 0.0  # virtual time starts at 0 (the service never lets it run backwards)
         for wid in range(1, workers + 1):
             self.c.ok("POST", "/workers", worker(wid, max_num_batched_tokens=PROMPT, prefill_tokens_per_sec=SPEED),
@@ -289,8 +289,11 @@ def test_priority_tiers_are_strict_and_promotion_ends_starvation(make_client: Ca
             assert low["dispatched"] - low["arrived"] < 58
 
 
-def test_an_admitted_request_meets_its_deadline_when_predictions_are_exact(make_client: Callable[..., Client]) -> None:
-    fleet = Fleet(make_client, workers=2)
+@pytest.mark.parametrize("threshold", [1e-6, 1.0])
+def test_an_admitted_request_meets_its_deadline_when_predictions_are_exact(
+        make_client: Callable[..., Client], threshold: float) -> None:
+    """Workers that prefill each request alone (tests/test_simulate.py has engines that batch)."""
+    fleet = Fleet(make_client, workers=2, queue_threshold=threshold)
     fleet.arrivals(3 * 2 * SPEED / PROMPT, 0, 40, {"tenant": "a"}, {"deadline_ms": 4000})  # 3x the fleet
     fleet.run(10_000)
     admitted = [r for r in fleet.done if "dispatched" in r]
@@ -300,10 +303,31 @@ def test_an_admitted_request_meets_its_deadline_when_predictions_are_exact(make_
         assert r["dispatched"] - r["arrived"] + PROMPT / SPEED <= 4.0 + 1e-9, r
     for r in refused:
         status, message, headers = r["refused"]
-        assert status == 429 and message.startswith("deadline_ms 4000 cannot be met: predicted time to first token")
+        assert status == 429 and message.startswith("deadline_ms 4000 cannot be met: predicted time to first token"), message
         assert int(headers["retry-after"]) >= 1
     expired_in_the_queue = [r for r in fleet.done if "refused" in r and len(r["refused"]) == 2]
     assert expired_in_the_queue == []
+
+
+def test_a_request_with_a_deadline_runs_only_where_it_is_predicted_in_time(make_client: Callable[..., Client]) -> None:
+    """Two workers that are not busy at `queue_threshold=1` (each holds at most one batch): one holds
+    a batch's worth of prefill. A deadline only the other can meet excludes the first (`deadline`);
+    one neither can meet is refused at once, without booking."""
+    c = make_client(queue_threshold=1.0)
+    for wid in (1, 2):
+        c.ok("POST", "/workers", worker(wid, max_num_batched_tokens=PROMPT, prefill_tokens_per_sec=SPEED), status=201)
+    c.ok("POST", "/reservations", {"model_name": "m", "reservation_id": "hold", "worker_id": 1,
+                                   "token_ids": list(range(PROMPT))}, status=201)
+    # Worker 2: its own 16 tokens and a batch beside them, (16 + 512) / 512 s; worker 1: 1 s more.
+    answer = c.ok("POST", "/select_and_reserve", {"model_name": "m", "token_ids": list(range(1000, 1016)),
+                                                  "deadline_ms": 1500, "explain": True})
+    assert answer["worker_id"] == 2 and {"worker_id": 1, "dp_rank": 0, "reason": "deadline"} in answer["excluded"]
+    status, message = c.error("POST", "/select_and_reserve", {"model_name": "m", "token_ids": list(range(2000, 2016)),
+                                                              "deadline_ms": 1000})
+    assert (status, message) == (429, "deadline_ms 1000 cannot be met: predicted time to first token 1.062 s on its "
+                                      "soonest candidate that is not busy")
+    loads = c.ok("GET", "/loads")[0]["loads"]
+    assert [load["active_requests"] for load in loads] == [1, 1]  # the refused one booked nothing
 
 
 def test_the_door_refuses_with_reasons_and_changes_nothing(make_client: Callable[..., Client]) -> None:

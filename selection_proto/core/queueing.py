@@ -101,10 +101,48 @@ class Admission:
         busy = sum(pool.tracker.loads[r].prefill_tokens for r in ranks)
         return (busy + tokens) / rate
 
+    def _lane(self, req: SelectRequest) -> Lane:
+        return Lane(req.priority or 0, self.policy_class(req.policy_class).name,
+                    (req.fairness_id or "") if self._settings.fairness else "")
+
+    def _first_token_secs(self, sel: Selection, rank: Rank, booked: int) -> float:
+        """Seconds from the request's dispatch to `rank`, holding `booked` prefill tokens then, to
+        its first token: those tokens, its own uncached ones, and the batch its last chunk shares.
+        Other requests join that batch only while the rank is not busy, that is while what it holds,
+        this request's tokens included, is at most `queue_threshold` times its batch
+        (`max_num_batched_tokens`): then up to one batch of theirs is counted."""
+        pool = sel.pool
+        own = max(1, sel.prompt.isl - cached_tokens(rank, sel.found, pool.block_size, self._settings))
+        batch = self._catalog[rank[0]].request.max_num_batched_tokens or 0
+        threshold = self._settings.queue_threshold
+        assert threshold is not None
+        mates = batch if own <= threshold * batch else 0
+        return (booked + own + mates) * pool.speeds.of[rank[0]][0]
+
+    def in_time(self, sel: Selection, now: float, deadline_at: float) -> TooManyRequests | None:
+        """A request with a deadline runs only where it is predicted in time: on its candidates that
+        are not busy and whose first token comes before `deadline_at` (the others are excluded,
+        `deadline`). When some are not busy and none is in time: the refusal to answer."""
+        pool = sel.pool
+        free = [(r, self._first_token_secs(sel, r, pool.tracker.loads[r].prefill_tokens))
+                for r in sel.candidates if not self._busy(pool, r)]
+        kept = [r for r, secs in free if now + secs <= deadline_at]
+        if free and not kept:
+            soonest = min(secs for _, secs in free)
+            return TooManyRequests(
+                f"deadline_ms {sel.req.deadline_ms:g} cannot be met: predicted time to first token "
+                f"{sel.queued_secs + soonest:.3f} s on its soonest candidate that is not busy",
+                self._settings.overload_status_code, now + soonest - deadline_at)
+        for r in sel.candidates:
+            if r not in kept:
+                sel.excluded[r] = "deadline"
+        sel.candidates = kept
+        return None
+
     def _enqueue(self, sel: Selection, now: float) -> Pending:
         s, pool, req = self._settings, sel.pool, sel.req
         cls = self.policy_class(req.policy_class)
-        lane = Lane(req.priority or 0, cls.name, (req.fairness_id or "") if s.fairness else "")
+        lane = self._lane(req)
         cached = max((cached_tokens(r, sel.found, pool.block_size, s) for r in sel.candidates), default=0)
         cost = max(1, sel.prompt.isl - cached)
         busy_now = f"every candidate for {pool.label} is busy"
@@ -135,8 +173,14 @@ class Admission:
                                    "uncached tokens pending", self._drain_secs(pool, sel.candidates, ahead))
         deadline_at = math.inf if req.deadline_ms is None else now + req.deadline_ms / 1000.0
         if req.deadline_ms is not None:
-            best = min((pool.speeds.of[r[0]][0] for r in sel.candidates if r[0] in pool.speeds.of), default=1e-4)
-            predicted = self._drain_secs(pool, sel.candidates, ahead) + cost * best
+            # Until its dispatch every candidate is busy, prefilling at its speed what is booked and
+            # what runs before it; then it goes to a rank that is not busy (holding at most
+            # queue_threshold times its batch), and the slowest such candidate counts.
+            threshold = s.queue_threshold
+            assert threshold is not None
+            predicted = self._drain_secs(pool, sel.candidates, ahead) + max(self._first_token_secs(
+                sel, r, math.floor(threshold * (self._catalog[r[0]].request.max_num_batched_tokens or 0)))
+                for r in sel.candidates)
             if now + predicted > deadline_at:
                 raise self._refuse(pool, lane, "deadline", (
                     f"deadline_ms {req.deadline_ms:g} cannot be met: predicted time to first token "
@@ -193,6 +237,11 @@ class Admission:
                     sel = self._retry(pool, entry, now)
                     if sel is None:
                         passed_over.add(entry.ticket)
+                        continue
+                    late = self.in_time(sel, now, entry.deadline_at) if entry.deadline_at < math.inf else None
+                    if late is not None:  # its candidates free up too late: refused now, not at its deadline
+                        pool.queue.remove(entry)
+                        self._resolve(pool, entry, late, "deadline", now)
                         continue
                     pool.queue.take(entry)
                     result: SelectResponse | SelectionError = self._finish(sel, now)
