@@ -330,6 +330,30 @@ def test_a_request_with_a_deadline_runs_only_where_it_is_predicted_in_time(make_
     assert [load["active_requests"] for load in loads] == [1, 1]  # the refused one booked nothing
 
 
+def test_a_queued_request_whose_rank_frees_up_too_late_is_refused_at_its_dispatch(
+        make_client: Callable[..., Client]) -> None:
+    """The door predicts the hold's 600 tokens drain in 1.2 s at the declared speed; the client frees
+    it only at 3 s, and from there the request's first token would come at 4.03 s, after its 3.5 s:
+    it is refused then (429 with Retry-After, outcome `deadline`), not left to expire."""
+    c = make_client(queue_threshold=1.0)
+    c.now = 0.0
+    c.ok("POST", "/workers", worker(1, max_num_batched_tokens=PROMPT, prefill_tokens_per_sec=SPEED), status=201)
+    c.ok("POST", "/reservations", {"model_name": "m", "reservation_id": "hold", "worker_id": 1,
+                                   "token_ids": list(range(600))}, status=201)  # 600 > 512: busy
+    result = c.service.handle("POST", "/select", "", [("content-type", "application/json")],
+                              json.dumps({"model_name": "m", "token_ids": list(range(1000, 1016)),
+                                          "deadline_ms": 3500}).encode(), now=0.0)
+    assert isinstance(result, Pending)  # predicted 600 / 512 + (512 + 16 + 512) / 512 = 3.2 s
+    c.now = 3.0
+    c.ok("DELETE", "/reservations/hold")
+    (ready,) = [o for o in iter(c.service.next_output, None) if isinstance(o, SelectionReady)]
+    assert ready.response.status == 429 and int(dict(ready.response.headers)["retry-after"]) >= 1
+    assert json.loads(ready.response.body)["error"] == (
+        "deadline_ms 3500 cannot be met: predicted time to first token 4.031 s on its soonest candidate that is "
+        "not busy")
+    assert 'event="deadline"} 1.0' in c.call("GET", "/metrics")[1]
+
+
 def test_the_door_refuses_with_reasons_and_changes_nothing(make_client: Callable[..., Client]) -> None:
     c = make_client(queue_threshold=1e-6, flow_classes="gold:2:max_queued=2,bronze:1:max_queued_tokens=600",
                     fairness_max_queued=2, overload_status_code=529)
