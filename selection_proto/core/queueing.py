@@ -10,7 +10,11 @@ the order). At the door, in this order, a request that would queue is refused at
    the most, which ends `shed`), or a full class (`max_queued`, `max_queued_tokens`) or fairness
    ID (`fairness_max_queued`, `fairness_max_queued_tokens`);
 4. a `deadline_ms` it cannot meet: the work ahead of it in its share, with what its candidates
-   are prefilling now, at their prefill speed, then its own prefill, ends after the deadline.
+   are prefilling now, at their prefill speed, then on the rank it is sent to what that rank may
+   hold, its own prefill and the batch it shares, ends after the deadline.
+
+A request with a deadline that need not wait runs only on a candidate predicted in time, or is
+refused; so does a waiting one when it is dispatched (docs/FLOW_CONTROL.md).
 
 A request that waits ends at the smaller of its class's queue timeout (503) and its deadline
 (`overload_status_code`, with `Retry-After`)."""
@@ -119,7 +123,7 @@ class Admission:
         mates = batch if own <= threshold * batch else 0
         return (booked + own + mates) * pool.speeds.of[rank[0]][0]
 
-    def in_time(self, sel: Selection, now: float, deadline_at: float) -> TooManyRequests | None:
+    def _in_time(self, sel: Selection, now: float, deadline_at: float) -> TooManyRequests | None:
         """A request with a deadline runs only where it is predicted in time: on its candidates that
         are not busy and whose first token comes before `deadline_at` (the others are excluded,
         `deadline`). When some are not busy and none is in time: the refusal to answer."""
@@ -238,7 +242,7 @@ class Admission:
                     if sel is None:
                         passed_over.add(entry.ticket)
                         continue
-                    late = self.in_time(sel, now, entry.deadline_at) if entry.deadline_at < math.inf else None
+                    late = self._in_time(sel, now, entry.deadline_at) if entry.deadline_at < math.inf else None
                     if late is not None:  # its candidates free up too late: refused now, not at its deadline
                         pool.queue.remove(entry)
                         self._resolve(pool, entry, late, "deadline", now)
