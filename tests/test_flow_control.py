@@ -29,7 +29,8 @@ class Fleet:
     request's prefill completes (and its booking is freed) after its tokens / SPEED seconds."""
 
     def __init__(self, make_client: Callable[..., Client], workers: int = 4, **settings: Any) -> None:
-        self.c = make_client(queue_threshold=1e-6, queue_max_pending=100_000, queue_timeout_secs=100_000, **settings)
+        settings = {"queue_max_pending": 100_000, "queue_threshold": 1e-6, **settings}
+        self.c = make_client(queue_timeout_secs=100_000, **settings)
         self.c.now = 0.0  # virtual time starts at 0 (the service never lets it run backwards)
         for wid in range(1, workers + 1):
             self.c.ok("POST", "/workers", worker(wid, max_num_batched_tokens=PROMPT, prefill_tokens_per_sec=SPEED),
@@ -41,6 +42,7 @@ class Fleet:
         self.tickets: dict[int, dict[str, Any]] = {}
         self.done: list[dict[str, Any]] = []  # every request: tenant, arrived, dispatched or refused
         self.busy_secs = 0.0
+        self.most_queued = 0  # the most requests the key's queue held after any event
 
     def at(self, when: float, kind: str, payload: Any) -> None:
         self.seq += 1
@@ -83,6 +85,7 @@ class Fleet:
                 self.c.service.handle("DELETE", f"/reservations/{payload}", "", [], b"", now=when)
             self.c.service.tick(when)
             self._outputs()
+            self.most_queued = max(self.most_queued, len(self.c.service.pools[("m", "default")].queue))
 
     def arrivals(self, rate: float, start: float, stop: float, meta: dict[str, Any], body: dict[str, Any],
                  tokens: int = PROMPT) -> None:
@@ -132,6 +135,123 @@ def test_one_tenants_burst_does_not_become_the_others_latency(make_client: Calla
     assert p99(fifo) > 10 * bound, p99(fifo)
 
 
+def test_a_light_tenant_is_never_refused_because_a_heavy_one_filled_the_queue(
+        make_client: Callable[..., Client]) -> None:
+    """B bursts at 10x the fleet into a key whose queue holds 64: A's steady 20% is admitted whole,
+    B is refused at the door once it holds its share, and its newest waiting request gives way to A's."""
+    cap = 64
+    for fair in (True, False):
+        fleet = Fleet(make_client, queue_max_pending=cap, fairness=fair)
+        fleet.arrivals(0.2 * CAPACITY, 0, 120, {"tenant": "a"}, {"fairness_id": "a"})
+        fleet.arrivals(10 * CAPACITY, 30, 60, {"tenant": "b"}, {"fairness_id": "b"})
+        fleet.run(10_000)
+        assert fleet.most_queued == cap  # the cap still bounds the queue
+        a = [r for r in fleet.done if r["tenant"] == "a"]
+        b_refused = [r["refused"] for r in fleet.done if r["tenant"] == "b" and "refused" in r]
+        full = f"queue is full for model=m tenant=default: {cap} requests pending"
+        if not fair:  # one lane: A is refused with B (what the door did for every tenant before)
+            assert sum(1 for r in a if "refused" in r and r["refused"][1] == full) > 5
+            continue
+        assert len(a) > 80 and all("dispatched" in r for r in a)
+        at_door = [r for r in b_refused if len(r) == 3]
+        shed = [r for r in b_refused if len(r) == 2]  # ended while waiting
+        assert len(at_door) > 300 and all(r[:2] == (429, full) and int(r[2]["retry-after"]) >= 1 for r in at_door)
+        prefix = "queue is full for model=m tenant=default: shed for a fairness ID within its share (fairness ID 'b' held "
+        assert shed and all(r[0] == 429 and r[1].startswith(prefix) for r in shed)
+        held = [int(r[1][len(prefix):].split()[0]) for r in shed]  # B held more than its half
+        assert all(cap // 2 < n <= cap and r[1].endswith(f" of {cap} requests pending)") for n, r in zip(held, shed, strict=True))
+        metrics = fleet.c.call("GET", "/metrics")[1]
+        assert f'policy_class="default",fairness_id="b",event="shed"}} {len(b_refused)}.0' in metrics
+
+
+class DoorMachine(RuleBasedStateMachine):
+    """Any interleaving of three tenants' arrivals, dispatches, cancellations and timeouts at a
+    key whose queue holds 5: a tenant below its share of the queue (5 / the tenants waiting with it)
+    is never refused for fullness, one at or above it always is when the queue is full, only a
+    tenant above its share is shed, and the queue never holds more than 5."""
+
+    CAP = 5
+
+    def __init__(self) -> None:
+        super().__init__()
+        from selection_proto import SelectionService, Settings
+
+        self.c = Client(SelectionService(Settings(kv_events="push", queue_threshold=1e-6, queue_max_pending=self.CAP,
+                                                  queue_timeout_secs=50)))
+        self.c.now = 0.0
+        self.c.ok("POST", "/workers", worker(1, max_num_batched_tokens=PROMPT), status=201)
+        self.c.ok("POST", "/reservations", {"model_name": "m", "reservation_id": "hold", "worker_id": 1,
+                                            "token_ids": list(range(16))}, status=201)
+        self.holder = "hold"
+        self.n = 0
+        self.waiting: dict[int, str] = {}  # ticket -> tenant
+
+    def _counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for tenant in self.waiting.values():
+            counts[tenant] = counts.get(tenant, 0) + 1
+        return counts
+
+    def _outputs(self, arriving: str | None = None) -> None:
+        for out in iter(self.c.service.next_output, None):
+            if not isinstance(out, SelectionReady):
+                continue
+            tenant = self.waiting.pop(out.ticket)
+            body = json.loads(out.response.body)
+            if out.response.status == 200:
+                self.holder = body["reservation_id"]
+            elif "shed for a fairness ID" in body["error"]:
+                counts = self._counts()
+                counts[tenant] = counts.get(tenant, 0) + 1
+                sharing = len(counts) + (arriving not in counts)  # the one it made room for shares too
+                assert arriving is not None and counts[tenant] * sharing > self.CAP, (tenant, counts)
+
+    @rule(tenant=st.sampled_from(["a", "b", "c"]))
+    def arrive(self, tenant: str) -> None:
+        counts = self._counts()
+        sharing = len(counts) + (tenant not in counts)
+        self.n += 1
+        result = self.c.service.handle("POST", "/select_and_reserve", "", [("content-type", "application/json")],
+                                       json.dumps({"model_name": "m", "token_ids": [self.n, 1, 2], "fairness_id": tenant,
+                                                   "reservation_id": f"r{self.n}"}).encode(), now=self.c.now)
+        full = len(self.waiting) >= self.CAP
+        if isinstance(result, Pending):
+            assert not full or counts.get(tenant, 0) * sharing < self.CAP
+            self._outputs(tenant)  # the one shed for it, if any
+            self.waiting[result.ticket] = tenant
+        elif result.status == 200:  # the worker was free (its booking expired): it runs at once
+            self.holder = json.loads(result.body)["reservation_id"]
+        else:
+            assert result.status == 429 and full and counts.get(tenant, 0) * sharing >= self.CAP, result.body
+
+    @precondition(lambda self: self.waiting)
+    @rule()
+    def dispatch_one(self) -> None:
+        self.c.call("DELETE", f"/reservations/{self.holder}")  # 404 once it expired: the queue still moves
+        self._outputs()
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data())
+    def cancel(self, data: st.DataObject) -> None:
+        ticket = data.draw(st.sampled_from(sorted(self.waiting)))
+        assert self.c.service.cancel(ticket, now=self.c.now)
+        del self.waiting[ticket]
+
+    @rule(secs=st.sampled_from([1.0, 60.0]))
+    def wait(self, secs: float) -> None:
+        self.c.now += secs
+        self.c.service.tick(self.c.now)
+        self._outputs()  # a long wait times every waiting request out
+
+    @invariant()
+    def bounded(self) -> None:
+        assert len(self.c.service.pools[("m", "default")].queue) == len(self.waiting) <= self.CAP
+
+
+DoorMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+test_a_tenant_within_its_share_is_never_refused_for_fullness = DoorMachine.TestCase
+
+
 def test_class_weights_split_the_uncached_tokens(make_client: Callable[..., Client]) -> None:
     """Two classes kept backlogged on one worker, weights 4:1 (Dynamo's mocker test: 256:64 ideal)."""
     fleet = Fleet(make_client, workers=1, flow_classes="premium:4,bulk:1")
@@ -169,8 +289,11 @@ def test_priority_tiers_are_strict_and_promotion_ends_starvation(make_client: Ca
             assert low["dispatched"] - low["arrived"] < 58
 
 
-def test_an_admitted_request_meets_its_deadline_when_predictions_are_exact(make_client: Callable[..., Client]) -> None:
-    fleet = Fleet(make_client, workers=2)
+@pytest.mark.parametrize("threshold", [1e-6, 1.0])
+def test_an_admitted_request_meets_its_deadline_when_predictions_are_exact(
+        make_client: Callable[..., Client], threshold: float) -> None:
+    """Workers that prefill each request alone (tests/test_simulate.py has engines that batch)."""
+    fleet = Fleet(make_client, workers=2, queue_threshold=threshold)
     fleet.arrivals(3 * 2 * SPEED / PROMPT, 0, 40, {"tenant": "a"}, {"deadline_ms": 4000})  # 3x the fleet
     fleet.run(10_000)
     admitted = [r for r in fleet.done if "dispatched" in r]
@@ -180,10 +303,55 @@ def test_an_admitted_request_meets_its_deadline_when_predictions_are_exact(make_
         assert r["dispatched"] - r["arrived"] + PROMPT / SPEED <= 4.0 + 1e-9, r
     for r in refused:
         status, message, headers = r["refused"]
-        assert status == 429 and message.startswith("deadline_ms 4000 cannot be met: predicted time to first token")
+        assert status == 429 and message.startswith("deadline_ms 4000 cannot be met: predicted time to first token"), message
         assert int(headers["retry-after"]) >= 1
     expired_in_the_queue = [r for r in fleet.done if "refused" in r and len(r["refused"]) == 2]
     assert expired_in_the_queue == []
+
+
+def test_a_request_with_a_deadline_runs_only_where_it_is_predicted_in_time(make_client: Callable[..., Client]) -> None:
+    """Two workers that are not busy at `queue_threshold=1` (each holds at most one batch): one holds
+    a batch's worth of prefill. A deadline only the other can meet excludes the first (`deadline`);
+    one neither can meet is refused at once, without booking."""
+    c = make_client(queue_threshold=1.0)
+    for wid in (1, 2):
+        c.ok("POST", "/workers", worker(wid, max_num_batched_tokens=PROMPT, prefill_tokens_per_sec=SPEED), status=201)
+    c.ok("POST", "/reservations", {"model_name": "m", "reservation_id": "hold", "worker_id": 1,
+                                   "token_ids": list(range(PROMPT))}, status=201)
+    # Worker 2: its own 16 tokens and a batch beside them, (16 + 512) / 512 s; worker 1: 1 s more.
+    answer = c.ok("POST", "/select_and_reserve", {"model_name": "m", "token_ids": list(range(1000, 1016)),
+                                                  "deadline_ms": 1500, "explain": True})
+    assert answer["worker_id"] == 2 and {"worker_id": 1, "dp_rank": 0, "reason": "deadline"} in answer["excluded"]
+    status, message = c.error("POST", "/select_and_reserve", {"model_name": "m", "token_ids": list(range(2000, 2016)),
+                                                              "deadline_ms": 1000})
+    assert (status, message) == (429, "deadline_ms 1000 cannot be met: predicted time to first token 1.062 s on its "
+                                      "soonest candidate that is not busy")
+    loads = c.ok("GET", "/loads")[0]["loads"]
+    assert [load["active_requests"] for load in loads] == [1, 1]  # the refused one booked nothing
+
+
+def test_a_queued_request_whose_rank_frees_up_too_late_is_refused_at_its_dispatch(
+        make_client: Callable[..., Client]) -> None:
+    """The door predicts the hold's 600 tokens drain in 1.2 s at the declared speed; the client frees
+    it only at 3 s, and from there the request's first token would come at 4.03 s, after its 3.5 s:
+    it is refused then (429 with Retry-After, outcome `deadline`), not left to expire."""
+    c = make_client(queue_threshold=1.0)
+    c.now = 0.0
+    c.ok("POST", "/workers", worker(1, max_num_batched_tokens=PROMPT, prefill_tokens_per_sec=SPEED), status=201)
+    c.ok("POST", "/reservations", {"model_name": "m", "reservation_id": "hold", "worker_id": 1,
+                                   "token_ids": list(range(600))}, status=201)  # 600 > 512: busy
+    result = c.service.handle("POST", "/select", "", [("content-type", "application/json")],
+                              json.dumps({"model_name": "m", "token_ids": list(range(1000, 1016)),
+                                          "deadline_ms": 3500}).encode(), now=0.0)
+    assert isinstance(result, Pending)  # predicted 600 / 512 + (512 + 16 + 512) / 512 = 3.2 s
+    c.now = 3.0
+    c.ok("DELETE", "/reservations/hold")
+    (ready,) = [o for o in iter(c.service.next_output, None) if isinstance(o, SelectionReady)]
+    assert ready.response.status == 429 and int(dict(ready.response.headers)["retry-after"]) >= 1
+    assert json.loads(ready.response.body)["error"] == (
+        "deadline_ms 3500 cannot be met: predicted time to first token 4.031 s on its soonest candidate that is "
+        "not busy")
+    assert 'event="deadline"} 1.0' in c.call("GET", "/metrics")[1]
 
 
 def test_the_door_refuses_with_reasons_and_changes_nothing(make_client: Callable[..., Client]) -> None:
@@ -336,6 +504,78 @@ FlowQueueMachine.TestCase.settings = settings(max_examples=150, stateful_step_co
 test_the_queue_serves_by_tier_and_keeps_shares = FlowQueueMachine.TestCase
 
 
+class BurstQueueMachine(FlowQueueMachine):
+    """The same with a burst allowance: a fairness ID that starts waiting again begins at most the
+    allowance before its class's clock and never before where its own use left it, so no backlogged
+    flow falls more than a request's cost plus the allowance behind another, and one that used its
+    share gains nothing by emptying."""
+
+    BURST = 3000
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queue = FlowQueue(self.WEIGHTS, burst_tokens=self.BURST)
+        self.left_at: dict[tuple[int, str, str], float] = {}  # a flow's virtual time when it emptied
+
+    @rule(tier=st.integers(-1, 1), name=st.sampled_from(["gold", "bronze"]), fid=st.sampled_from(["a", "b", "c"]),
+          cost=st.integers(1, 5000), order=st.floats(-10, 10))
+    def push(self, tier: int, name: str, fid: str, cost: int, order: float) -> None:
+        classes = self.queue._classes  # noqa: SLF001 - the virtual times are the property
+        cls = classes.get((tier, name))
+        new = cls is None or fid not in cls.flows
+        clock = cls.clock if cls is not None else 0.0
+        super().push(tier, name, fid, cost, order)
+        if new:
+            start = classes[(tier, name)].flows[fid].vtime
+            assert start >= clock - self.BURST
+            left = self.left_at.get((tier, name, fid))
+            if cls is not None and left is not None and fid not in classes[(tier, name)].idle:
+                assert start >= min(left, clock - self.BURST) - 1e-9
+
+    def _note_idle(self) -> None:
+        for (tier, name), cls in self.queue._classes.items():  # noqa: SLF001
+            for fid, vtime in cls.idle.items():
+                self.left_at[(tier, name, fid)] = vtime
+
+    @precondition(lambda self: self.entries)
+    @rule()
+    def dispatch(self) -> None:
+        super().dispatch()
+        self._note_idle()
+
+    @invariant()
+    def counted_and_fair(self) -> None:
+        assert len(self.queue) == len(self.entries)
+        for cls in self.queue._classes.values():  # noqa: SLF001
+            flows = [f.vtime for f in cls.flows.values()]
+            assert max(flows) - min(flows) <= self.max_cost + self.BURST
+            assert not set(cls.idle) & set(cls.flows)  # only idle fairness IDs are remembered
+
+
+BurstQueueMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
+test_a_burst_allowance_is_bounded_and_gained_only_by_light_flows = BurstQueueMachine.TestCase
+
+
+def test_a_light_tenants_burst_runs_ahead_of_a_backlog_with_a_burst_allowance(make_client: Callable[..., Client]) -> None:
+    """B keeps a backlog; A sends 8 requests at once every 10 s (20% of the fleet). Sharing
+    equally, A's 8 alternate with B's and the last waits ~3 s; with `fairness_burst_tokens` of 8
+    requests, A's burst runs first and the last waits ~1 s. B still gets the rest."""
+    worst = {}
+    for burst in (None, 8 * PROMPT):
+        fleet = Fleet(make_client, fairness_burst_tokens=burst)
+        fleet.arrivals(10 * CAPACITY, 0, 60, {"tenant": "b"}, {"fairness_id": "b"})
+        for second in range(5, 60, 10):
+            for _ in range(8):
+                fleet.at(second, "arrive", {"meta": {"tenant": "a"}, "body": {"fairness_id": "a"}, "tokens": PROMPT})
+        fleet.run(10_000)
+        a = waits(fleet.done, "a")
+        assert len(a) == 48
+        worst[burst] = max(a)
+        b_share = sum(1 for r in fleet.done if r["tenant"] == "b" and "dispatched" in r and 5 <= r["dispatched"] < 60)
+        assert b_share >= 0.75 * 55 * CAPACITY  # A's 20% aside, the fleet serves B
+    assert worst[8 * PROMPT] <= 2 * PROMPT / SPEED < 2.5 <= worst[None], worst
+
+
 # -- the same over HTTP, JSON lines and the picker ------------------------------------------------
 
 
@@ -394,6 +634,57 @@ def test_over_a_real_socket_the_door_answers_with_retry_after_and_hostile_member
         server.stop()
 
 
+def test_over_a_real_socket_a_light_tenant_takes_the_place_of_a_heavy_ones_newest() -> None:
+    """`serve` with a queue of 4 per key: B's four waiting clients fill it, B's fifth is refused; A's
+    client still waits, B's newest gives way (429 with Retry-After), and A is served."""
+    import socket
+    import time
+
+    from test_http import Server, api_call, read_response, request
+
+    server = Server("--queue-threshold", "0.000001", "--queue-max-pending", "4")
+    try:
+        assert api_call(server.port, "POST", "/workers", worker(1, max_num_batched_tokens=64))[0] == 201
+        assert api_call(server.port, "POST", "/reservations", {"model_name": "m", "reservation_id": "hold",
+                                                               "worker_id": 1, "token_ids": list(range(16))})[0] == 201
+
+        def send(tenant: str, n: int) -> socket.socket:
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+            sock.sendall(request("POST", "/select", {"model_name": "m", "token_ids": [n, 2, 3], "fairness_id": tenant}))
+            return sock
+
+        def pending(count: int) -> None:
+            deadline = time.monotonic() + 10
+            while api_call(server.port, "GET", "/loads")[1][0]["pending_count"] != count:
+                assert time.monotonic() < deadline, f"never {count} pending"
+                time.sleep(0.02)
+
+        b = []
+        for n in range(4):
+            b.append(send("b", n))
+            pending(n + 1)  # in this order: the last is B's newest
+        fifth = send("b", 4)
+        status, headers, payload = read_response(fifth, bytearray())
+        fifth.close()
+        assert (status, json.loads(payload)) == (429, {"error": "queue is full for model=m tenant=default: 4 requests "
+                                                                "pending"})
+        a = send("a", 9)
+        status, headers, payload = read_response(b[-1], bytearray())  # B's newest gave way
+        assert status == 429 and int(headers["retry-after"]) >= 1
+        assert json.loads(payload)["error"] == ("queue is full for model=m tenant=default: shed for a fairness ID "
+                                                "within its share (fairness ID 'b' held 4 of 4 requests pending)")
+        pending(4)
+        assert api_call(server.port, "DELETE", "/reservations/hold")[0] == 200
+        for sock in (a, *b[:-1]):
+            status, _, payload = read_response(sock, bytearray())
+            assert status == 200 and json.loads(payload)["worker_id"] == 1
+        for sock in (a, *b):
+            sock.close()
+        assert api_call(server.port, "GET", "/health") == (200, {"status": "ok"})
+    finally:
+        server.stop()
+
+
 def test_a_json_lines_router_gets_the_refusal_and_when_to_retry() -> None:
     from test_jsonl import rpc, run_session
 
@@ -408,6 +699,49 @@ def test_a_json_lines_router_gets_the_refusal_and_when_to_retry() -> None:
     assert errors[3]["code"] == 529 and errors[3]["data"]["retry_after"] >= 1
     assert errors[3]["message"] == "do_not_queue: every candidate for model=m tenant=default is busy"
     assert errors[4]["message"].startswith("sheddable request (priority -1) refused")
+
+
+def test_a_deadline_that_passes_in_the_queue_is_refused_like_the_doors_refusals() -> None:
+    """Over HTTP and JSON lines, with `overload_status_code=529`: a request whose deadline passes while
+    it waits is answered 529 with when to retry (`Retry-After`, `data.retry_after`)."""
+    import socket
+    import subprocess
+    import sys
+
+    from test_http import Server, api_call, read_response, request
+
+    server = Server("--queue-threshold", "0.000001", "--overload-status-code", "529")
+    try:
+        assert api_call(server.port, "POST", "/workers", worker(1, max_num_batched_tokens=64))[0] == 201
+        assert api_call(server.port, "POST", "/reservations", {"model_name": "m", "reservation_id": "hold",
+                                                               "worker_id": 1, "token_ids": list(range(16))})[0] == 201
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(request("POST", "/select", {"model_name": "m", "token_ids": [1, 2, 3], "deadline_ms": 300}))
+            status, headers, payload = read_response(sock, bytearray())
+        assert status == 529 and int(headers["retry-after"]) >= 1, (status, headers)
+        assert json.loads(payload)["error"].startswith("request deadline exceeded: deadline_ms 300 passed after ")
+    finally:
+        server.stop()
+
+    from test_jsonl import rpc
+
+    proc = subprocess.Popen([sys.executable, "-m", "selection_proto", "stdio", "--kv-events", "push",
+                             "--queue-threshold", "0.000001", "--overload-status-code", "529"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        proc.stdin.write(rpc(1, "workers.create", **worker(1, max_num_batched_tokens=64))
+                         + rpc(2, "reservations.create", model_name="m", reservation_id="hold", worker_id=1,
+                               token_ids=list(range(16)))
+                         + rpc(3, "select", model_name="m", token_ids=[1, 2], deadline_ms=300))
+        proc.stdin.flush()
+        answers = [json.loads(proc.stdout.readline()) for _ in range(3)]  # the third only once its deadline passed
+        error = next(a for a in answers if a["id"] == 3)["error"]
+        assert error["code"] == 529 and error["data"]["retry_after"] >= 1, error
+        assert error["message"].startswith("request deadline exceeded: deadline_ms 300 passed after ")
+    finally:
+        proc.stdin.close()
+        assert proc.wait(timeout=30) == 0
 
 
 def test_the_picker_reads_who_and_how_important_from_the_headers() -> None:

@@ -17,7 +17,8 @@ How a ticket ends, once (the label is the `selection_proto_queue_events_total` e
 | `dispatched` | a candidate stopped being busy (a free, a prefill completion, a join, an update, a tick) | its selection |
 | `failed` | its selection failed when run, or the key lost its last worker | that error |
 | `timed_out` | it waited its class's (or the service's) queue timeout | 503 |
-| `deadline` | its `deadline_ms` passed while it waited | 429 |
+| `deadline` | its `deadline_ms` passed while it waited | 429 (`overload_status_code`), `Retry-After` |
+| `shed` | the key's queue was full and a fairness ID within its share arrived: it was the newest request of the fairness ID holding the most | 429 (`overload_status_code`), `Retry-After` |
 | `shutdown` | the service began shutting down | 503 |
 | `cancelled` | its client went away | nothing |
 
@@ -38,7 +39,7 @@ from .types import SelectRequest
 __all__ = ["DEFAULT_CLASS", "OUTCOMES", "FlowClass", "FlowQueue", "Lane", "QueuedSelection", "Tickets",
            "order_key", "parse_classes"]
 
-OUTCOMES: Final = ("dispatched", "failed", "timed_out", "deadline", "shutdown", "cancelled")
+OUTCOMES: Final = ("dispatched", "failed", "timed_out", "deadline", "shed", "shutdown", "cancelled")
 _CLASS_KEYS: Final = ("max_queued", "max_queued_tokens", "queue_timeout_secs")
 
 
@@ -147,29 +148,38 @@ class _Flow:
 
 
 class _Class:
-    """One class of one tier: its flows, its virtual time, and its flows' clock (the virtual
-    time of the flow it served last: where a flow that starts waiting begins)."""
+    """One class of one tier: its flows, its virtual time, its flows' clock (the virtual time of
+    the flow it served last, the highest with a burst allowance: where a flow that starts waiting
+    begins), and, with a burst allowance, the virtual time of each fairness ID whose flow emptied."""
 
-    __slots__ = ("flows", "vtime", "clock")
+    __slots__ = ("flows", "vtime", "clock", "idle")
 
     def __init__(self, vtime: float) -> None:
         self.flows: dict[str, _Flow] = {}
         self.vtime = vtime
         self.clock = 0.0
+        self.idle: dict[str, float] = {}  # fairness ID -> its virtual time when its flow emptied, oldest first
+
+
+MAX_IDLE_FLOWS: Final = 4096  # per class: idle fairness IDs whose use is remembered (the oldest go first)
 
 
 class FlowQueue:
     """One key's waiting selections, by lane. `weights`: each class's weight; `promote_secs`: the
-    wait that lifts a request one tier (None: never)."""
+    wait that lifts a request one tier (None: never); `burst_tokens`: how far ahead of its class's
+    clock a fairness ID that starts waiting again may begin, if it used less than its share
+    meanwhile (0: none, every flow begins at the clock)."""
 
-    __slots__ = ("_classes", "_tier_clocks", "_tickets", "_weights", "_promote", "_counts")
+    __slots__ = ("_classes", "_tier_clocks", "_tickets", "_weights", "_promote", "_counts", "_burst")
 
-    def __init__(self, weights: Mapping[str, float] | None = None, promote_secs: float | None = None) -> None:
+    def __init__(self, weights: Mapping[str, float] | None = None, promote_secs: float | None = None,
+                 burst_tokens: int = 0) -> None:
         self._classes: dict[tuple[int, str], _Class] = {}
         self._tier_clocks: dict[int, float] = {}
         self._tickets: dict[int, QueuedSelection] = {}
         self._weights = dict(weights or {"default": 1.0})
         self._promote = promote_secs
+        self._burst = burst_tokens
         self._counts: dict[tuple[str, str], list[int]] = {}  # ("class"|"fairness", name) -> [requests, tokens]
 
     def __len__(self) -> int:
@@ -200,7 +210,11 @@ class FlowQueue:
             cls = self._classes[(tier, name)] = _Class(self._tier_clocks.get(tier, 0.0))
         flow = cls.flows.get(fid)
         if flow is None:
-            flow = cls.flows[fid] = _Flow(cls.clock)
+            # It begins at the clock; with a burst allowance, up to that far before it, but never
+            # before where its own use left it: a light fairness ID's burst runs ahead of those
+            # waiting all along, a heavy one that empties now and then gains nothing.
+            start = max(cls.idle.pop(fid, -math.inf), cls.clock - self._burst) if self._burst else cls.clock
+            flow = cls.flows[fid] = _Flow(start)
         bisect.insort(flow.entries, entry, key=_run_order)
         flow.tokens += entry.cost
         self._tickets[entry.ticket] = entry
@@ -216,11 +230,26 @@ class FlowQueue:
         flow.entries.remove(entry)
         flow.tokens -= entry.cost
         self._count(entry, -1)
-        if not flow.entries:  # an idle flow keeps no credit (nor debt): it starts afresh
+        if not flow.entries:  # an idle flow keeps no credit (nor debt), but its use with a burst allowance
             del cls.flows[fid]
-            if not cls.flows:
+            if not cls.flows:  # nobody waits: nobody is owed anything, the class starts afresh
                 del self._classes[(tier, name)]
+            elif self._burst:
+                self._remember(cls, fid, flow.vtime)
         return True
+
+    def _remember(self, cls: _Class, fid: str, vtime: float) -> None:
+        """Keep where `fid`'s use left it; forget, oldest first, those a burst allowance covers
+        (they begin at the clock minus it anyway) and any past `MAX_IDLE_FLOWS`."""
+        idle = cls.idle
+        idle.pop(fid, None)
+        idle[fid] = vtime
+        floor = cls.clock - self._burst
+        while idle:
+            oldest = next(iter(idle))
+            if idle[oldest] > floor and len(idle) <= MAX_IDLE_FLOWS:
+                break
+            del idle[oldest]
 
     def take(self, entry: QueuedSelection) -> None:
         """`entry` runs: out of the queue, its cost charged to its flow and its class."""
@@ -228,7 +257,9 @@ class FlowQueue:
         cls = self._classes[(tier, name)]
         flow = cls.flows[fid]
         self._tier_clocks[tier] = cls.vtime
-        cls.clock = flow.vtime
+        # With a burst allowance, a flow begun before the clock does not set it back (else each one
+        # served would let the next begin further back).
+        cls.clock = max(cls.clock, flow.vtime) if self._burst else flow.vtime
         cls.vtime += entry.cost / self._weights.get(name, 1.0)
         flow.vtime += entry.cost
         self.remove(entry)
@@ -242,6 +273,21 @@ class FlowQueue:
         self._tickets.clear()
         self._counts.clear()
         return entries
+
+    def make_room(self, fairness_id: str, cap: int) -> QueuedSelection | None:
+        """When the queue holds `cap` requests and one of `fairness_id` would join: the request to
+        shed for it, or None when `fairness_id` already holds its share. A fairness ID's share is
+        `cap / k`, k the fairness IDs waiting with it; one below its share means another is above
+        (the queue is full), and that one, the fairness ID holding the most, gives up its newest
+        request. Visits the fairness IDs, then that one's flows."""
+        counts = {name: count[0] for (kind, name), count in self._counts.items() if kind == "fairness"}
+        mine = counts.get(fairness_id, 0)
+        sharing = len(counts) + (fairness_id not in counts)
+        if mine * sharing >= cap:
+            return None
+        heaviest = max((name for name in counts if name != fairness_id), key=lambda name: (counts[name], name))
+        return max((e for cls in self._classes.values() if (flow := cls.flows.get(heaviest)) is not None
+                    for e in flow.entries), key=lambda e: e.ticket)
 
     def late(self, now: float) -> list[QueuedSelection]:
         """The entries whose time is up (still queued), in run order."""

@@ -97,13 +97,6 @@ class Limits:
         except PromptTooLong as exc:
             raise self._refuse("prompt_tokens", exc) from None
 
-    def queue_room(self, pool: Pool) -> None:
-        limit = self._settings.queue_max_pending
-        if len(pool.queue) >= limit:
-            self._metrics.queue(pool.key, "rejected_full")
-            raise self._refuse("queue_full", TooManyRequests(
-                f"queue is full for {pool.label}: {limit} requests pending"))
-
     def reservations(self, pool: Pool, rid: str) -> None:
         """Room for one more booking in the pool (a duplicate id raises DuplicateReservation)."""
         try:

@@ -71,7 +71,7 @@ class Pool:
         self.workers: dict[int, tuple[Rank, ...]] = {}  # schedulable worker -> its ranks
         self.taints: dict[int, frozenset[str]] = {}
         self.queue = FlowQueue({c.name: c.weight for c in parse_classes(settings.flow_classes)},
-                               settings.priority_promote_secs)
+                               settings.priority_promote_secs, settings.fairness_burst_tokens or 0)
         self.sessions = SessionTable(settings.session_affinity_ttl_secs or 0.0, settings.max_sessions_per_key,
                                      budget)
         # Bookings predict the cache: into the index itself, or a side tree read beside events.

@@ -108,9 +108,12 @@ class Selector(Admission):
         key = (req.model_name, req.tenant_id)
         try:
             sel = self._prepare(req, reserve, now)
-            if (self._settings.queue_threshold is not None and req.allowed_worker_ids is None
-                    and all(self._busy(sel.pool, r) for r in sel.candidates)):
-                return self._enqueue(sel, now)
+            if self._settings.queue_threshold is not None and req.allowed_worker_ids is None:
+                if all(self._busy(sel.pool, r) for r in sel.candidates):
+                    return self._enqueue(sel, now)
+                if req.deadline_ms is not None and (late := self._in_time(sel, now, now + req.deadline_ms / 1000.0)):
+                    lane = self._lane(req)
+                    raise self._refuse(sel.pool, lane, "deadline", late.message, late.retry_after)
             result = self._finish(sel, now)
         except SelectionError as exc:
             self._metrics.selection(key, route, exc.status)

@@ -57,6 +57,7 @@ class Settings:
     fairness: bool = True  # queued requests share by fairness ID; off: one lane per class and tier
     fairness_max_queued: int | None = None  # queued requests at most per fairness ID (per key)
     fairness_max_queued_tokens: int | None = None  # and their uncached tokens
+    fairness_burst_tokens: int | None = None  # a light fairness ID's burst may run this many uncached tokens ahead
     priority_promote_secs: float | None = None  # a queued request climbs one tier per this many seconds
     shed_sheddable: bool = True  # a request with priority < 0 that would queue is refused at once
     overload_status_code: int = 429  # the status of backpressure refusals; 529 is Dynamo's
@@ -120,7 +121,7 @@ class Settings:
                 _check(name, _is_number(value) and value > 0, "must be greater than 0")
         parse_classes(self.flow_classes)  # raises ValueError("flow_classes: ...")
         _check("overload_status_code", self.overload_status_code in (429, 529), "must be 429 or 529")
-        for name in ("fairness_max_queued", "fairness_max_queued_tokens"):
+        for name in ("fairness_max_queued", "fairness_max_queued_tokens", "fairness_burst_tokens"):
             value = getattr(self, name)
             _check(name, value is None or (_is_int(value) and value >= 1), "must be an integer >= 1")
         if self.priority_promote_secs is not None:

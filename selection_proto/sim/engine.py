@@ -61,6 +61,12 @@ class EngineModel:
     max_running: int = 256
     mocker: bool = False
 
+    @property
+    def tokens_per_sec(self) -> float:
+        """Its prefill speed as a worker record states it: new tokens a second, beside the fixed
+        and attention costs (the mocker's linear term)."""
+        return 1000.0 / 1.518344e-02 if self.mocker else self.prefill_tokens_per_sec
+
     def iteration_ms(self, prefill: list[tuple[int, int]], decoding: int, kv_used: float) -> float:
         """`prefill`: (new tokens, context before them) of each chunk this iteration."""
         if self.mocker:
@@ -94,6 +100,8 @@ class EngineModel:
         concurrent = kv_blocks / max(blocks, 1.0)
 
         def kv_bound(rate: float) -> float:
+            if decode_iteration == 0:  # decoding costs nothing: a request holds its blocks for its prefill
+                return concurrent / (isl * per_token)
             prefilling = min(1.0, rate * isl * per_token)  # the share of time in prefill iterations
             iterations = prefilling / prefill_iteration + (1.0 - prefilling) / decode_iteration
             return concurrent / (osl / iterations + isl * per_token)
@@ -151,7 +159,8 @@ class SimRequest:
         self.tenant = trace.tenant or ""
         # What the router's flow control reads (docs/FLOW_CONTROL.md), the members the trace gave.
         self.flow: dict[str, Any] = {k: v for k, v in (("fairness_id", trace.tenant), ("priority", trace.priority),
-                                       ("deadline_ms", trace.deadline_ms)) if v is not None}
+                                       ("deadline_ms", trace.deadline_ms), ("policy_class", trace.policy_class))
+                                     if v is not None}
 
 
 EVENT_BLOCKS = 4096  # blocks per stored event at most: a 1M-block prompt's event was ~120 MB

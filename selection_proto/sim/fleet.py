@@ -85,11 +85,14 @@ class _Router:
         self.events_failed = 0  # engine events the core refused (none, when the engines are right)
         if settings is not None:
             self.service = SelectionService(settings, random.Random(config.seed))
+            # Each engine's record says its prefill speed, as a real one would: what deadline
+            # admission reads. A mixed fleet (`engine_speeds`) is not told: its speeds are learned.
+            speed = None if config.engine_speeds else config.model.tokens_per_sec
             for index in range(config.engines):
                 self.service.upsert_worker(WorkerRequest(
                     worker_id=index, model_name="m", endpoint=f"sim://{index}",
                     block_size=config.trace_block_size, total_kv_blocks=config.kv_blocks,
-                    max_num_batched_tokens=config.model.max_batched_tokens), now=0.0)
+                    max_num_batched_tokens=config.model.max_batched_tokens, prefill_tokens_per_sec=speed), now=0.0)
 
     def local_hashes(self, hash_ids: tuple[int, ...]) -> list[int]:
         return [block_hash(h) for h in hash_ids]

@@ -2,8 +2,9 @@
 start), `input_length` and `output_length` (tokens) and `hash_ids` (one id per trace block of
 `--trace-block-size` tokens; requests sharing a leading run of ids share that prefix). Our
 extension (docs/FLOW_CONTROL.md): a line may say who sent it (`tenant`, a string of at most 256
-characters), how important it is (`priority`, an integer; negative is sheddable) and until when its
-first token is useful (`deadline_ms`, a number > 0)."""
+characters), how important it is (`priority`, an integer; negative is sheddable), its class
+(`policy_class`, a string of at most 256 characters) and until when its first token is useful
+(`deadline_ms`, a number > 0)."""
 
 from __future__ import annotations
 
@@ -36,17 +37,21 @@ class TraceRequest(NamedTuple):
     tenant: str | None = None
     priority: int | None = None
     deadline_ms: float | None = None
+    policy_class: str | None = None
 
 
-def _flow(record: dict[str, object]) -> tuple[str | None, int | None, float | None]:
+def _flow(record: dict[str, object]) -> tuple[str | None, int | None, float | None, str | None]:
     tenant, priority, deadline = record.get("tenant"), record.get("priority"), record.get("deadline_ms")
-    if tenant is not None and not (isinstance(tenant, str) and 0 < len(tenant) <= 256):
-        raise ValueError("`tenant` must be a string of 1 to 256 characters")
+    policy_class = record.get("policy_class")
+    for name, value in (("tenant", tenant), ("policy_class", policy_class)):
+        if value is not None and not (isinstance(value, str) and 0 < len(value) <= 256):
+            raise ValueError(f"`{name}` must be a string of 1 to 256 characters")
     if priority is not None and not (type(priority) is int and -_MAX - 1 <= priority <= _MAX):
         raise ValueError("`priority` must be a 64-bit integer")
     if deadline is not None and not (type(deadline) in (int, float) and 0 < deadline < 1e15):  # type: ignore[operator]
         raise ValueError("`deadline_ms` must be a number of milliseconds greater than 0")
-    return tenant, priority, None if deadline is None else float(deadline)  # type: ignore[arg-type]
+    return (tenant, priority, None if deadline is None else float(deadline),  # type: ignore[arg-type,return-value]
+            policy_class)
 
 
 def _count(record: dict[str, object], name: str, low: int) -> int:
