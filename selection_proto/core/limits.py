@@ -104,9 +104,9 @@ class Limits:
             raise self._refuse("queue_full", TooManyRequests(
                 f"queue is full for {pool.label}: {limit} requests pending"))
 
-    def reservations(self, pool: Pool, rid: str) -> None:
-        """Room for one more booking in the pool (a duplicate id raises DuplicateReservation)."""
+    def reservations(self, pool: Pool, rid: str, room: int = 1) -> None:
+        """Room for `room` more bookings in the pool (a duplicate id raises DuplicateReservation)."""
         try:
-            pool.tracker.check_can_book(rid)
+            pool.tracker.check_can_book(rid, room)
         except TooManyRequests as exc:
             raise self._refuse("reservations_per_key", exc) from None

@@ -32,6 +32,7 @@ from .ledger import Ledger
 from .limits import Limits
 from .metrics import Metrics
 from .outputs import InternalError, OutputEvent
+from .pd import PlanResponse
 from .pool import Key, Pool
 from .readouts import gauges, kv_routing, loads, overlap_scores, potential_loads
 from .responses import (
@@ -56,6 +57,8 @@ from .types import (
     PotentialLoadsRequest,
     ReservationRequest,
     SelectAndReserveRequest,
+    SelectPdAndReserveRequest,
+    SelectPdRequest,
     SelectRequest,
     WorkerCatalogRecord,
     WorkerPatchRequest,
@@ -107,6 +110,7 @@ class SelectionService:
         self._draining = False  # marked not ready, still serving (`begin_drain`)
         self.recovered_from: str | None = None  # the peer this service started from (`recover`)
         self.engines = EngineMetrics()  # what each engine's metrics_endpoint last reported
+        self._selector.engines = self.engines  # a plan reads a decode engine's KV use
 
     def share(self, settings: LedgerSettings, origin: str) -> Ledger:
         """Share bookings and catalog through a ledger (docs/REPLICATION.md), fed and drained by the transport."""
@@ -234,6 +238,32 @@ class SelectionService:
         """Pick a rank and book the prompt on it under `reservation_id` (drawn from the seeded
         generator when absent); a `Pending` when it was queued."""
         return self._selector.select(req, self._advance(now), reserve=True)
+
+    def select_pd(self, req: SelectPdRequest, *, now: float) -> PlanResponse:
+        """A prefill/decode plan for a prompt (docs/PD.md), booked nowhere."""
+        return self._selector.plan(req, self._advance(now), reserve=False)
+
+    def select_pd_and_reserve(self, req: SelectPdAndReserveRequest, *, now: float) -> PlanResponse:
+        """A prefill/decode plan booked on both of its workers, or on neither (a raised error)."""
+        return self._selector.plan(req, self._advance(now), reserve=True)
+
+    def plan_handoff(self, plan_id: str, *, model_name: str | None = None, tenant_id: str | None = None,
+                     now: float) -> list[str]:
+        """The plan's decode worker answered: its prefill booking ends. Idempotent; what it ended."""
+        now = self._advance(now)
+        released, pools = self._selector.handoff(plan_id, model_name, tenant_id, now)
+        for pool in pools:
+            self._selector.dispatch(pool, now)
+        return released
+
+    def end_plan(self, plan_id: str, *, model_name: str | None = None, tenant_id: str | None = None,
+                 now: float) -> list[str]:
+        """The plan's request ended or was cancelled: both its bookings end. Idempotent; what it ended."""
+        now = self._advance(now)
+        released, pools = self._selector.end_plan(plan_id, model_name, tenant_id, now)
+        for pool in pools:
+            self._selector.dispatch(pool, now)
+        return released
 
     def cancel(self, ticket: int, *, now: float) -> bool:
         """The client went away: forget its pending selection; no SelectionReady follows."""
