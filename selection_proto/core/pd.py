@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import random
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
@@ -257,22 +257,29 @@ class Plans:
                                          decode_blocks=loads[c.rank].decode_blocks()) for c in raw]
             prefill = choose(pool, prefill_scored, temperature, self._rng)
         booked = self._book_plan(pool, plan_id, req, prompt, chosen, prefill, now, conflict) if reserve else {}
-        self._metrics.selected(pool.key, chosen.cached / prompt.isl if prompt.isl > 0 else None,
-                               chosen.device < max(c.device for c in scored))
-        pool.recent.append(Decision.of(now, prompt.isl, chosen, scored, lowest is not None))
-        response = PlanResponse(
-            plan_id=plan_id, selection_id=req.selection_id, model_name=req.model_name, tenant_id=req.tenant_id,
-            path=verdict.path, decode=self._leg(chosen, booked.get("decode"), None),
-            prefill=None if prefill is None else self._leg(prefill, booked.get("prefill"), worker(prefill.rank)),
-            verdict=verdict, block_size=pool.block_size,
-            decision_header=(f"path={verdict.path};decider={verdict.decider};decode={chosen.rank[0]}:{chosen.rank[1]}"
-                             + ("" if prefill is None else f";prefill={prefill.rank[0]}:{prefill.rank[1]}")
-                             + f";cached={chosen.cached};isl={prompt.isl}") if s.explain_header else None)
-        if req.explain:
-            response = attrs.evolve(response, candidates=explain(scored, lowest is not None),
-                                    prefill_candidates=explain(prefill_scored),
-                                    excluded=tuple(Excluded(worker_id=r[0], dp_rank=r[1], reason=why)
-                                                   for r, why in sorted(sel.excluded.items())))
+        try:
+            for rid in booked.values():
+                self._predict(pool, pool.tracker.bookings[rid].rank, prompt, now)
+            self._metrics.selected(pool.key, chosen.cached / prompt.isl if prompt.isl > 0 else None,
+                                   chosen.device < max(c.device for c in scored))
+            pool.recent.append(Decision.of(now, prompt.isl, chosen, scored, lowest is not None))
+            response = PlanResponse(
+                plan_id=plan_id, selection_id=req.selection_id, model_name=req.model_name, tenant_id=req.tenant_id,
+                path=verdict.path, decode=self._leg(chosen, booked.get("decode"), None),
+                prefill=None if prefill is None else self._leg(prefill, booked.get("prefill"), worker(prefill.rank)),
+                verdict=verdict, block_size=pool.block_size,
+                decision_header=(f"path={verdict.path};decider={verdict.decider};"
+                                 f"decode={chosen.rank[0]}:{chosen.rank[1]}"
+                                 + ("" if prefill is None else f";prefill={prefill.rank[0]}:{prefill.rank[1]}")
+                                 + f";cached={chosen.cached};isl={prompt.isl}") if s.explain_header else None)
+            if req.explain:
+                response = attrs.evolve(response, candidates=explain(scored, lowest is not None),
+                                        prefill_candidates=explain(prefill_scored),
+                                        excluded=tuple(Excluded(worker_id=r[0], dp_rank=r[1], reason=why)
+                                                       for r, why in sorted(sel.excluded.items())))
+        except BaseException:
+            self._undo(pool, booked.values(), now)  # a plan not answered holds nothing
+            raise
         return response
 
     def _worker(self, rank: Rank) -> WorkerRequest:
@@ -360,7 +367,6 @@ class Plans:
         legs = [("decode", plan_id + DECODE_SUFFIX)]
         if prefill is not None:
             legs.insert(0, ("prefill", plan_id + PREFILL_SUFFIX))
-        tracker = pool.tracker
         for _, rid in legs:
             try:
                 self._limits.reservations(pool, rid, room=len(legs))
@@ -378,22 +384,23 @@ class Plans:
                 done.append(self._book(pool, legs[0][1], decode.rank, prompt, decode.cached, track, reuse,
                                        req.expected_output_tokens, now, conflict, predict=False))
         except BaseException:
-            for _, rid in legs:  # by id: a booking made before its `_book` failed goes too
-                booking = tracker.bookings.get(rid)
-                if booking is not None:
-                    self._compensate(pool, booking, now)
+            self._undo(pool, (rid for _, rid in legs), now)  # by id: one booked before its `_book` failed too
             raise
         for booking in done:
             booking.plan = True
-            self._predict(pool, booking.rank, prompt, now)
         return dict(legs)
 
-    def _compensate(self, pool: Pool, booking: Booking, now: float) -> None:
-        pool.free(booking.rid, now)
-        if self.journal is not None:
-            self.journal.freed(booking)
-        self._metrics.booking(pool.key, "freed")
-        self._metrics.plan_event(pool.key, "compensated")
+    def _undo(self, pool: Pool, rids: Iterable[str], now: float) -> None:
+        """Free the legs booked by a call that fails (compensation): its loads are as before it."""
+        for rid in rids:
+            booking = pool.tracker.bookings.get(rid)
+            if booking is None:
+                continue
+            pool.free(rid, now)
+            if self.journal is not None:
+                self.journal.freed(booking)
+            self._metrics.booking(pool.key, "freed")
+            self._metrics.plan_event(pool.key, "compensated")
 
     # -- handoff and end ---------------------------------------------------------------------------
 
