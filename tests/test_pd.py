@@ -651,4 +651,5 @@ def test_the_same_plan_over_stdio_json_rpc() -> None:
     assert answers[3]["result"] == svc.call("POST", "/select_pd_and_reserve", plan_body(64, plan_id="s1"))[1]
     assert answers[4]["result"]["released"] == ["prefill"]
     assert answers[5]["result"]["released"] == ["decode"]
-    assert answers[6]["error"]["message"].startswith("Invalid params") or "plan_id must be a string" in json.dumps(answers[6])
+    assert answers[6]["error"] == {"code": -32602, "message": "Invalid params",
+                                   "data": {"detail": "plan_id must be a string"}}

@@ -301,12 +301,12 @@ def _plan_answer(plan: Any) -> Response:
 
 def _h_select_pd(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
     req = _decode(body, lambda v, ctx: from_json(SelectPdRequest, v, "", ctx))
-    return _plan_answer(service.select_pd(req, now=now))
+    return _plan_answer(service.plan(req, now=now))
 
 
 def _h_select_pd_and_reserve(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
     req = _decode(body, lambda v, ctx: from_json(SelectPdAndReserveRequest, v, "", ctx))
-    return _plan_answer(service.select_pd_and_reserve(req, now=now))
+    return _plan_answer(service.plan(req, now=now))
 
 
 def _plan_released(plan_id: str, released: list[str]) -> Response:
@@ -316,15 +316,15 @@ def _plan_released(plan_id: str, released: list[str]) -> Response:
 def _h_plan_handoff(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
     plan_id = _reservation_id(param or "")
     params = parse_query(query, KEY_QUERY)
-    return _plan_released(plan_id, service.plan_handoff(plan_id, model_name=params.get("model_name"),
+    return _plan_released(plan_id, service.release_plan(plan_id, end=False, model_name=params.get("model_name"),
                                                         tenant_id=params.get("tenant_id"), now=now))
 
 
 def _h_end_plan(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
     plan_id = _reservation_id(param or "")
     params = parse_query(query, KEY_QUERY)
-    return _plan_released(plan_id, service.end_plan(plan_id, model_name=params.get("model_name"),
-                                                    tenant_id=params.get("tenant_id"), now=now))
+    return _plan_released(plan_id, service.release_plan(plan_id, end=True, model_name=params.get("model_name"),
+                                                        tenant_id=params.get("tenant_id"), now=now))
 
 
 def _h_reserve(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:

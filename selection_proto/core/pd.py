@@ -193,6 +193,7 @@ class Plans:
         def _predict(self, pool: Pool, rank: Rank, prompt: PromptHashes, now: float) -> None: ...
         def finish_booking(self, rid: str, model_name: str | None, tenant_id: str | None, now: float, *,
                            free: bool, cached_tokens: int | None = None) -> Pool: ...
+        def dispatch(self, pool: Pool | None, now: float) -> None: ...
 
     # -- planning ----------------------------------------------------------------------------------
 
@@ -410,10 +411,19 @@ class Plans:
         except NotFound:
             return None
 
-    def handoff(self, plan_id: str, model_name: str | None, tenant_id: str | None, now: float
-                ) -> tuple[list[str], list[Pool]]:
-        """The first decode response came: the prefill booking ends, and a local plan's prefill
-        on the decode worker is complete. Idempotent: what this call ended, and the pools touched."""
+    def release_plan(self, plan_id: str, model_name: str | None, tenant_id: str | None, now: float, *,
+                     end: bool) -> list[str]:
+        """The handoff (the first decode response came): the prefill leg ends, and a local plan's
+        prefill on the decode worker is complete; or with `end` (the request ended or was
+        cancelled) both legs end. Idempotent: what this call ended. Queued selections may run."""
+        released, pools = self._end_plan(plan_id, model_name, tenant_id, now) if end else \
+            self._handoff(plan_id, model_name, tenant_id, now)
+        for pool in pools:
+            self.dispatch(pool, now)
+        return released
+
+    def _handoff(self, plan_id: str, model_name: str | None, tenant_id: str | None, now: float
+                 ) -> tuple[list[str], list[Pool]]:
         released: list[str] = []
         pools: list[Pool] = []
         rid = plan_id + PREFILL_SUFFIX
@@ -435,9 +445,8 @@ class Plans:
                     pools.append(pool)
         return released, pools
 
-    def end_plan(self, plan_id: str, model_name: str | None, tenant_id: str | None, now: float
-                 ) -> tuple[list[str], list[Pool]]:
-        """The request ended (or was cancelled): both bookings go. Idempotent."""
+    def _end_plan(self, plan_id: str, model_name: str | None, tenant_id: str | None, now: float
+                  ) -> tuple[list[str], list[Pool]]:
         released: list[str] = []
         pools: list[Pool] = []
         for role, suffix in (("prefill", PREFILL_SUFFIX), ("decode", DECODE_SUFFIX)):

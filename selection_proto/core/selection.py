@@ -13,7 +13,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 import attrs
 
@@ -31,6 +31,7 @@ from .cost import (
 )
 from .decisions import Decision, decision
 from .deferred import Deferred
+from .engine_metrics import EngineMetrics
 from .errors import (
     BadRequest,
     Conflict,
@@ -55,10 +56,13 @@ from .responses import Excluded, Overlap, Pending, ReservationResponse, SelectRe
 from .sessions import check_session_id, mismatch
 from .settings import Settings
 from .tracker import Booking, DuplicateReservation, rank_text
-from .types import ReservationRequest, SelectAndReserveRequest, SelectPdRequest, SelectRequest
-
-if TYPE_CHECKING:
-    from .engine_metrics import EngineMetrics
+from .types import (
+    ReservationRequest,
+    SelectAndReserveRequest,
+    SelectPdAndReserveRequest,
+    SelectPdRequest,
+    SelectRequest,
+)
 
 __all__ = ["SHUTTING_DOWN", "Selector"]
 
@@ -76,7 +80,8 @@ class Selector(Admission, Plans):
 
     def __init__(self, settings: Settings, rng: random.Random, metrics: Metrics, limits: Limits,
                  catalog: Catalog, pools: Mapping[Key, Pool], tickets: Tickets,
-                 outbox: deque[OutputEvent], internal_error: Callable[[str], None], deferred: Deferred) -> None:
+                 outbox: deque[OutputEvent], internal_error: Callable[[str], None], deferred: Deferred,
+                 engines: EngineMetrics | None = None) -> None:
         self._settings = settings
         self._rng = rng
         self._metrics = metrics
@@ -91,7 +96,7 @@ class Selector(Admission, Plans):
         self.stopping = False  # set by the service's shutdown: no new selections or bookings
         self.log_decisions = False  # a debug notice for every choice (`--log-level debug`)
         self.journal: Journal | None = None  # a shared ledger's (--ledger): bookings are journaled
-        self.engines: EngineMetrics | None = None  # engines' scraped metrics (the service's), for plans
+        self.engines = engines  # what engines' metrics endpoints reported: a plan reads a decode worker's KV use
         self.pending = PendingSelections(settings.selection_cache_ttl_secs, settings.selection_cache_max_entries,
                                          settings.selection_cache_max_bytes)
 
@@ -125,9 +130,10 @@ class Selector(Admission, Plans):
         self._metrics.selection(key, route, 200)
         return result
 
-    def plan(self, req: SelectPdRequest, now: float, reserve: bool) -> PlanResponse:
-        """A prefill/decode plan (pd.py), booked on both workers or neither when `reserve`;
-        its outcome counted. Plans are never queued."""
+    def plan(self, req: SelectPdRequest, now: float) -> PlanResponse:
+        """A prefill/decode plan (pd.py), booked on both workers or neither for a
+        `SelectPdAndReserveRequest`; its outcome counted. Plans are never queued."""
+        reserve = isinstance(req, SelectPdAndReserveRequest)
         route = "select_pd_and_reserve" if reserve else "select_pd"
         key = (req.model_name, req.tenant_id)
         try:

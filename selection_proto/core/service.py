@@ -57,7 +57,6 @@ from .types import (
     PotentialLoadsRequest,
     ReservationRequest,
     SelectAndReserveRequest,
-    SelectPdAndReserveRequest,
     SelectPdRequest,
     SelectRequest,
     WorkerCatalogRecord,
@@ -97,8 +96,9 @@ class SelectionService:
         self._tickets = tickets = Tickets()
         self._streams = Streams(self._pools, self._outbox)
         self.deferred = Deferred(self.internal_error)
+        self.engines = EngineMetrics()  # what each engine's metrics_endpoint last reported
         self._selector = Selector(s, self.rng, self.metrics, self.limits, self.catalog, self._pools,
-                                  tickets, self._outbox, self.internal_error, self.deferred)
+                                  tickets, self._outbox, self.internal_error, self.deferred, self.engines)
         self.ledger: Ledger | None = None  # the mirror of a ledger shared with replicas (`share`)
         self._selector.log_decisions = log_decisions
         self._workers = Workers(s, self.metrics, self.limits, self.budget, self.catalog, self._pools,
@@ -109,8 +109,6 @@ class SelectionService:
         self._shutting_down = False
         self._draining = False  # marked not ready, still serving (`begin_drain`)
         self.recovered_from: str | None = None  # the peer this service started from (`recover`)
-        self.engines = EngineMetrics()  # what each engine's metrics_endpoint last reported
-        self._selector.engines = self.engines  # a plan reads a decode engine's KV use
 
     def share(self, settings: LedgerSettings, origin: str) -> Ledger:
         """Share bookings and catalog through a ledger (docs/REPLICATION.md), fed and drained by the transport."""
@@ -239,31 +237,14 @@ class SelectionService:
         generator when absent); a `Pending` when it was queued."""
         return self._selector.select(req, self._advance(now), reserve=True)
 
-    def select_pd(self, req: SelectPdRequest, *, now: float) -> PlanResponse:
-        """A prefill/decode plan for a prompt (docs/PD.md), booked nowhere."""
-        return self._selector.plan(req, self._advance(now), reserve=False)
+    def plan(self, req: SelectPdRequest, *, now: float) -> PlanResponse:
+        """A prefill/decode plan (docs/PD.md); a `SelectPdAndReserveRequest` books both legs or neither."""
+        return self._selector.plan(req, self._advance(now))
 
-    def select_pd_and_reserve(self, req: SelectPdAndReserveRequest, *, now: float) -> PlanResponse:
-        """A prefill/decode plan booked on both of its workers, or on neither (a raised error)."""
-        return self._selector.plan(req, self._advance(now), reserve=True)
-
-    def plan_handoff(self, plan_id: str, *, model_name: str | None = None, tenant_id: str | None = None,
+    def release_plan(self, plan_id: str, *, end: bool, model_name: str | None = None, tenant_id: str | None = None,
                      now: float) -> list[str]:
-        """The plan's decode worker answered: its prefill booking ends. Idempotent; what it ended."""
-        now = self._advance(now)
-        released, pools = self._selector.handoff(plan_id, model_name, tenant_id, now)
-        for pool in pools:
-            self._selector.dispatch(pool, now)
-        return released
-
-    def end_plan(self, plan_id: str, *, model_name: str | None = None, tenant_id: str | None = None,
-                 now: float) -> list[str]:
-        """The plan's request ended or was cancelled: both its bookings end. Idempotent; what it ended."""
-        now = self._advance(now)
-        released, pools = self._selector.end_plan(plan_id, model_name, tenant_id, now)
-        for pool in pools:
-            self._selector.dispatch(pool, now)
-        return released
+        """The handoff (the prefill leg ends) or with `end` the end of a plan (both); idempotent: what ended."""
+        return self._selector.release_plan(plan_id, model_name, tenant_id, self._advance(now), end=end)
 
     def cancel(self, ticket: int, *, now: float) -> bool:
         """The client went away: forget its pending selection; no SelectionReady follows."""
