@@ -122,7 +122,7 @@ def test_uncached_threshold_and_the_fixed_deciders() -> None:
     assert "60 uncached tokens < 2048" in verdict.reason
 
 
-options = st.builds(PdOptions, decider=st.sampled_from(["isl_bounding", "uncached_threshold", "always", "never"]),
+options = st.builds(PdOptions, decider=st.sampled_from([None, "isl_bounding", "uncached_threshold", "always", "never"]),
                     isl_threshold=st.integers(0, 5000), ratio_threshold=st.floats(0, 1),
                     uncached_tokens=st.integers(0, 5000), prompt_tokens=st.integers(0, 5000))
 flag_sets = st.fixed_dictionaries({"can_local": st.booleans(), "prefill_available": st.booleans(),
@@ -375,6 +375,30 @@ def test_hostile_plan_requests_change_nothing(body: Any, status: int, message: s
     assert svc.call("DELETE", "/plans/%ZZ") == (400, {"error": "Invalid URL: invalid percent-encoding"})
     assert svc.call("POST", "/plans/a%2Fb/handoff") == (200, {"status": "ok", "plan_id": "a/b", "released": []})
     assert svc.call("GET", "/plans/x")[0] == 405
+
+
+def test_router_policy_ttft_takes_the_faster_predicted_path() -> None:
+    svc = Svc(Settings(kv_events="push", router_policy="ttft"))
+    svc.worker(1, role="both", prefill_tokens_per_sec=5_000.0)
+    svc.worker(3, role="prefill", prefill_tokens_per_sec=50_000.0)
+    # a long prompt: ten times faster prefill plus the transfer beats prefilling on the decode worker
+    plan = svc.call("POST", "/select_pd", plan_body(8000))[1]
+    assert (plan["path"], plan["decision"]["decider"]) == ("remote", "ttft"), plan
+    assert plan["decision"]["reason"].startswith("predicted first token in ")
+    # a link too slow for the KV: prefill where the decode runs
+    plan = svc.call("POST", "/select_pd", plan_body(8000, pd={"transfer_tokens_per_sec": 100.0}))[1]
+    assert (plan["path"], plan["decision"]["decider"]) == ("local", "ttft"), plan
+    # a named decider still decides
+    plan = svc.call("POST", "/select_pd", plan_body(8000, pd={"decider": "never"}))[1]
+    assert (plan["path"], plan["decision"]["decider"]) == ("local", "never")
+    # more cache on the decode worker never turns local into remote
+    tokens = list(range(1, 8001))
+    paths = []
+    for blocks in (0, 500, 1000, 1500, 1999):
+        svc.cache(1, tokens[:4 * blocks])
+        paths.append(svc.call("POST", "/select_pd", plan_body(8000))[1]["path"])
+    assert paths == sorted(paths, key=lambda p: p == "local") and paths[-1] == "local", paths
+    assert svc.call("POST", "/select_pd", plan_body(8, pd={"transfer_tokens_per_sec": 0}))[0] == 422
 
 
 # -- the plan without prefill workers is /select's choice ------------------------------------------

@@ -13,11 +13,12 @@ import math
 import random
 import uuid
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
-from .cost import assumes_kv_reuse, choose, estimates, explain, score, tracks_prefill
+from .cost import Estimates, assumes_kv_reuse, choose, estimates, explain, queue_secs, score, tracks_prefill
 from .decisions import Decision, Scored
 from .errors import BadRequest, NotFound, NotReady, SelectionError
 from .index import Rank
@@ -79,12 +80,15 @@ class Verdict:
 
 
 def decide(opts: PdOptions, isl: int, cached: int, *, can_local: bool, prefill_available: bool,
-           prefill_busy: bool, decode_kv_busy: bool) -> Verdict:
+           prefill_busy: bool, decode_kv_busy: bool, times: tuple[float, float] | None = None) -> Verdict:
     """Local or remote for a prompt of `isl` tokens of which the decode worker holds `cached`.
     `mode=local` needs `can_local` and `mode=remote` needs `prefill_available` (the caller has
     made sure). In `auto`, in this order: a decode worker that cannot prefill is never local; with
     no prefill worker to pair with, local; a decode worker near KV exhaustion goes remote; a busy
-    prefill pool keeps the prompt local; else the decider, its thresholds strict ("below")."""
+    prefill pool keeps the prompt local; else the decider, its thresholds strict ("below").
+    `times`: the predicted seconds to the first token (local, remote) under router_policy=ttft;
+    without a named decider, the faster path wins (a tie stays local)."""
+    decider = opts.decider if opts.decider is not None else "ttft" if times is not None else "isl_bounding"
     uncached = max(0, isl - cached)
     ratio = uncached / isl if isl > 0 else 0.0
     flags = tuple(name for name, on in (("decode_cannot_prefill", not can_local),
@@ -93,7 +97,7 @@ def decide(opts: PdOptions, isl: int, cached: int, *, can_local: bool, prefill_a
                                         ("prefill_busy", prefill_busy)) if on)
 
     def verdict(path: str, reason: str) -> Verdict:
-        return Verdict(path=path, decider=opts.decider, isl=isl, cached_on_decode=min(cached, isl),
+        return Verdict(path=path, decider=decider, isl=isl, cached_on_decode=min(cached, isl),
                        flags=flags, reason=reason)
 
     if opts.mode == "local":
@@ -109,11 +113,18 @@ def decide(opts: PdOptions, isl: int, cached: int, *, can_local: bool, prefill_a
                                  "of its blocks: prefill elsewhere")
     if prefill_busy:
         return verdict("local", "every prefill worker is busy: prefill on the decode worker")
-    if opts.decider == "always":
+    if decider == "ttft" and times is not None:
+        local, remote = times
+        if remote < local:
+            return verdict("remote", f"predicted first token in {remote:.4g} s remote (prefill wait, prefill, "
+                                     f"KV transfer) < {local:.4g} s local")
+        return verdict("local", f"predicted first token in {local:.4g} s local <= {remote:.4g} s remote "
+                                "(prefill wait, prefill, KV transfer)")
+    if decider == "always":
         return verdict("remote", "decider always: prefill on a prefill worker")
-    if opts.decider == "never":
+    if decider == "never":
         return verdict("local", "decider never: prefill on the decode worker")
-    if opts.decider == "isl_bounding":
+    if decider == "isl_bounding":
         short, cached_enough = uncached < opts.isl_threshold, ratio < opts.ratio_threshold
         if short and cached_enough:
             return verdict("local", f"{uncached} uncached tokens < {opts.isl_threshold} and uncached "
@@ -234,7 +245,9 @@ class Plans:
         temperature = _temperature(req, s)
         chosen = choose(pool, scored, temperature, self._rng)
         prefill_ranks = [] if local_only else self._prefill_ranks(req, pool)
-        verdict, pairs = self._verdict(opts, pool, prompt.isl, chosen, prefill_ranks)
+        choose_prefill = partial(self._choose_prefill, req, pool, prompt, found, temperature)
+        verdict, pairs, prefill, prefill_scored = self._verdict(opts, pool, prompt.isl, chosen, prefill_ranks,
+                                                                choose_prefill)
         if verdict.path == "remote" and not pairs:
             # No prefill worker may pair with it (a required kv_transfer_domain, or none left):
             # choose the decode worker again among those that have one; never a cross-domain pair.
@@ -243,20 +256,13 @@ class Plans:
                 raise NotReady(f"no prefill worker can pair with an eligible decode worker for {pool.label} "
                                "(kv_transfer_domain)")
             chosen = choose(pool, viable, temperature, self._rng)
-            verdict, pairs = self._verdict(opts, pool, prompt.isl, chosen, prefill_ranks)
+            verdict, pairs, prefill, prefill_scored = self._verdict(opts, pool, prompt.isl, chosen, prefill_ranks,
+                                                                    choose_prefill)
             verdict = attrs.evolve(verdict, flags=(*verdict.flags, "decode_rechosen_for_domain"))
-        prefill: Scored | None = None
-        prefill_scored: list[Scored] = []
-        if verdict.path == "remote":
-            usable = [r for r in pairs if not self._prefill_busy(pool, r)] or pairs
-            raw, _ = score(req, pool, prompt, usable, found, s)
-            bs = pool.block_size
-            # Prefill cost: the prefill tokens the rank would hold (KV-aware: its cached prefix is
-            # not recomputed), in blocks, weighed by a preferred transfer domain. No decode blocks.
-            loads = pool.tracker.loads
-            prefill_scored = [c._replace(logit=c.prefill_tokens / bs * self._domain_weight(chosen.rank, c.rank),
-                                         decode_blocks=loads[c.rank].decode_blocks()) for c in raw]
-            prefill = choose(pool, prefill_scored, temperature, self._rng)
+        if verdict.path == "local":
+            prefill, prefill_scored = None, []
+        elif prefill is None:
+            prefill, prefill_scored = choose_prefill(chosen, pairs)
         booked = self._book_plan(pool, plan_id, req, prompt, chosen, prefill, now, conflict) if reserve else {}
         try:
             for rid in booked.values():
@@ -346,14 +352,41 @@ class Plans:
         used = self.engines.kv_usage(decode.rank[0]) if self.engines is not None else None
         return used is not None and used > opts.kv_busy_fraction
 
-    def _verdict(self, opts: PdOptions, pool: Pool, isl: int, chosen: Scored,
-                 prefill_ranks: list[Rank]) -> tuple[Verdict, list[Rank]]:
+    def _choose_prefill(self, req: SelectPdRequest, pool: Pool, prompt: PromptHashes, found: Estimates,
+                        temperature: float, decode: Scored, pairs: list[Rank]) -> tuple[Scored, list[Scored]]:
+        """The prefill worker among `pairs` (the busy ones only when all are), and each one's cost:
+        the prefill tokens the rank would hold (KV-aware: its cached prefix is not recomputed), in
+        blocks, or under router_policy=ttft its predicted wait and prefill; weighed by a preferred
+        transfer domain. A prefill leg holds no decode blocks: they are its current ones."""
+        usable = [r for r in pairs if not self._prefill_busy(pool, r)] or pairs
+        raw, _ = score(req, pool, prompt, usable, found, self._settings)
+        bs, loads, ttft = pool.block_size, pool.tracker.loads, self._settings.router_policy == "ttft"
+        held = [c._replace(decode_blocks=loads[c.rank].decode_blocks()) for c in raw]
+        weighted = [c._replace(logit=((queue_secs(pool, c) + c.prefill) if ttft else c.prefill_tokens / bs)
+                               * self._domain_weight(decode.rank, c.rank)) for c in held]
+        return choose(pool, weighted, temperature, self._rng), weighted
+
+    def _verdict(self, opts: PdOptions, pool: Pool, isl: int, chosen: Scored, prefill_ranks: list[Rank],
+                 choose_prefill: Callable[[Scored, list[Rank]], tuple[Scored, list[Scored]]]
+                 ) -> tuple[Verdict, list[Rank], Scored | None, list[Scored]]:
+        """The decision for the decode worker `chosen`, its possible prefill ranks, and (when
+        the decision needed it: router_policy=ttft) the prefill worker chosen."""
         pairs = self._pairs(chosen.rank, prefill_ranks) if prefill_ranks else []
+        prefill: Scored | None = None
+        prefill_scored: list[Scored] = []
+        times: tuple[float, float] | None = None
+        if self._settings.router_policy == "ttft" and opts.decider is None and opts.mode == "auto" and pairs:
+            prefill, prefill_scored = choose_prefill(chosen, pairs)
+            # Where the prefill runs differs: the prefill booked ahead of it, its own, and the KV the
+            # decode worker lacks crossing the link. The decode worker's KV pressure is in both.
+            transfer = max(0, isl - chosen.cached) / opts.transfer_tokens_per_sec
+            pressure = chosen.wait - queue_secs(pool, chosen)
+            times = (chosen.wait + chosen.prefill, queue_secs(pool, prefill) + prefill.prefill + transfer + pressure)
         verdict = decide(opts, isl, chosen.cached, can_local=can_prefill_locally(self._worker(chosen.rank)),
                          prefill_available=bool(pairs),
                          prefill_busy=bool(pairs) and all(self._prefill_busy(pool, r) for r in pairs),
-                         decode_kv_busy=self._decode_kv_busy(opts, chosen))
-        return verdict, pairs
+                         decode_kv_busy=self._decode_kv_busy(opts, chosen), times=times)
+        return verdict, pairs, prefill, prefill_scored
 
     # -- booking both or neither -------------------------------------------------------------------
 

@@ -440,8 +440,8 @@ class PdOptions(_Checked):
     prefill worker (remote); the thresholds are those of the named decider (docs/PD.md)."""
 
     mode: str = member(ENUM("auto", "remote", "local"), default="auto", nullable=False)
-    decider: str = member(ENUM("isl_bounding", "uncached_threshold", "always", "never"),
-                          default="isl_bounding", nullable=False)
+    # Absent: `isl_bounding`, or under router_policy=ttft the faster predicted path (docs/PD.md).
+    decider: str | None = member(ENUM("isl_bounding", "uncached_threshold", "always", "never"))
     # isl_bounding (Dynamo's defaults): local iff effective ISL < isl_threshold and
     # effective / ISL < ratio_threshold, both strictly.
     isl_threshold: int = member(U64, default=2048, nullable=False)
@@ -453,6 +453,8 @@ class PdOptions(_Checked):
     # A decode worker whose KV use (booked, or its engine's scraped kv_usage) is above this
     # fraction of its blocks takes the remote path.
     kv_busy_fraction: float = member(F64, default=0.9, nullable=False, rule=_in_unit)
+    # router_policy=ttft: how many prompt tokens of KV the link from a prefill worker moves a second.
+    transfer_tokens_per_sec: float = member(F64, default=100_000.0, nullable=False, rule=_positive)
 
 
 DEFAULT_PD: Final = PdOptions()
