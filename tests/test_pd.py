@@ -677,3 +677,67 @@ def test_the_same_plan_over_stdio_json_rpc() -> None:
     assert answers[5]["result"]["released"] == ["decode"]
     assert answers[6]["error"] == {"code": -32602, "message": "Invalid params",
                                    "data": {"detail": "plan_id must be a string"}}
+
+
+# -- replicas: the legs go through the shared ledger ----------------------------------------------
+
+def _pd_replica(**ledger: Any) -> tuple[SelectionService, Any]:
+    from tests.test_ledger_core import replica, send
+    service, mirror = replica(**ledger)  # workers 1 and 2 of model m
+    assert send(service, "PATCH", "/workers/1", {"role": "decode", "local_prefill": True}).status == 200
+    assert send(service, "PATCH", "/workers/2", {"role": "prefill"}).status == 200
+    mirror.journal.take(100)
+    return service, mirror
+
+
+def test_plan_legs_are_journaled_and_a_full_outbox_between_them_books_neither() -> None:
+    from selection_proto.core.ledger_wire import Reply, decode_add
+    from tests.test_ledger_core import active, answers, send
+
+    service, mirror = _pd_replica()
+    answer = send(service, "POST", "/select_pd_and_reserve", plan_body(16, plan_id="L", pd={"decider": "always"}))
+    assert answer.status == 200
+    ops = mirror.journal.take(10)
+    assert [(op.kind, op.ident) for op in ops] == [("add", "L:prefill"), ("add", "L:decode")]
+    prefill, decode = decode_add(ops[0].body), decode_add(ops[1].body)
+    assert (prefill.worker_id, prefill.prefill_tokens, prefill.blocks) == (2, 16, None)
+    assert (decode.worker_id, decode.prefill_tokens, len(decode.blocks or [])) == (1, 0, 4)
+    held = send(service, "DELETE", "/plans/L")  # a free waits for the ledger's word
+    frees = mirror.journal.take(10)
+    assert [(op.kind, op.ident) for op in frees] == [("free", "L:prefill"), ("free", "L:decode")]
+    mirror.results(frees, [Reply("ok", 3), Reply("ok", 4)], 1.0)
+    assert answers(service) == {held.ticket: (200, {"status": "ok", "plan_id": "L", "released": ["prefill", "decode"]})}
+    # The ledger is away and the outbox has room for one more change: the prefill leg is booked,
+    # the decode leg refused (503), and the prefill leg freed again.
+    service, mirror = _pd_replica(outbox_max=1)
+    mirror.connected(False, 1.0)
+    before = active(service)
+    refused = send(service, "POST", "/select_pd_and_reserve", plan_body(16, plan_id="F", pd={"decider": "always"}))
+    assert (refused.status, json.loads(refused.body)) == (503, {"error": "ledger outbox full"})
+    assert active(service) == before and not any(pool.tracker.bookings for pool in service.pools.values())
+    assert [(op.kind, op.ident) for op in mirror.journal.ops] == [("add", "F:prefill"), ("free", "F:prefill")]
+    assert service.metrics.value("selection_proto_pd_events_total", ("m", "default", "compensated")) == 1
+
+
+def test_a_strict_conflict_on_one_leg_frees_the_other_and_plans_again() -> None:
+    from selection_proto.core.ledger_wire import Reply
+    from tests.test_ledger_core import active, answers, send
+
+    service, mirror = _pd_replica(admission="strict")
+    held = send(service, "POST", "/select_pd_and_reserve", plan_body(16, pd={"decider": "always"}))
+    assert hasattr(held, "ticket")
+    ops = mirror.journal.take(10)
+    plan_id = ops[0].ident.split(":")[0]
+    assert [op.ident for op in ops] == [f"{plan_id}:prefill", f"{plan_id}:decode"]
+    mirror.results(ops, [Reply("conflict", 0), Reply("ok", 1)], 1.0)
+    # the refused prefill leg is undone here, its decode leg freed through the ledger, and the
+    # request planned again (a new plan id: none was given)
+    again = mirror.journal.take(10)
+    assert [(op.kind, op.ident) for op in again[:1]] == [("free", f"{plan_id}:decode")]
+    new_id = again[1].ident.split(":")[0]
+    assert new_id != plan_id and [op.ident for op in again[1:]] == [f"{new_id}:prefill", f"{new_id}:decode"]
+    assert service.metrics.value("selection_proto_pd_events_total", ("m", "default", "compensated")) == 1
+    mirror.results(again, [Reply("ok", 2), Reply("ok", 3), Reply("ok", 4)], 1.0)
+    (status, body), = answers(service).values()
+    assert status == 200 and body["path"] == "remote" and body["plan_id"] == new_id
+    assert active(service) == {1: 1, 2: 1}

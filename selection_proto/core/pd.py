@@ -436,6 +436,18 @@ class Plans:
             self._metrics.booking(pool.key, "freed")
             self._metrics.plan_event(pool.key, "compensated")
 
+    def free_other_leg(self, rid: str, pool: Pool, now: float) -> None:
+        """One leg of a plan was undone (the shared ledger refused it): its other leg goes too,
+        through the journal, so that no replica keeps half a plan."""
+        for mine, other in ((PREFILL_SUFFIX, DECODE_SUFFIX), (DECODE_SUFFIX, PREFILL_SUFFIX)):
+            if rid.endswith(mine):
+                sibling = rid[: -len(mine)] + other
+                booking = pool.tracker.bookings.get(sibling)
+                if booking is not None and booking.plan:
+                    self.finish_booking(sibling, *pool.key, now, free=True)
+                    self._metrics.plan_event(pool.key, "compensated")
+                return
+
     # -- handoff and end ---------------------------------------------------------------------------
 
     def _holding(self, rid: str, model_name: str | None, tenant_id: str | None) -> Pool | None:
