@@ -347,6 +347,13 @@ def test_select_skips_prefill_workers_unless_named_and_explain_shows_the_plan() 
     assert [c["worker_id"] for c in plan["candidates"]] == [1]
     assert [c["worker_id"] for c in plan["prefill_candidates"]] == [3]  # isl 8: remote by isl_bounding
     assert dict(r.headers)["x-selection-decision"].startswith("path=remote;decider=isl_bounding;decode=1:0;prefill=3:0")
+    # the status page's recent decisions show the plan
+    decisions = svc.call("GET", "/status/snapshot")[1]["decisions"]
+    plans = [d for d in decisions if "plan" in d]
+    assert len(decisions) == 7 and len(plans) == 1  # five /select, one naming worker 3, one plan
+    assert plans[0]["worker_id"] == 1 and plans[0]["plan"] == {
+        "path": "remote", "prefill": {"worker_id": 3, "dp_rank": 0},
+        "reason": "uncached share 1 >= 0.7: prefill on a prefill worker"}
 
 
 @pytest.mark.parametrize(("body", "status", "message"), [

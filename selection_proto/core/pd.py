@@ -269,7 +269,8 @@ class Plans:
                 self._predict(pool, pool.tracker.bookings[rid].rank, prompt, now)
             self._metrics.selected(pool.key, chosen.cached / prompt.isl if prompt.isl > 0 else None,
                                    chosen.device < max(c.device for c in scored))
-            pool.recent.append(Decision.of(now, prompt.isl, chosen, scored, lowest is not None))
+            pool.recent.append(Decision.of(now, prompt.isl, chosen, scored, lowest is not None, (
+                verdict.path, None if prefill is None else prefill.rank, verdict.reason)))
             response = PlanResponse(
                 plan_id=plan_id, selection_id=req.selection_id, model_name=req.model_name, tenant_id=req.tenant_id,
                 path=verdict.path, decode=self._leg(chosen, booked.get("decode"), None),
