@@ -316,7 +316,7 @@ def test_transfer_domains_required_fail_closed_preferred_weighs() -> None:
     svc.worker(3, role="prefill", kv_transfer_domain="b")
     always = {"decider": "always"}
     assert svc.call("POST", "/select_pd_and_reserve", plan_body(8, pd=always)) == (503, {"error": (
-        "no prefill worker can pair with an eligible decode worker for model=m tenant=default (kv_transfer_domain)")})
+        "no prefill worker can pair with an eligible decode worker for model=m tenant=default")})
     assert svc.bookings() == set()
     svc.worker(2, role="decode", kv_transfer_domain="b")  # not required, and a prefill worker in its domain
     plan = svc.call("POST", "/select_pd", plan_body(8, pd=always))[1]

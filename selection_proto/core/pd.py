@@ -249,12 +249,11 @@ class Plans:
         verdict, pairs, prefill, prefill_scored = self._verdict(opts, pool, prompt.isl, chosen, prefill_ranks,
                                                                 choose_prefill)
         if verdict.path == "remote" and not pairs:
-            # No prefill worker may pair with it (a required kv_transfer_domain, or none left):
-            # choose the decode worker again among those that have one; never a cross-domain pair.
+            # No prefill worker may pair with it (a required kv_transfer_domain, or none within the
+            # request's constraints): choose the decode worker again among those that have one.
             viable = [c for c in scored if self._pairs(c.rank, prefill_ranks)]
             if not viable:
-                raise NotReady(f"no prefill worker can pair with an eligible decode worker for {pool.label} "
-                               "(kv_transfer_domain)")
+                raise NotReady(f"no prefill worker can pair with an eligible decode worker for {pool.label}")
             chosen = choose(pool, viable, temperature, self._rng)
             verdict, pairs, prefill, prefill_scored = self._verdict(opts, pool, prompt.isl, chosen, prefill_ranks,
                                                                     choose_prefill)
@@ -271,15 +270,7 @@ class Plans:
                                    chosen.device < max(c.device for c in scored))
             pool.recent.append(Decision.of(now, prompt.isl, chosen, scored, lowest is not None, (
                 verdict.path, None if prefill is None else prefill.rank, verdict.reason)))
-            response = PlanResponse(
-                plan_id=plan_id, selection_id=req.selection_id, model_name=req.model_name, tenant_id=req.tenant_id,
-                path=verdict.path, decode=self._leg(chosen, booked.get("decode"), None),
-                prefill=None if prefill is None else self._leg(prefill, booked.get("prefill"), worker(prefill.rank)),
-                verdict=verdict, block_size=pool.block_size,
-                decision_header=(f"path={verdict.path};decider={verdict.decider};"
-                                 f"decode={chosen.rank[0]}:{chosen.rank[1]}"
-                                 + ("" if prefill is None else f";prefill={prefill.rank[0]}:{prefill.rank[1]}")
-                                 + f";cached={chosen.cached};isl={prompt.isl}") if s.explain_header else None)
+            response = self._response(req, pool, plan_id, verdict, chosen, prefill, booked, prompt.isl)
             if req.explain:
                 response = attrs.evolve(response, candidates=explain(scored, lowest is not None),
                                         prefill_candidates=explain(prefill_scored),
@@ -289,6 +280,19 @@ class Plans:
             self._undo(pool, booked.values(), now)  # a plan not answered holds nothing
             raise
         return response
+
+    def _response(self, req: SelectPdRequest, pool: Pool, plan_id: str, verdict: Verdict, decode: Scored,
+                  prefill: Scored | None, booked: dict[str, str], isl: int) -> PlanResponse:
+        header = None
+        if self._settings.explain_header:
+            header = (f"path={verdict.path};decider={verdict.decider};decode={decode.rank[0]}:{decode.rank[1]}"
+                      + ("" if prefill is None else f";prefill={prefill.rank[0]}:{prefill.rank[1]}")
+                      + f";cached={decode.cached};isl={isl}")
+        return PlanResponse(
+            plan_id=plan_id, selection_id=req.selection_id, model_name=req.model_name, tenant_id=req.tenant_id,
+            path=verdict.path, decode=self._leg(decode, booked.get("decode"), None),
+            prefill=None if prefill is None else self._leg(prefill, booked.get("prefill"), self._worker(prefill.rank)),
+            verdict=verdict, block_size=pool.block_size, decision_header=header)
 
     def _worker(self, rank: Rank) -> WorkerRequest:
         return self._catalog[rank[0]].request
