@@ -241,6 +241,8 @@ def test_remote_plan_books_prefill_on_p_and_blocks_on_d_then_handoff_and_end() -
     # the legs are reservations like any other
     assert svc.call("POST", "/reservations/p1:decode/prefill_complete")[0] == 200
     assert svc.call("POST", "/plans/p1/handoff") == (200, {"status": "ok", "plan_id": "p1", "released": ["prefill"]})
+    # the prefill leg's prefill completed before it was freed (what router_policy=ttft learns from)
+    assert svc.metric("selection_proto_reservation_events_total", event="prefill_complete") == 2.0
     assert svc.call("POST", "/plans/p1/handoff") == (200, {"status": "ok", "plan_id": "p1", "released": []})
     assert svc.bookings() == {"p1:decode"}
     assert svc.call("DELETE", "/plans/p1") == (200, {"status": "ok", "plan_id": "p1", "released": ["decode"]})

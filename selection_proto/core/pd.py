@@ -479,6 +479,8 @@ class Plans:
         rid = plan_id + PREFILL_SUFFIX
         pool = self._holding(rid, model_name, tenant_id)
         if pool is not None:
+            if not pool.tracker.bookings[rid].prefill_done:  # it is over: router_policy=ttft learns its speed
+                self.finish_booking(rid, *pool.key, now, free=False)
             self.finish_booking(rid, *pool.key, now, free=True)
             self._metrics.plan_event(pool.key, "handoff")
             released.append("prefill")
