@@ -156,6 +156,32 @@ def test_busier_decode_kv_never_flips_remote_to_local_and_unable_is_never_local(
     assert path(opts, isl, cached, **{**flags, "can_local": False}) == "remote"
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 400), st.integers(0, 400), st.integers(0, 400), st.integers(1, 1700),
+       st.sampled_from([{}, {"decider": "uncached_threshold", "uncached_tokens": 64}, {"isl_threshold": 300}]))
+def test_through_the_service_more_cache_never_remote_and_a_longer_prompt_never_local(
+        c1: int, c2: int, extra: int, isl: int, pd: dict[str, Any]) -> None:
+    svc = Svc()
+    svc.worker(1, role="both")
+    svc.worker(3, role="prefill")
+    tokens = list(range(1, 2101 + 4 * 400))
+    less, more = sorted((min(c1, isl // 4), min(c2, isl // 4)))
+
+    def path_(cached_blocks: int, n: int) -> str:
+        svc.call("POST", "/kv_events", [{"worker_id": 1, "event": {"event_id": 0, "data": "cleared"}}])
+        if cached_blocks:
+            svc.cache(1, tokens[:4 * cached_blocks])
+        status, plan = svc.call("POST", "/select_pd", plan_body(n, pd=pd))
+        assert status == 200, plan
+        assert plan["decision"]["cached_on_decode"] == 4 * cached_blocks
+        return str(plan["path"])
+
+    if path_(less, isl) == "local":
+        assert path_(more, isl) == "local"
+    if path_(less, isl) == "remote":
+        assert path_(less, isl + extra) == "remote"
+
+
 # -- the catalog -----------------------------------------------------------------------------------
 
 def test_roles_are_listed_only_when_set_and_validated() -> None:
