@@ -549,7 +549,6 @@ def _patch_faults() -> Callable[[], None]:
 class PlanMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.restore = _patch_faults()
         self.svc = Svc(Settings(kv_events="push", active_request_expiry_secs=EXPIRY))
         self.svc.worker(1, role="decode", local_prefill=True)
         self.svc.worker(2, role="decode")
@@ -560,6 +559,7 @@ class PlanMachine(RuleBasedStateMachine):
         self.plans = 0
         self.compensated = 0
         self.orphans = 0
+        self.restore = _patch_faults()  # last: `teardown` undoes it
 
     def teardown(self) -> None:
         self.restore()
