@@ -43,12 +43,18 @@ FIELDS = ["worker_id", "model_name", "tenant_id", "routing_group", "endpoint", "
           # 1.6.1's members (issues 13 and 14)
           "session_id", "session_context", "cache_salt", "advisory", "is_eagle", "mm_routing_info",
           "routing_token_ids", "block_mm_infos", "mm_objects", "mm_hash", "offsets", "decay_fraction",
-          "replay_endpoint"]
+          "replay_endpoint",
+          # prefill/decode plans (docs/PD.md)
+          "role", "local_prefill", "bootstrap_host", "bootstrap_port", "plan_id", "pd", "mode", "decider",
+          "isl_threshold", "ratio_threshold", "uncached_tokens", "prompt_tokens", "kv_busy_fraction",
+          "transfer_tokens_per_sec"]
 PATHS = ["/health", "/ready", "/workers", "/workers/1", "/workers/" + HUGE, "/workers/%ED%A0%80", "/workers/+1",
          "/select", "/select_and_reserve", "/reservations", "/reservations/r1/prefill_complete", "/reservations/r1",
          "/reservations/%ff", "/loads", "/potential_loads", "/overlap_scores", "/kv_events", "/metrics",
          "/openapi.json", "/dump", "/nope", "//", "/workers/", "/reservations/r1/output_block",
-         "/reservations/%ED%A0%80/output_block", "/reservations/" + HUGE + "/output_block"]
+         "/reservations/%ED%A0%80/output_block", "/reservations/" + HUGE + "/output_block",
+         "/select_pd", "/select_pd_and_reserve", "/plans/p1/handoff", "/plans/p1", "/plans/%ff",
+         "/plans/%ED%A0%80/handoff", "/plans/" + HUGE]
 QUERY_KEYS = ["model_name", "tenant_id", "routing_group", "worker_id", "dp_rank", "framing", "ack", "resume"]
 QUERY_VALUES = ["1", HUGE, "%ED%A0%80", "%ff", "%", "seq", "raw", "true", "x", "", "-1", "18446744073709551616"]
 HOSTS = [b"host: x\r\n", b"", b"host: \xff\xfe\r\n", b"host: a..b\r\n", b"host: [::1]:80\r\n", b"host: x\r\nhost: y\r\n",

@@ -161,7 +161,8 @@ def engine_batch(data: bytes) -> None:
 
 _MSGPACK_ROUTES: Final = (("POST", "/select"), ("POST", "/select_and_reserve"), ("POST", "/workers"),
                           ("PATCH", "/workers/1"), ("POST", "/reservations"), ("POST", "/overlap_scores"),
-                          ("POST", "/potential_loads"), ("POST", "/reservations/r/output_block"))
+                          ("POST", "/potential_loads"), ("POST", "/reservations/r/output_block"),
+                          ("POST", "/select_pd_and_reserve"), ("POST", "/select_pd"))
 
 
 def msgpack_body(data: bytes) -> None:

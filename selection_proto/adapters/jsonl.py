@@ -323,7 +323,7 @@ def _request(method: str, route: tuple[str, str, str | None, bool], params: dict
             segment = str(value)
         else:
             if not isinstance(value, str):
-                raise _ParamsError("reservation_id must be a string")
+                raise _ParamsError(f"{path_param} must be a string")
             segment = value
         path = template.format(quote(segment, safe=""))
     headers = [_JSON]

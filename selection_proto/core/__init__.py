@@ -14,7 +14,8 @@ Each concept has one module:
 * the selection side: `selection` (candidates, overload, choice, bookings, dispatch), `prompt`
   (a request's hashes), `cost` (a candidate's cost, the choice), `admission` (the queue, tickets,
   how a ticket ends), `tracker` (bookings and loads), `pending` (selections awaiting their
-  booking), `sessions` (session affinity), `readouts` (loads and overlap answers),
+  booking), `sessions` (session affinity), `pd` (prefill/decode plans: the decider, the pair,
+  both bookings or neither), `readouts` (loads and overlap answers),
   `index` (the radix trees), `hashing`;
 * the KV-event side: `ingest` (bind and apply, requests applied in steps), `events` (Dynamo
   JSON), `engine` (engine msgpack), `streams` (event sources, their lifecycle table, message
@@ -47,6 +48,7 @@ from .outputs import (
     SubscribeKvEvents,
     UnsubscribeKvEvents,
 )
+from .pd import PlanResponse, Verdict
 from .responses import *  # noqa: F403 - the wire types are the public API
 from .responses import __all__ as _responses_all
 from .service import SelectionService
@@ -67,6 +69,7 @@ __all__ = [
     "Notice",
     "OutputEvent",
     "PayloadTooLarge",
+    "PlanResponse",
     "Response",
     "SelectionError",
     "SelectionReady",
@@ -78,6 +81,7 @@ __all__ = [
     "UnsubscribeKvEvents",
     "Unprocessable",
     "UnsupportedMediaType",
+    "Verdict",
     "block_hashes",
     "iv",
     "sequence_hashes",

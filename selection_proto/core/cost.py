@@ -31,6 +31,7 @@ __all__ = [
     "effective_blocks",
     "estimates",
     "explain",
+    "queue_secs",
     "score",
     "tracks_prefill",
 ]
@@ -196,6 +197,18 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
         append(make(Scored, (r, predicted, active_prefill + (new_prefill if track else 0),
                              decode_blocks, d, h, k, effective, cached, wait, prefill, logit)))
     return scored, min(map(DYNAMO_LOGIT, scored)) if ttft else None
+
+
+def queue_secs(state: Pool, c: Scored) -> float:
+    """The part of a `router_policy=ttft` candidate's predicted wait that is the prefill booked
+    on its rank (the rest is the pressure of its KV blocks), as `score` predicts it: a plan
+    compares where the prefill runs, while the blocks land on the decode worker either way."""
+    per_token, kv_blocks = state.speeds.of.get(c.rank[0], worker_speed(None, None))
+    active = state.tracker.loads[c.rank].prefill_tokens
+    if not kv_blocks:
+        return active * per_token
+    drag = 1.0 + (DECODE_DRAG if c.decode_blocks >= kv_blocks else DECODE_DRAG * c.decode_blocks / kv_blocks)
+    return active * drag * per_token
 
 
 def choose(state: Pool, scored: list[Scored], temperature: float, rng: random.Random) -> Scored:

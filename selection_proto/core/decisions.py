@@ -43,11 +43,13 @@ class Decision(NamedTuple):
     cheapest: tuple[Scored, ...]
     candidates: int
     predicted: bool  # the candidates carry predicted wait and prefill seconds (router_policy=ttft)
+    plan: tuple[str, Rank | None, str] | None = None  # a plan's path, prefill rank and reason (pd.py)
 
     @classmethod
-    def of(cls, at: float, isl: int, chosen: Scored, scored: Sequence[Scored], predicted: bool) -> Decision:
+    def of(cls, at: float, isl: int, chosen: Scored, scored: Sequence[Scored], predicted: bool,
+           plan: tuple[str, Rank | None, str] | None = None) -> Decision:
         cheapest = tuple(heapq.nsmallest(DECISION_CANDIDATES, scored, key=lambda s: (s.logit, s.rank)))
-        return cls(at, isl, chosen, runner_up(chosen, scored), cheapest, len(scored), predicted)
+        return cls(at, isl, chosen, runner_up(chosen, scored), cheapest, len(scored), predicted, plan)
 
 
 def runner_up(chosen: Scored, scored: Sequence[Scored]) -> Scored | None:

@@ -50,6 +50,8 @@ from .types import (
     PotentialLoadsRequest,
     ReservationRequest,
     SelectAndReserveRequest,
+    SelectPdAndReserveRequest,
+    SelectPdRequest,
     SelectRequest,
     WorkerPatchRequest,
     WorkerRequest,
@@ -294,6 +296,39 @@ def select_and_reserve_parsed(service: Service, body: ParsedBody, now: float) ->
         service.limits.prehashed = None
 
 
+def _plan_answer(plan: Any) -> Response:
+    extra = () if plan.decision_header is None else ((DECISION_HEADER, plan.decision_header),)
+    return json_response(200, plan.to_json(), extra)
+
+
+def _h_select_pd(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
+    req = _decode(body, lambda v, ctx: from_json(SelectPdRequest, v, "", ctx))
+    return _plan_answer(service.plan(req, now=now))
+
+
+def _h_select_pd_and_reserve(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
+    req = _decode(body, lambda v, ctx: from_json(SelectPdAndReserveRequest, v, "", ctx))
+    return _plan_answer(service.plan(req, now=now))
+
+
+def _plan_released(plan_id: str, released: list[str]) -> Response:
+    return json_response(200, {"status": "ok", "plan_id": plan_id, "released": released})
+
+
+def _h_plan_handoff(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
+    plan_id = _reservation_id(param or "")
+    params = parse_query(query, KEY_QUERY)
+    return _plan_released(plan_id, service.release_plan(plan_id, end=False, model_name=params.get("model_name"),
+                                                        tenant_id=params.get("tenant_id"), now=now))
+
+
+def _h_end_plan(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
+    plan_id = _reservation_id(param or "")
+    params = parse_query(query, KEY_QUERY)
+    return _plan_released(plan_id, service.release_plan(plan_id, end=True, model_name=params.get("model_name"),
+                                                        tenant_id=params.get("tenant_id"), now=now))
+
+
 def _h_reserve(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
     req = _decode(body, lambda v, ctx: from_json(ReservationRequest, v, "", ctx))
     return _ok(service.reserve(req, now=now), 201)
@@ -492,6 +527,10 @@ _HANDLERS: Final[dict[str, Callable[..., Response | Pending]]] = {
     "select": _h_select,
     "select_and_reserve": _h_select_and_reserve,
     "reserve": _h_reserve,
+    "select_pd": _h_select_pd,
+    "select_pd_and_reserve": _h_select_pd_and_reserve,
+    "plan_handoff": _h_plan_handoff,
+    "end_plan": _h_end_plan,
     "prefill_complete": _h_prefill,
     "free": _h_free,
     "output_block": _h_output_block,

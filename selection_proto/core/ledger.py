@@ -171,7 +171,7 @@ class Ledger:
         if hold.retry_after is not None:
             if self.n >= hold.retry_after:
                 self._retry(hold, now)
-        elif hold.freed:
+        elif hold.freed and hold.result.status != 200:  # a 200 keeps its own body (a plan's release)
             self._answer(hold, json_response(200, StatusOk().to_json()))
         else:
             self._answer(hold, hold.result)
@@ -396,7 +396,8 @@ class Ledger:
         """Undo a booking of this replica's that the ledger did not take."""
         pool = self._pool_of(rid)
         if pool is not None:
-            pool.free(rid, now)
+            if pool.free(rid, now).plan:  # a plan holds both legs or neither (docs/PD.md)
+                self._selector.free_other_leg(rid, pool, now)
             self._selector.dispatch(pool, now)
 
     # -- snapshots and resets ----------------------------------------------------------------------

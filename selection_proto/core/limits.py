@@ -97,9 +97,9 @@ class Limits:
         except PromptTooLong as exc:
             raise self._refuse("prompt_tokens", exc) from None
 
-    def reservations(self, pool: Pool, rid: str) -> None:
-        """Room for one more booking in the pool (a duplicate id raises DuplicateReservation)."""
+    def reservations(self, pool: Pool, rid: str, room: int = 1) -> None:
+        """Room for `room` more bookings in the pool (a duplicate id raises DuplicateReservation)."""
         try:
-            pool.tracker.check_can_book(rid)
+            pool.tracker.check_can_book(rid, room)
         except TooManyRequests as exc:
             raise self._refuse("reservations_per_key", exc) from None

@@ -83,6 +83,12 @@ FAMILIES: Final[Mapping[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]
         "counter", "router_policy=ttft selections of a rank Dynamo's cost would not have chosen.",
         ("model_name", "tenant_id"), ()),
     "selection_proto_reservations_active": ("gauge", "Live bookings.", ("model_name", "tenant_id"), ()),
+    "selection_proto_pd_plans_total": ("counter", "Prefill/decode plans answered, by route, path (local, remote) "
+                                       "and decider (docs/PD.md).",
+                                       ("model_name", "tenant_id", "route", "path", "decider"), ()),
+    "selection_proto_pd_events_total": ("counter", "Plan bookings: handoffs, plans ended, legs expired as "
+                                        "orphans, legs freed because the other could not be booked "
+                                        "(compensated).", ("model_name", "tenant_id", "event"), ()),
     "selection_proto_reservation_events_total": ("counter", "Booking lifecycle events.",
                                                  ("model_name", "tenant_id", "event"), ()),
     "selection_proto_queue_pending": ("gauge", "Queued selections.", ("model_name", "tenant_id"), ()),
@@ -269,6 +275,14 @@ class Metrics:
     def booking(self, key: Labels, event: str, count: int = 1) -> None:
         """Bookings booked, freed, prefill_complete, expired or dropped."""
         self.inc("selection_proto_reservation_events_total", (*key, event), count)
+
+    def plan(self, key: Labels, route: str, path: str, decider: str) -> None:
+        """A prefill/decode plan answered (pd.py)."""
+        self.inc("selection_proto_pd_plans_total", (*key, route, path, decider))
+
+    def plan_event(self, key: Labels, event: str, count: int = 1) -> None:
+        """A plan's handoff, end, orphaned leg expired, or leg compensated."""
+        self.inc("selection_proto_pd_events_total", (*key, event), count)
 
     def queue(self, key: Labels, event: str, waited: float | None = None) -> None:
         """A queue event (admission.OUTCOMES, queued, rejected_full); an outcome with its wait."""

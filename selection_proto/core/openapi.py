@@ -115,6 +115,27 @@ _ANSWERS: Final[dict[str, dict[str, Any]]] = {
         **{n: _INT for n in ("received", "applied", "failed", "dropped")},
         "failures": {"type": "array", "items": {"type": "object", "properties": {"index": _INT, "error": _STR}}}}},
     "Dump": {"type": "object", "description": "api.md §7: format, version, keys, workers, events."},
+    "PlanResponse": {"type": "object", "description": "A prefill/decode plan (docs/PD.md).", "properties": {
+        **{n: _STR for n in ("plan_id", "selection_id", "model_name", "tenant_id")},
+        "path": {"enum": ["local", "remote"]}, "block_size": _INT,
+        "decode": {"type": "object", "properties": {
+            **{n: _INT for n in ("worker_id", "dp_rank", "cached_tokens")}, "endpoint": _STR,
+            "reservation_id": {"type": ["string", "null"]}, "effective_overlap_blocks": {"type": "number"}}},
+        "prefill": {"type": ["object", "null"], "properties": {
+            **{n: _INT for n in ("worker_id", "dp_rank", "cached_tokens")}, "endpoint": _STR,
+            "reservation_id": {"type": ["string", "null"]}, "bootstrap_host": {"type": ["string", "null"]},
+            "bootstrap_port": {"type": ["integer", "null"]}}},
+        "decision": {"type": "object", "properties": {
+            "decider": _STR, "isl": _INT, "cached_on_decode": _INT, "uncached_on_decode": _INT,
+            "ratio": {"type": "number"}, "flags": {"type": "array", "items": _STR}, "reason": _STR}},
+        "candidates": {"type": "array", "items": {"type": "object"}},
+        "prefill_candidates": {"type": "array", "items": {"type": "object"}},
+        "excluded": {"type": "array", "items": {"type": "object"}}},
+        "required": ["plan_id", "model_name", "tenant_id", "path", "decode", "prefill", "decision"]},
+    "PlanReleased": {"type": "object", "properties": {
+        "status": {"const": "ok"}, "plan_id": _STR,
+        "released": {"type": "array", "items": {"enum": ["prefill", "decode", "decode_prefill"]}}},
+        "required": ["status", "plan_id", "released"]},
     "OpenApi": {"type": "object"},
     "Status": {"type": "object", "description": "docs/STATUS.md: version, ready, serving, policy, kv_events, "
                                                 "workers, queues, decisions.",
@@ -127,6 +148,8 @@ _ANSWER_OF: Final[dict[str, tuple[str, str]]] = {  # operation -> (schema, media
     "delete_worker": ("WorkerRecord", "application/json"), "get_worker": ("WorkerRecord", "application/json"),
     "select": ("SelectResponse", "application/json"), "select_and_reserve": ("SelectResponse", "application/json"),
     "reserve": ("ReservationResponse", "application/json"),
+    "select_pd": ("PlanResponse", "application/json"), "select_pd_and_reserve": ("PlanResponse", "application/json"),
+    "plan_handoff": ("PlanReleased", "application/json"), "end_plan": ("PlanReleased", "application/json"),
     "prefill_complete": ("StatusOk", "application/json"), "output_block": ("StatusOk", "application/json"),
     "free": ("StatusOk", "application/json"), "loads": ("Loads", "application/json"),
     "potential_loads": ("PotentialLoads", "application/json"),

@@ -51,7 +51,7 @@ class Pool:
     """Everything a key (model, tenant) holds while it has a schedulable rank (core.md §6.4)."""
 
     __slots__ = ("key", "label", "block_size", "eagle", "speeds", "index", "tracker", "fresh", "memory", "epoch",
-                 "workers", "taints", "queue", "_ranks", "budget", "sessions", "side", "predictions", "watch",
+                 "workers", "taints", "prefill_only", "queue", "_ranks", "budget", "sessions", "side", "predictions", "watch",
                  "recent")
 
     def __init__(self, key: Key, block_size: int, now: float, settings: Settings,
@@ -70,6 +70,8 @@ class Pool:
         self.epoch = now
         self.workers: dict[int, tuple[Rank, ...]] = {}  # schedulable worker -> its ranks
         self.taints: dict[int, frozenset[str]] = {}
+        # Workers whose role is `prefill` (docs/PD.md): not candidates of a plain `/select`.
+        self.prefill_only: set[int] = set()
         self.queue = FlowQueue({c.name: c.weight for c in parse_classes(settings.flow_classes)},
                                settings.priority_promote_secs, settings.fairness_burst_tokens or 0)
         self.sessions = SessionTable(settings.session_affinity_ttl_secs or 0.0, settings.max_sessions_per_key,
@@ -97,15 +99,21 @@ class Pool:
                  self.predictions.next_expiry() if self.predictions is not None else None)
         return min((t for t in times if t is not None), default=None)
 
-    def set_worker(self, worker_id: int, ranks: tuple[Rank, ...], taints: frozenset[str]) -> None:
-        """A schedulable worker joined or changed: its ranks (added with `add_rank`) and taints."""
+    def set_worker(self, worker_id: int, ranks: tuple[Rank, ...], taints: frozenset[str],
+                   role: str | None = None) -> None:
+        """A schedulable worker joined or changed: its ranks (added with `add_rank`), taints and role."""
         self.workers[worker_id] = ranks
         self.taints[worker_id] = taints
+        if role == "prefill":
+            self.prefill_only.add(worker_id)
+        else:
+            self.prefill_only.discard(worker_id)
         self._ranks = None
 
     def remove_worker(self, worker_id: int) -> tuple[Rank, ...]:
         """The worker left; its ranks, for the caller to drop with `drop_ranks`."""
         self.taints.pop(worker_id, None)
+        self.prefill_only.discard(worker_id)
         self._ranks = None
         return self.workers.pop(worker_id, ())
 

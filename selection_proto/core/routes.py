@@ -13,6 +13,8 @@ from .types import (
     PotentialLoadsRequest,
     ReservationRequest,
     SelectAndReserveRequest,
+    SelectPdAndReserveRequest,
+    SelectPdRequest,
     SelectRequest,
     WorkerPatchRequest,
     WorkerRequest,
@@ -60,6 +62,16 @@ ROUTES: Final[tuple[Route, ...]] = (
           "Choose a worker for a prompt (a pending selection with selection_id).", prompt=True),
     Route("POST", "/select_and_reserve", "select_and_reserve", True, SelectAndReserveRequest, (),
           (200, 400, 409, 413, 415, 422, 429, 500, 503), "select_and_reserve", "Choose a worker and book the prompt on it.", prompt=True),
+    Route("POST", "/select_pd", "select_pd", True, SelectPdRequest, (), (200, 400, 413, 415, 422, 429, 503),
+          "select_pd", "Plan a prefill/decode pair for a prompt: the decode worker, local or remote prefill, "
+          "the prefill worker (docs/PD.md).", prompt=True),
+    Route("POST", "/select_pd_and_reserve", "select_pd_and_reserve", True, SelectPdAndReserveRequest, (),
+          (200, 400, 409, 413, 415, 422, 429, 500, 503), "select_pd_and_reserve",
+          "Plan a prefill/decode pair and book both legs, or neither.", prompt=True),
+    Route("POST", "/plans/{plan_id}/handoff", "plan_handoff", False, None, KEY_QUERY, (200, 400),
+          "plans.handoff", "The decode worker answered: the plan's prefill booking ends (idempotent)."),
+    Route("DELETE", "/plans/{plan_id}", "end_plan", False, None, KEY_QUERY, (200, 400),
+          "plans.end", "The plan's request ended: both its bookings end (idempotent)."),
     Route("POST", "/reservations", "reserve", True, ReservationRequest, (),
           (201, 400, 404, 409, 413, 415, 422, 429, 503), "reservations.create", "Book on a given worker, or book a pending selection.", prompt=True),
     Route("POST", "/reservations/{reservation_id}/prefill_complete", "prefill_complete", False, None, KEY_QUERY,
@@ -138,8 +150,12 @@ def match(path: str) -> tuple[str, str | None] | None:
             return "/workers/{worker_id}", parts[2]
         if parts[1] == "reservations":
             return "/reservations/{reservation_id}", parts[2]
+        if parts[1] == "plans":
+            return "/plans/{plan_id}", parts[2]
     if len(parts) == 4 and parts[:2] == ["", "reservations"] and parts[2] and parts[3] in _BOOKING_ACTIONS:
         return f"/reservations/{{reservation_id}}/{parts[3]}", parts[2]
+    if len(parts) == 4 and parts[:2] == ["", "plans"] and parts[2] and parts[3] == "handoff":
+        return "/plans/{plan_id}/handoff", parts[2]
     return None
 
 

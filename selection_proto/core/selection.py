@@ -30,6 +30,7 @@ from .cost import (
 )
 from .decisions import Decision, decision
 from .deferred import Deferred
+from .engine_metrics import EngineMetrics
 from .errors import (
     BadRequest,
     Conflict,
@@ -45,6 +46,7 @@ from .journal import Journal
 from .limits import Limits
 from .metrics import Metrics
 from .outputs import Notice, OutputEvent
+from .pd import PlanResponse, Plans
 from .pending import MISSING, PendingSelection, PendingSelections, entry_size
 from .pool import Key, Pool, holding, key_label
 from .prompt import PromptHashes
@@ -53,7 +55,13 @@ from .responses import Excluded, Overlap, Pending, ReservationResponse, SelectRe
 from .sessions import check_session_id, mismatch
 from .settings import Settings
 from .tracker import PIECE_BLOCKS, Booking, DuplicateReservation, rank_text
-from .types import ReservationRequest, SelectAndReserveRequest, SelectRequest
+from .types import (
+    ReservationRequest,
+    SelectAndReserveRequest,
+    SelectPdAndReserveRequest,
+    SelectPdRequest,
+    SelectRequest,
+)
 
 __all__ = ["SHUTTING_DOWN", "Selector"]
 
@@ -61,16 +69,17 @@ SHUTTING_DOWN: Final = "selection service is shutting down"
 NO_CAPACITY: Final = 10_000_000  # 1.6.1's prefill capacity of a worker without max_num_batched_tokens
 
 
-class Selector(Admission):
-    """Selections, bookings and the admission queue of every pool."""
+class Selector(Admission, Plans):
+    """Selections, bookings, prefill/decode plans and the admission queue of every pool."""
 
     __slots__ = ("_settings", "_rng", "_metrics", "_limits", "_catalog", "_pools", "_tickets",
                  "_outbox", "_internal_error", "stopping", "pending", "log_decisions",
-                 "journal", "_deferred")
+                 "journal", "_deferred", "engines")
 
     def __init__(self, settings: Settings, rng: random.Random, metrics: Metrics, limits: Limits,
                  catalog: Catalog, pools: Mapping[Key, Pool], tickets: Tickets,
-                 outbox: deque[OutputEvent], internal_error: Callable[[str], None], deferred: Deferred) -> None:
+                 outbox: deque[OutputEvent], internal_error: Callable[[str], None], deferred: Deferred,
+                 engines: EngineMetrics | None = None) -> None:
         self._settings = settings
         self._rng = rng
         self._metrics = metrics
@@ -85,6 +94,7 @@ class Selector(Admission):
         self.stopping = False  # set by the service's shutdown: no new selections or bookings
         self.log_decisions = False  # a debug notice for every choice (`--log-level debug`)
         self.journal: Journal | None = None  # a shared ledger's (--ledger): bookings are journaled
+        self.engines = engines  # what engines' metrics endpoints reported: a plan reads a decode worker's KV use
         self.pending = PendingSelections(settings.selection_cache_ttl_secs, settings.selection_cache_max_entries,
                                          settings.selection_cache_max_bytes)
 
@@ -120,6 +130,23 @@ class Selector(Admission):
             raise
         self._metrics.selection(key, route, 200)
         return result
+
+    def plan(self, req: SelectPdRequest, now: float) -> PlanResponse:
+        """A prefill/decode plan (pd.py), booked on both workers or neither for a
+        `SelectPdAndReserveRequest`; its outcome counted. Plans are never queued."""
+        reserve = isinstance(req, SelectPdAndReserveRequest)
+        route = "select_pd_and_reserve" if reserve else "select_pd"
+        key = (req.model_name, req.tenant_id)
+        try:
+            if self.stopping:
+                raise NotReady(SHUTTING_DOWN)
+            answer = self._plan(req, reserve, now, _scheduler_conflict)
+        except SelectionError as exc:
+            self._metrics.selection(key, route, exc.status)
+            raise
+        self._metrics.selection(key, route, 200)
+        self._metrics.plan(key, route, answer.path, answer.verdict.decider)
+        return answer
 
     def _prepare(self, req: SelectRequest, reserve: bool, now: float) -> Selection:
         """Steps 2-8: gate, booking id, prompt, session, candidates, what each has cached."""
@@ -158,8 +185,10 @@ class Selector(Admission):
             bound = None
         return session, bound
 
-    def _candidates(self, req: SelectRequest, pool: Pool, bound: Rank | None = None
-                    ) -> tuple[list[Rank], dict[Rank, str]]:
+    def _candidates(self, req: SelectRequest, pool: Pool, bound: Rank | None = None,
+                    roles: bool = True) -> tuple[list[Rank], dict[Rank, str]]:
+        """`roles`: a prefill worker is no candidate unless the request names its workers
+        (docs/PD.md); a plan sorts roles itself."""
         excluded: dict[Rank, str] = {}
         ranks = pool.ranks()
         allowed = req.allowed_worker_ids
@@ -184,6 +213,13 @@ class Selector(Admission):
                     candidates.append(r)
                 else:
                     excluded[r] = "not_allowed"
+        elif roles and pool.prefill_only:
+            candidates = []
+            for r in ranks:
+                if r[0] in pool.prefill_only:
+                    excluded[r] = "prefill_role"
+                else:
+                    candidates.append(r)
         if required:
             kept = []
             for r in candidates:
@@ -334,12 +370,17 @@ class Selector(Admission):
         """Forget bookings older than `active_request_expiry_secs`; True when any went."""
         if expired := pool.expire(now, self._settings.active_request_expiry_secs):
             self._metrics.booking(pool.key, "expired", len(expired))
+            if orphans := sum(1 for b in expired if b.plan):
+                self._metrics.plan_event(pool.key, "orphan_expired", orphans)
         return bool(expired)
 
     def _book(self, pool: Pool, rid: str, rank: Rank, prompt: PromptHashes, cached: int,
               track_prefill: bool, reuse: bool, expected_output_tokens: int | None, now: float,
-              duplicate: Callable[[DuplicateReservation], SelectionError] | None = None) -> Booking:
-        """Book `prompt` on `rank` as `rid`; `duplicate` words the 409 of an id already booked."""
+              duplicate: Callable[[DuplicateReservation], SelectionError] | None = None, *,
+              decode_blocks: bool = True, predict: bool = True) -> Booking:
+        """Book `prompt` on `rank` as `rid`; `duplicate` words the 409 of an id already booked.
+        `decode_blocks`: the booking holds the prompt's blocks (a plan's prefill leg does not);
+        `predict`: the prompt's blocks are predicted cached on the rank now (else `_predict`)."""
         self.expire(pool, now)
         if self.journal is not None and getattr(pool.tracker.bookings.get(rid), "owner", None) is not None:
             self.journal.check_booking()  # another replica's booking of the id, its free maybe on its
@@ -354,7 +395,7 @@ class Selector(Admission):
         if self.journal is not None:
             self.journal.check_booking()
         blocks: list[int] | None = None
-        if self._settings.track_active_blocks:
+        if self._settings.track_active_blocks and decode_blocks:
             blocks = list(prompt.seqs) if reuse else [self._rng.getrandbits(64) for _ in prompt.seqs]
         prefill = max(0, prompt.isl - cached) if track_prefill else 0
         pool.speeds.observe(rank, pool.tracker.loads[rank].prefill_tokens, now)
@@ -364,6 +405,12 @@ class Selector(Admission):
         self._metrics.booking(pool.key, "booked")
         if self.journal is not None:
             self.journal.booked(pool.key, booking)
+        if predict:
+            self._predict(pool, rank, prompt, now)
+        return booking
+
+    def _predict(self, pool: Pool, rank: Rank, prompt: PromptHashes, now: float) -> None:
+        """The prompt's blocks will be in the rank's cache (predicted_ttl_secs, approximate mode)."""
         if pool.predictions is not None:
             pieces = pool.predictions.pieces(rank, prompt.blocks, now, prompt.seqs if prompt.chained else None,
                                              PIECE_BLOCKS)
@@ -372,7 +419,6 @@ class Selector(Admission):
                     piece()  # a queued selection's: the next one this dispatch runs must see them
                 else:
                     self._deferred.add(piece)  # after the answer is written (deferred.py): no answer reads them
-        return booking
 
     def reserve(self, req: ReservationRequest, now: float) -> ReservationResponse:
         """An explicit booking on `worker_id` (it discards a pending selection of the same id),

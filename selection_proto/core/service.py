@@ -32,6 +32,7 @@ from .ledger import Ledger
 from .limits import Limits
 from .metrics import Metrics
 from .outputs import InternalError, OutputEvent
+from .pd import PlanResponse
 from .pool import Key, Pool
 from .readouts import gauges, kv_routing, loads, overlap_scores, potential_loads
 from .responses import (
@@ -56,6 +57,7 @@ from .types import (
     PotentialLoadsRequest,
     ReservationRequest,
     SelectAndReserveRequest,
+    SelectPdRequest,
     SelectRequest,
     WorkerCatalogRecord,
     WorkerPatchRequest,
@@ -94,8 +96,9 @@ class SelectionService:
         self._tickets = tickets = Tickets()
         self._streams = Streams(self._pools, self._outbox)
         self.deferred = Deferred(self.internal_error)
+        self.engines = EngineMetrics()  # what each engine's metrics_endpoint last reported
         self._selector = Selector(s, self.rng, self.metrics, self.limits, self.catalog, self._pools,
-                                  tickets, self._outbox, self.internal_error, self.deferred)
+                                  tickets, self._outbox, self.internal_error, self.deferred, self.engines)
         self.ledger: Ledger | None = None  # the mirror of a ledger shared with replicas (`share`)
         self._selector.log_decisions = log_decisions
         self._workers = Workers(s, self.metrics, self.limits, self.budget, self.catalog, self._pools,
@@ -106,7 +109,6 @@ class SelectionService:
         self._shutting_down = False
         self._draining = False  # marked not ready, still serving (`begin_drain`)
         self.recovered_from: str | None = None  # the peer this service started from (`recover`)
-        self.engines = EngineMetrics()  # what each engine's metrics_endpoint last reported
 
     def share(self, settings: LedgerSettings, origin: str) -> Ledger:
         """Share bookings and catalog through a ledger (docs/REPLICATION.md), fed and drained by the transport."""
@@ -234,6 +236,15 @@ class SelectionService:
         """Pick a rank and book the prompt on it under `reservation_id` (drawn from the seeded
         generator when absent); a `Pending` when it was queued."""
         return self._selector.select(req, self._advance(now), reserve=True)
+
+    def plan(self, req: SelectPdRequest, *, now: float) -> PlanResponse:
+        """A prefill/decode plan (docs/PD.md); a `SelectPdAndReserveRequest` books both legs or neither."""
+        return self._selector.plan(req, self._advance(now))
+
+    def release_plan(self, plan_id: str, *, end: bool, model_name: str | None = None, tenant_id: str | None = None,
+                     now: float) -> list[str]:
+        """The handoff (the prefill leg ends) or with `end` the end of a plan (both); idempotent: what ended."""
+        return self._selector.release_plan(plan_id, model_name, tenant_id, self._advance(now), end=end)
 
     def cancel(self, ticket: int, *, now: float) -> bool:
         """The client went away: forget its pending selection; no SelectionReady follows."""

@@ -12,6 +12,7 @@ from .engine_metrics import EngineMetrics
 from .events import KvEvent
 from .limits import Limits
 from .metrics import Metrics
+from .pd import PlanResponse
 from .pool import Key, Pool
 from .responses import (
     ApplyReport,
@@ -29,6 +30,7 @@ from .types import (
     PotentialLoadsRequest,
     ReservationRequest,
     SelectAndReserveRequest,
+    SelectPdRequest,
     SelectRequest,
     WorkerCatalogRecord,
     WorkerPatchRequest,
@@ -68,6 +70,9 @@ class Service(Protocol):
     def select(self, req: SelectRequest, *, now: float) -> SelectResponse | Pending: ...
     def select_and_reserve(self, req: SelectAndReserveRequest, *, now: float) -> SelectResponse | Pending: ...
     def reserve(self, req: ReservationRequest, *, now: float) -> ReservationResponse: ...
+    def plan(self, req: SelectPdRequest, *, now: float) -> PlanResponse: ...
+    def release_plan(self, plan_id: str, *, end: bool, model_name: str | None = None, tenant_id: str | None = None,
+                     now: float) -> list[str]: ...
     def prefill_complete(self, reservation_id: str, *, model_name: str | None = None, tenant_id: str | None = None,
                          cached_tokens: int | None = None, now: float) -> None: ...
     def free(self, reservation_id: str, *, model_name: str | None = None, tenant_id: str | None = None,

@@ -27,6 +27,10 @@ RETRY_MS: Final = 2000  # an EventSource that lost its stream asks again after t
 
 def _decision(key: Key, d: Decision, now: float) -> dict[str, Any]:
     chosen, runner = d.chosen, d.runner_up
+    plan = {} if d.plan is None else {"plan": {  # a prefill/decode plan's: chosen is its decode worker
+        "path": d.plan[0], "prefill": None if d.plan[1] is None else {"worker_id": d.plan[1][0],
+                                                                       "dp_rank": d.plan[1][1]},
+        "reason": d.plan[2]}}
     return {
         "age_secs": round(max(0.0, now - d.at), 3), "model_name": key[0], "tenant_id": key[1],
         "isl_tokens": d.isl, "worker_id": chosen.rank[0], "dp_rank": chosen.rank[1],
@@ -37,6 +41,7 @@ def _decision(key: Key, d: Decision, now: float) -> dict[str, Any]:
         "candidates": [{"worker_id": c.worker_id, "dp_rank": c.dp_rank, "cached_tokens": c.cached_tokens,
                         "logit": round(c.logit, 6), "predicted_wait_secs": c.predicted_wait_secs}
                        for c in explain(list(d.cheapest), d.predicted)],
+        **plan,
     }
 
 

@@ -62,7 +62,9 @@ function queues(list) {
 function decisions(list) {
   fill("decisions", list.map((d) => { const r = d.runner_up;
     const tr = row([age(d.age_secs) + " ago", d.model_name + " / " + d.tenant_id, d.isl_tokens,
-      d.worker_id + ":" + d.dp_rank, d.cached_tokens,
+      d.worker_id + ":" + d.dp_rank + (d.plan ? " (" + d.plan.path + (d.plan.prefill ? ", prefill " +
+        d.plan.prefill.worker_id + ":" + d.plan.prefill.dp_rank : "") + ": " + d.plan.reason + ")" : ""),
+      d.cached_tokens,
       r ? r.worker_id + ":" + r.dp_rank + " (" + r.cached_tokens + " cached)" : "none", r ? num(r.margin, 4) : "-",
       d.candidates.map((c) => c.worker_id + ":" + c.dp_rank + " " + c.cached_tokens + " cached" +
         (c.predicted_wait_secs === null ? "" : ", wait " + num(c.predicted_wait_secs, 3) + " s")).join("; ") +

@@ -69,7 +69,7 @@ class RankLoad:
 class Booking:
     __slots__ = ("rid", "rank", "blocks", "prefill_tokens", "prefill_done", "expected_output_tokens",
                  "booked_at", "outputs", "output_weight", "lease", "owner",
-                 "outputs_by", "predicted_cached", "prompt_tokens")
+                 "outputs_by", "predicted_cached", "prompt_tokens", "plan")
 
     def __init__(self, rid: str, rank: Rank, blocks: list[int] | None, prefill_tokens: int,
                  expected_output_tokens: int | None, booked_at: float) -> None:
@@ -88,6 +88,7 @@ class Booking:
         # For the verdict (verdict.py): the cached tokens the engine should report, until it has.
         self.predicted_cached: int | None = None
         self.prompt_tokens = 0
+        self.plan = False  # one leg of a prefill/decode plan booked here (pd.py): its expiry is an orphan's
 
 
 class Tracker:
@@ -119,11 +120,12 @@ class Tracker:
             budget.booked_blocks -= len(booking.blocks) if booking.blocks else 0
         return dropped
 
-    def check_can_book(self, rid: str) -> None:
+    def check_can_book(self, rid: str, room: int = 1) -> None:
+        """`rid` is free and `room` more bookings fit (a plan books two at once)."""
         existing = self.bookings.get(rid)
         if existing is not None:
             raise DuplicateReservation(rid, existing.rank)
-        if len(self.bookings) >= self.limit:
+        if len(self.bookings) + room > self.limit:
             raise TooManyRequests(f"reservation limit reached for {self.label}: at most {self.limit} active")
 
     def book(self, rid: str, rank: Rank, blocks: list[int] | None, prefill_tokens: int,

@@ -38,12 +38,15 @@ __all__ = [
     "ObservedCache",
     "OutputBlockRequest",
     "OverlapScoresRequest",
+    "PdOptions",
     "PinnedWorker",
     "PotentialLoadsRequest",
     "ReservationRequest",
     "RouterConfigOverride",
     "RoutingConstraints",
     "SelectAndReserveRequest",
+    "SelectPdAndReserveRequest",
+    "SelectPdRequest",
     "SelectRequest",
     "SessionContext",
     "WorkerCatalogRecord",
@@ -106,6 +109,20 @@ def _http_url(v: str) -> str | None:
     return None if ok else "must be an http://host[:port]/path URL of at most 2048 characters"
 
 
+def _tcp_port(v: int) -> str | None:
+    return None if 1 <= v <= 65535 else "must be a TCP port (1 to 65535)"
+
+
+def _host(v: str) -> str | None:
+    """A host name or IP address as an engine's bootstrap server listens on it."""
+    ok = 0 < len(v) <= 255 and v.isascii() and v.isprintable() and not any(
+        c.isspace() or c in "/?#@" for c in v)
+    return None if ok else "must be a host name or IP address of at most 255 characters"
+
+
+ROLES: Final = ("prefill", "decode", "both")
+
+
 def _finite_nonneg(v: float) -> str | None:
     return None if v >= 0.0 and v != float("inf") else "must be a finite number >= 0"
 
@@ -141,6 +158,9 @@ _WORKER_FIELDS_ORDER = (
 )
 
 
+_PD_FIELDS = ("role", "local_prefill", "bootstrap_host", "bootstrap_port")
+
+
 @attrs.frozen(kw_only=True)
 class WorkerRequest(_Checked):
     """`POST /workers` (api.md §3.1)."""
@@ -174,6 +194,13 @@ class WorkerRequest(_Checked):
     prefill_tokens_per_sec: float | None = member(F64, rule=_positive)
     # Ours: the engine's Prometheus metrics, scraped now and then and shown in `/loads` (listed when set).
     metrics_endpoint: str | None = member(STR, rule=_http_url)
+    # Ours: prefill/decode disaggregation (docs/PD.md), each listed when set. `role` null is
+    # `both`; `local_prefill` null is the role's answer (a `both` worker prefills, a `decode`
+    # worker that does not say so does not).
+    role: str | None = member(ENUM(*ROLES))
+    local_prefill: bool | None = member(BOOL)
+    bootstrap_host: str | None = member(STR, rule=_host)
+    bootstrap_port: int | None = member(U32, rule=_tcp_port)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -193,6 +220,10 @@ class WorkerRequest(_Checked):
             out["prefill_tokens_per_sec"] = self.prefill_tokens_per_sec
         if self.metrics_endpoint is not None:
             out["metrics_endpoint"] = self.metrics_endpoint
+        for name in _PD_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
         return out
 
 
@@ -218,6 +249,10 @@ class WorkerPatchRequest(_Checked):
     kv_transfer_preferred_weight: float | None = member(F32)
     prefill_tokens_per_sec: float | None = member(F64, rule=_positive)
     metrics_endpoint: str | None = member(STR, rule=_http_url)
+    role: str | None = member(ENUM(*ROLES))
+    local_prefill: bool | None = member(BOOL)
+    bootstrap_host: str | None = member(STR, rule=_host)
+    bootstrap_port: int | None = member(U32, rule=_tcp_port)
 
 
 @attrs.frozen(kw_only=True)
@@ -397,6 +432,46 @@ class SelectAndReserveRequest(SelectRequest):
     """`POST /select_and_reserve`: a select that also books, under `reservation_id`."""
 
     reservation_id: str | None = member(STR)
+
+
+@attrs.frozen(kw_only=True)
+class PdOptions(_Checked):
+    """How `/select_pd` decides between prefilling on the decode worker (local) and on a
+    prefill worker (remote); the thresholds are those of the named decider (docs/PD.md)."""
+
+    mode: str = member(ENUM("auto", "remote", "local"), default="auto", nullable=False)
+    # Absent: `isl_bounding`, or under router_policy=ttft the faster predicted path (docs/PD.md).
+    decider: str | None = member(ENUM("isl_bounding", "uncached_threshold", "always", "never"))
+    # isl_bounding (Dynamo's defaults): local iff effective ISL < isl_threshold and
+    # effective / ISL < ratio_threshold, both strictly.
+    isl_threshold: int = member(U64, default=2048, nullable=False)
+    ratio_threshold: float = member(F64, default=0.7, nullable=False, rule=_in_unit)
+    # uncached_threshold (llm-d's prefix decider): remote iff the uncached tokens on the decode
+    # worker exceed uncached_tokens (0: never) and the prompt has at least prompt_tokens.
+    uncached_tokens: int = member(U64, default=256, nullable=False)
+    prompt_tokens: int = member(U64, default=0, nullable=False)
+    # A decode worker whose KV use (booked, or its engine's scraped kv_usage) is above this
+    # fraction of its blocks takes the remote path.
+    kv_busy_fraction: float = member(F64, default=0.9, nullable=False, rule=_in_unit)
+    # router_policy=ttft: how many prompt tokens of KV the link from a prefill worker moves a second.
+    transfer_tokens_per_sec: float = member(F64, default=100_000.0, nullable=False, rule=_positive)
+
+
+DEFAULT_PD: Final = PdOptions()
+
+
+@attrs.frozen(kw_only=True)
+class SelectPdRequest(SelectRequest):
+    """`POST /select_pd` (docs/PD.md): a select that returns a prefill/decode plan; `plan_id`
+    names it (drawn when absent), `pd` says how to decide."""
+
+    plan_id: str | None = member(STR)
+    pd: PdOptions = member(OBJECT(PdOptions), default=DEFAULT_PD, nullable=False)
+
+
+@attrs.frozen(kw_only=True)
+class SelectPdAndReserveRequest(SelectPdRequest):
+    """`POST /select_pd_and_reserve`: the plan, booked on both workers or on neither."""
 
 
 @attrs.frozen(kw_only=True)

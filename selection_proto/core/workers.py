@@ -168,7 +168,7 @@ class Workers:
             pool = self._pools[record.key] = Pool(record.key, req.block_size, now, self._settings,
                                                   self._budget)
         ranks = tuple((req.worker_id, r) for r in dp_range(req))
-        pool.set_worker(req.worker_id, ranks, effective_taints(req))
+        pool.set_worker(req.worker_id, ranks, effective_taints(req), req.role)
         pool.eagle = bool(req.is_eagle)  # its other workers agree (`_lifecycle`)
         pool.speeds.set(req.worker_id, req.prefill_tokens_per_sec, req.total_kv_blocks)
         endpoints = event_endpoints(req)
@@ -206,7 +206,7 @@ class Workers:
         new_ranks = tuple((wid, r) for r in dp_range(req))
         old_set, new_set = set(old_ranks), set(new_ranks)
         self._drop_ranks(pool, [r for r in old_ranks if r not in new_set], now)
-        pool.set_worker(wid, new_ranks, effective_taints(req))
+        pool.set_worker(wid, new_ranks, effective_taints(req), req.role)
         pool.eagle = bool(req.is_eagle)
         pool.speeds.set(wid, req.prefill_tokens_per_sec, req.total_kv_blocks)
         old_endpoints = event_endpoints(previous.request)
