@@ -358,9 +358,17 @@ def test_second_signal_during_drain_exits_1() -> None:
         assert s.proc.wait(timeout=10) == 1
 
 
-def test_large_json_bodies_parsed_off_the_loop_answer_as_small_ones(server: Server) -> None:
+def test_large_json_bodies_parsed_off_the_loop_answer_as_small_ones() -> None:
     """Bodies over 256 KiB are parsed in a worker thread; the answers are the bytes `handle` gives
     for the same request in process, errors included, and pipelined requests keep their order."""
+    server = Server()  # the default request timeout: six large bodies take a while on a busy machine
+    try:
+        _pipelined_large_bodies(server)
+    finally:
+        server.stop()
+
+
+def _pipelined_large_bodies(server: Server) -> None:
     import random
 
     from selection_proto import SelectionService, Settings
