@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 from array import array
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, Final
 
 from ..core import jsonio
 
 __all__ = ["TEXT_TOKEN_BYTES", "ChatTokenizer", "OpenAIError", "RoutingPrompt", "error_body", "parse_request",
-           "text_tokens"]
+           "text_tokens", "with_members"]
 
 TEXT_TOKEN_BYTES: Final = 4
 _ERROR_TYPES: Final = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
@@ -164,6 +164,17 @@ def parse_request(body: bytes, tokenizers: Mapping[str, ChatTokenizer]) -> Routi
     if isinstance(prompt, list):
         return RoutingPrompt(model, prompt, True)  # the core checks each id as it checks `token_ids`
     raise OpenAIError(400, "prompt must be a string, an array of token ids, or an array of either", "prompt")
+
+
+def with_members(body: bytes, members: Mapping[str, Any], drop: Collection[str]) -> bytes:
+    """A request body `parse_request` read, with top-level `members` set and those in `drop` gone
+    (SGLang's bootstrap fields, docs/GATEWAY.md); the rest as the client sent it, in JSON that
+    escapes what UTF-8 cannot carry (a lone surrogate)."""
+    value = _load(body)
+    for name in drop:
+        value.pop(name, None)
+    value.update(members)
+    return json.dumps(value, separators=(",", ":")).encode()
 
 
 def _chat_text(messages: list[dict[str, Any]]) -> str:
