@@ -276,3 +276,39 @@ def test_buffered_mode_carries_a_rewritten_body_whole_and_a_local_plan_drops_a_c
     assert "bootstrap_host" not in sent and "bootstrap_port" not in sent and sent["prompt"] == prompt(7)
     assert set_headers(replies[0])["content-length"] == str(len(forwarded_body(replies[1:]))).encode()
     stream.close(2.0)
+
+
+def test_under_a_strict_ledger_a_plan_waits_for_the_ledgers_word_on_both_legs() -> None:
+    """Under a ledger the plan goes through `handle`; strict admission holds its answer until the
+    ledger has both legs, then the stream routes it as a plan (and its end frees both)."""
+    from selection_proto.core.journal import LedgerSettings
+    from selection_proto.core.ledger_wire import LedgerSnapshot, Reply
+    from selection_proto.core.outputs import SelectionReady
+
+    service = SelectionService(Settings(kv_events="approximate"), random.Random(3))
+    mirror = service.share(LedgerSettings(admission="strict"), "me")
+    mirror.connected(True, 0.0)
+    mirror.load(LedgerSnapshot("e", 0, b"0-0", {}, set(), {}, {}, {}, {}, {}), 0.0)
+    for record in (DECODE, PREFILL):
+        assert service.handle("POST", "/workers", "", [("content-type", "application/json")],
+                              json.dumps(record).encode(), now=0.0).status == 201
+    mirror.journal.take(100)
+    stream = ExtProcStream(service)
+    stream.receive(request_headers(), 1.0)
+    stream.receive(request_body({"model": "m", "prompt": prompt(8)}), 1.0)
+    assert list(stream.replies()) == [] and stream.pending_ticket is not None  # held
+    ops = mirror.journal.take(10)
+    assert [op.kind for op in ops] == ["add", "add"]
+    mirror.results(ops, [Reply("ok", 1), Reply("ok", 2)], 1.0)
+    ready, = [out for out in iter(service.next_output, None) if isinstance(out, SelectionReady)]
+    assert ready.ticket == stream.pending_ticket
+    stream.resolve(ready.response, 1.0)
+    routed = list(stream.replies())
+    assert set_headers(routed[0])[DESTINATION] == b"10.0.0.1:8000"
+    assert set_headers(routed[0])[PREFILLER] == b"10.0.0.3:8100"
+    assert stream.plan is not None and stream.booking is None
+    loads = {w: load.requests for pool in service.pools.values() for (w, _), load in pool.tracker.loads.items()}
+    assert loads == {1: 1, 3: 1}
+    stream.close(2.0)
+    loads = {w: load.requests for pool in service.pools.values() for (w, _), load in pool.tracker.loads.items()}
+    assert loads == {1: 0, 3: 0}
