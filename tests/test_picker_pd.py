@@ -226,6 +226,7 @@ def test_an_sglang_prefill_worker_gets_its_bootstrap_fields_in_the_body_and_a_cl
             rooms.append(sent["bootstrap_room"])
             assert {k: v for k, v in sent.items() if not k.startswith("bootstrap_")} == {
                 k: v for k, v in body.items() if not k.startswith("bootstrap_")}
+            assert forwarded.startswith(json.dumps(body)[:-1].encode())  # spliced: the client's bytes kept
             outgoing.put(response_body(b"{}", end=True))
             next(call)
         assert rooms[0] != rooms[1]  # a room per request
@@ -272,8 +273,10 @@ def test_buffered_mode_carries_a_rewritten_body_whole_and_a_local_plan_drops_a_c
     stream.receive(request_body({"model": "m", "prompt": prompt(7), "bootstrap_host": "evil",
                                  "bootstrap_port": 1}), 1.0)
     replies = list(stream.replies())
-    sent = json.loads(forwarded_body(replies[1:]))
-    assert "bootstrap_host" not in sent and "bootstrap_port" not in sent and sent["prompt"] == prompt(7)
+    forwarded = forwarded_body(replies[1:])
+    sent = json.loads(forwarded)  # the client's own overridden by nulls, as the engine reads them
+    assert sent["bootstrap_host"] is sent["bootstrap_port"] is sent["bootstrap_room"] is None
+    assert sent["prompt"] == prompt(7)
     assert set_headers(replies[0])["content-length"] == str(len(forwarded_body(replies[1:]))).encode()
     stream.close(2.0)
 
@@ -312,3 +315,14 @@ def test_under_a_strict_ledger_a_plan_waits_for_the_ledgers_word_on_both_legs() 
     stream.close(2.0)
     loads = {w: load.requests for pool in service.pools.values() for (w, _), load in pool.tracker.loads.items()}
     assert loads == {1: 0, 3: 0}
+
+
+@pytest.mark.parametrize("raw", [b'{"model":"m"}', b'{ "model" : "m" }\n\t ', b'{}', b'{"a":{"b":[1,{}]}}  '])
+def test_members_are_appended_last_so_that_they_win_whatever_the_bodys_spacing(raw: bytes) -> None:
+    from selection_proto.adapters.openai import with_members
+
+    out = with_members(raw, {"bootstrap_host": "h", "bootstrap_room": 2 ** 63 - 1})
+    assert json.loads(out) == {**json.loads(raw), "bootstrap_host": "h", "bootstrap_room": 2 ** 63 - 1}
+    assert json.loads(with_members(raw + b"", {})) == json.loads(raw)
+    clash = with_members(b'{"bootstrap_host":"evil"}', {"bootstrap_host": None})
+    assert json.loads(clash) == {"bootstrap_host": None}

@@ -335,10 +335,10 @@ class ExtProcStream:
         if prefill is not None and prefill.get("bootstrap_host") is not None:
             self._body = bytearray(with_members(bytes(self._body), {
                 "bootstrap_host": prefill["bootstrap_host"], "bootstrap_port": prefill.get("bootstrap_port"),
-                "bootstrap_room": self._service.rng.getrandbits(63)}, ()))
+                "bootstrap_room": self._service.rng.getrandbits(63)}))
             self._rewritten = True
-        elif b'"bootstrap_' in self._body:
-            self._body = bytearray(with_members(bytes(self._body), {}, BOOTSTRAP_MEMBERS))
+        elif b'"bootstrap_' in self._body:  # a client's own: null, which is SGLang's "none"
+            self._body = bytearray(with_members(bytes(self._body), dict.fromkeys(BOOTSTRAP_MEMBERS)))
             self._rewritten = True
         self._send_destination(decode["endpoint"], decision,
                                None if prefill is None else _address(prefill["endpoint"]))

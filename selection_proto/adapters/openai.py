@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from array import array
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from typing import Any, Final
 
 from ..core import jsonio
@@ -166,15 +166,16 @@ def parse_request(body: bytes, tokenizers: Mapping[str, ChatTokenizer]) -> Routi
     raise OpenAIError(400, "prompt must be a string, an array of token ids, or an array of either", "prompt")
 
 
-def with_members(body: bytes, members: Mapping[str, Any], drop: Collection[str]) -> bytes:
-    """A request body `parse_request` read, with top-level `members` set and those in `drop` gone
-    (SGLang's bootstrap fields, docs/GATEWAY.md); the rest as the client sent it, in JSON that
-    escapes what UTF-8 cannot carry (a lone surrogate)."""
-    value = _load(body)
-    for name in drop:
-        value.pop(name, None)
-    value.update(members)
-    return json.dumps(value, separators=(",", ":")).encode()
+def with_members(body: bytes, members: Mapping[str, Any]) -> bytes:
+    """A request body `parse_request` read (one JSON object), with `members` appended as its last:
+    they win over the client's own of the same names, as JSON readers keep a repeated name's last
+    value (Python's json, which the engines' servers read with, orjson, serde_json). A splice, not
+    a parse: what the body holds is not read again (SGLang's bootstrap fields, docs/GATEWAY.md)."""
+    head = body.rstrip()
+    assert head.endswith(b"}"), "not the object parse_request read"
+    inner = head[:-1].rstrip()
+    added = json.dumps(members, separators=(",", ":"))[1:-1].encode()
+    return inner + (b"" if inner.endswith(b"{") or not added else b",") + added + b"}"
 
 
 def _chat_text(messages: list[dict[str, Any]]) -> str:
