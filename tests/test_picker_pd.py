@@ -326,3 +326,30 @@ def test_members_are_appended_last_so_that_they_win_whatever_the_bodys_spacing(r
     assert json.loads(with_members(raw + b"", {})) == json.loads(raw)
     clash = with_members(b'{"bootstrap_host":"evil"}', {"bootstrap_host": None})
     assert json.loads(clash) == {"bootstrap_host": None}
+
+
+@pytest.mark.parametrize("body_mode", ["FULL_DUPLEX_STREAMED", "BUFFERED"])
+def test_through_envoy_the_decode_engine_gets_the_prefiller_and_sglangs_fields(body_mode: str) -> None:
+    """A real Envoy in either body mode: the request reaches the decode engine (never the
+    prefill one) with our `x-prefiller-host-port`, not the client's, and the bootstrap fields in
+    a body whose length Envoy sends right; both legs are freed with the answer."""
+    from gateway import Gateway
+
+    gateway = Gateway(engines=2, body_mode=body_mode)
+    try:
+        decode, prefill = gateway.engines
+        assert gateway.api("PATCH", "/workers/1", {"role": "decode"})[0] == 200
+        assert gateway.api("PATCH", "/workers/2", {"role": "prefill", "bootstrap_host": prefill.host,
+                                                   "bootstrap_port": 8998})[0] == 200
+        body = {"model": "m", "prompt": list(range(1, 41)), "max_tokens": 2}
+        status, _, payload = gateway.request("/v1/completions", body, headers={PREFILLER: "10.9.9.9:1"})
+        assert status == 200 and json.loads(payload)["port"] == decode.port
+        assert prefill.requests == []
+        _, headers, raw = decode.requests[-1]
+        assert headers[PREFILLER] == f"{prefill.host}:{prefill.port}"
+        sent = json.loads(raw)
+        assert (sent["bootstrap_host"], sent["bootstrap_port"]) == (prefill.host, 8998)
+        assert {k: v for k, v in sent.items() if not k.startswith("bootstrap_")} == body
+        assert gateway.wait_idle() == 0
+    finally:
+        gateway.stop()
