@@ -100,3 +100,11 @@ def ledger(tmp_path: Path) -> Iterator[LedgerServer]:
     server = LedgerServer(tmp_path).start()
     yield server
     server.kill()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real engines' tiny Llama (tests/engines/tiny_model.py), built once for the session."""
+    from engines.vllm import build_model
+
+    return build_model(tmp_path_factory.mktemp("tiny"))

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engines.vllm import VllmEngine, build_model
+from engines.vllm import VllmEngine
 from test_http import Server, api_call
 
 BLOCK = 32
@@ -25,8 +25,8 @@ WINDOW = 3.0  # --kv-verdict-window-secs of the service under test
 
 
 class Fleet:
-    def __init__(self, folder: Path) -> None:
-        self.model = build_model(folder / "tiny")
+    def __init__(self, folder: Path, model: Path) -> None:
+        self.model = model
         self.a = VllmEngine(self.model, folder, "a", core=0, replay=True)
         self.b = VllmEngine(self.model, folder, "b", core=1, replay=False)
         self.c = VllmEngine(self.model, folder, "c", core=1, prefix_caching=False)
@@ -84,8 +84,8 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    fleet = Fleet(tmp_path_factory.mktemp("engines"))
+def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Fleet]:
+    fleet = Fleet(tmp_path_factory.mktemp("engines"), tiny_model)
     yield fleet
     fleet.stop()
 

@@ -1,6 +1,9 @@
 """Sans-IO endpoint picker: one Envoy ext_proc stream (one HTTP request through the gateway), as a
 state machine over Envoy's `ProcessingRequest` and `ProcessingResponse` messages, booking as a
-`/select_and_reserve` request would (by the typed call; through `handle` under a ledger) (docs/GATEWAY.md).
+`/select_and_reserve` request would (by the typed call; through `handle` under a ledger) (docs/GATEWAY.md),
+or for a key with prefill workers as `/select_pd_and_reserve` plans (docs/PD.md): to the decode worker,
+the prefill worker named in `x-prefiller-host-port` for a remote plan (and SGLang's bootstrap
+fields in the body), the handoff at the answer's first bytes and the plan's end with the answer.
 
 Feed each message to `receive`, hand the answer of a queued selection to `resolve`, send what
 `replies` yields, end the stream when `finished`, and call `close` once when the stream ends
@@ -41,17 +44,18 @@ from envoy.type.v3.http_status_pb2 import HttpStatus
 from ..core import jsonio
 from ..core.ahead import hash_ahead
 from ..core.errors import SelectionError, TooManyRequests
-from ..core.handler import DECISION_HEADER, select_and_reserve_parsed
+from ..core.handler import DECISION_HEADER, select_and_reserve_parsed, select_pd_and_reserve_parsed
 from ..core.metrics import EXT_PROC_STREAMS
+from ..core.pd import PlanResponse
 from ..core.pool import Key, Pool
 from ..core.responses import Pending, SelectResponse
 from ..core.routes import MAX_BODY, ParsedBody
 from ..core.service import SelectionService
 from ..core.wire import Response
 from .inflight import InFlight
-from .openai import ChatTokenizer, OpenAIError, error_body, parse_request
+from .openai import ChatTokenizer, OpenAIError, error_body, parse_request, with_members
 
-__all__ = ["CHUNK_BYTES", "DESTINATION", "ExtProcStream", "prepare_body"]
+__all__ = ["BOOTSTRAP_MEMBERS", "CHUNK_BYTES", "DESTINATION", "PREFILLER", "ExtProcStream", "prepare_body"]
 
 DESTINATION: Final = "x-gateway-destination-endpoint"
 FAIRNESS_HEADER: Final = "x-llm-d-inference-fairness-id"
@@ -59,6 +63,8 @@ OLD_FAIRNESS_HEADER: Final = "x-gateway-inference-fairness-id"
 SUBSET_NAMESPACE: Final = "envoy.lb.subset_hint"
 SUBSET_KEY: Final = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE: Final = "envoy.lb"
+PREFILLER: Final = "x-prefiller-host-port"  # llm-d's sidecar prefills there first (docs/GATEWAY.md)
+BOOTSTRAP_MEMBERS: Final = ("bootstrap_host", "bootstrap_port", "bootstrap_room")  # SGLang's, in the body
 CHUNK_BYTES: Final = 62_000  # under the 64 KiB some Envoys allow per streamed chunk
 _JSON: Final = (("content-type", "application/json"),)
 _DEFAULT_PORTS: Final = {"http": 80, "https": 443, "grpc": 80}
@@ -69,7 +75,8 @@ _CARRY: Final = 1024  # bytes of a chunk kept to find a usage split across two
 class ExtProcStream:
     __slots__ = ("_service", "_tokenizers", "_max_body", "_in_flight", "_held", "_headers", "_subset", "_body", "_body_done",
                  "_buffered", "_response_buffered", "_headers_answered", "_out", "pending_ticket", "booking", "_prefilled",
-                 "finished", "cached_tokens", "_carry", "_headers_seen", "_defer", "body_ready")
+                 "finished", "cached_tokens", "_carry", "_headers_seen", "_defer", "body_ready", "plan", "_planning",
+                 "_rewritten")
 
     def __init__(self, service: SelectionService, tokenizers: Mapping[str, ChatTokenizer] | None = None,
                  max_body: int = MAX_BODY, in_flight: InFlight | None = None, defer_parse: bool = False) -> None:
@@ -92,6 +99,9 @@ class ExtProcStream:
         self._out: deque[ProcessingResponse] = deque()
         self.pending_ticket: int | None = None  # a queued selection's ticket (its answer: `resolve`)
         self.booking: tuple[str, str, str] | None = None  # reservation id, model, tenant
+        self.plan: tuple[str, str, str] | None = None  # a P/D plan's id, model, tenant: both legs
+        self._planning = False  # the key has prefill workers: the request is planned, not booked
+        self._rewritten = False  # the body was changed (SGLang's bootstrap fields)
         self._prefilled = False
         self.finished = False  # an immediate response was sent: end the stream
         self.cached_tokens: int | None = None  # what the engine said it found cached
@@ -215,18 +225,23 @@ class ExtProcStream:
         except OpenAIError as exc:
             self._refuse(exc.status, exc.message)
             return
-        # Handed over parsed, checked by the core as any `/select_and_reserve` body is; under a
-        # ledger through `handle`, whose requests strict admission holds and reruns.
-        answer: Response | SelectResponse | Pending
+        # Handed over parsed, checked by the core as any `/select_and_reserve` (or, for a key with
+        # prefill workers, `/select_pd_and_reserve`) body is; under a ledger through `handle`,
+        # whose requests strict admission holds and reruns.
+        pool = self._service.pools.get((request["model_name"], "default"))
+        self._planning = pool is not None and bool(pool.prefill_only)
+        answer: Response | SelectResponse | PlanResponse | Pending
         if self._service.ledger is None:
             try:
-                answer = select_and_reserve_parsed(self._service, prepared, now)
+                answer = (select_pd_and_reserve_parsed if self._planning else select_and_reserve_parsed)(
+                    self._service, prepared, now)
             except SelectionError as exc:
                 self._failed(exc.status, exc.message, dict(exc.headers()).get("retry-after")
                              if isinstance(exc, TooManyRequests) else None)
                 return
         else:
-            answer = self._service.handle("POST", "/select_and_reserve", "", _JSON, prepared, now=now)
+            path = "/select_pd_and_reserve" if self._planning else "/select_and_reserve"
+            answer = self._service.handle("POST", path, "", _JSON, prepared, now=now)
         if isinstance(answer, Pending):
             self.pending_ticket = answer.ticket
         else:
@@ -275,8 +290,9 @@ class ExtProcStream:
             raise OpenAIError(503, "no endpoint of the subset hint serves this model")
         return allowed
 
-    def resolve(self, response: Response | SelectResponse, now: float) -> None:
-        """The answer of `/select_and_reserve` (at once, or of the queued `pending_ticket`)."""
+    def resolve(self, response: Response | SelectResponse | PlanResponse, now: float) -> None:
+        """The answer of `/select_and_reserve` or `/select_pd_and_reserve` (at once, or of the
+        queued or held `pending_ticket`)."""
         self.pending_ticket = None
         if self.finished:
             return
@@ -284,10 +300,17 @@ class ExtProcStream:
             assert response.reservation_id is not None
             self.booking = (response.reservation_id, response.model_name, response.tenant_id)
             self._send_destination(response.endpoint, response.decision)
+        elif isinstance(response, PlanResponse):
+            self._planned((response.plan_id, response.model_name, response.tenant_id), response.decode,
+                          response.prefill, response.decision_header)
         elif response.status != 200:
             self._failed(response.status, jsonio.loads_own(response.body).get("error", "selection failed"),
                          dict(response.headers).get("retry-after"))
             return
+        elif self._planning:
+            answer = jsonio.loads_own(response.body)
+            self._planned((answer["plan_id"], answer["model_name"], answer["tenant_id"]), answer["decode"],
+                          answer["prefill"], dict(response.headers).get(DECISION_HEADER))
         else:
             answer = jsonio.loads_own(response.body)
             self.booking = (answer["reservation_id"], answer["model_name"], answer["tenant_id"])
@@ -301,6 +324,24 @@ class ExtProcStream:
             self._out.append(ProcessingResponse(request_body=BodyResponse(response=CommonResponse(
                 body_mutation=BodyMutation(streamed_response=StreamedBodyResponse(body=piece, end_of_stream=last))))))
         self._body = bytearray()
+
+    def _planned(self, plan: tuple[str, str, str], decode: Mapping[str, Any], prefill: Mapping[str, Any] | None,
+                 decision: str | None) -> None:
+        """A booked plan: to the decode worker; a remote plan names its prefill worker for the
+        decode side's sidecar (llm-d's header) and, for an SGLang prefill worker (one with a
+        bootstrap host), in the body as SGLang's router does. A client's own values of either are
+        never passed on: they would send the prompt, or make the engine pull KV, anywhere."""
+        self.plan = plan
+        if prefill is not None and prefill.get("bootstrap_host") is not None:
+            self._body = bytearray(with_members(bytes(self._body), {
+                "bootstrap_host": prefill["bootstrap_host"], "bootstrap_port": prefill.get("bootstrap_port"),
+                "bootstrap_room": self._service.rng.getrandbits(63)}))
+            self._rewritten = True
+        elif b'"bootstrap_' in self._body:  # a client's own: null, which is SGLang's "none"
+            self._body = bytearray(with_members(bytes(self._body), dict.fromkeys(BOOTSTRAP_MEMBERS)))
+            self._rewritten = True
+        self._send_destination(decode["endpoint"], decision,
+                               None if prefill is None else _address(prefill["endpoint"]))
 
     def _failed(self, status: int, message: str, retry_after: str | None) -> None:
         """The selection's refusal, in the gateway's terms: the core's 409, 415 and 422 are the
@@ -320,19 +361,24 @@ class ExtProcStream:
             return
         self._send_destination(self._service.rng.choice(endpoints))
 
-    def _send_destination(self, endpoint: str, decision: str | None = None) -> None:
-        host, port = _host_port(endpoint)
+    def _send_destination(self, endpoint: str, decision: str | None = None, prefiller: str | None = None) -> None:
         self._service.observe(EXT_PROC_STREAMS, ("routed",), 1.0)
-        destination = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        destination = _address(endpoint)
         mutation = HeaderMutation(set_headers=[HeaderValueOption(header=HeaderValue(
             key=DESTINATION, raw_value=destination.encode()))])
         if decision is not None:  # `explain_header`: the engine (and its logs) see why it was chosen
             mutation.set_headers.append(HeaderValueOption(header=HeaderValue(
                 key=DECISION_HEADER, raw_value=decision.encode())))
-        if not self._buffered and self._body:
+        if prefiller is not None:
+            mutation.set_headers.append(HeaderValueOption(header=HeaderValue(key=PREFILLER, raw_value=prefiller.encode())))
+        elif PREFILLER in self._headers:  # the client's own: its sidecar would prefill wherever it says
+            mutation.remove_headers.append(PREFILLER)
+        if (not self._buffered or self._rewritten) and self._body:
             mutation.set_headers.append(HeaderValueOption(header=HeaderValue(
                 key="content-length", raw_value=str(len(self._body)).encode())))
         common = CommonResponse(header_mutation=mutation, clear_route_cache=True)
+        if self._buffered and self._rewritten:  # the whole body rides on the body's reply
+            common.body_mutation.body = bytes(self._body)
         reply = ProcessingResponse(request_body=BodyResponse(response=common)) if self._headers_answered \
             else ProcessingResponse(request_headers=HeadersResponse(response=common))
         self._headers_answered = True
@@ -354,6 +400,9 @@ class ExtProcStream:
             self._prefilled = True  # the first bytes of the answer: the prompt is prefilled
             # After the echo is written (the engine's bytes wait for nothing else), by the typed call.
             self._service.deferred.add(partial(_finish, self._service.prefill_complete, self.booking, None, now))
+        elif self.plan is not None and not self._prefilled and (chunk or end):
+            self._prefilled = True  # the decode worker answers: the prefill worker's part is over
+            self._service.deferred.add(partial(_release_plan, self._service, self.plan, False, now))
         if self._response_buffered:
             self._out.append(ProcessingResponse(response_body=BodyResponse()))
         else:
@@ -371,6 +420,9 @@ class ExtProcStream:
         if self.booking is not None:
             self._service.deferred.add(partial(_finish, self._service.free, self.booking, self.cached_tokens, now))
             self.booking = None
+        if self.plan is not None:
+            self._service.deferred.add(partial(_release_plan, self._service, self.plan, True, now))
+            self.plan = None
 
     def _refuse(self, status: int, message: str, param: str | None = None, retry_after: str | None = None) -> None:
         """An immediate response in OpenAI's error shape; the stream ends after it."""
@@ -399,6 +451,19 @@ class ExtProcStream:
         if self.booking is not None:
             _finish(self._service.free, self.booking, self.cached_tokens, now)
             self.booking = None
+        if self.plan is not None:
+            _release_plan(self._service, self.plan, True, now)
+            self.plan = None
+
+
+def _release_plan(service: SelectionService, plan: tuple[str, str, str], end: bool, now: float) -> None:
+    """The plan's handoff, or with `end` its end (both legs); what expired has nothing to free.
+    The engine's `cached_tokens` are not reported: a remote plan's count includes the KV it was sent."""
+    plan_id, model, tenant = plan
+    try:
+        service.release_plan(plan_id, end=end, model_name=model, tenant_id=tenant, now=now)
+    except SelectionError:
+        pass
 
 
 def _finish(call: Callable[..., None], booking: tuple[str, str, str], cached_tokens: int | None, now: float) -> None:
@@ -423,6 +488,12 @@ def prepare_body(body: bytes, tokenizers: Mapping[str, ChatTokenizer], pools: Ma
     request: dict[str, Any] = {"model_name": prompt.model, "token_ids": prompt.token_ids}
     parsed = ParsedBody(request, True, len(body), lambda: request)
     return parsed if pools is None else hash_ahead(pools, parsed)
+
+
+def _address(endpoint: str) -> str:
+    """A worker endpoint as Envoy's ORIGINAL_DST and llm-d's sidecar read it: `ip:port`, `[ip6]:port`."""
+    host, port = _host_port(endpoint)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _host_port(endpoint: str) -> tuple[str, int]:

@@ -16,7 +16,7 @@ from typing import Any, Final
 from ..core import jsonio
 
 __all__ = ["TEXT_TOKEN_BYTES", "ChatTokenizer", "OpenAIError", "RoutingPrompt", "error_body", "parse_request",
-           "text_tokens"]
+           "text_tokens", "with_members"]
 
 TEXT_TOKEN_BYTES: Final = 4
 _ERROR_TYPES: Final = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
@@ -164,6 +164,18 @@ def parse_request(body: bytes, tokenizers: Mapping[str, ChatTokenizer]) -> Routi
     if isinstance(prompt, list):
         return RoutingPrompt(model, prompt, True)  # the core checks each id as it checks `token_ids`
     raise OpenAIError(400, "prompt must be a string, an array of token ids, or an array of either", "prompt")
+
+
+def with_members(body: bytes, members: Mapping[str, Any]) -> bytes:
+    """A request body `parse_request` read (one JSON object), with `members` appended as its last:
+    they win over the client's own of the same names, as JSON readers keep a repeated name's last
+    value (Python's json, which the engines' servers read with, orjson, serde_json). A splice, not
+    a parse: what the body holds is not read again (SGLang's bootstrap fields, docs/GATEWAY.md)."""
+    head = body.rstrip()
+    assert head.endswith(b"}"), "not the object parse_request read"
+    inner = head[:-1].rstrip()
+    added = json.dumps(members, separators=(",", ":"))[1:-1].encode()
+    return inner + (b"" if inner.endswith(b"{") or not added else b",") + added + b"}"
 
 
 def _chat_text(messages: list[dict[str, Any]]) -> str:

@@ -68,9 +68,11 @@ from .wire import (
 )
 
 if TYPE_CHECKING:
+    from .pd import PlanResponse
     from .service_api import Service
 
-__all__ = ["DECISION_HEADER", "handle", "prepare_large_body", "select_and_reserve_parsed", "status_event"]
+__all__ = ["DECISION_HEADER", "handle", "prepare_large_body", "select_and_reserve_parsed", "select_pd_and_reserve_parsed",
+           "status_event"]
 
 DECISION_HEADER: Final = "x-selection-decision"  # `explain_header`: why a selection chose its worker
 
@@ -283,10 +285,22 @@ def select_and_reserve_parsed(service: Service, body: ParsedBody, now: float) ->
     """`POST /select_and_reserve` of a body parsed elsewhere, answered typed: the endpoint picker's
     call when no ledger holds answers (an answer not encoded to JSON to be read back is a tenth of
     its CPU). Raises SelectionError: a fault of ours as `handle` answers it, 500."""
+    return _parsed(service, body, lambda: service.select_and_reserve(_select_and_reserve_request(body), now=now))
+
+
+def select_pd_and_reserve_parsed(service: Service, body: ParsedBody, now: float) -> PlanResponse:
+    """`POST /select_pd_and_reserve` of a body parsed elsewhere, answered typed: the endpoint
+    picker's plan for a key with prefill workers (docs/PD.md), as `select_and_reserve_parsed`."""
+    return _parsed(service, body, lambda: service.plan(
+        _decode(body, lambda v, ctx: from_json(SelectPdAndReserveRequest, v, "", ctx)), now=now))
+
+
+def _parsed(service: Service, body: ParsedBody, call: Callable[[], T]) -> T:
+    """`call` on a body parsed (and perhaps hashed ahead) elsewhere, its size checked first."""
     service.limits.prehashed = body.prehashed
     try:
         service.limits.body_size(body.size, MAX_BODY)
-        return service.select_and_reserve(_select_and_reserve_request(body), now=now)
+        return call()
     except SelectionError:
         raise
     except Exception:  # noqa: BLE001 - as `handle`: counted and logged, the caller answers 500

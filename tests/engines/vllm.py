@@ -50,11 +50,15 @@ def free_ports(n: int) -> list[int]:
 
 class VllmEngine:
     """One `vllm.entrypoints.openai.api_server` on loopback, publishing KV events on `events_port`
-    (bound: the subscriber connects) and replaying on `replay_port` when it has one."""
+    (bound: the subscriber connects) and replaying on `replay_port` when it has one. `kv_role`
+    (`kv_producer`, `kv_consumer`) with `kv_folder`: a prefill/decode engine whose KV goes through
+    that folder by vLLM's `ExampleConnector` (docs/PD.md)."""
 
     def __init__(self, model: Path, log_dir: Path, name: str, core: int, *, replay: bool = True,
-                 prefix_caching: bool = True, gpu_blocks: int = 80, block_size: int = 32) -> None:
+                 prefix_caching: bool = True, gpu_blocks: int = 80, block_size: int = 32,
+                 kv_role: str | None = None, kv_folder: Path | None = None) -> None:
         self.model, self.name, self.core = model, name, core
+        self.kv_role, self.kv_folder = kv_role, kv_folder
         self.replay, self.prefix_caching = replay, prefix_caching
         self.gpu_blocks, self.block_size = gpu_blocks, block_size
         self.http_port, self.events_port, self.replay_port = free_ports(3)
@@ -87,6 +91,11 @@ class VllmEngine:
                 "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.http_port),
                 "--kv-events-config", json.dumps(events),
                 "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching"]
+        if self.kv_role is not None:
+            assert self.kv_folder is not None
+            args += ["--kv-transfer-config", json.dumps({
+                "kv_connector": "ExampleConnector", "kv_role": self.kv_role,
+                "kv_connector_extra_config": {"shared_storage_path": str(self.kv_folder)}})]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu",
                "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(self.core),
                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
