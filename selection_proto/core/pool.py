@@ -20,6 +20,7 @@ from .errors import NotFound
 from .freshness import RankFreshness
 from .index import DeviceTree, Rank
 from .predictions import Predictions
+from .prefill_ends import PrefillEnds
 from .sessions import SessionTable
 from .settings import Settings
 from .speed import Speeds
@@ -52,7 +53,7 @@ class Pool:
 
     __slots__ = ("key", "label", "block_size", "eagle", "speeds", "index", "tracker", "fresh", "memory", "epoch",
                  "workers", "taints", "queue", "_ranks", "budget", "sessions", "side", "predictions", "watch",
-                 "recent")
+                 "recent", "prefill_ends")
 
     def __init__(self, key: Key, block_size: int, now: float, settings: Settings,
                  budget: StateBudget) -> None:
@@ -82,6 +83,7 @@ class Pool:
         elif settings.predicted_ttl_secs is not None:
             self.side = DeviceTree()
             self.predictions = Predictions(self.side, settings.predicted_ttl_secs, budget)
+        self.prefill_ends = PrefillEnds()  # bookings whose prefill's end is read from events
         self._ranks: list[Rank] | None = None
         self.recent: deque[Decision] = deque(maxlen=RECENT_DECISIONS)  # for the status page (status.py)
 
@@ -140,6 +142,7 @@ class Pool:
 
     def _released(self, bookings: list[Booking], now: float) -> list[Booking]:
         for booking in bookings:
+            self.prefill_ends.forget(booking)
             if booking.lease is not None:
                 self.sessions.release(booking.lease, now)
         return bookings

@@ -255,7 +255,8 @@ class Selector(Admission):
                 pool.sessions.forget(sel.session)  # hard affinity: the binding is dropped, 400
                 raise mismatch(sel.session, sel.bound, chosen.rank)
             booking = self._book(pool, sel.rid, chosen.rank, prompt, chosen.cached, track, reuse,
-                                 req.expected_output_tokens, now, _scheduler_conflict)
+                                 req.expected_output_tokens, now, _scheduler_conflict,
+                                 chosen.device if pool.side is None else None)
             if sel.session is not None:
                 booking.lease = pool.sessions.lease(sel.session, chosen.rank, now)
         elif req.selection_id is not None:
@@ -337,8 +338,10 @@ class Selector(Admission):
 
     def _book(self, pool: Pool, rid: str, rank: Rank, prompt: PromptHashes, cached: int,
               track_prefill: bool, reuse: bool, expected_output_tokens: int | None, now: float,
-              duplicate: Callable[[DuplicateReservation], SelectionError] | None = None) -> Booking:
-        """Book `prompt` on `rank` as `rid`; `duplicate` words the 409 of an id already booked."""
+              duplicate: Callable[[DuplicateReservation], SelectionError] | None = None,
+              device_blocks: int | None = None) -> Booking:
+        """Book `prompt` on `rank` as `rid`; `duplicate` words the 409 of an id already booked;
+        `device_blocks`: the prompt's blocks the rank's index holds, when the caller knows."""
         self.expire(pool, now)
         if self.journal is not None and getattr(pool.tracker.bookings.get(rid), "owner", None) is not None:
             self.journal.check_booking()  # another replica's booking of the id, its free maybe on its
@@ -362,6 +365,8 @@ class Selector(Admission):
         self._metrics.booking(pool.key, "booked")
         if self.journal is not None:
             self.journal.booked(pool.key, booking)
+        if prefill and self._reads_prefill_ends and pool.fresh[rank].last_event_at is not None:
+            self._watch_prefill(pool, booking, prompt, device_blocks, now)
         if pool.predictions is not None:
             record = partial(pool.predictions.record, rank, prompt.blocks, now, prompt.seqs if prompt.chained else None)
             if self._dispatching or len(prompt.blocks) > DEFER_MAX_BLOCKS:
@@ -371,6 +376,47 @@ class Selector(Admission):
             else:
                 self._deferred.add(record)  # after the answer is written (deferred.py): no answer reads them
         return booking
+
+    @property
+    def _reads_prefill_ends(self) -> bool:
+        """Whether a booking's prefill ends when its engine stores its prompt (router_policy=ttft,
+        with events feeding the index; docs/ROUTING.md "When a prefill ends"). Dynamo's policy
+        keeps 1.6.1's bookings exactly."""
+        s = self._settings
+        return s.router_policy == "ttft" and s.kv_events in ("push", "subscribe")
+
+    def _watch_prefill(self, pool: Pool, booking: Booking, prompt: PromptHashes, device_blocks: int | None,
+                       now: float) -> None:
+        """Wait for the engine to store the prompt's full blocks (an engine never stores a partial
+        one, which a client may name); a prompt the rank's index already holds whole, or without a
+        full block, has nothing new to store, and its prefill ends at once."""
+        full = min(len(prompt.blocks), prompt.isl // pool.block_size)
+        blocks = prompt.blocks if full == len(prompt.blocks) else prompt.blocks[:full]
+        if blocks and device_blocks is None:
+            device_blocks = pool.index.device.find(blocks)[0].get(booking.rank, 0)
+        if blocks and device_blocks is not None and device_blocks < full:
+            pool.prefill_ends.watch(booking, blocks)
+        else:
+            self._end_prefill(pool, booking, now, learn=False)
+
+    def prefills_ended(self, pool: Pool, bookings: list[Booking], now: float) -> None:
+        """Their engine stored their prompts (ingest.py): their prefill ended; queued selections
+        may run once the events are applied."""
+        for booking in bookings:
+            self._end_prefill(pool, booking, now, learn=True)
+        if pool.queue:
+            self._deferred.add(lambda: self.dispatch(pool if self._pools.get(pool.key) is pool else None, now))
+
+    def _end_prefill(self, pool: Pool, booking: Booking, now: float, learn: bool) -> None:
+        """What `prefill_complete` does to a booking whose prefill's end was read from events;
+        `learn`: its time teaches the worker's speed (not when it ended at booking)."""
+        pool.speeds.observe(booking.rank, pool.tracker.loads[booking.rank].prefill_tokens, now)
+        if learn:
+            pool.speeds.completed(booking.rank[0], booking.prefill_tokens)
+        pool.tracker.prefill_complete(booking.rid)
+        if self.journal is not None:
+            self.journal.prefilled(booking)
+        self._metrics.booking(pool.key, "prefill_inferred")
 
     def reserve(self, req: ReservationRequest, now: float) -> ReservationResponse:
         """An explicit booking on `worker_id` (it discards a pending selection of the same id),
@@ -461,6 +507,8 @@ class Selector(Admission):
         pool.speeds.observe(booked.rank, pool.tracker.loads[booked.rank].prefill_tokens, now)
         if not free and not booked.prefill_done:
             pool.speeds.completed(booked.rank[0], booked.prefill_tokens)
+        if not free:
+            pool.prefill_ends.forget(booked)  # an explicit completion is the authority: no inference follows
         booking = pool.free(rid, now) if free else pool.tracker.prefill_complete(rid)
         watch = pool.watch.get(booking.rank)
         if cached_tokens is not None and watch is not None and (seen := watch.observe(booking, cached_tokens)):

@@ -60,7 +60,7 @@ class RankLoad:
 class Booking:
     __slots__ = ("rid", "rank", "blocks", "prefill_tokens", "prefill_done", "expected_output_tokens",
                  "booked_at", "outputs", "output_weight", "lease", "owner",
-                 "outputs_by", "predicted_cached", "prompt_tokens")
+                 "outputs_by", "predicted_cached", "prompt_tokens", "awaits")
 
     def __init__(self, rid: str, rank: Rank, blocks: list[int] | None, prefill_tokens: int,
                  expected_output_tokens: int | None, booked_at: float) -> None:
@@ -79,6 +79,8 @@ class Booking:
         # For the verdict (verdict.py): the cached tokens the engine should report, until it has.
         self.predicted_cached: int | None = None
         self.prompt_tokens = 0
+        # The prompt's block hashes while the end of its prefill is read from events (prefill_ends.py).
+        self.awaits: list[int] | None = None
 
 
 class Tracker:

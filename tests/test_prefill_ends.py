@@ -1,0 +1,168 @@
+"""The end of a booking's prefill read from its engine's KV events (docs/ROUTING.md, "When a
+prefill ends"), in the core: with `router_policy=ttft`, a booking whose rank stores its prompt's
+blocks stops counting its prefill, as `prefill_complete` would; an explicit `prefill_complete`
+stays the authority; Dynamo's policy, engines without events and approximate mode are unchanged."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from conftest import Client, stored, worker
+
+from selection_proto.core.hashing import block_hashes, sequence_hashes, signed
+from selection_proto.core.outputs import SelectionReady
+
+PROMPT = list(range(32))  # 8 blocks of 4
+LOCAL = block_hashes(PROMPT, 4)
+# The prompt of 8 full blocks and a partial ninth of 2 tokens, as a client that hashes names it.
+PARTIAL = {"model_name": "m", "block_hashes": [*signed(LOCAL), 999],
+           "sequence_hashes": signed(sequence_hashes([*LOCAL, 999])), "isl_tokens": 34}
+
+
+def _prefill(c: Client, worker_id: int = 1) -> int:
+    """The prefill tokens booked on the worker and not complete (`/loads`)."""
+    (key,) = c.ok("GET", "/loads")
+    return sum(row["potential_prefill_tokens"] for row in key["loads"] if row["worker_id"] == worker_id)
+
+
+def _counted(c: Client, event: str) -> float:
+    text = c.service.metrics_text(now=c.now)
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("selection_proto_reservation_events_total{") and f'event="{event}"' in line)
+
+
+def _engine_says_hello(c: Client, worker_id: int = 1) -> None:
+    """The worker's engine has published: an unrelated block."""
+    c.ok("POST", "/kv_events", [stored(worker_id, 1, [(9_000 + worker_id, 12345)])])
+
+
+def _book(c: Client, rid: str, prompt: list[int] = PROMPT, **extra: Any) -> dict[str, Any]:
+    answer: dict[str, Any] = c.ok("POST", "/select_and_reserve", {"model_name": "m", "token_ids": prompt,
+                                                                   "reservation_id": rid, **extra})
+    return answer
+
+
+def _client(make_client: Callable[..., Client], workers: tuple[int, ...] = (1,), **settings: Any) -> Client:
+    c = make_client(**{"router_policy": "ttft", **settings})
+    for wid in workers:
+        c.ok("POST", "/workers", worker(wid), status=201)
+    return c
+
+
+def test_the_prompt_stored_on_its_rank_ends_the_prefill(make_client: Callable[..., Client]) -> None:
+    c = _client(make_client)
+    _engine_says_hello(c)
+    _book(c, "a")
+    assert _prefill(c) == 32
+    # The first half is not the end of it; the rest is.
+    c.ok("POST", "/kv_events", [stored(1, 2, [(100 + i, LOCAL[i]) for i in range(4)])])
+    assert _prefill(c) == 32
+    c.ok("POST", "/kv_events", [stored(1, 3, [(100 + i, LOCAL[i]) for i in range(4, 8)], parent=103)])
+    assert _prefill(c) == 0
+    assert _counted(c, "prefill_inferred") == 1
+    # The client's own call comes later: 200, and nothing more changes.
+    c.ok("POST", "/reservations/a/prefill_complete")
+    assert _prefill(c) == 0 and _counted(c, "prefill_inferred") == 1
+    c.ok("DELETE", "/reservations/a")
+    assert not c.service.pools[("m", "default")].prefill_ends
+
+
+def test_only_the_booked_rank_and_the_prompts_own_path_count(make_client: Callable[..., Client]) -> None:
+    c = _client(make_client, workers=(1, 2))
+    for wid in (1, 2):
+        _engine_says_hello(c, wid)
+    wid = _book(c, "a")["worker_id"]
+    other = 3 - wid
+    # The same blocks on the other worker: not this booking's engine.
+    c.ok("POST", "/kv_events", [stored(other, 2, [(100 + i, LOCAL[i]) for i in range(8)])])
+    assert _prefill(c, wid) == 32
+    # Its last block after another prefix on its own worker: another prompt's.
+    c.ok("POST", "/kv_events", [stored(wid, 3, [(200, 777), (201, LOCAL[7])])])
+    assert _prefill(c, wid) == 32
+    c.ok("POST", "/kv_events", [stored(wid, 4, [(100 + i, LOCAL[i]) for i in range(8)])])
+    assert _prefill(c, wid) == 0
+
+
+def test_a_prompt_with_nothing_new_to_store_ends_at_once(make_client: Callable[..., Client]) -> None:
+    c = _client(make_client)
+    c.ok("POST", "/kv_events", [stored(1, 1, [(100 + i, LOCAL[i]) for i in range(8)])])
+    # Its 8 full blocks held, and 2 tokens more in a partial block the client names: an engine
+    # never stores a partial block, so no event will say when those 2 are computed.
+    c.ok("POST", "/select_and_reserve", {**PARTIAL, "reservation_id": "held"})
+    assert _prefill(c) == 0 and _counted(c, "prefill_inferred") == 1
+    # Shorter than a block: nothing to store either.
+    _book(c, "short", [5, 6, 7])
+    assert _prefill(c) == 0 and _counted(c, "prefill_inferred") == 2
+    assert not c.service.pools[("m", "default")].prefill_ends
+
+
+def test_a_partial_last_block_is_not_waited_for(make_client: Callable[..., Client]) -> None:
+    c = _client(make_client)
+    _engine_says_hello(c)
+    c.ok("POST", "/select_and_reserve", {**PARTIAL, "reservation_id": "a"})
+    assert _prefill(c) == 34
+    c.ok("POST", "/kv_events", [stored(1, 2, [(100 + i, LOCAL[i]) for i in range(8)])])
+    assert _prefill(c) == 0
+
+
+def test_an_explicit_prefill_complete_first_and_a_free_end_the_watch(make_client: Callable[..., Client]) -> None:
+    c = _client(make_client)
+    _engine_says_hello(c)
+    _book(c, "a")
+    _book(c, "b", [p + 100 for p in PROMPT])
+    watch = c.service.pools[("m", "default")].prefill_ends
+    assert len(watch) == 2
+    c.ok("POST", "/reservations/a/prefill_complete")
+    c.ok("DELETE", "/reservations/b")
+    assert len(watch) == 0 and not watch
+    c.ok("POST", "/kv_events", [stored(1, 2, [(100 + i, LOCAL[i]) for i in range(8)])])
+    assert _counted(c, "prefill_inferred") == 0 and _counted(c, "prefill_complete") == 1
+
+
+def test_without_events_or_with_dynamos_policy_nothing_is_inferred(make_client: Callable[..., Client]) -> None:
+    events = [stored(1, 2, [(100 + i, LOCAL[i]) for i in range(8)])]
+    # An engine that has never published: today's behaviour, even once it starts.
+    c = _client(make_client)
+    _book(c, "a")
+    c.ok("POST", "/kv_events", events)
+    assert _prefill(c) == 32
+    # Dynamo's policy keeps 1.6.1's bookings exactly.
+    c = _client(make_client, router_policy="dynamo")
+    _engine_says_hello(c)
+    _book(c, "a")
+    c.ok("POST", "/kv_events", events)
+    assert _prefill(c) == 32 and _counted(c, "prefill_inferred") == 0
+    # Approximate mode reads no events: the bookings predict the cache.
+    c = _client(make_client, kv_events="approximate")
+    _book(c, "a")
+    assert _prefill(c) == 32
+
+
+def test_two_bookings_of_one_prompt_end_together(make_client: Callable[..., Client]) -> None:
+    """The engine computes a prompt's blocks once: the second prefill stores nothing new, and ends
+    (as far as the router can tell) when the first stores them."""
+    c = _client(make_client)
+    _engine_says_hello(c)
+    _book(c, "a")
+    _book(c, "b")
+    assert _prefill(c) == 64
+    c.ok("POST", "/kv_events", [stored(1, 2, [(100 + i, LOCAL[i]) for i in range(8)])])
+    assert _prefill(c) == 0 and _counted(c, "prefill_inferred") == 2
+
+
+def test_a_queued_selection_runs_when_the_event_ends_a_prefill(make_client: Callable[..., Client]) -> None:
+    c = _client(make_client, queue_threshold=1.0)
+    c.ok("POST", "/workers", worker(1, max_num_batched_tokens=16), status=201)
+    _engine_says_hello(c)
+    _book(c, "a")  # 32 tokens booked: over 1 x 16, busy
+    c.now += 0.01
+    pending = c.service.handle("POST", "/select_and_reserve", "", [("content-type", "application/json")],
+                               b'{"model_name": "m", "token_ids": [1, 2, 3, 4, 5], "reservation_id": "q"}',
+                               now=c.now)
+    assert not hasattr(pending, "status")  # held in the queue
+    c.ok("POST", "/kv_events", [stored(1, 2, [(100 + i, LOCAL[i]) for i in range(8)])])
+    ready = []
+    while (out := c.service.next_output()) is not None:
+        ready += [out] if isinstance(out, SelectionReady) else []
+    assert [r.response.status for r in ready] == [200]
