@@ -5,13 +5,19 @@ stays the authority; Dynamo's policy, engines without events and approximate mod
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import Any
 
 from conftest import Client, stored, worker
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from selection_proto import SelectionService, Settings
 from selection_proto.core.hashing import block_hashes, sequence_hashes, signed
 from selection_proto.core.outputs import SelectionReady
+from selection_proto.core.pool import Pool
 
 PROMPT = list(range(32))  # 8 blocks of 4
 LOCAL = block_hashes(PROMPT, 4)
@@ -166,3 +172,105 @@ def test_a_queued_selection_runs_when_the_event_ends_a_prefill(make_client: Call
     while (out := c.service.next_output()) is not None:
         ready += [out] if isinstance(out, SelectionReady) else []
     assert [r.response.status for r in ready] == [200]
+
+
+class PrefillEndsMachine(RuleBasedStateMachine):
+    """Two workers (one of two ranks) whose engines publish, bookings of prompts over a small
+    alphabet, engines storing and evicting prompts' blocks, completions, frees, ticks. Whatever
+    the order: the prefill counted is that of the bookings not done; a booking waits only while
+    its rank does not hold its whole prompt; only frees and expiry drop a watched booking."""
+
+    @initialize(seed=st.integers(0, 2**16))
+    def start(self, seed: int) -> None:
+        self.c = Client(SelectionService(Settings(kv_events="push", router_policy="ttft",
+                                                  active_request_expiry_secs=5.0), random.Random(seed)))
+        self.c.ok("POST", "/workers", worker(1), status=201)
+        self.c.ok("POST", "/workers", worker(2, data_parallel_size=2), status=201)
+        self.event_id = 0
+        for wid, dp in ((1, 0), (2, 0), (2, 1)):
+            self.store(wid, dp, [9, 9, 9, 9], None)
+        self.prompts: dict[str, list[int]] = {}
+        self.explicit: set[str] = set()  # bookings whose client called prefill_complete
+        self.next_id = 0
+
+    def pool(self) -> Pool:
+        return self.c.service.pools[("m", "default")]
+
+    def store(self, wid: int, dp: int, tokens: list[int], upto: int | None) -> None:
+        local = block_hashes(tokens, 4)[:upto]
+        blocks = [{"block_hash": h * 7 % 2**64, "tokens_hash": h} for h in local]
+        self.event_id += 1
+        self.c.ok("POST", "/kv_events", [{"worker_id": wid, "event": {"event_id": self.event_id, "dp_rank": dp, "data": {
+            "stored": {"parent_hash": None, "blocks": blocks}}}}])
+
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=0, max_size=20))
+    def book(self, tokens: list[int]) -> None:
+        self.next_id += 1
+        rid = f"r{self.next_id}"
+        self.c.now += 0.1
+        self.c.ok("POST", "/select_and_reserve", {"model_name": "m", "token_ids": tokens, "reservation_id": rid})
+        self.prompts[rid] = tokens
+
+    @rule(data=st.data(), upto=st.none() | st.integers(0, 5), elsewhere=st.booleans())
+    def engine_stores(self, data: st.DataObject, upto: int | None, elsewhere: bool) -> None:
+        """A booking's engine (or another rank) stores its prompt, or the first `upto` blocks."""
+        live = sorted(self.pool().tracker.bookings)
+        if not live:
+            return
+        booking = self.pool().tracker.bookings[data.draw(st.sampled_from(live))]
+        rank = booking.rank
+        if elsewhere:
+            rank = data.draw(st.sampled_from([r for r in ((1, 0), (2, 0), (2, 1)) if r != rank]))
+        self.store(rank[0], rank[1], self.prompts[booking.rid], upto)
+
+    @rule(wid=st.sampled_from([1, 2]), dp=st.sampled_from([0, 1]), tokens=st.lists(st.integers(0, 2), max_size=20),
+          keep=st.integers(0, 4))
+    def engine_evicts(self, wid: int, dp: int, tokens: list[int], keep: int) -> None:
+        """The tail of a prompt's blocks evicted, past the first `keep` (tail first, as engines do)."""
+        if wid == 1:
+            dp = 0
+        hashes = [h * 7 % 2**64 for h in block_hashes(tokens, 4)[keep:]]
+        held = self.pool().index.device.lookup.get((wid, dp), {})
+        gone = [h for h in reversed(hashes) if h in held]
+        if gone:
+            self.event_id += 1
+            self.c.ok("POST", "/kv_events", [{"worker_id": wid, "event": {"event_id": self.event_id, "dp_rank": dp, "data": {
+                "removed": {"block_hashes": gone}}}}])
+
+    @rule(data=st.data(), free=st.booleans())
+    def client(self, data: st.DataObject, free: bool) -> None:
+        live = sorted(self.pool().tracker.bookings)
+        if not live:
+            return
+        rid = data.draw(st.sampled_from(live))
+        if free:
+            self.c.ok("DELETE", f"/reservations/{rid}")
+        else:
+            self.c.ok("POST", f"/reservations/{rid}/prefill_complete")
+            self.explicit.add(rid)
+            assert self.pool().tracker.bookings[rid].prefill_done
+
+    @rule(dt=st.floats(0, 3))
+    def tick(self, dt: float) -> None:
+        self.c.now += dt
+        self.c.service.tick(self.c.now)
+
+    @invariant()
+    def prefill_is_that_of_the_bookings_not_done(self) -> None:
+        pool = self.pool()
+        for rank, load in pool.tracker.loads.items():
+            assert load.prefill_tokens == sum(b.prefill_tokens for b in pool.tracker.bookings.values()
+                                              if b.rank == rank and not b.prefill_done)
+
+    @invariant()
+    def a_booking_waits_only_while_its_prompt_is_not_held(self) -> None:
+        pool = self.pool()
+        waiting = [b for b in pool.tracker.bookings.values() if b.awaits is not None]
+        assert len(pool.prefill_ends) == len(waiting)
+        for booking in waiting:
+            assert not booking.prefill_done and booking.rid not in self.explicit
+            assert pool.index.device.find(booking.awaits)[0].get(booking.rank, 0) < len(booking.awaits)
+
+
+PrefillEndsMachine.TestCase.settings = settings(stateful_step_count=40)
+TestPrefillEndsMachine = PrefillEndsMachine.TestCase
