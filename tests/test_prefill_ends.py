@@ -103,6 +103,26 @@ def test_a_prompt_with_nothing_new_to_store_ends_at_once(make_client: Callable[.
     assert not c.service.pools[("m", "default")].prefill_ends
 
 
+def test_a_prompt_with_nothing_new_to_store_ends_with_the_prefills_ahead(make_client: Callable[..., Client]) -> None:
+    """First come, first served: a prompt whose blocks are all cached still waits for the
+    prefills booked ahead of it on its rank, and ends with the last of them, however it ends."""
+    other = [p + 100 for p in PROMPT]
+    for end in ("event", "prefill_complete", "free"):
+        c = _client(make_client)
+        c.ok("POST", "/kv_events", [stored(1, 1, [(100 + i, LOCAL[i]) for i in range(8)])])
+        _book(c, "ahead", other)  # 32 new tokens
+        c.ok("POST", "/select_and_reserve", {**PARTIAL, "reservation_id": "held"})  # 2 tokens, nothing to store
+        assert _prefill(c) == 34
+        if end == "event":
+            c.ok("POST", "/kv_events", [stored(1, 2, [(200 + i, h) for i, h in enumerate(block_hashes(other, 4))])])
+        elif end == "prefill_complete":
+            c.ok("POST", "/reservations/ahead/prefill_complete")
+        else:
+            c.ok("DELETE", "/reservations/ahead")
+        assert _prefill(c) == 0, end
+        assert _counted(c, "prefill_inferred") == (2 if end == "event" else 1)
+
+
 def test_a_partial_last_block_is_not_waited_for(make_client: Callable[..., Client]) -> None:
     c = _client(make_client)
     _engine_says_hello(c)
@@ -265,11 +285,19 @@ class PrefillEndsMachine(RuleBasedStateMachine):
     @invariant()
     def a_booking_waits_only_while_its_prompt_is_not_held(self) -> None:
         pool = self.pool()
+        ends = pool.prefill_ends
         waiting = [b for b in pool.tracker.bookings.values() if b.awaits is not None]
-        assert len(pool.prefill_ends) == len(waiting)
+        assert ends.waiting() == len(waiting)
         for booking in waiting:
             assert not booking.prefill_done and booking.rid not in self.explicit
             assert pool.index.device.find(booking.awaits)[0].get(booking.rank, 0) < len(booking.awaits)
+        # The bookings in prefill here are those not done; each follower follows live ones, and
+        # one whose prefills ahead all ended has been ended.
+        assert len(ends) == sum(1 for b in pool.tracker.bookings.values() if not b.prefill_done and b.prefill_tokens)
+        assert not ends.ready
+        for follower, left in ends._ahead.items():
+            assert pool.tracker.bookings.get(follower.rid) is follower and not follower.prefill_done
+            assert left == sum(1 for behind in ends._behind.values() if follower in behind)
 
 
 PrefillEndsMachine.TestCase.settings = settings(stateful_step_count=40)

@@ -228,7 +228,7 @@ class Ingest:
         self._metrics.kv_event(pool.key, event.tier, event.kind, "ok" if error is None else error.label)
         if error is None:
             tally.applied += 1
-            if event.kind == "stored" and event.tier == "device" and pool.prefill_ends:
+            if event.kind == "stored" and event.tier == "device" and pool.prefill_ends.watching():
                 if ended := pool.prefill_ends.stored(rank, event.blocks, pool.index.device):
                     self._prefills_ended(pool, ended, now)
         else:

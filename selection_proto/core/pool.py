@@ -142,7 +142,7 @@ class Pool:
 
     def _released(self, bookings: list[Booking], now: float) -> list[Booking]:
         for booking in bookings:
-            self.prefill_ends.forget(booking)
+            self.prefill_ends.ended(booking)
             if booking.lease is not None:
                 self.sessions.release(booking.lease, now)
         return bookings

@@ -100,6 +100,8 @@ class Selector(Admission):
             raise NotReady(f"no schedulable workers for {key_label((model_name, tenant_id))}")
         if pool.predictions is not None:
             pool.predictions.expire(now)
+        if pool.prefill_ends.ready:  # the prefills ahead of them ended (a peer's free, say)
+            self._end_followers(pool, now)
         return pool
 
     # -- selection (core.md §9.7) ----------------------------------------------------------------
@@ -334,6 +336,7 @@ class Selector(Admission):
         """Forget bookings older than `active_request_expiry_secs`; True when any went."""
         if expired := pool.expire(now, self._settings.active_request_expiry_secs):
             self._metrics.booking(pool.key, "expired", len(expired))
+            self._end_followers(pool, now)
         return bool(expired)
 
     def _book(self, pool: Pool, rid: str, rank: Rank, prompt: PromptHashes, cached: int,
@@ -366,6 +369,7 @@ class Selector(Admission):
         if self.journal is not None:
             self.journal.booked(pool.key, booking)
         if prefill and self._reads_prefill_ends and pool.fresh[rank].last_event_at is not None:
+            pool.prefill_ends.booked(booking)
             self._watch_prefill(pool, booking, prompt, device_blocks, now)
         if pool.predictions is not None:
             record = partial(pool.predictions.record, rank, prompt.blocks, now, prompt.seqs if prompt.chained else None)
@@ -389,14 +393,15 @@ class Selector(Admission):
                        now: float) -> None:
         """Wait for the engine to store the prompt's full blocks (an engine never stores a partial
         one, which a client may name); a prompt the rank's index already holds whole, or without a
-        full block, has nothing new to store, and its prefill ends at once."""
+        full block, has nothing new to store: it ends with the prefills booked ahead of it, at
+        once when there are none."""
         full = min(len(prompt.blocks), prompt.isl // pool.block_size)
         blocks = prompt.blocks if full == len(prompt.blocks) else prompt.blocks[:full]
         if blocks and device_blocks is None:
             device_blocks = pool.index.device.find(blocks)[0].get(booking.rank, 0)
         if blocks and device_blocks is not None and device_blocks < full:
             pool.prefill_ends.watch(booking, blocks)
-        else:
+        elif not pool.prefill_ends.follow(booking):
             self._end_prefill(pool, booking, now, learn=False)
 
     def prefills_ended(self, pool: Pool, bookings: list[Booking], now: float) -> None:
@@ -404,19 +409,32 @@ class Selector(Admission):
         may run once the events are applied."""
         for booking in bookings:
             self._end_prefill(pool, booking, now, learn=True)
+        self._end_followers(pool, now)
         if pool.queue:
             self._deferred.add(lambda: self.dispatch(pool if self._pools.get(pool.key) is pool else None, now))
 
     def _end_prefill(self, pool: Pool, booking: Booking, now: float, learn: bool) -> None:
         """What `prefill_complete` does to a booking whose prefill's end was read from events;
         `learn`: its time teaches the worker's speed (not when it ended at booking)."""
+        if booking.prefill_done:  # a peer's replica heard its client first (the ledger's)
+            pool.prefill_ends.ended(booking)
+            return
         pool.speeds.observe(booking.rank, pool.tracker.loads[booking.rank].prefill_tokens, now)
         if learn:
             pool.speeds.completed(booking.rank[0], booking.prefill_tokens)
         pool.tracker.prefill_complete(booking.rid)
+        pool.prefill_ends.ended(booking)
         if self.journal is not None:
             self.journal.prefilled(booking)
         self._metrics.booking(pool.key, "prefill_inferred")
+
+    def _end_followers(self, pool: Pool, now: float) -> None:
+        """End the prefill of the bookings whose prefills ahead have all ended (each may free more)."""
+        ready = pool.prefill_ends.ready
+        while ready:
+            booking = ready.pop(0)
+            if pool.tracker.bookings.get(booking.rid) is booking and not booking.prefill_done:
+                self._end_prefill(pool, booking, now, learn=False)
 
     def reserve(self, req: ReservationRequest, now: float) -> ReservationResponse:
         """An explicit booking on `worker_id` (it discards a pending selection of the same id),
@@ -507,9 +525,9 @@ class Selector(Admission):
         pool.speeds.observe(booked.rank, pool.tracker.loads[booked.rank].prefill_tokens, now)
         if not free and not booked.prefill_done:
             pool.speeds.completed(booked.rank[0], booked.prefill_tokens)
-        if not free:
-            pool.prefill_ends.forget(booked)  # an explicit completion is the authority: no inference follows
         booking = pool.free(rid, now) if free else pool.tracker.prefill_complete(rid)
+        pool.prefill_ends.ended(booking)  # an explicit completion is the authority: no inference follows
+        self._end_followers(pool, now)
         watch = pool.watch.get(booking.rank)
         if cached_tokens is not None and watch is not None and (seen := watch.observe(booking, cached_tokens)):
             self._metrics.kv_observed(pool.key, booking.rank[0], *seen)
