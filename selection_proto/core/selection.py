@@ -246,7 +246,7 @@ class Selector(Admission):
     def _finish(self, sel: Selection, now: float) -> SelectResponse:
         """Steps 9-11: overload filter, cost, choice, booking, answer."""
         pool, req, prompt = sel.pool, sel.req, sel.prompt
-        scored, lowest = score(req, pool, prompt, self._filter_overloaded(sel), sel.found, self._settings)
+        scored, lowest = score(req, pool, prompt, self._filter_overloaded(sel), sel.found, self._settings, now)
         o = req.router_config_override
         temperature = (o.router_temperature if o is not None and o.router_temperature is not None
                        else self._settings.temperature)
@@ -420,6 +420,7 @@ class Selector(Admission):
             pool.prefill_ends.ended(booking)
             return
         pool.speeds.observe(booking.rank, pool.tracker.loads[booking.rank].prefill_tokens, now)
+        pool.speeds.stopped(booking.rank, booking.prefill_tokens)
         if learn:
             pool.speeds.completed(booking.rank[0], booking.prefill_tokens)
         pool.tracker.prefill_complete(booking.rid)
@@ -523,8 +524,10 @@ class Selector(Admission):
             raise
         booked = pool.tracker.bookings[rid]
         pool.speeds.observe(booked.rank, pool.tracker.loads[booked.rank].prefill_tokens, now)
-        if not free and not booked.prefill_done:
-            pool.speeds.completed(booked.rank[0], booked.prefill_tokens)
+        if not booked.prefill_done:
+            pool.speeds.stopped(booked.rank, booked.prefill_tokens)
+            if not free:
+                pool.speeds.completed(booked.rank[0], booked.prefill_tokens)
         booking = pool.free(rid, now) if free else pool.tracker.prefill_complete(rid)
         pool.prefill_ends.ended(booking)  # an explicit completion is the authority: no inference follows
         self._end_followers(pool, now)
