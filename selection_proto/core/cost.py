@@ -142,7 +142,7 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
     append = scored.append
     ttft = s.router_policy == "ttft"
     speeds, unknown, pressure = state.speeds.of, worker_speed(None, None), KV_PRESSURE * bs
-    left = state.speeds.left
+    left, count_left = state.speeds.left, COUNT_WHAT_IS_LEFT
     # The constants as locals: this loop runs once per candidate of every selection.
     drag_full, overflow_tokens = DECODE_DRAG, OVERFLOW_WEIGHT * bs
     per_context, reuse_credit = 1.0 / ATTENTION_CONTEXT_TOKENS, REUSE_CREDIT
@@ -184,7 +184,7 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
                                  decode_blocks, d, h, k, effective, cached, 0.0, 0.0, logit)))
             continue
         per_token, kv_blocks = speeds.get(r[0], unknown)
-        queued = left(r, active_prefill, now) if COUNT_WHAT_IS_LEFT and active_prefill else active_prefill
+        queued = left(r, active_prefill, now) if count_left and active_prefill else active_prefill
         work = new_prefill * (1.0 + (cached + new_prefill * 0.5) * per_context) if cached else uncached_work
         if kv_blocks:
             drag = 1.0 + (drag_full if decode_blocks >= kv_blocks else drag_full * decode_blocks / kv_blocks)
