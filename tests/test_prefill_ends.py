@@ -302,3 +302,23 @@ class PrefillEndsMachine(RuleBasedStateMachine):
 
 PrefillEndsMachine.TestCase.settings = settings(stateful_step_count=40)
 TestPrefillEndsMachine = PrefillEndsMachine.TestCase
+
+
+def test_a_shared_ledger_hears_the_prefill_an_event_ended() -> None:
+    """With replicas (docs/REPLICATION.md), the replica that made the booking reads its end from
+    the events and journals it as `prefill_complete` would: the others stop counting it too."""
+    from selection_proto.core.journal import LedgerSettings
+    from selection_proto.core.ledger_wire import LedgerSnapshot
+
+    service = SelectionService(Settings(kv_events="push", router_policy="ttft"), random.Random(0))
+    mirror = service.share(LedgerSettings(), "me")
+    mirror.connected(True, 0.0)
+    mirror.load(LedgerSnapshot("e", 0, b"0-0", {}, set(), {}, {}, {}, {}, {}), 0.0)
+    c = Client(service)
+    c.ok("POST", "/workers", worker(1), status=201)
+    _engine_says_hello(c)
+    _book(c, "a")
+    mirror.journal.take(100)
+    c.ok("POST", "/kv_events", [stored(1, 2, [(100 + i, LOCAL[i]) for i in range(8)])])
+    assert [(op.kind, op.ident) for op in mirror.journal.take(100)] == [("prefill", "a")]
+    assert _prefill(c) == 0
