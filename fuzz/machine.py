@@ -1,6 +1,8 @@
 """A Hypothesis state machine over the whole core: workers come and go and are patched, KV events
 of both encodings (malformed ones too), selects, reservations, prefill completions, frees, ticks,
-with queueing on or off. The invariants are those of docs/INVARIANTS.md."""
+with queueing on or off, under either router policy (with ttft, engines' stored events also end
+prefills). The invariants are those of docs/INVARIANTS.md, and the booked prefill is exactly that
+of the bookings not done."""
 
 from __future__ import annotations
 

@@ -416,7 +416,7 @@ class Selector(Admission):
     def _end_prefill(self, pool: Pool, booking: Booking, now: float, learn: bool) -> None:
         """What `prefill_complete` does to a booking whose prefill's end was read from events;
         `learn`: its time teaches the worker's speed (not when it ended at booking)."""
-        if booking.prefill_done:  # a peer's replica heard its client first (the ledger's)
+        if booking.prefill_done:  # its client told another replica first, and the ledger brought it
             pool.prefill_ends.ended(booking)
             return
         pool.speeds.observe(booking.rank, pool.tracker.loads[booking.rank].prefill_tokens, now)

@@ -6,7 +6,10 @@ rank-seconds they had prefill booked, so time a request waits in its engine's qu
 as slowness; frees teach nothing (their time includes the decode). A worker is then read against
 the mean of the workers learned so far, to the power 0.5: halfway, in log terms, between "all
 equal" and what was measured, which damps the noise between engines that are in fact equal.
-A declared speed always wins; only the ratios between workers matter to the cost."""
+A declared speed always wins; only the ratios between workers matter to the cost.
+
+`left` reads how far a rank's running prefill has got at its worker's learned rate (tokens a
+rank-second, absolute): measured, and not used by the cost (docs/ROUTING.md, round three)."""
 
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ def worker_speed(prefill_tokens_per_sec: float | None, total_kv_blocks: int | No
 
 class Speeds:
     """One pool's workers: `of` is what the cost reads (worker -> `worker_speed`, learned ones
-    scaled); `observe` and `completed` are fed by the bookings when `learn` is on."""
+    scaled); `observe`, `stopped` and `completed` are fed by the bookings when `learn` is on."""
 
     __slots__ = ("of", "learn", "_declared", "_busy", "_done", "_since", "_unread", "_started", "_rate")
 
