@@ -14,6 +14,7 @@ and what ending a prefill does are the selector's (selection.py); this keeps the
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 from .index import Block, DeviceTree, Rank
@@ -23,18 +24,19 @@ __all__ = ["PrefillEnds"]
 
 
 class PrefillEnds:
-    """Per rank: the bookings in prefill, in booking order, and the last block hash of a watched
-    prompt -> the bookings waiting for it (several: one prompt booked twice on one rank). Per
-    booking ahead: those following it; per follower: how many ahead of it are still in prefill.
-    `ready`: followers whose prefills ahead have all ended, for the selector to end."""
+    """Per rank: the bookings in prefill, in booking order (a queue whose front is the oldest
+    still in prefill), and the last block hash of a watched prompt -> the bookings waiting for it
+    (several: one prompt booked twice on one rank). A follower ends when it comes to the front of
+    its rank's queue: every booking ahead of it has ended its prefill. `ready`: followers there,
+    for the selector to end. Each booking is queued and dequeued once: O(1) amortized."""
 
-    __slots__ = ("_in_prefill", "_waiting", "_behind", "_ahead", "ready")
+    __slots__ = ("_rank_of", "_queues", "_waiting", "_following", "ready")
 
     def __init__(self) -> None:
-        self._in_prefill: dict[Rank, dict[Booking, None]] = {}
+        self._rank_of: dict[Booking, Rank] = {}  # the bookings in prefill here
+        self._queues: dict[Rank, deque[Booking]] = {}  # in booking order; ended ones leave lazily
         self._waiting: dict[Rank, dict[int, list[Booking]]] = {}
-        self._behind: dict[Booking, list[Booking]] = {}
-        self._ahead: dict[Booking, int] = {}
+        self._following: set[Booking] = set()
         self.ready: list[Booking] = []
 
     def watching(self) -> bool:
@@ -43,15 +45,20 @@ class PrefillEnds:
 
     def __len__(self) -> int:
         """The bookings in prefill here."""
-        return sum(map(len, self._in_prefill.values()))
+        return len(self._rank_of)
 
     def waiting(self) -> int:
         """The bookings waiting for their blocks."""
         return sum(len(b) for by_last in self._waiting.values() for b in by_last.values())
 
+    def following(self) -> set[Booking]:
+        """The bookings following those ahead of them."""
+        return self._following
+
     def booked(self, booking: Booking) -> None:
         """A booking whose prefill counts, and whose end is read here."""
-        self._in_prefill.setdefault(booking.rank, {})[booking] = None
+        self._rank_of[booking] = booking.rank
+        self._queues.setdefault(booking.rank, deque()).append(booking)
 
     def watch(self, booking: Booking, blocks: list[int]) -> None:
         """Wait for `blocks` (the prompt's full block hashes, at least one) stored on its rank."""
@@ -60,31 +67,37 @@ class PrefillEnds:
 
     def follow(self, booking: Booking) -> bool:
         """Follow the bookings ahead of it on its rank still in prefill; False when there are none."""
-        ahead = [b for b in self._in_prefill.get(booking.rank, ()) if b is not booking]
-        if not ahead:
+        if self._front(booking.rank) is booking:
             return False
-        self._ahead[booking] = len(ahead)
-        for b in ahead:
-            self._behind.setdefault(b, []).append(booking)
+        self._following.add(booking)
         return True
+
+    def _front(self, rank: Rank) -> Booking | None:
+        """The oldest booking on the rank still in prefill (the ended ones ahead of it dropped)."""
+        queue, rank_of = self._queues.get(rank), self._rank_of
+        while queue and (queue[0] not in rank_of or queue[0].prefill_done):
+            # Ended, or ended where this was not told (a peer's prefill_complete, by the ledger).
+            gone = queue.popleft()
+            if rank_of.pop(gone, None) is not None:
+                self._unwatch(gone)
+                self._following.discard(gone)
+        if not queue:
+            self._queues.pop(rank, None)
+            return None
+        return queue[0]
 
     def ended(self, booking: Booking) -> None:
         """The booking's prefill no longer counts (it ended, by any path, or the booking did):
-        forget it, and the followers of which it was the last ahead are `ready`."""
-        in_prefill = self._in_prefill.get(booking.rank)
-        if in_prefill is not None and booking in in_prefill:
-            del in_prefill[booking]
-            if not in_prefill:
-                del self._in_prefill[booking.rank]
+        forget it; a follower that comes to the front of its rank's queue is `ready`."""
+        rank = self._rank_of.pop(booking, None)
         self._unwatch(booking)
-        self._ahead.pop(booking, None)
-        for follower in self._behind.pop(booking, ()):
-            left = self._ahead.get(follower)
-            if left == 1:
-                del self._ahead[follower]
-                self.ready.append(follower)
-            elif left is not None:
-                self._ahead[follower] = left - 1
+        self._following.discard(booking)
+        if rank is None:
+            return
+        front = self._front(rank)
+        if front is not None and front in self._following:
+            self._following.discard(front)
+            self.ready.append(front)
 
     def _unwatch(self, booking: Booking) -> None:
         blocks = booking.awaits
