@@ -351,3 +351,20 @@ def test_many_followers_cost_each_booking_a_constant() -> None:
         ends.ended(booking)
     assert len(ends) == 0 and not ends.following()
     assert time.perf_counter() - started < 5.0
+
+
+def test_many_bookings_of_one_prompt_end_in_linear_time(make_client: Callable[..., Client]) -> None:
+    """One prompt booked 3,000 times on one rank (a client's flood): each is watched, freed or
+    ended once, without a pass over the others."""
+    import time
+
+    c = _client(make_client, max_reservations_per_key=10_000)
+    _engine_says_hello(c)
+    started = time.perf_counter()
+    for i in range(3_000):
+        _book(c, f"a{i}")
+    for i in range(0, 3_000, 2):
+        c.ok("DELETE", f"/reservations/a{i}")
+    c.ok("POST", "/kv_events", [stored(1, 2, [(100 + i, LOCAL[i]) for i in range(8)])])
+    assert _prefill(c) == 0 and _counted(c, "prefill_inferred") == 1_500
+    assert time.perf_counter() - started < 20.0

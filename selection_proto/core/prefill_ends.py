@@ -35,7 +35,7 @@ class PrefillEnds:
     def __init__(self) -> None:
         self._rank_of: dict[Booking, Rank] = {}  # the bookings in prefill here
         self._queues: dict[Rank, deque[Booking]] = {}  # in booking order; ended ones leave lazily
-        self._waiting: dict[Rank, dict[int, list[Booking]]] = {}
+        self._waiting: dict[Rank, dict[int, dict[Booking, None]]] = {}  # ordered sets
         self._following: set[Booking] = set()
         self.ready: list[Booking] = []
 
@@ -63,7 +63,7 @@ class PrefillEnds:
     def watch(self, booking: Booking, blocks: list[int]) -> None:
         """Wait for `blocks` (the prompt's full block hashes, at least one) stored on its rank."""
         booking.awaits = blocks
-        self._waiting.setdefault(booking.rank, {}).setdefault(blocks[-1], []).append(booking)
+        self._waiting.setdefault(booking.rank, {}).setdefault(blocks[-1], {})[booking] = None
 
     def follow(self, booking: Booking) -> bool:
         """Follow the bookings ahead of it on its rank still in prefill; False when there are none."""
@@ -106,7 +106,7 @@ class PrefillEnds:
         booking.awaits = None
         by_last = self._waiting[booking.rank]
         waiting = by_last[blocks[-1]]
-        waiting.remove(booking)  # a list of the bookings of one prompt on one rank: short
+        del waiting[booking]
         if not waiting:
             del by_last[blocks[-1]]
             if not by_last:
@@ -118,14 +118,17 @@ class PrefillEnds:
         by_last = self._waiting.get(rank)
         if not by_last:
             return []
-        ended: list[Booking] = []
+        ended: dict[Booking, None] = {}
         for _, block in blocks:
             waiting = by_last.get(block)
             if waiting is None:
                 continue
-            # The same block may end another prompt: the rank must hold this prompt's whole path.
-            ended += [b for b in waiting if b.awaits is not None and b not in ended
-                      and tree.find(b.awaits)[0].get(rank, 0) >= len(b.awaits)]
+            # The same block may end another prompt: the rank must hold this prompt's whole path
+            # (one lookup per booking: linear in the prompts booked).
+            for booking in waiting:
+                awaits = booking.awaits
+                if awaits is not None and booking not in ended and tree.find(awaits)[0].get(rank, 0) >= len(awaits):
+                    ended[booking] = None
         for booking in ended:
             self._unwatch(booking)
-        return ended
+        return list(ended)
