@@ -145,6 +145,8 @@ class ServiceMachine(RuleBasedStateMachine):
         result = self.service.handle("POST", "/select_and_reserve" if reserve else "/select", "",
                                      [("content-type", "application/json")], json.dumps(body).encode(),
                                      now=self.now)
+        # A booking expires on any call that books (active_request_expiry_secs), not only on ticks.
+        self.bookings = {b for b in self.bookings if self.live(b)}
         if isinstance(result, Pending):
             self.tickets.add(result.ticket)
             return
@@ -229,7 +231,7 @@ class ServiceMachine(RuleBasedStateMachine):
                 assert load.prefill_tokens == sum(b.prefill_tokens for b in state.tracker.bookings.values()
                                                   if b.rank == rank and not b.prefill_done)
             waiting = [b for b in state.tracker.bookings.values() if b.awaits is not None]
-            assert len(state.prefill_ends) == len(waiting)  # the watch holds live bookings only
+            assert state.prefill_ends.waiting() == len(waiting)  # the watch holds live bookings only
             assert all(not b.prefill_done for b in waiting)
         assert self.bookings == {b for b in self.bookings if self.live(b)}
 
