@@ -1,6 +1,8 @@
 """A Hypothesis state machine over the whole core: workers come and go and are patched, KV events
 of both encodings (malformed ones too), selects, reservations, prefill completions, frees, ticks,
-with queueing on or off. The invariants are those of docs/INVARIANTS.md."""
+with queueing on or off, under either router policy (with ttft, engines' stored events also end
+prefills). The invariants are those of docs/INVARIANTS.md, and the booked prefill is exactly that
+of the bookings not done."""
 
 from __future__ import annotations
 
@@ -22,18 +24,22 @@ ALLOWED = {200, 201, 400, 404, 405, 409, 413, 415, 422, 429, 503, 529}
 
 
 class ServiceMachine(RuleBasedStateMachine):
-    @initialize(seed=st.integers(0, 2**32 - 1), queueing=st.booleans())
-    def start(self, seed: int, queueing: bool) -> None:
+    @initialize(seed=st.integers(0, 2**32 - 1), queueing=st.booleans(), policy=st.sampled_from(["dynamo", "ttft"]))
+    def start(self, seed: int, queueing: bool, policy: str) -> None:
         # Queueing on: flow control too (classes with caps, fairness caps, promotion, 529 refusals).
         flow: dict[str, Any] = dict(flow_classes="gold:3:max_queued=2,bulk:1:queue_timeout_secs=0.5",
                                     fairness_max_queued=3, priority_promote_secs=0.2,
                                     overload_status_code=529) if queueing else {}
+        # ttft: a booking's prefill also ends when its engine stores its prompt (prefill_ends.py).
         self.service = SelectionService(Settings(kv_events="push", max_reservations_per_key=8,
-                                                 queue_threshold=1.0 if queueing else None, **flow),
+                                                 queue_threshold=1.0 if queueing else None,
+                                                 router_policy=policy, **flow),
                                         random.Random(seed))
         self.tickets: set[int] = set()
         self.now = 0.0
         self.bookings: set[str] = set()
+        self.prompts: dict[str, list[int]] = {}  # each booking's token ids
+        self.policy = policy
         self.next_id = 0
         self.event_id = 0
 
@@ -52,6 +58,10 @@ class ServiceMachine(RuleBasedStateMachine):
                                                     "block_size": bs, "data_parallel_size": dp,
                                                     "max_num_batched_tokens": 8})
         assert status == 201
+        if self.policy == "ttft":  # its engine publishes at once (rank 0): its bookings' prefill ends are read
+            self.event_id += 1
+            self.call("POST", "/kv_events", [{"worker_id": wid, "event": {"event_id": self.event_id, "dp_rank": 0,
+                      "data": {"stored": {"parent_hash": None, "blocks": [{"block_hash": 5, "tokens_hash": 5}]}}}}])
         # A worker that leaves or loses ranks drops their bookings (core.md §6.5).
         self.bookings = {b for b in self.bookings if self.live(b)}
 
@@ -129,11 +139,14 @@ class ServiceMachine(RuleBasedStateMachine):
         if reserve:
             self.next_id += 1
             body["reservation_id"] = f"r{self.next_id}"
+            self.prompts[body["reservation_id"]] = tokens
         before = self.snapshot()
         self.now += 0.01
         result = self.service.handle("POST", "/select_and_reserve" if reserve else "/select", "",
                                      [("content-type", "application/json")], json.dumps(body).encode(),
                                      now=self.now)
+        # A booking expires on any call that books (active_request_expiry_secs), not only on ticks.
+        self.bookings = {b for b in self.bookings if self.live(b)}
         if isinstance(result, Pending):
             self.tickets.add(result.ticket)
             return
@@ -157,6 +170,26 @@ class ServiceMachine(RuleBasedStateMachine):
         else:
             assert self.call("DELETE", f"/reservations/{rid}")[0] == 200
             self.bookings.discard(rid)
+
+    @rule(data=st.data(), upto=st.none() | st.integers(0, 12))
+    def engine_stores_a_prompt(self, data: st.DataObject, upto: int | None) -> None:
+        """A booking's engine stores its prompt's blocks (or the first `upto`): with ttft, a
+        booking waiting for them has ended its prefill once all are stored."""
+        from selection_proto import block_hashes
+
+        if not self.bookings:
+            return
+        rid = data.draw(st.sampled_from(sorted(self.bookings)))
+        pool = next(p for p in self.service.pools.values() if rid in p.tracker.bookings)
+        booking = pool.tracker.bookings[rid]
+        blocks = block_hashes(self.prompts[rid], pool.block_size)[:upto]
+        waiting = booking.awaits is not None
+        self.event_id += 1
+        status, _ = self.call("POST", "/kv_events", [{"worker_id": booking.rank[0], "event": {
+            "event_id": self.event_id, "dp_rank": booking.rank[1], "data": {"stored": {
+                "parent_hash": None, "blocks": [{"block_hash": h * 7 % 2**64, "tokens_hash": h} for h in blocks]}}}}])
+        if status == 200 and waiting and len(blocks) >= len(booking.awaits or blocks):
+            assert booking.prefill_done and booking.awaits is None
 
     @rule(raw=st.binary(max_size=40), path=st.sampled_from(["/select", "/workers", "/kv_events", "/reservations"]))
     def garbage(self, raw: bytes, path: str) -> None:
@@ -194,6 +227,12 @@ class ServiceMachine(RuleBasedStateMachine):
                 assert all(c > 0 for c in load.unique.values())
                 total += load.requests
             assert total == len(state.tracker.bookings)
+            for rank, load in state.tracker.loads.items():  # the prefill of bookings not done, exactly
+                assert load.prefill_tokens == sum(b.prefill_tokens for b in state.tracker.bookings.values()
+                                                  if b.rank == rank and not b.prefill_done)
+            waiting = [b for b in state.tracker.bookings.values() if b.awaits is not None]
+            assert state.prefill_ends.waiting() == len(waiting)  # the watch holds live bookings only
+            assert all(not b.prefill_done for b in waiting)
         assert self.bookings == {b for b in self.bookings if self.live(b)}
 
     @invariant()

@@ -181,3 +181,24 @@ def test_the_dynamo_policy_and_frees_learn_nothing(make_client: Callable[..., Cl
                     c.ok("POST", f"/reservations/r{n}/prefill_complete")
                 c.ok("DELETE", f"/reservations/r{n}")
         assert "selection_proto_worker_learned_speed{" not in c.service.metrics_text(now=c.now)
+
+
+def test_what_is_left_of_a_running_prefill() -> None:
+    """`Speeds.left` (measured, off in the cost: docs/ROUTING.md): the booked prefill less what the
+    worker's learned rate has done since it began, beyond the tokens that stopped counting."""
+    from selection_proto.core.speed import Speeds
+
+    speeds = Speeds(learn=True)
+    for w in (1, 2):
+        speeds.set(w, None, None)
+        speeds.observe((w, 0), 0, 0.0)  # 20,000 tokens booked at 0 and completed at 2 s: 10,000 a second
+        speeds.observe((w, 0), 20_000, 2.0)
+        speeds.stopped((w, 0), 20_000)
+        speeds.completed(w, 20_000)
+    speeds.observe((1, 0), 0, 10.0)  # 30,000 booked from 10 s
+    assert speeds.left((1, 0), 30_000, 11.0) == 20_000
+    speeds.observe((1, 0), 30_000, 11.0)
+    speeds.stopped((1, 0), 5_000)  # a booking of 5,000 completed: 25,000 still booked, 5,000 of it done
+    assert speeds.left((1, 0), 25_000, 11.0) == 20_000
+    assert speeds.left((1, 0), 25_000, 14.0) == 0.0
+    assert Speeds(learn=True).left((1, 0), 7, 99.0) == 7  # no rate learned: as booked

@@ -486,3 +486,28 @@ def test_with_exact_speeds_no_admitted_request_misses_its_deadline(deadline_ms: 
     for result in runs:
         assert result.ttft_cdf[-1][0] <= deadline_ms / 1000, (result.name, result.ttft_cdf[-1])
         assert result.failed < (0.1 if deadline_ms == 2000 else 0.4) * len(raw), (result.name, result.failed)
+
+
+def test_the_oracle_beside_ours_and_dynamos(tmp_path: Path) -> None:
+    """`--compare oracle`: the all-knowing router runs beside the settings, and the table and the
+    report give each run's mean TTFT over the oracle's and over Dynamo's cost."""
+    report = tmp_path / "report.html"
+    done = run(str(trace_file()), "--requests", "400", "--engines", "4", "--no-baselines", "--report", str(report),
+               "--compare", "router_policy=dynamo", "router_policy=ttft", "oracle")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].split()[-2:] == ["mean/oracle", "mean/dynamo"]
+    rows = {line.split()[0]: line.split() for line in lines[2:5]}
+    assert list(rows) == ["router_policy=dynamo", "router_policy=ttft", "oracle"]
+    for row in rows.values():
+        mean = float(row[1])
+        assert row[-2] == f"{mean / float(rows['oracle'][1]):.2f}x"
+        assert row[-1] == f"{mean / float(rows['router_policy=dynamo'][1]):.2f}x"
+    assert rows["oracle"][-2] == "1.00x" and rows["router_policy=dynamo"][-1] == "1.00x"
+    page = report.read_text()
+    assert "<th>mean/oracle</th><th>mean/dynamo</th>" in page
+    assert f"<td>{rows['router_policy=ttft'][-2]}</td><td>{rows['router_policy=ttft'][-1]}</td>" in page
+    # Alone, `oracle` runs beside the defaults (Dynamo's cost).
+    done = run(str(trace_file()), "--requests", "200", "--engines", "2", "--no-baselines", "--compare", "oracle")
+    assert done.returncode == 0, done.stderr
+    assert [line.split()[0] for line in done.stdout.splitlines()[2:4]] == ["default", "oracle"]

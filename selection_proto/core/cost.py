@@ -52,6 +52,10 @@ OVERFLOW_WEIGHT: Final = 1.0
 REUSE_CREDIT: Final = 0.5
 
 NO_OVERRIDE: Final = RouterConfigOverride()
+# Count a rank's running prefill by what is left of it at the worker's learned rate (speed.py,
+# `Speeds.left`) instead of whole until it ends: measured over many simulated cases and left off,
+# as it did not help (docs/ROUTING.md, "How close to the oracle"); bench/round3.py turns it on.
+COUNT_WHAT_IS_LEFT = False
 
 # Device prefix, host extension and disk+external extension blocks per rank (core.md §7.4).
 Estimates = tuple[dict[Rank, int], dict[Rank, int], dict[Rank, int]]
@@ -101,7 +105,7 @@ def assumes_kv_reuse(s: Settings, o: RouterConfigOverride | None) -> bool:
 
 
 def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: list[Rank],
-          estimates: Estimates, s: Settings) -> tuple[list[Scored], float | None]:
+          estimates: Estimates, s: Settings, now: float) -> tuple[list[Scored], float | None]:
     """Every candidate's cost (core.md §9.5), and with `router_policy=ttft` the lowest of Dynamo's
     costs (a choice above it is one Dynamo's cost would not have made: they are counted). The hot loop
     of a selection: one pass, locals bound once, the rounding of `cached_tokens` inlined.
@@ -139,6 +143,7 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
     append = scored.append
     ttft = s.router_policy == "ttft"
     speeds, unknown, pressure = state.speeds.of, worker_speed(None, None), KV_PRESSURE * bs
+    left, count_left = state.speeds.left, COUNT_WHAT_IS_LEFT
     # The constants as locals: this loop runs once per candidate of every selection.
     drag_full, overflow_tokens = DECODE_DRAG, OVERFLOW_WEIGHT * bs
     per_context, reuse_credit = 1.0 / ATTENTION_CONTEXT_TOKENS, REUSE_CREDIT
@@ -180,16 +185,17 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
                                  decode_blocks, d, h, k, effective, cached, 0.0, 0.0, logit)))
             continue
         per_token, kv_blocks = speeds.get(r[0], unknown)
+        queued = left(r, active_prefill, now) if count_left and active_prefill else active_prefill
         work = new_prefill * (1.0 + (cached + new_prefill * 0.5) * per_context) if cached else uncached_work
         if kv_blocks:
             drag = 1.0 + (drag_full if decode_blocks >= kv_blocks else drag_full * decode_blocks / kv_blocks)
-            wait = active_prefill * drag + pressure * decode_blocks
+            wait = queued * drag + pressure * decode_blocks
             if decode_blocks > kv_blocks:
                 wait += (decode_blocks - kv_blocks) * overflow_tokens
             wait *= per_token
             prefill = work * per_token * drag
         else:
-            wait = (active_prefill + pressure * decode_blocks) * per_token
+            wait = (queued + pressure * decode_blocks) * per_token
             prefill = work * per_token
         predicted = wait + prefill - reuse_credit * cached * per_token if cached else wait + prefill
         if preferred:

@@ -8,7 +8,7 @@ stream instead drops what it cannot apply and goes on. A `POST /kv_events` of mo
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
 from .admission import Tickets
@@ -35,6 +35,7 @@ from .responses import ApplyReport, Pending
 from .settings import Settings
 from .streams import DecodedMessage, EventSource, decode_engine_batch, decode_stream_message, slice_end
 from .tally import Tally
+from .tracker import Booking
 from .wire import error_response, json_response
 
 __all__ = ["WORKER_LEFT", "Ingest", "Target"]
@@ -69,11 +70,11 @@ class Ingest:
     """Binds and applies KV events for the service; owns the requests being applied in steps."""
 
     __slots__ = ("_settings", "_metrics", "_limits", "_budget", "_catalog", "_pools", "_tickets",
-                 "_outbox", "_jobs")
+                 "_outbox", "_jobs", "_prefills_ended")
 
     def __init__(self, settings: Settings, metrics: Metrics, limits: Limits, budget: StateBudget,
                  catalog: Catalog, pools: dict[Key, Pool], tickets: Tickets,
-                 outbox: deque[OutputEvent]) -> None:
+                 outbox: deque[OutputEvent], prefills_ended: Callable[[Pool, list[Booking], float], None]) -> None:
         self._settings = settings
         self._metrics = metrics
         self._limits = limits
@@ -83,6 +84,8 @@ class Ingest:
         self._tickets = tickets
         self._outbox = outbox
         self._jobs: deque[_EventJob] = deque()
+        # Bookings whose prompt a stored event completed (prefill_ends.py): the selector ends them.
+        self._prefills_ended = prefills_ended
 
     @property
     def stepping(self) -> bool:
@@ -203,7 +206,7 @@ class Ingest:
                 if broken is not None:
                     self._count_break(pool.key, rank, broken)
                 pool.watch[rank].event(now)
-            self._apply(pool, rank, event, over_budget, tally, i if indices is None else indices[i])
+            self._apply(pool, rank, event, over_budget, tally, i if indices is None else indices[i], now)
         return tally
 
     def _count_break(self, key: Key, rank: Rank, broken: Break) -> None:
@@ -218,13 +221,16 @@ class Ingest:
                                                           ("missing", broken.missing))))
 
     def _apply(self, pool: Pool, rank: Rank, event: KvEvent, over_budget: bool, tally: Tally,
-               position: int) -> None:
+               position: int, now: float) -> None:
         """Apply one event to the index, count it, and tally it at `position`. `over_budget` is
         read once per message by the caller (a message overshoots the budget by at most itself)."""
         error = self._write(pool, rank, event, over_budget)
         self._metrics.kv_event(pool.key, event.tier, event.kind, "ok" if error is None else error.label)
         if error is None:
             tally.applied += 1
+            if event.kind == "stored" and event.tier == "device" and pool.prefill_ends.watching():
+                if ended := pool.prefill_ends.stored(rank, event.blocks, pool.index.device):
+                    self._prefills_ended(pool, ended, now)
         else:
             tally.fail(position, error.text)
 
@@ -316,7 +322,7 @@ class Ingest:
                 continue
             fresh.count_event(now)
             memory.observe(event)
-            self._apply(pool, rank, event, over_budget, tally, i)
+            self._apply(pool, rank, event, over_budget, tally, i, now)
         if source is not None:
             source.delivered.add(rank)
             if stop is None or stop >= len(batch.events):

@@ -241,11 +241,11 @@ class Plans:
             raise NotReady("no endpoints available to route work")
         found = estimates(pool, prompt.blocks)
         sel = Selection(pool, req, None, prompt, decode, excluded, found)
-        scored, lowest = score(req, pool, prompt, self._filter_overloaded(sel), found, s)
+        scored, lowest = score(req, pool, prompt, self._filter_overloaded(sel), found, s, now)
         temperature = _temperature(req, s)
         chosen = choose(pool, scored, temperature, self._rng)
         prefill_ranks = [] if local_only else self._prefill_ranks(req, pool)
-        choose_prefill = partial(self._choose_prefill, req, pool, prompt, found, temperature)
+        choose_prefill = partial(self._choose_prefill, req, pool, prompt, found, temperature, now)
         verdict, pairs, prefill, prefill_scored = self._verdict(opts, pool, prompt.isl, chosen, prefill_ranks,
                                                                 choose_prefill)
         if verdict.path == "remote" and not pairs:
@@ -358,13 +358,13 @@ class Plans:
         return used is not None and used > opts.kv_busy_fraction
 
     def _choose_prefill(self, req: SelectPdRequest, pool: Pool, prompt: PromptHashes, found: Estimates,
-                        temperature: float, decode: Scored, pairs: list[Rank]) -> tuple[Scored, list[Scored]]:
+                        temperature: float, now: float, decode: Scored, pairs: list[Rank]) -> tuple[Scored, list[Scored]]:
         """The prefill worker among `pairs` (the busy ones only when all are), and each one's cost:
         the prefill tokens the rank would hold (KV-aware: its cached prefix is not recomputed), in
         blocks, or under router_policy=ttft its predicted wait and prefill; weighed by a preferred
         transfer domain. A prefill leg holds no decode blocks: they are its current ones."""
         usable = [r for r in pairs if not self._prefill_busy(pool, r)] or pairs
-        raw, _ = score(req, pool, prompt, usable, found, self._settings)
+        raw, _ = score(req, pool, prompt, usable, found, self._settings, now)
         bs, loads, ttft = pool.block_size, pool.tracker.loads, self._settings.router_policy == "ttft"
         held = [c._replace(decode_blocks=loads[c.rank].decode_blocks()) for c in raw]
         weighted = [c._replace(logit=((queue_secs(pool, c) + c.prefill) if ttft else c.prefill_tokens / bs)

@@ -20,6 +20,7 @@ from .errors import NotFound
 from .freshness import RankFreshness
 from .index import DeviceTree, Rank
 from .predictions import Predictions
+from .prefill_ends import PrefillEnds
 from .sessions import SessionTable
 from .settings import Settings
 from .speed import Speeds
@@ -51,8 +52,8 @@ class Pool:
     """Everything a key (model, tenant) holds while it has a schedulable rank (core.md §6.4)."""
 
     __slots__ = ("key", "label", "block_size", "eagle", "speeds", "index", "tracker", "fresh", "memory", "epoch",
-                 "workers", "taints", "prefill_only", "queue", "_ranks", "budget", "sessions", "side", "predictions", "watch",
-                 "recent")
+                 "workers", "taints", "prefill_only", "queue", "_ranks", "budget", "sessions", "side", "predictions",
+                 "watch", "recent", "prefill_ends")
 
     def __init__(self, key: Key, block_size: int, now: float, settings: Settings,
                  budget: StateBudget) -> None:
@@ -84,6 +85,7 @@ class Pool:
         elif settings.predicted_ttl_secs is not None:
             self.side = DeviceTree()
             self.predictions = Predictions(self.side, settings.predicted_ttl_secs, budget)
+        self.prefill_ends = PrefillEnds()  # bookings whose prefill's end is read from events
         self._ranks: list[Rank] | None = None
         self.recent: deque[Decision] = deque(maxlen=RECENT_DECISIONS)  # for the status page (status.py)
 
@@ -149,6 +151,7 @@ class Pool:
 
     def _released(self, bookings: list[Booking], now: float) -> list[Booking]:
         for booking in bookings:
+            self.prefill_ends.ended(booking)
             if booking.lease is not None:
                 self.sessions.release(booking.lease, now)
         return bookings

@@ -108,6 +108,8 @@ class Selector(Admission, Plans):
             raise NotReady(f"no schedulable workers for {key_label((model_name, tenant_id))}")
         if pool.predictions is not None:
             pool.predictions.expire(now)
+        if pool.prefill_ends.ready:  # the prefills ahead of them ended (a peer's free, say)
+            self._end_followers(pool, now)
         return pool
 
     # -- selection (core.md §9.7) ----------------------------------------------------------------
@@ -281,7 +283,7 @@ class Selector(Admission, Plans):
     def _finish(self, sel: Selection, now: float) -> SelectResponse:
         """Steps 9-11: overload filter, cost, choice, booking, answer."""
         pool, req, prompt = sel.pool, sel.req, sel.prompt
-        scored, lowest = score(req, pool, prompt, self._filter_overloaded(sel), sel.found, self._settings)
+        scored, lowest = score(req, pool, prompt, self._filter_overloaded(sel), sel.found, self._settings, now)
         o = req.router_config_override
         temperature = (o.router_temperature if o is not None and o.router_temperature is not None
                        else self._settings.temperature)
@@ -292,7 +294,8 @@ class Selector(Admission, Plans):
                 pool.sessions.forget(sel.session)  # hard affinity: the binding is dropped, 400
                 raise mismatch(sel.session, sel.bound, chosen.rank)
             booking = self._book(pool, sel.rid, chosen.rank, prompt, chosen.cached, track, reuse,
-                                 req.expected_output_tokens, now, _scheduler_conflict)
+                                 req.expected_output_tokens, now, _scheduler_conflict,
+                                 chosen.device if pool.side is None else None)
             if sel.session is not None:
                 booking.lease = pool.sessions.lease(sel.session, chosen.rank, now)
         elif req.selection_id is not None:
@@ -372,13 +375,15 @@ class Selector(Admission, Plans):
             self._metrics.booking(pool.key, "expired", len(expired))
             if orphans := sum(1 for b in expired if b.plan):
                 self._metrics.plan_event(pool.key, "orphan_expired", orphans)
+            self._end_followers(pool, now)
         return bool(expired)
 
     def _book(self, pool: Pool, rid: str, rank: Rank, prompt: PromptHashes, cached: int,
               track_prefill: bool, reuse: bool, expected_output_tokens: int | None, now: float,
-              duplicate: Callable[[DuplicateReservation], SelectionError] | None = None, *,
-              decode_blocks: bool = True, predict: bool = True) -> Booking:
-        """Book `prompt` on `rank` as `rid`; `duplicate` words the 409 of an id already booked.
+              duplicate: Callable[[DuplicateReservation], SelectionError] | None = None,
+              device_blocks: int | None = None, *, decode_blocks: bool = True, predict: bool = True) -> Booking:
+        """Book `prompt` on `rank` as `rid`; `duplicate` words the 409 of an id already booked;
+        `device_blocks`: the prompt's blocks the rank's index holds, when the caller knows;
         `decode_blocks`: the booking holds the prompt's blocks (a plan's prefill leg does not);
         `predict`: the prompt's blocks are predicted cached on the rank now (else `_predict`)."""
         self.expire(pool, now)
@@ -405,6 +410,9 @@ class Selector(Admission, Plans):
         self._metrics.booking(pool.key, "booked")
         if self.journal is not None:
             self.journal.booked(pool.key, booking)
+        if prefill and self._reads_prefill_ends and pool.fresh[rank].last_event_at is not None:
+            pool.prefill_ends.booked(booking)
+            self._watch_prefill(pool, booking, prompt, device_blocks, now)
         if predict:
             self._predict(pool, rank, prompt, now)
         return booking
@@ -419,6 +427,62 @@ class Selector(Admission, Plans):
                     piece()  # a queued selection's: the next one this dispatch runs must see them
                 else:
                     self._deferred.add(piece)  # after the answer is written (deferred.py): no answer reads them
+
+    @property
+    def _reads_prefill_ends(self) -> bool:
+        """Whether a booking's prefill ends when its engine stores its prompt (router_policy=ttft,
+        with events feeding the index; docs/ROUTING.md "When a prefill ends"). Dynamo's policy
+        keeps 1.6.1's bookings exactly."""
+        s = self._settings
+        return s.router_policy == "ttft" and s.kv_events in ("push", "subscribe")
+
+    def _watch_prefill(self, pool: Pool, booking: Booking, prompt: PromptHashes, device_blocks: int | None,
+                       now: float) -> None:
+        """Wait for the engine to store the prompt's full blocks (an engine never stores a partial
+        one, which a client may name); a prompt the rank's index already holds whole, or without a
+        full block, has nothing new to store: it ends with the prefills booked ahead of it, at
+        once when there are none."""
+        full = min(len(prompt.blocks), prompt.isl // pool.block_size)
+        blocks = prompt.blocks if full == len(prompt.blocks) else prompt.blocks[:full]
+        if blocks and device_blocks is None:
+            device_blocks = pool.index.device.find(blocks)[0].get(booking.rank, 0)
+        if blocks and device_blocks is not None and device_blocks < full:
+            pool.prefill_ends.watch(booking, blocks)
+        elif not pool.prefill_ends.follow(booking):
+            self._end_prefill(pool, booking, now, learn=False)
+
+    def prefills_ended(self, pool: Pool, bookings: list[Booking], now: float) -> None:
+        """Their engine stored their prompts (ingest.py): their prefill ended; queued selections
+        may run once the events are applied."""
+        for booking in bookings:
+            self._end_prefill(pool, booking, now, learn=True)
+        self._end_followers(pool, now)
+        if pool.queue:
+            self._deferred.add(lambda: self.dispatch(pool if self._pools.get(pool.key) is pool else None, now))
+
+    def _end_prefill(self, pool: Pool, booking: Booking, now: float, learn: bool) -> None:
+        """What `prefill_complete` does to a booking whose prefill's end was read from events;
+        `learn`: its time teaches the worker's speed (not when it ended at booking)."""
+        if booking.prefill_done:  # its client told another replica first, and the ledger brought it
+            pool.prefill_ends.ended(booking)
+            return
+        pool.speeds.observe(booking.rank, pool.tracker.loads[booking.rank].prefill_tokens, now)
+        pool.speeds.stopped(booking.rank, booking.prefill_tokens)
+        if learn:
+            pool.speeds.completed(booking.rank[0], booking.prefill_tokens)
+        pool.tracker.prefill_complete(booking.rid)
+        pool.prefill_ends.ended(booking)
+        if self.journal is not None:
+            self.journal.prefilled(booking)
+        self._metrics.booking(pool.key, "prefill_inferred")
+
+    def _end_followers(self, pool: Pool, now: float) -> None:
+        """End the prefill of the bookings whose prefills ahead have all ended (each may free more)."""
+        ready = pool.prefill_ends.ready
+        while ready:
+            booking = ready.pop(0)
+            if pool.tracker.bookings.get(booking.rid) is booking and not booking.prefill_done:
+                self._end_prefill(pool, booking, now, learn=False)
 
     def reserve(self, req: ReservationRequest, now: float) -> ReservationResponse:
         """An explicit booking on `worker_id` (it discards a pending selection of the same id),
@@ -507,12 +571,16 @@ class Selector(Admission, Plans):
             raise
         booked = pool.tracker.bookings[rid]
         pool.speeds.observe(booked.rank, pool.tracker.loads[booked.rank].prefill_tokens, now)
-        if not free and not booked.prefill_done:
-            pool.speeds.completed(booked.rank[0], booked.prefill_tokens)
+        if not booked.prefill_done:
+            pool.speeds.stopped(booked.rank, booked.prefill_tokens)
+            if not free:
+                pool.speeds.completed(booked.rank[0], booked.prefill_tokens)
         # The blocks a huge booking leaves are uncounted after the answer, unless queued
         # selections are about to run (they must see them gone).
         defer = self._deferred.add if not pool.queue and not self._dispatching else None
         booking = pool.free(rid, now, defer) if free else pool.tracker.prefill_complete(rid)
+        pool.prefill_ends.ended(booking)  # an explicit completion is the authority: no inference follows
+        self._end_followers(pool, now)
         watch = pool.watch.get(booking.rank)
         if cached_tokens is not None and watch is not None and (seen := watch.observe(booking, cached_tokens)):
             self._metrics.kv_observed(pool.key, booking.rank[0], *seen)

@@ -104,7 +104,7 @@ class SelectionService:
         self._workers = Workers(s, self.metrics, self.limits, self.budget, self.catalog, self._pools,
                                 self._streams, self._selector, self._outbox)
         self._ingest = Ingest(s, self.metrics, self.limits, self.budget, self.catalog, self._pools,
-                              tickets, self._outbox)
+                              tickets, self._outbox, self._selector.prefills_ended)
         self._now = -math.inf
         self._shutting_down = False
         self._draining = False  # marked not ready, still serving (`begin_drain`)

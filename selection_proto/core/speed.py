@@ -6,7 +6,10 @@ rank-seconds they had prefill booked, so time a request waits in its engine's qu
 as slowness; frees teach nothing (their time includes the decode). A worker is then read against
 the mean of the workers learned so far, to the power 0.5: halfway, in log terms, between "all
 equal" and what was measured, which damps the noise between engines that are in fact equal.
-A declared speed always wins; only the ratios between workers matter to the cost."""
+A declared speed always wins; only the ratios between workers matter to the cost.
+
+`left` reads how far a rank's running prefill has got at its worker's learned rate (tokens a
+rank-second, absolute): measured, and not used by the cost (docs/ROUTING.md, round three)."""
 
 from __future__ import annotations
 
@@ -34,9 +37,9 @@ def worker_speed(prefill_tokens_per_sec: float | None, total_kv_blocks: int | No
 
 class Speeds:
     """One pool's workers: `of` is what the cost reads (worker -> `worker_speed`, learned ones
-    scaled); `observe` and `completed` are fed by the bookings when `learn` is on."""
+    scaled); `observe`, `stopped` and `completed` are fed by the bookings when `learn` is on."""
 
-    __slots__ = ("of", "learn", "_declared", "_busy", "_done", "_since", "_unread")
+    __slots__ = ("of", "learn", "_declared", "_busy", "_done", "_since", "_unread", "_started", "_rate")
 
     def __init__(self, learn: bool) -> None:
         self.of: dict[int, tuple[float, int]] = {}
@@ -46,6 +49,10 @@ class Speeds:
         self._done: dict[int, int] = {}  # worker -> prefill tokens completed
         self._since: dict[Rank, float] = {}  # rank -> when its booked prefill last changed
         self._unread = 0  # tokens completed since the speeds were last worked out
+        # Rank -> (when its booked prefill last went from none to some, tokens that stopped
+        # counting on it since): how far its running prefill has got (`left`).
+        self._started: dict[Rank, tuple[float, int]] = {}
+        self._rate: dict[int, float] = {}  # worker -> prefill tokens a rank-second, once learned
 
     def set(self, worker_id: int, prefill_tokens_per_sec: float | None, total_kv_blocks: int | None) -> None:
         """The worker joined or its record changed."""
@@ -63,8 +70,10 @@ class Speeds:
         self._declared.discard(worker_id)
         self._busy.pop(worker_id, None)
         self._done.pop(worker_id, None)
+        self._rate.pop(worker_id, None)
         for rank in [r for r in self._since if r[0] == worker_id]:
             del self._since[rank]
+            self._started.pop(rank, None)
 
     def observe(self, rank: Rank, booked_prefill: int, now: float) -> None:
         """Called before the rank's booked prefill changes, with what it was until `now`."""
@@ -74,6 +83,25 @@ class Speeds:
         if since is not None and booked_prefill > 0 and now > since:
             self._busy[rank[0]] = self._busy.get(rank[0], 0.0) + (now - since)
         self._since[rank] = now
+        if booked_prefill <= 0:
+            self._started[rank] = (now, 0)
+
+    def stopped(self, rank: Rank, prefill_tokens: int) -> None:
+        """A booking's prefill tokens stopped counting on the rank (completed, or freed before)."""
+        started = self._started.get(rank)
+        if started is not None and prefill_tokens > 0:
+            self._started[rank] = (started[0], started[1] + prefill_tokens)
+
+    def left(self, rank: Rank, booked_prefill: int, now: float) -> float:
+        """The rank's booked prefill still to run: what was booked, less what its engine has
+        done at the worker's learned rate since it began, beyond the tokens that stopped counting
+        (all of it until a rate is learned)."""
+        rate = self._rate.get(rank[0])
+        started = self._started.get(rank)
+        if rate is None or started is None or booked_prefill <= 0:
+            return booked_prefill
+        done = rate * (now - started[0]) - started[1]
+        return booked_prefill - done if done < booked_prefill else 0.0
 
     def completed(self, worker_id: int, prefill_tokens: int) -> None:
         """A booking on the worker finished its prefill: the learned speeds move."""
@@ -86,6 +114,8 @@ class Speeds:
         if self._done[worker_id] < LEARN_AFTER_TOKENS or self._unread * 16 < LEARN_AFTER_TOKENS * len(self._done):
             return
         self._unread = 0
+        self._rate = {w: done / self._busy[w] for w, done in self._done.items()
+                      if done >= LEARN_AFTER_TOKENS and self._busy.get(w, 0.0) > 0.0}
         base = worker_speed(None, None)[0]
         for worker, slower in self._slowness().items():
             if worker in self.of and worker not in self._declared:

@@ -69,7 +69,7 @@ class RankLoad:
 class Booking:
     __slots__ = ("rid", "rank", "blocks", "prefill_tokens", "prefill_done", "expected_output_tokens",
                  "booked_at", "outputs", "output_weight", "lease", "owner",
-                 "outputs_by", "predicted_cached", "prompt_tokens", "plan")
+                 "outputs_by", "predicted_cached", "prompt_tokens", "plan", "awaits")
 
     def __init__(self, rid: str, rank: Rank, blocks: list[int] | None, prefill_tokens: int,
                  expected_output_tokens: int | None, booked_at: float) -> None:
@@ -89,6 +89,8 @@ class Booking:
         self.predicted_cached: int | None = None
         self.prompt_tokens = 0
         self.plan = False  # one leg of a prefill/decode plan booked here (pd.py): its expiry is an orphan's
+        # The prompt's block hashes while the end of its prefill is read from events (prefill_ends.py).
+        self.awaits: list[int] | None = None
 
 
 class Tracker:

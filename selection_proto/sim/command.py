@@ -17,7 +17,7 @@ from typing import Any
 from ..config import UsageError, settings_with
 from ..core.settings import Settings
 from .engine import EngineModel, FleetConfig
-from .fleet import BASELINES, simulate
+from .fleet import BASELINES, ORACLE, simulate
 from .report import document, html_report, summary, table
 from .trace import MAX_TOKENS, TraceError, TraceRequest, parse_trace, read_lines
 
@@ -55,7 +55,8 @@ def add_parser(sub: Any) -> None:
                          help="clients never call prefill_complete: only frees tell the router a request moved on")
     command.add_argument("--compare", action="extend", nargs="+", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                          help="settings of the service to run, each KEY=VALUE[,KEY=VALUE] (several after one "
-                              "flag, or the flag repeated); default: the defaults")
+                              "flag, or the flag repeated), or `oracle`: the all-knowing router, greedy on the "
+                              "fleet's true state; default: the defaults")
     command.add_argument("--service", action="append", default=[], metavar="URL",
                          help="also route through a running selection service over HTTP (ours, or Dynamo "
                               "1.6.1's), its engines publishing ZMQ KV events to it (repeat for several)")
@@ -126,9 +127,9 @@ def run(args: argparse.Namespace) -> int:
                          engine_speeds=speeds, prefill_complete=not args.no_prefill_complete)
     base = Settings(kv_events="push")
     runs: list[tuple[str, Settings | str | None]] = [
-        (text, settings_with(base, text, "--compare")) for text in args.compare]
-    if not runs and not args.service:
-        runs.append(("default", base))
+        (text, None if text == ORACLE else settings_with(base, text, "--compare")) for text in args.compare]
+    if all(text == ORACLE for text in args.compare) and not args.service:  # the defaults, beside the oracle
+        runs.insert(0, ("default", base))
     for url in args.service:
         if not url.startswith("http://"):
             raise UsageError(f"--service: expected http://HOST:PORT, not {url!r}")

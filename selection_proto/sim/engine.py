@@ -162,6 +162,18 @@ class SimRequest:
                                        ("deadline_ms", trace.deadline_ms), ("policy_class", trace.policy_class))
                                      if v is not None}
 
+    def fork(self) -> SimRequest:
+        """A copy whose engine-side progress moves on its own (the oracle runs engines ahead)."""
+        twin = SimRequest.__new__(SimRequest)
+        for name in SimRequest.__slots__:
+            setattr(twin, name, getattr(self, name))
+        twin.blocks_held = list(self.blocks_held)
+        return twin
+
+
+def _discard(engine: int, event: KvEvent) -> None:
+    """A fork's events go nowhere."""
+
 
 EVENT_BLOCKS = 4096  # blocks per stored event at most: a 1M-block prompt's event was ~120 MB
 
@@ -191,6 +203,25 @@ class Engine:
         self.last_prefill: list[tuple[SimRequest, int]] = []
         self.cached_tokens = 0
         self.prompt_tokens = 0
+
+    def fork(self) -> Engine:
+        """A copy to run ahead on, publishing nothing: its cache and the requests not yet decoding
+        are copied; decoding ones are shared, as from here on they are only read (`_end` leaves
+        a request as it was)."""
+        twin = Engine.__new__(Engine)
+        twin.index, twin.speed, twin.capacity = self.index, self.speed, self.capacity
+        twin.block_size, twin.model, twin.publish = self.block_size, self.model, _discard
+        twin.active = dict(self.active)
+        twin.inactive = self.inactive.copy()
+        twin.private = self.private
+        twin.waiting = deque(req.fork() for req in self.waiting)
+        forks = {id(req): req.fork() for req in self.prefilling}
+        twin.prefilling = [forks[id(req)] for req in self.prefilling]
+        twin.last_prefill = [(forks[id(req)], take) for req, take in self.last_prefill]
+        twin.decoding = list(self.decoding)  # a copy of a heap is a heap
+        twin.iterations, twin.order, twin.busy_until = self.iterations, self.order, self.busy_until
+        twin.cached_tokens, twin.prompt_tokens = self.cached_tokens, self.prompt_tokens
+        return twin
 
     def in_flight(self) -> int:
         return len(self.waiting) + len(self.prefilling) + len(self.decoding)
@@ -322,8 +353,7 @@ class Engine:
     def _end(self, req: SimRequest) -> None:
         # The tail first, as vLLM frees them: a block is never evicted before the ones after it,
         # which would leave them cached without their prefix.
+        # The request is left as it is: a fork (the oracle's) ends requests it shares with its engine.
         for seq in reversed(req.blocks_held):
             self._release(seq)
-        req.blocks_held = []
         self.private -= req.private
-        req.private = 0

@@ -3,7 +3,8 @@ model, the trace's requests arriving in virtual time, and a router deciding wher
 router is the real core (a `SelectionService` per setting, called as a client would:
 select_and_reserve, prefill_complete, free, and the KV events the engines publish), or a baseline
 (`random`, `round-robin`, and `least-loaded`: cache-blind but load-aware, the engine with the fewest
-requests in flight). One run per setting, each from the same arrivals."""
+requests in flight), or the all-knowing `oracle` (oracle.py). One run per setting, each from the
+same arrivals."""
 
 from __future__ import annotations
 
@@ -25,12 +26,14 @@ from ..core.service import SelectionService
 from ..core.settings import Settings
 from ..core.types import SelectAndReserveRequest, WorkerRequest
 from .engine import Engine, FleetConfig, SimRequest, block_hash
+from .oracle import fastest
 from .service import ServiceRouter
 from .trace import TraceRequest
 
-__all__ = ["BASELINES", "SettingRun", "simulate"]
+__all__ = ["BASELINES", "ORACLE", "SettingRun", "simulate"]
 
 BASELINES = ("random", "round-robin", "least-loaded")
+ORACLE = "oracle"  # the all-knowing router (oracle.py): `--compare oracle`
 
 
 @attrs.frozen(kw_only=True)
@@ -81,7 +84,7 @@ class _Router:
         self.turn = 0
         self.engines = config.engines
         self.service: SelectionService | None = None
-        self.in_flight: Callable[[], list[int]] = list  # each engine's requests in flight (least-loaded)
+        self.fleet: list[Engine] = []  # the engines, which least-loaded and the oracle read
         self.events_failed = 0  # engine events the core refused (none, when the engines are right)
         if settings is not None:
             self.service = SelectionService(settings, random.Random(config.seed))
@@ -101,8 +104,10 @@ class _Router:
         if self.service is None:
             if self.name == "random":
                 return self.rng.randrange(self.engines)
+            if self.name == ORACLE:
+                return fastest(self.fleet, req, now, self.rng)
             if self.name == "least-loaded":
-                loads = self.in_flight()
+                loads = [e.in_flight() for e in self.fleet]
                 fewest = min(loads)
                 return self.rng.choice([i for i, n in enumerate(loads) if n == fewest])
             self.turn = (self.turn + 1) % self.engines
@@ -168,7 +173,7 @@ def _run(name: str, setting: Settings | str | None, arrivals: Iterable[tuple[flo
 
     engines = [Engine(i, config, publish) for i in range(config.engines)]
     if isinstance(router, _Router):
-        router.in_flight = lambda: [e.in_flight() for e in engines]
+        router.fleet = engines
     source = iter(arrivals)
     ttft, waits = array("d"), array("d")
     failed = 0
@@ -322,7 +327,7 @@ def simulate(trace: Callable[[], Iterable[TraceRequest]], config: FleetConfig,
              settings: list[tuple[str, Settings | str | None]]) -> list[SettingRun]:
     """Replay `trace()` (called once for its totals and once per setting: a stream, never held
     whole) through a fleet for each named setting: `Settings` for the core in process, a URL for
-    a running service (`ServiceRouter`), None for a baseline of `BASELINES`."""
+    a running service (`ServiceRouter`), None for a baseline of `BASELINES` or the `ORACLE`."""
     first = last = None
     count = isl = osl = blocks = 0
     for req in trace():

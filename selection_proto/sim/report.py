@@ -10,18 +10,43 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .engine import FleetConfig
-from .fleet import BASELINES, SettingRun
+from .fleet import BASELINES, ORACLE, SettingRun
 
-__all__ = ["document", "html_report", "summary", "table"]
+__all__ = ["document", "html_report", "summary", "table", "yardsticks"]
 
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf")
 
 
+def yardsticks(runs: Sequence[SettingRun]) -> list[tuple[str, SettingRun]]:
+    """The runs each run's mean TTFT is read against, with their column names: the oracle's
+    (`--compare oracle`), and Dynamo's: the first run of its cost in process
+    (`router_policy=dynamo`, the default), else the first `--service` run."""
+    found = []
+    oracle = next((run for run in runs if run.name == ORACLE), None)
+    if oracle is not None:
+        found.append(("mean/oracle", oracle))
+    in_process = [run for run in runs if run.name not in (*BASELINES, ORACLE) and "service" not in run.settings]
+    dynamo = next((run for run in in_process if run.settings.get("router_policy", "dynamo") == "dynamo"),
+                  next((run for run in runs if "service" in run.settings), None))
+    if dynamo is not None and oracle is not None:
+        found.append(("mean/dynamo", dynamo))
+    return found
+
+
+def _ratio(run: SettingRun, yardstick: SettingRun) -> str:
+    return f"{run.ttft['mean'] / yardstick.ttft['mean']:.2f}x" if yardstick.ttft["mean"] > 0 else "-"
+
+
 def table(runs: Sequence[SettingRun]) -> str:
-    head = ("setting", "ttft mean", "p50", "p90", "p99", "wait mean", "hit rate", "busy max", "requests", "failed")
+    """With an oracle among the runs, each run's mean TTFT also as a multiple of the oracle's and
+    of Dynamo's (`yardsticks`)."""
+    against = yardsticks(runs)
+    head = ("setting", "ttft mean", "p50", "p90", "p99", "wait mean", "hit rate", "busy max", "requests", "failed",
+            *(name for name, _ in against))
     rows = [head] + [(
         run.name, *(f"{run.ttft[k]:.3f}" for k in ("mean", "p50", "p90", "p99")), f"{run.queue_wait['mean']:.3f}",
-        f"{run.hit_rate:.3f}", f"{run.busy_max_mean:.1f}", str(run.requests), str(run.failed)) for run in runs]
+        f"{run.hit_rate:.3f}", f"{run.busy_max_mean:.1f}", str(run.requests), str(run.failed),
+        *(_ratio(run, yardstick) for _, yardstick in against)) for run in runs]
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(row))
              for row in rows]
@@ -151,12 +176,16 @@ def html_report(runs: Sequence[SettingRun], config: FleetConfig, trace: str) -> 
             f"<h3>{html.escape(run.name)}</h3><div class=row>"
             + _svg(470, 230, _axes(small, "time (s)", "requests in flight", t_max, peak) + load)
             + _svg(470, 230, _axes(small, "time (s)", "KV blocks used", t_max, 1.0) + kv) + "</div>")
+    against = yardsticks(runs)
     rows = "".join(
         f"<tr><td>{html.escape(run.name)}</td>"
         + "".join(f"<td>{run.ttft[k]:.3f}</td>" for k in ("mean", "p50", "p90", "p99"))
         + f"<td>{run.queue_wait['mean']:.3f}</td><td>{run.hit_rate:.3f}</td><td>{run.busy_max_mean:.1f}</td>"
-        f"<td>{run.requests}</td><td>{run.failed}</td><td><code>{html.escape(_settings_text(run))}</code></td></tr>"
+        f"<td>{run.requests}</td><td>{run.failed}</td>"
+        + "".join(f"<td>{_ratio(run, yardstick)}</td>" for _, yardstick in against)
+        + f"<td><code>{html.escape(_settings_text(run))}</code></td></tr>"
         for run in runs)
+    ratio_heads = "".join(f"<th>{html.escape(name)}</th>" for name, _ in against)
     tenant_rows = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>"
                           for row in _tenant_rows(runs))
     tenants = "" if not tenant_rows else ("<h2>Per tenant</h2><table><tr>" + "".join(
@@ -172,7 +201,7 @@ td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}} td:first-child,t
 {"".join(f"<p class=summary>{html.escape(line)}</p>" for line in summary(runs))}
 <p>Fleet: {fleet}.<br>Engine model: {model}.</p>
 <table><tr><th>setting</th><th>TTFT mean (s)</th><th>p50</th><th>p90</th><th>p99</th><th>wait mean</th>
-<th>hit rate</th><th>busy max</th><th>requests</th><th>failed</th><th>settings</th></tr>{rows}</table>
+<th>hit rate</th><th>busy max</th><th>requests</th><th>failed</th>{ratio_heads}<th>settings</th></tr>{rows}</table>
 {tenants}<h2>Time to first token</h2>{cdf}
 <h2>Engines over time</h2>{"".join(sections)}
 </body></html>
@@ -181,5 +210,6 @@ td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}} td:first-child,t
 
 def _settings_text(run: SettingRun) -> str:
     if not run.settings:
-        return "baseline" if run.name in BASELINES else "defaults"
+        return "all-knowing (greedy on the true state)" if run.name == ORACLE else \
+            "baseline" if run.name in BASELINES else "defaults"
     return ", ".join(f"{k}={v}" for k, v in sorted(run.settings.items()) if k != "kv_events")

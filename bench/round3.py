@@ -1,0 +1,113 @@
+"""Routing round three (docs/ROUTING.md, "How close to the oracle"): `router_policy=ttft` against
+the all-knowing oracle and Dynamo 1.6.1 over several traces, loads, fleet sizes and client
+behaviours, with the variants that were measured before deciding them:
+
+- `round 2`: ttft without reading a prefill's end from the engine's events;
+- `+ttl 1 s`: the blocks of in-flight prefills visible to the next selection (`predicted_ttl_secs=1`);
+- `+left`: a rank's running prefill counted by what is left of it (`cost.COUNT_WHAT_IS_LEFT`).
+
+    python bench/round3.py [--reference-python .venv-reference/bin/python] [--requests 2000] [--quick]
+
+Runs in process (`simulate`'s API); Dynamo 1.6.1 over HTTP when `--reference-python` is given,
+else its cost in process (`router_policy=dynamo`) stands in for it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+from routing import TRACE, free_port, synthetic_trace, wait_for  # noqa: E402
+
+import selection_proto.core.cost as cost  # noqa: E402
+import selection_proto.core.selection as selection  # noqa: E402
+from selection_proto.core.settings import Settings  # noqa: E402
+from selection_proto.sim import FleetConfig, parse_trace, simulate  # noqa: E402
+from selection_proto.sim.command import _lines  # noqa: E402
+from selection_proto.sim.fleet import SettingRun  # noqa: E402
+
+TTFT = Settings(kv_events="push", router_policy="ttft")
+
+
+def run_one(trace: Callable[[], Iterator[Any]], config: FleetConfig, name: str, setting: Settings | str | None,
+            left: bool = False, round2: bool = False) -> SettingRun:
+    cost.COUNT_WHAT_IS_LEFT = left
+    reads = selection.Selector._reads_prefill_ends
+    if round2:
+        selection.Selector._reads_prefill_ends = property(lambda self: False)  # type: ignore[method-assign,assignment]
+    try:
+        (result,) = simulate(trace, config, [(name, setting)])
+    finally:
+        cost.COUNT_WHAT_IS_LEFT = False
+        selection.Selector._reads_prefill_ends = reads  # type: ignore[method-assign]
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reference-python", default=None)
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--quick", action="store_true", help="four cases only")
+    args = parser.parse_args()
+    synthetic = os.path.join(tempfile.mkdtemp(), "synthetic.jsonl")
+    synthetic_trace(synthetic, args.requests)
+    reference = url = None
+    if args.reference_python:
+        port = free_port()
+        reference = subprocess.Popen([args.reference_python, "-m", "dynamo.select_service", "--port", str(port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env={**os.environ, "RUST_LOG": "error", "DYN_LOG": "error"})
+        wait_for(port)
+        url = f"http://127.0.0.1:{port}"
+    # (trace, skip, load, engines, clients report prefill_complete, engine speeds)
+    cases: list[tuple[str, int, float, int, bool, tuple[float, ...]]] = []
+    for skip in (0, 4000):
+        cases += [("conversation", skip, load, engines, True, ()) for load, engines in ((0.8, 8), (1.1, 8), (0.8, 4), (0.8, 16))]
+        cases += [("conversation", skip, 0.8, 8, False, ()), ("conversation", skip, 0.8, 8, True, (1.0, 0.5)),
+                  ("conversation", skip, 0.8, 8, False, (1.0, 0.5))]
+    cases += [("high reuse", 0, load, engines, told, ()) for load, engines, told in (
+        (0.8, 8, True), (1.1, 8, True), (0.8, 4, True), (0.8, 8, False))]
+    if args.quick:
+        cases = cases[:1] + cases[4:5] + cases[-4:-3] + cases[-1:]
+    print("| trace | slice | load | engines | clients | speeds | oracle mean | Dynamo mean / p99 | ttft mean / p99 "
+          "| ttft / oracle | ttft / Dynamo: mean, p99 | round 2 / oracle | +ttl 1 s / oracle | +left / oracle |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    try:
+        for name, skip, load, engines, told, speeds in cases:
+            path = TRACE if name == "conversation" else synthetic
+            skip = skip if name == "conversation" else 0
+
+            def trace(path: str = path, skip: int = skip) -> Iterator[Any]:
+                return parse_trace(_lines(path), path, 512, skip=skip, limit=args.requests, kv_blocks=1000)
+
+            config = FleetConfig(engines=engines, load=load, prefill_complete=told, engine_speeds=speeds)
+            oracle = run_one(trace, config, "oracle", None)
+            dynamo = run_one(trace, config, "dynamo", url or Settings(kv_events="push"))
+            ttft = run_one(trace, config, "ttft", TTFT)
+            round2 = run_one(trace, config, "ttft", TTFT, round2=True)
+            ttl = run_one(trace, config, "ttl", Settings(kv_events="push", router_policy="ttft", predicted_ttl_secs=1.0))
+            left = run_one(trace, config, "left", TTFT, left=True)
+            o, d, t = oracle.ttft, dynamo.ttft, ttft.ttft
+            print(f"| {name} | {skip}-{skip + args.requests} | {load} | {engines} | "
+                  f"{'report' if told else 'silent'} | {','.join(map(str, speeds)) or '-'} | {o['mean']:.3f} "
+                  f"| {d['mean']:.3f} / {d['p99']:.3f} | {t['mean']:.3f} / {t['p99']:.3f} | {t['mean'] / o['mean']:.2f}x "
+                  f"| {t['mean'] / d['mean']:.2f}x, {t['p99'] / d['p99']:.2f}x "
+                  f"| {round2.ttft['mean'] / o['mean']:.2f}x | {ttl.ttft['mean'] / o['mean']:.2f}x "
+                  f"| {left.ttft['mean'] / o['mean']:.2f}x |", flush=True)
+    finally:
+        if reference is not None:
+            reference.terminate()
+            reference.wait(timeout=30)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
