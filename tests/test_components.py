@@ -294,11 +294,11 @@ def test_cost_prefers_cache_then_load_and_rounds_half_up() -> None:
     assert cached_tokens((1, 0), found, 4, settings) == 8
     assert cached_tokens((1, 0), ({}, {(1, 0): 1}, {}), 3, settings) == 2  # 1.5 rounds up
     req = SelectRequest(model_name="m", tenant_id="t", token_ids=tuple(tokens))
-    scored, by_cost = score(req, pool, prompt, [(1, 0), (2, 0)], found, settings)
+    scored, by_cost = score(req, pool, prompt, [(1, 0), (2, 0)], found, settings, 0.0)
     assert scored[0].logit < scored[1].logit and by_cost is None  # the default policy
     assert choose(pool, scored, 0.0, random.Random(0)).rank == (1, 0)
     pool.tracker.book("r", (1, 0), None, 10_000, None, 0.0)  # far more queued prefill on rank 1
-    busy, _ = score(req, pool, prompt, [(1, 0), (2, 0)], found, settings)
+    busy, _ = score(req, pool, prompt, [(1, 0), (2, 0)], found, settings, 0.0)
     assert choose(pool, busy, 0.0, random.Random(0)).rank == (2, 0)
 
 
