@@ -165,11 +165,11 @@ def test_the_cli_prints_the_new_columns_and_writes_them_to_json_and_html(tmp_pat
     table = done.stdout.splitlines()
     assert table[0].split() == ["setting", "remote", "ttft", "mean", "p50", "p99", "tpot", "mean", "ms", "p99", "ms",
                                 "wait", "mean", "hit", "rate", "requests", "failed"]
-    names = ["aggregated", "1:3 always", "1:3 never", "1:3 ttft", "2:2 always", "2:2 never", "2:2 ttft"]
+    names = ["aggregated", "aggregated ttft", "1:3 always", "1:3 never", "1:3 ttft", "2:2 always", "2:2 never", "2:2 ttft"]
     assert [line.split()[0] + ("" if line.startswith("aggregated") else " " + line.split()[1])
-            for line in table[2:9]] == names
+            for line in table[2:10]] == names
     assert "1:3 always: mean TTFT" in done.stdout and "mean TPOT" in done.stdout
-    assert "7 runs, 420 requests in" in done.stdout
+    assert "8 runs, 480 requests in" in done.stdout
     document: dict[str, Any] = json.loads(out.read_text())
     assert document["fleet"]["engines"] == 4
     assert document["fleet"]["kv_bytes_per_token"] == 65536 and document["fleet"]["link_bytes_per_sec"] == 25e9
@@ -177,7 +177,7 @@ def test_the_cli_prints_the_new_columns_and_writes_them_to_json_and_html(tmp_pat
     assert list(by_name) == names
     assert by_name["aggregated"]["pd"] == {"prefill_engines": 0, "decode_engines": 4, "decider": None}
     assert by_name["2:2 ttft"]["pd"] == {"prefill_engines": 2, "decode_engines": 2, "decider": "ttft"}
-    assert by_name["2:2 ttft"]["settings"] == {"router_policy": "ttft"}
+    assert by_name["2:2 ttft"]["settings"] == by_name["aggregated ttft"]["settings"] == {"router_policy": "ttft"}
     assert by_name["1:3 always"]["remote_share"] == 1.0
     for setting in document["settings"]:
         assert set(setting["tpot"]) == {"mean", "p50", "p90", "p99"} and setting["failed"] == 0

@@ -138,13 +138,16 @@ def _lines(path: str) -> Iterator[bytes]:
 
 def _pd_runs(runs: list[tuple[str, Settings | PdSetup | str | None]], prefill_engines: list[int],
              deciders: list[str], engines: int) -> list[tuple[str, Settings | PdSetup | str | None]]:
-    """Per setting: the aggregated fleet, then each P:D fleet with each decider (`ttft` under
-    router_policy=ttft), all planned through the core."""
+    """Per setting: the aggregated fleet (and under router_policy=ttft too when the `ttft` decider
+    runs), then each P:D fleet with each decider (`ttft` under router_policy=ttft), all planned
+    through the core."""
     out: list[tuple[str, Settings | PdSetup | str | None]] = []
     for text, settings in runs:
         assert isinstance(settings, Settings)
         prefix = "" if text == "default" else text + " "
         out.append((prefix + "aggregated", PdSetup(settings=settings)))
+        if "ttft" in deciders and settings.router_policy != "ttft":  # its like, to compare the ttft runs with
+            out.append((prefix + "aggregated ttft", PdSetup(settings=attrs.evolve(settings, router_policy="ttft"))))
         for prefill in prefill_engines:
             for decider in deciders:
                 chosen = attrs.evolve(settings, router_policy="ttft") if decider == "ttft" else settings
