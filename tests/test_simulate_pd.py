@@ -13,9 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+import selection_proto.sim.fleet as fleet_module
 from selection_proto.core.settings import Settings
 from selection_proto.sim import EngineModel, FleetConfig, SettingRun, parse_trace, simulate
+from selection_proto.sim.engine import Engine
 from selection_proto.sim.fleet import PdSetup
 
 BASE = Settings(kv_events="push")
@@ -143,8 +147,8 @@ def test_the_aggregated_fleet_planned_answers_as_the_aggregated_simulator() -> N
     lines = [json.dumps({"timestamp": i * 150, "input_length": 8 * 512, "output_length": 40, "hash_ids": [
         100 * (i % 12) + j for j in range(6)] + [10_000 + 2 * i, 10_001 + 2 * i]}).encode() for i in range(300)]
     config = FleetConfig(engines=3, kv_blocks=120, load=0.9)
-    for settings in (BASE, Settings(kv_events="push", router_policy="ttft")):
-        runs = _simulate(lines, config, {"plain": settings, "planned": PdSetup(settings=settings)})
+    for policy in (BASE, Settings(kv_events="push", router_policy="ttft")):
+        runs = _simulate(lines, config, {"plain": policy, "planned": PdSetup(settings=policy)})
         plain, planned = runs["plain"], runs["planned"]
         assert planned.ttft == plain.ttft and planned.queue_wait == plain.queue_wait
         assert planned.hit_rate == plain.hit_rate and planned.series == plain.series
@@ -219,7 +223,65 @@ def test_bad_pd_flags_give_one_line_usage_errors(tmp_path: Path) -> None:
             (("--pd", "1:1", "--kv-bytes-per-token", "0"), "--kv-bytes-per-token: must be from 1 to"),
             (("--pd", "1:1", "--kv-bytes-per-token", "-1"), "--kv-bytes-per-token: must be from 1 to"),
             (("--pd", "1:1", "--deciders", "always,sometimes"), "--deciders: 'sometimes' is not one of isl_bounding"),
-            (("--pd", "1:1", "--deciders", ""), "--deciders: '' is not one of")):
+            (("--pd", "1:1", "--deciders", ""), "--deciders: '' is not one of"),
+            (("--deciders", "always"), "--deciders: only with --pd"),
+            (("--link-gbps", "400"), "--link-gbps: only with --pd"),
+            (("--kv-bytes-per-token", "1"), "--kv-bytes-per-token: only with --pd")):
         done = run(str(trace), *flags)
         assert done.returncode == 2 and text in done.stderr, (flags, done.stderr)
         assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr, done.stderr
+
+
+_REQUEST = st.tuples(st.integers(0, 400), st.integers(0, 3), st.integers(1, 3000), st.integers(0, 60))
+
+
+@settings(max_examples=40, deadline=None)
+@given(requests=st.lists(_REQUEST, min_size=1, max_size=25), prefill=st.integers(0, 2),
+       decider=st.sampled_from(["isl_bounding", "uncached_threshold", "always", "never", "ttft"]),
+       kv_blocks=st.integers(8, 40), gbps=st.sampled_from([0.5, 100.0]), complete=st.booleans())
+def test_every_request_ends_and_leaves_nothing_behind(requests: list[tuple[int, int, int, int]], prefill: int,
+                                                      decider: str, kv_blocks: int, gbps: float,
+                                                      complete: bool) -> None:
+    """Any small trace on any split, decider, KV size and link: every request gets its first and
+    last token once, and at the end the core holds no booking and the engines hold no block a
+    request pins (what they cached stays cached)."""
+    engines: list[Engine] = []
+    services: list[Any] = []
+
+    class Recorded(Engine):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            engines.append(self)
+
+    class Routed(fleet_module._PdRouter):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            services.append(self.service)
+
+    lines: list[bytes] = []
+    at = 0
+    for gap, conversation, isl, osl in requests:  # a conversation's prompts share their first block
+        at += gap
+        blocks = -(-isl // 512)
+        lines.append(json.dumps({"timestamp": at, "input_length": isl, "output_length": osl, "hash_ids": [
+            conversation] + [10 + 1000 * len(lines) + j for j in range(blocks - 1)]}).encode())
+    config = FleetConfig(engines=3, kv_blocks=kv_blocks, speedup=1.0, link_bytes_per_sec=gbps * 1e9 / 8,
+                         prefill_complete=complete)
+    settings_ = Settings(kv_events="push", router_policy="ttft") if decider == "ttft" else BASE
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fleet_module, "Engine", Recorded)
+        patch.setattr(fleet_module, "_PdRouter", Routed)
+        run_ = _simulate(lines, config, {"run": PdSetup(settings=settings_, prefill_engines=prefill,
+                                                        decider=None if prefill == 0 else decider)})["run"]
+    assert run_.failed == 0 and run_.events_failed == 0 and run_.requests == len(requests)
+    assert len(run_.ttft_cdf) >= 1 and run_.ttft_cdf[-1][1] == 1.0
+    assert len(run_.ttft_cdf) == len(requests) + 1  # every first token (none thinned out), and the closing point
+    assert (run_.remote_share or 0.0) <= (1.0 if prefill else 0.0)
+    assert len(engines) == 3
+    for engine in engines:
+        assert engine.private == 0 and not engine.active and engine.in_flight() == 0
+        assert not engine.loading and not engine.to_send and not engine.prefilled
+    (service,) = services
+    (key,) = service.loads()
+    assert all(load.active_requests == load.potential_prefill_tokens == load.potential_decode_blocks == 0
+               for load in key.loads), key

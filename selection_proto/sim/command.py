@@ -67,14 +67,14 @@ def add_parser(sub: Any) -> None:
                          help="also run disaggregated fleets of P prefill and D decode engines (P+D = --engines) "
                               "through the core's plans, beside the aggregated fleet, once per decider "
                               "(docs/PD.md); several after one flag, or the flag repeated")
-    command.add_argument("--deciders", default=",".join(DECIDERS[:4]), metavar="NAME[,NAME...]",
+    command.add_argument("--deciders", default=None, metavar="NAME[,NAME...]",
                          help=f"the deciders of the --pd runs, of {', '.join(DECIDERS)} (ttft: the faster "
                               f"predicted path, under router_policy=ttft) (default {','.join(DECIDERS[:4])})")
     fleet = FleetConfig()
-    command.add_argument("--kv-bytes-per-token", type=int, default=fleet.kv_bytes_per_token,
+    command.add_argument("--kv-bytes-per-token", type=int, default=None,
                          help=f"--pd: bytes of KV cache a prompt token takes ({fleet.kv_bytes_per_token}: "
                               "Llama 3.1 8B in bf16)")
-    command.add_argument("--link-gbps", type=float, default=fleet.link_bytes_per_sec * 8 / 1e9,
+    command.add_argument("--link-gbps", type=float, default=None,
                          help="--pd: each prefill engine's link to the decode engines, gigabits a second "
                               f"({fleet.link_bytes_per_sec * 8 / 1e9:g})")
     command.add_argument("--json", metavar="OUT.json", help="write the results as JSON")
@@ -161,7 +161,15 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.trace}: no such file")
     prefill_engines, engines = _pd_fleets(args.pd, args.engines) if args.pd else ([], args.engines)
     args.engines = 8 if engines is None else engines
-    deciders = _deciders(args.deciders)
+    for name in ("deciders", "kv_bytes_per_token", "link_gbps"):
+        if getattr(args, name) is not None and not args.pd:
+            raise UsageError(f"--{name.replace('_', '-')}: only with --pd")
+    fleet = FleetConfig()
+    deciders = _deciders(",".join(DECIDERS[:4]) if args.deciders is None else args.deciders)
+    if args.kv_bytes_per_token is None:
+        args.kv_bytes_per_token = fleet.kv_bytes_per_token
+    if args.link_gbps is None:
+        args.link_gbps = fleet.link_bytes_per_sec * 8 / 1e9
     if args.pd and args.service:
         raise UsageError("--pd: runs the core in process; it does not take --service")
     if not 1 <= args.kv_bytes_per_token <= 1 << 40:
