@@ -71,6 +71,10 @@ RUNS = (  # (trace, flags)
                   "--pd", "2:6", "4:4", "6:2")),
     ("mooncake", ("--skip", "4000", "--requests", "1000", "--engines", "8", "--load", "0.8",
                   "--pd", "4:4", "6:2")),
+    ("mooncake", ("--skip", "4000", "--requests", "1000", "--engines", "8", "--load", "0.5", "--pd", "4:4",
+                  "--link-gbps", "25")),
+    ("mooncake", ("--skip", "4000", "--requests", "1000", "--engines", "8", "--load", "0.5", "--pd", "4:4",
+                  "--link-gbps", "400")),
     ("mooncake", ("--skip", "4000", "--requests", "600", "--engines", "4", "--load", "0.5",
                   "--pd", "1:3", "2:2", "3:1")),
     ("long_io", ("--engines", "8", "--load", "0.5", "--pd", "2:6", "4:4")),
@@ -95,8 +99,9 @@ def main() -> int:
     if args.traces_only:
         print(folder)
         return 0
-    print("| trace | engines | load | fleet, decider | remote | TTFT mean | p50 | p99 | TPOT mean (ms) | p99 (ms) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| trace | engines | load | link Gb/s | fleet, decider | remote | TTFT mean | p50 | p99 | TPOT mean (ms) "
+          "| p99 (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     commands = []
     for name, flags in RUNS:
         out = os.path.join(folder, "run.json")
@@ -110,7 +115,8 @@ def main() -> int:
         fleet = document["fleet"]
         for s in document["settings"]:
             t, p = s["ttft"], s["tpot"]
-            print(f"| {name} | {fleet['engines']} | {fleet['load']} | {s['name']} | {s['remote_share']:.2f} "
+            print(f"| {name} | {fleet['engines']} | {fleet['load']} | {fleet['link_bytes_per_sec'] * 8 / 1e9:g} "
+                  f"| {s['name']} | {s['remote_share']:.2f} "
                   f"| {t['mean']:.3f} | {t['p50']:.3f} | {t['p99']:.3f} | {p['mean'] * 1000:.1f} "
                   f"| {p['p99'] * 1000:.1f} |")
     print()
