@@ -64,17 +64,18 @@ def add_parser(sub: Any) -> None:
                               "1.6.1's), its engines publishing ZMQ KV events to it (repeat for several)")
     command.add_argument("--no-baselines", action="store_true", help="skip the random and round-robin runs")
     command.add_argument("--pd", action="extend", nargs="+", default=[], metavar="P:D",
-                         help="also run disaggregated fleets of P prefill and D decode engines (P+D = --engines) "
-                              "through the core's plans, beside the aggregated fleet, once per decider "
-                              "(docs/PD.md); several after one flag, or the flag repeated")
+                         help="run fleets of P prefill and D decode engines (P+D = --engines), once per decider, "
+                              "beside the same fleet aggregated, all through the core's plans, instead of the "
+                              "plain runs and the baselines (docs/PD.md); several after one flag, or the flag "
+                              "repeated")
     command.add_argument("--deciders", default=None, metavar="NAME[,NAME...]",
                          help=f"the deciders of the --pd runs, of {', '.join(DECIDERS)} (ttft: the faster "
                               f"predicted path, under router_policy=ttft) (default {','.join(DECIDERS[:4])})")
     fleet = FleetConfig()
-    command.add_argument("--kv-bytes-per-token", type=int, default=None,
+    command.add_argument("--kv-bytes-per-token", type=int, default=None, metavar="BYTES",
                          help=f"--pd: bytes of KV cache a prompt token takes ({fleet.kv_bytes_per_token}: "
                               "Llama 3.1 8B in bf16)")
-    command.add_argument("--link-gbps", type=float, default=None,
+    command.add_argument("--link-gbps", type=float, default=None, metavar="GBPS",
                          help="--pd: each prefill engine's link to the decode engines, gigabits a second "
                               f"({fleet.link_bytes_per_sec * 8 / 1e9:g})")
     command.add_argument("--json", metavar="OUT.json", help="write the results as JSON")
