@@ -21,6 +21,7 @@ from selection_proto.core.settings import Settings
 from selection_proto.sim import EngineModel, FleetConfig, SettingRun, parse_trace, simulate
 from selection_proto.sim.engine import Engine
 from selection_proto.sim.fleet import PdSetup
+from selection_proto.sim.report import COLORS
 
 BASE = Settings(kv_events="push")
 
@@ -190,6 +191,10 @@ def test_the_cli_prints_the_new_columns_and_writes_them_to_json_and_html(tmp_pat
     assert "<th>TPOT mean (ms)</th>" in page and "1 prefill + 3 decode engines, decider always" in page
     assert f"<td>{by_name['1:3 always']['tpot']['mean'] * 1000:.1f}</td>" in page
     assert "kv_bytes_per_token=65536" in page
+    # Two distributions, a curve per run in each: the time to the first token and per output token.
+    assert "<h2>Time per output token</h2>" in page and "time per output token (ms)" in page
+    for color in COLORS[:len(names)]:
+        assert page.count(f'stroke="{color}" stroke-width="2.0"') == 2, color
 
 
 def test_without_pd_the_output_has_no_new_columns(tmp_path: Path) -> None:

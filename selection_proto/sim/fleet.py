@@ -82,6 +82,7 @@ class SettingRun:
     pd: dict[str, Any] | None = None
     tpot: dict[str, float] | None = None
     remote_share: float | None = None
+    tpot_cdf: list[tuple[float, float]] = attrs.Factory(list)  # (seconds, fraction), for the report
 
     def to_json(self) -> dict[str, Any]:
         planned = {} if self.pd is None else {"pd": self.pd, "tpot": self.tpot, "remote_share": self.remote_share}
@@ -411,27 +412,32 @@ def _run(name: str, setting: Settings | PdSetup | str | None, arrivals: Iterable
         answered(now)
     router.close()
     prompt = sum(e.prompt_tokens for e in engines)
-    cdf_values = sorted(ttft)
-    step = max(1, len(cdf_values) // 200)
-    cdf = [(cdf_values[i], (i + 1) / len(cdf_values)) for i in range(0, len(cdf_values), step)]
-    if cdf_values:
-        cdf.append((cdf_values[-1], 1.0))
     return SettingRun(
         name=name, settings={"service": setting} if isinstance(setting, str) else
         {} if settings is None else _changed(settings),
         ttft=_stats(ttft), queue_wait=_stats(waits),
         hit_rate=(sum(e.cached_tokens for e in engines) / prompt) if prompt else 0.0,
         busy_max_mean=(sum(busy_max) / len(busy_max)) if busy_max else 0.0,
-        requests=count, failed=failed, events_failed=router.events_failed, ttft_cdf=cdf,
+        requests=count, failed=failed, events_failed=router.events_failed, ttft_cdf=_cdf(ttft),
         series={"times": times, "in_flight": inflight, "kv_used": kv},
         pd=None if not isinstance(router, _PdRouter) else {
             "prefill_engines": router.setup.prefill_engines,
             "decode_engines": config.engines - router.setup.prefill_engines, "decider": router.setup.decider},
-        tpot=_stats(tpot) if isinstance(router, _PdRouter) else None,
+        tpot=_stats(tpot) if isinstance(router, _PdRouter) else None, tpot_cdf=_cdf(tpot),
         remote_share=(router.remote / count if count else 0.0) if isinstance(router, _PdRouter) else None,
         tenants={} if set(tenants) <= {""} else {
             name: {"requests": n[0], "failed": n[1], "ttft": _stats(t), "queue_wait": _stats(w)}
             for name, (n, t, w) in sorted(tenants.items())})
+
+
+def _cdf(values: array[float]) -> list[tuple[float, float]]:
+    """(value, fraction at or below it) at ~200 points, for the report."""
+    ordered = sorted(values)
+    step = max(1, len(ordered) // 200)
+    cdf = [(ordered[i], (i + 1) / len(ordered)) for i in range(0, len(ordered), step)]
+    if ordered:
+        cdf.append((ordered[-1], 1.0))
+    return cdf
 
 
 def _changed(settings: Settings) -> dict[str, Any]:

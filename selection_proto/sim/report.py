@@ -151,24 +151,36 @@ def _svg(width: int, height: int, body: str) -> str:
             f'font-family="sans-serif" font-size="13">{body}</svg>')
 
 
-def html_report(runs: Sequence[SettingRun], config: FleetConfig, trace: str) -> str:
-    """One page: the table, the TTFT CDF of every setting, and per setting each engine's requests
-    in flight and KV use over time."""
+def _cdf_chart(runs: Sequence[SettingRun], curves: list[list[tuple[float, float]]], medians: list[float],
+               label: str) -> str:
+    """Each run's distribution (`curves[i]`, points of (value, fraction)) on one chart."""
     box = (70.0, 20.0, 620.0, 300.0)
-    x_max = max((max((x for x, _ in run.ttft_cdf), default=0.0) for run in runs), default=0.0) or 1.0
+    x_max = max((max((x for x, _ in curve), default=0.0) for curve in curves), default=0.0) or 1.0
     # When a setting is far behind the others, a linear axis crushes the rest into its left edge.
-    medians = [run.ttft["p50"] for run in runs if run.ttft["p50"] > 0]
+    medians = [m for m in medians if m > 0]
     x_min = min(medians) / 4 if medians and x_max / min(medians) > 20 else None
     scale = _log_scale(x_min, x_max) if x_min is not None else None
-    lines = [_polyline(run.ttft_cdf, box, x_max, 1.0, COLORS[i % len(COLORS)], x_scale=scale)
-             for i, run in enumerate(runs)]
+    lines = [_polyline(curve, box, x_max, 1.0, COLORS[i % len(COLORS)], x_scale=scale)
+             for i, curve in enumerate(curves)]
     legend = "".join(
         f'<rect x="{box[0] + box[2] + 20}" y="{30 + 20 * i}" width="14" height="4" fill="{COLORS[i % len(COLORS)]}"/>'
         f'<text x="{box[0] + box[2] + 40}" y="{36 + 20 * i}">{html.escape(run.name)}</text>'
         for i, run in enumerate(runs))
-    x_label = "time to first token (s)" + (", log scale" if x_min is not None else "")
-    cdf = _svg(960, 370, _axes(box, x_label, "fraction of requests", x_max, 1.0, x_min)
-               + "".join(lines) + legend)
+    x_label = label + (", log scale" if x_min is not None else "")
+    return _svg(960, max(370, 50 + 20 * len(runs)), _axes(box, x_label, "fraction of requests", x_max, 1.0, x_min)
+                + "".join(lines) + legend)
+
+
+def html_report(runs: Sequence[SettingRun], config: FleetConfig, trace: str) -> str:
+    """One page: the table, the TTFT CDF of every setting (and with --pd their time per output
+    token), and per setting each engine's requests in flight and KV use over time."""
+    cdf = _cdf_chart(runs, [run.ttft_cdf for run in runs], [run.ttft["p50"] for run in runs],
+                     "time to first token (s)")
+    planned = any(run.tpot is not None for run in runs)
+    if planned:
+        cdf += "<h2>Time per output token</h2>" + _cdf_chart(
+            runs, [[(x * 1000, y) for x, y in run.tpot_cdf] for run in runs],
+            [(run.tpot or {"p50": 0.0})["p50"] * 1000 for run in runs], "time per output token (ms)")
     sections = []
     for run in runs:
         series = run.series
@@ -184,7 +196,6 @@ def html_report(runs: Sequence[SettingRun], config: FleetConfig, trace: str) -> 
             f"<h3>{html.escape(run.name)}</h3><div class=row>"
             + _svg(470, 230, _axes(small, "time (s)", "requests in flight", t_max, peak) + load)
             + _svg(470, 230, _axes(small, "time (s)", "KV blocks used", t_max, 1.0) + kv) + "</div>")
-    planned = any(run.tpot is not None for run in runs)
     rows = "".join(
         "<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in _pd_cells(run))
         + f"<td><code>{html.escape(_settings_text(run))}</code></td></tr>" for run in runs) if planned else "".join(
