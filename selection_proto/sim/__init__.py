@@ -3,7 +3,7 @@ the real core, in virtual time (docs/ROUTING.md). Pure: the caller reads the tra
 writes the outputs; nothing here reads a clock or does I/O."""
 
 from .engine import EngineModel, FleetConfig
-from .fleet import SettingRun, simulate
+from .fleet import PdSetup, SettingRun, simulate
 from .trace import TraceError, TraceRequest, parse_trace
 
-__all__ = ["EngineModel", "FleetConfig", "SettingRun", "TraceError", "TraceRequest", "parse_trace", "simulate"]
+__all__ = ["EngineModel", "FleetConfig", "PdSetup", "SettingRun", "TraceError", "TraceRequest", "parse_trace", "simulate"]

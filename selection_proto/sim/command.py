@@ -14,10 +14,12 @@ import zlib
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
+
 from ..config import UsageError, settings_with
 from ..core.settings import Settings
 from .engine import EngineModel, FleetConfig
-from .fleet import BASELINES, ORACLE, simulate
+from .fleet import BASELINES, DECIDERS, ORACLE, PdSetup, simulate
 from .report import document, html_report, summary, table
 from .trace import MAX_TOKENS, TraceError, TraceRequest, parse_trace, read_lines
 
@@ -38,7 +40,8 @@ def add_parser(sub: Any) -> None:
     command = sub.add_parser("simulate", help="replay a Mooncake trace through simulated engines and the core")
     command.add_argument("trace", metavar="TRACE.jsonl", help="Mooncake JSONL (timestamp, input_length, "
                                                               "output_length, hash_ids); .gz read as gzip")
-    command.add_argument("--engines", type=int, default=8, help="engines in the fleet (default 8)")
+    command.add_argument("--engines", type=int, default=None,
+                         help="engines in the fleet (default 8, or P+D of --pd)")
     command.add_argument("--kv-blocks", type=int, default=1000, help="KV blocks per engine, in trace blocks (1000)")
     command.add_argument("--load", type=float, default=0.8,
                          help="arrival rate as a fraction of what the fleet sustains without reuse (0.8)")
@@ -61,6 +64,21 @@ def add_parser(sub: Any) -> None:
                          help="also route through a running selection service over HTTP (ours, or Dynamo "
                               "1.6.1's), its engines publishing ZMQ KV events to it (repeat for several)")
     command.add_argument("--no-baselines", action="store_true", help="skip the random and round-robin runs")
+    command.add_argument("--pd", action="extend", nargs="+", default=[], metavar="P:D",
+                         help="run fleets of P prefill and D decode engines (P+D = --engines), once per decider, "
+                              "beside the same fleet aggregated, all through the core's plans, instead of the "
+                              "plain runs and the baselines (docs/PD.md); several after one flag, or the flag "
+                              "repeated")
+    command.add_argument("--deciders", default=None, metavar="NAME[,NAME...]",
+                         help=f"the deciders of the --pd runs, of {', '.join(DECIDERS)} (ttft: the faster "
+                              f"predicted path, under router_policy=ttft) (default {','.join(DECIDERS[:4])})")
+    fleet = FleetConfig()
+    command.add_argument("--kv-bytes-per-token", type=int, default=None, metavar="BYTES",
+                         help=f"--pd: bytes of KV cache a prompt token takes ({fleet.kv_bytes_per_token}: "
+                              "Llama 3.1 8B in bf16)")
+    command.add_argument("--link-gbps", type=float, default=None, metavar="GBPS",
+                         help="--pd: each prefill engine's link to the decode engines, gigabits a second "
+                              f"({fleet.link_bytes_per_sec * 8 / 1e9:g})")
     command.add_argument("--json", metavar="OUT.json", help="write the results as JSON")
     command.add_argument("--report", metavar="OUT.html", help="write a self-contained HTML report")
     command.add_argument("--seed", type=int, default=0, help="seed of the random choices (0)")
@@ -85,6 +103,33 @@ def _speeds(text: str) -> tuple[float, ...]:
     return speeds
 
 
+def _pd_fleets(texts: list[str], engines: int | None) -> tuple[list[int], int]:
+    """`--pd P:D ...`: the prefill engines of each fleet, and the fleet's size (each P+D, all alike)."""
+    sizes: list[tuple[int, int]] = []
+    for text in texts:
+        parts = text.split(":")
+        if len(parts) != 2 or not all(p.isdigit() and len(p) <= 4 for p in parts):
+            raise UsageError(f"--pd: expected P:D, prefill and decode engines (e.g. 2:6), not {text[:40]!r}")
+        prefill, decode = int(parts[0]), int(parts[1])
+        if prefill < 1 or decode < 1:
+            raise UsageError(f"--pd {text}: a disaggregated fleet needs at least 1 prefill and 1 decode engine")
+        sizes.append((prefill, decode))
+    total = engines if engines is not None else sum(sizes[0])
+    for prefill, decode in sizes:
+        if prefill + decode != total:
+            raise UsageError(f"--pd {prefill}:{decode}: {prefill + decode} engines, not the fleet's {total} "
+                             "(the aggregated fleet it is compared with)")
+    return [prefill for prefill, _ in sizes], total
+
+
+def _deciders(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",")]
+    for name in names:
+        if name not in DECIDERS:
+            raise UsageError(f"--deciders: {name[:40]!r} is not one of {', '.join(DECIDERS)}")
+    return list(dict.fromkeys(names))
+
+
 def _lines(path: str) -> Iterator[bytes]:
     with open(path, "rb") as raw:
         gzipped = raw.read(2) == b"\x1f\x8b"
@@ -93,9 +138,48 @@ def _lines(path: str) -> Iterator[bytes]:
         yield from read_lines(lines)
 
 
+def _pd_runs(runs: list[tuple[str, Settings | PdSetup | str | None]], prefill_engines: list[int],
+             deciders: list[str], engines: int) -> list[tuple[str, Settings | PdSetup | str | None]]:
+    """Per setting: the aggregated fleet (and under router_policy=ttft too when the `ttft` decider
+    runs), then each P:D fleet with each decider (`ttft` under router_policy=ttft), all planned
+    through the core."""
+    out: list[tuple[str, Settings | PdSetup | str | None]] = []
+    for text, settings in runs:
+        assert isinstance(settings, Settings)
+        prefix = "" if text == "default" else text + " "
+        out.append((prefix + "aggregated", PdSetup(settings=settings)))
+        if "ttft" in deciders and settings.router_policy != "ttft":  # its like, to compare the ttft runs with
+            out.append((prefix + "aggregated ttft", PdSetup(settings=attrs.evolve(settings, router_policy="ttft"))))
+        for prefill in prefill_engines:
+            for decider in deciders:
+                chosen = attrs.evolve(settings, router_policy="ttft") if decider == "ttft" else settings
+                out.append((f"{prefix}{prefill}:{engines - prefill} {decider}",
+                            PdSetup(settings=chosen, prefill_engines=prefill, decider=decider)))
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     if not os.path.isfile(args.trace):
         raise UsageError(f"{args.trace}: no such file")
+    prefill_engines, engines = _pd_fleets(args.pd, args.engines) if args.pd else ([], args.engines)
+    args.engines = 8 if engines is None else engines
+    for name in ("deciders", "kv_bytes_per_token", "link_gbps"):
+        if getattr(args, name) is not None and not args.pd:
+            raise UsageError(f"--{name.replace('_', '-')}: only with --pd")
+    fleet = FleetConfig()
+    deciders = _deciders(",".join(DECIDERS[:4]) if args.deciders is None else args.deciders)
+    if args.kv_bytes_per_token is None:
+        args.kv_bytes_per_token = fleet.kv_bytes_per_token
+    if args.link_gbps is None:
+        args.link_gbps = fleet.link_bytes_per_sec * 8 / 1e9
+    if args.pd and args.service:
+        raise UsageError("--pd: runs the core in process; it does not take --service")
+    if args.pd and ORACLE in args.compare:
+        raise UsageError("--pd: the oracle routes aggregated fleets only; it does not take --compare oracle")
+    if not 1 <= args.kv_bytes_per_token <= 1 << 40:
+        raise UsageError("--kv-bytes-per-token: must be from 1 to 1099511627776")
+    if not 1e-6 <= args.link_gbps <= 1e6:
+        raise UsageError("--link-gbps: must be a number from 0.000001 to 1000000")
     for name, low in (("engines", 1), ("kv_blocks", 1), ("trace_block_size", 1), ("skip", 0), ("max_batched_tokens", 1),
                       ("max_running", 1)):
         if getattr(args, name) < low:
@@ -124,17 +208,20 @@ def run(args: argparse.Namespace) -> int:
     model = EngineModel(mocker=args.mocker_timing, **{name: getattr(args, name) for name, _, _ in _MODEL_FLAGS})
     config = FleetConfig(engines=args.engines, kv_blocks=args.kv_blocks, trace_block_size=args.trace_block_size,
                          load=args.load, speedup=args.speedup, event_delay_secs=args.event_delay, seed=args.seed, model=model,
-                         engine_speeds=speeds, prefill_complete=not args.no_prefill_complete)
+                         engine_speeds=speeds, prefill_complete=not args.no_prefill_complete,
+                         kv_bytes_per_token=args.kv_bytes_per_token, link_bytes_per_sec=args.link_gbps * 1e9 / 8)
     base = Settings(kv_events="push")
-    runs: list[tuple[str, Settings | str | None]] = [
+    runs: list[tuple[str, Settings | PdSetup | str | None]] = [
         (text, None if text == ORACLE else settings_with(base, text, "--compare")) for text in args.compare]
     if all(text == ORACLE for text in args.compare) and not args.service:  # the defaults, beside the oracle
         runs.insert(0, ("default", base))
+    if args.pd:
+        runs = _pd_runs(runs, prefill_engines, deciders, args.engines)
     for url in args.service:
         if not url.startswith("http://"):
             raise UsageError(f"--service: expected http://HOST:PORT, not {url!r}")
         runs.append((f"service {url}", url))
-    if not args.no_baselines:
+    if not args.no_baselines and not args.pd:
         runs += [(name, None) for name in BASELINES]
 
     def trace() -> Iterator[TraceRequest]:

@@ -1,6 +1,8 @@
 """A simulated engine (docs/ROUTING.md): its iteration-level performance model, its KV cache of
 reference-counted blocks with the unheld ones kept in LRU order, first-come-first-served
-admission under that cache, chunked prefill, and the KV events a vLLM engine publishes."""
+admission under that cache, chunked prefill, and the KV events a vLLM engine publishes. In a
+disaggregated fleet (docs/PD.md) an engine also prefills for another (it holds the prompt's blocks
+until they are sent) and decodes what another prefilled (it takes the blocks, then the KV arrives)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from ..core.hashing import sequence_hashes
 if TYPE_CHECKING:
     from .trace import TraceRequest
 
-__all__ = ["Engine", "EngineModel", "FleetConfig", "SimRequest", "block_hash"]
+__all__ = ["DECODE_SENT", "PREFILL_FOR_OTHER", "WHOLE", "Engine", "EngineModel", "FleetConfig", "SimRequest",
+           "block_hash"]
 
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -124,6 +127,11 @@ class FleetConfig:
     seed: int = 0
     model: EngineModel = EngineModel()
     samples: int = 200  # points of the per-engine time series
+    # The KV transfer of a disaggregated fleet (docs/PD.md): bytes of KV cache a prompt token
+    # takes, and each prefill engine's link, which sends one prompt at a time. Defaults: Llama 3.1
+    # 8B in bf16 (32 layers x 8 KV heads x 128 dims x K and V x 2 bytes), a 100 Gb/s NIC.
+    kv_bytes_per_token: int = 131_072
+    link_bytes_per_sec: float = 12.5e9
     # Each engine's speed, a multiple of the model's (cycled over the engines; the router is not
     # told): a mixed fleet, as with two GPU generations.
     engine_speeds: tuple[float, ...] = ()
@@ -132,10 +140,25 @@ class FleetConfig:
     def speed(self, engine: int) -> float:
         return self.engine_speeds[engine % len(self.engine_speeds)] if self.engine_speeds else 1.0
 
+    def transfer_secs(self, tokens: int) -> float:
+        """The time the link takes to send `tokens` prompt tokens of KV cache."""
+        return tokens * self.kv_bytes_per_token / self.link_bytes_per_sec
+
+    @property
+    def transfer_tokens_per_sec(self) -> float:
+        """The link as the core's `pd.transfer_tokens_per_sec` counts it."""
+        return self.link_bytes_per_sec / self.kv_bytes_per_token
+
+
+# SimRequest.stage: prefilled and decoded on one engine; prefilled on a prefill engine for
+# another; decoded on the engine the KV is sent to.
+WHOLE, PREFILL_FOR_OTHER, DECODE_SENT = range(3)
+
 
 class SimRequest:
     __slots__ = ("rid", "arrival", "isl", "osl", "seqs", "locals", "full", "engine", "cached", "left",
-                 "context", "started", "first_token", "private", "blocks_held", "tenant", "flow")
+                 "context", "started", "first_token", "private", "blocks_held", "tenant", "flow",
+                 "stage", "decode_engine", "sent_blocks", "sent_private")
 
     def __init__(self, rid: str, arrival: float, trace: TraceRequest, block_size: int,
                  local_hashes: list[int]) -> None:
@@ -154,6 +177,11 @@ class SimRequest:
         self.context = 0  # tokens before the next chunk
         self.started = -1.0  # admitted by its engine
         self.first_token = -1.0
+        self.stage = WHOLE
+        self.decode_engine = -1  # PREFILL_FOR_OTHER: where its KV goes
+        # On the prefill engine, once prefilled: the blocks it holds there until they are sent.
+        self.sent_blocks: list[int] = []
+        self.sent_private = 0
         self.private = 0  # blocks allocated for it and not shared (in computation, or partial)
         self.blocks_held: list[int] = []  # shared cached blocks it holds a reference to
         self.tenant = trace.tenant or ""
@@ -203,6 +231,16 @@ class Engine:
         self.last_prefill: list[tuple[SimRequest, int]] = []
         self.cached_tokens = 0
         self.prompt_tokens = 0
+        # Disaggregated (docs/PD.md): prompts prefilled here for another engine, awaiting their
+        # send (drained by the fleet); prompts admitted here whose KV is on its way (`loading`,
+        # and in `to_send` for the fleet to start the transfer, with the tokens to send); prompts
+        # whose KV arrived (`arrived`), joining the next iteration (`joining`: their first token
+        # comes at its end).
+        self.prefilled: list[SimRequest] = []
+        self.loading: set[SimRequest] = set()
+        self.to_send: list[tuple[SimRequest, int]] = []
+        self.arrived: list[SimRequest] = []
+        self.joining: list[SimRequest] = []
 
     def fork(self) -> Engine:
         """A copy to run ahead on, publishing nothing: its cache and the requests not yet decoding
@@ -224,7 +262,11 @@ class Engine:
         return twin
 
     def in_flight(self) -> int:
-        return len(self.waiting) + len(self.prefilling) + len(self.decoding)
+        return (len(self.waiting) + len(self.prefilling) + len(self.decoding) + len(self.loading)
+                + len(self.arrived))
+
+    def running(self) -> int:
+        return len(self.prefilling) + len(self.decoding) + len(self.loading) + len(self.arrived)
 
     def used(self) -> int:
         return len(self.active) + len(self.inactive) + self.private
@@ -254,6 +296,10 @@ class Engine:
         self.private += need
         req.private = need
         req.blocks_held = held
+        if req.stage == DECODE_SENT:  # computed elsewhere: what this engine lacks is sent to it
+            self.loading.add(req)
+            self.to_send.append((req, req.isl - min(len(held) * self.block_size, req.isl)))
+            return True
         req.cached = min(len(held) * self.block_size, req.isl - 1)  # the last token is always computed
         req.left = req.isl - req.cached
         req.context = req.cached
@@ -271,12 +317,17 @@ class Engine:
 
     def start(self, now: float) -> float | None:
         """Begin an iteration if there is work; the time it ends."""
-        while self.waiting and len(self.prefilling) + len(self.decoding) < self.model.max_running:
+        for req in self.arrived:  # its KV is here: it decodes from this iteration on, osl tokens
+            self.order += 1
+            heapq.heappush(self.decoding, (self.iterations + req.osl, self.order, req))
+        self.joining, self.arrived = self.arrived, []
+        while self.waiting and self.running() < self.model.max_running:
             if not self._admit(self.waiting[0]):
                 break
             req = self.waiting.popleft()
-            req.started = now
-            self.prefilling.append(req)
+            if req.stage != DECODE_SENT:  # a sent prompt started on its prefill engine
+                req.started = now
+                self.prefilling.append(req)
         budget = self.model.max_batched_tokens
         chunks: list[tuple[SimRequest, int]] = []
         for req in self.prefilling:
@@ -299,6 +350,10 @@ class Engine:
         first, done = [], []
         self.iterations += 1
         decoding = self.decoding  # a heap by the iteration of each one's last token
+        for req in self.joining:
+            req.first_token = now
+            first.append(req)
+        self.joining = []
         while decoding and decoding[0][0] <= self.iterations:
             req = heapq.heappop(decoding)[2]
             done.append(req)
@@ -308,9 +363,14 @@ class Engine:
             req.context += take
             if req.left <= 0:
                 self.prefilling.remove(req)
+                self._computed(req)
+                if req.stage == PREFILL_FOR_OTHER:  # held here until sent; its tokens come from elsewhere
+                    req.sent_blocks, req.sent_private = req.blocks_held, req.private
+                    req.blocks_held, req.private = [], 0
+                    self.prefilled.append(req)
+                    continue
                 req.first_token = now
                 first.append(req)
-                self._computed(req)
                 if req.osl <= 1:
                     done.append(req)
                     self._end(req)
@@ -319,6 +379,21 @@ class Engine:
                     heapq.heappush(self.decoding, (self.iterations + req.osl - 1, self.order, req))
         self.last_prefill = []
         return first, done
+
+    def sent(self, req: SimRequest) -> None:
+        """A prompt it prefilled for another engine has been sent: its blocks are let go (they
+        stay cached)."""
+        for seq in reversed(req.sent_blocks):
+            self._release(seq)
+        self.private -= req.sent_private
+        req.sent_blocks, req.sent_private = [], 0
+
+    def received(self, req: SimRequest) -> None:
+        """The KV of a prompt admitted here arrived: its blocks are cached and published, as
+        computed ones are, and it decodes from the next iteration."""
+        self.loading.remove(req)
+        self._computed(req)
+        self.arrived.append(req)
 
     def _computed(self, req: SimRequest) -> None:
         """Its prompt's new full blocks are cached now: shared, and published (runs of new ones)."""

@@ -4,7 +4,13 @@ router is the real core (a `SelectionService` per setting, called as a client wo
 select_and_reserve, prefill_complete, free, and the KV events the engines publish), or a baseline
 (`random`, `round-robin`, and `least-loaded`: cache-blind but load-aware, the engine with the fewest
 requests in flight), or the all-knowing `oracle` (oracle.py). One run per setting, each from the
-same arrivals."""
+same arrivals.
+
+A `PdSetup` runs a fleet through the core's plans (docs/PD.md): `select_pd_and_reserve` at
+arrival, the prefill leg's `prefill_complete` when a prefill engine is done, the handoff at the
+first token, the end at the last; the prompt's KV crosses the prefill engine's link to the decode
+engine in between. Its aggregated form (no prefill engines) is the same fleet as a `Settings`
+run, planned: every plan is local, on the engine `/select` picks."""
 
 from __future__ import annotations
 
@@ -24,16 +30,34 @@ from ..core.outputs import SelectionReady
 from ..core.responses import Pending, SelectResponse
 from ..core.service import SelectionService
 from ..core.settings import Settings
-from ..core.types import SelectAndReserveRequest, WorkerRequest
-from .engine import Engine, FleetConfig, SimRequest, block_hash
+from ..core.types import PdOptions, SelectAndReserveRequest, SelectPdAndReserveRequest, WorkerRequest
+from .engine import DECODE_SENT, PREFILL_FOR_OTHER, Engine, FleetConfig, SimRequest, block_hash
 from .oracle import fastest
 from .service import ServiceRouter
 from .trace import TraceRequest
 
-__all__ = ["BASELINES", "ORACLE", "SettingRun", "simulate"]
+__all__ = ["BASELINES", "DECIDERS", "ORACLE", "PdSetup", "SettingRun", "simulate"]
 
 BASELINES = ("random", "round-robin", "least-loaded")
 ORACLE = "oracle"  # the all-knowing router (oracle.py): `--compare oracle`
+# The core's deciders (docs/PD.md), and `ttft`: no decider named, under router_policy=ttft.
+DECIDERS = ("isl_bounding", "uncached_threshold", "always", "never", "ttft")
+
+
+@attrs.frozen(kw_only=True)
+class PdSetup:
+    """A run planned through the core's P/D plans: the first `prefill_engines` engines prefill
+    only (role `prefill`), the others decode and may prefill locally (role `decode`,
+    `local_prefill` true); with no prefill engines, the fleet is aggregated (no roles)."""
+
+    settings: Settings
+    prefill_engines: int = 0
+    decider: str | None = None  # of DECIDERS; None: the core's default
+
+    def options(self, config: FleetConfig) -> PdOptions:
+        """What each plan asks: the decider, and the link's speed as the fleet has it."""
+        return PdOptions(decider=None if self.decider in (None, "ttft") else self.decider,
+                         transfer_tokens_per_sec=config.transfer_tokens_per_sec)
 
 
 @attrs.frozen(kw_only=True)
@@ -54,11 +78,20 @@ class SettingRun:
     ttft_cdf: list[tuple[float, float]]  # (seconds, fraction), for the report
     series: dict[str, Any]  # times, per engine in-flight requests and KV use, for the report
     tenants: dict[str, dict[str, Any]] = attrs.Factory(dict)  # trace lines' `tenant`: each one's figures
+    # A `PdSetup` run only: its fleet and decider ({"prefill_engines", "decode_engines",
+    # "decider"}), the time per output token in seconds ({mean, p50, p90, p99}, over requests of
+    # two tokens or more: from the first token to the last, over the tokens after the first), and
+    # the share of plans that prefilled remotely.
+    pd: dict[str, Any] | None = None
+    tpot: dict[str, float] | None = None
+    remote_share: float | None = None
+    tpot_cdf: list[tuple[float, float]] = attrs.Factory(list)  # (seconds, fraction), for the report
 
     def to_json(self) -> dict[str, Any]:
+        planned = {} if self.pd is None else {"pd": self.pd, "tpot": self.tpot, "remote_share": self.remote_share}
         return {"name": self.name, "settings": self.settings, "ttft": self.ttft, "queue_wait": self.queue_wait,
                 "hit_rate": self.hit_rate, "busy_max_mean": self.busy_max_mean, "requests": self.requests,
-                "failed": self.failed, "events_failed": self.events_failed,
+                "failed": self.failed, "events_failed": self.events_failed, **planned,
                 **({"tenants": self.tenants} if self.tenants else {})}
 
 
@@ -95,7 +128,12 @@ class _Router:
                 self.service.upsert_worker(WorkerRequest(
                     worker_id=index, model_name="m", endpoint=f"sim://{index}",
                     block_size=config.trace_block_size, total_kv_blocks=config.kv_blocks,
-                    max_num_batched_tokens=config.model.max_batched_tokens, prefill_tokens_per_sec=speed), now=0.0)
+                    max_num_batched_tokens=config.model.max_batched_tokens, prefill_tokens_per_sec=speed,
+                    **self.role(index)), now=0.0)
+
+    def role(self, index: int) -> dict[str, Any]:
+        """The P/D members of engine `index`'s record: none in an aggregated fleet."""
+        return {}
 
     def local_hashes(self, hash_ids: tuple[int, ...]) -> list[int]:
         return [block_hash(h) for h in hash_ids]
@@ -147,15 +185,67 @@ class _Router:
         """Nothing to let go of in process."""
 
 
-_ARRIVE, _STEP, _EVENTS, _SAMPLE, _TICK = range(5)
+class _PdRouter(_Router):
+    """The core's plans (docs/PD.md), called as a P/D router's client would."""
+
+    def __init__(self, name: str, setup: PdSetup, config: FleetConfig) -> None:
+        self.setup = setup
+        self.options = setup.options(config)
+        self.remote = 0
+        super().__init__(name, setup.settings, config)
+
+    def role(self, index: int) -> dict[str, Any]:
+        if not self.setup.prefill_engines:
+            return {}
+        if index < self.setup.prefill_engines:
+            return {"role": "prefill"}
+        return {"role": "decode", "local_prefill": True}
+
+    def choose(self, req: SimRequest, now: float) -> int | Pending | None:
+        """The decode engine; a remote plan also sets the request's stage and where its KV goes,
+        and answers the prefill engine."""
+        assert self.service is not None
+        try:
+            plan = self.service.plan(SelectPdAndReserveRequest(
+                model_name="m", block_hashes=req.locals.tolist(), sequence_hashes=list(signed(req.seqs)),
+                isl_tokens=req.isl, plan_id=req.rid, pd=self.options, **req.flow), now=now)
+        except SelectionError:
+            return None
+        decode: int = plan.decode["worker_id"]
+        if plan.prefill is None:
+            return decode
+        self.remote += 1
+        req.stage, req.decode_engine = PREFILL_FOR_OTHER, decode
+        prefill: int = plan.prefill["worker_id"]
+        return prefill
+
+    def prefilled(self, req: SimRequest, now: float) -> None:
+        """The prefill engine is done: the prefill leg's work is over (the handoff frees it)."""
+        assert self.service is not None
+        with contextlib.suppress(NotFound):
+            self.service.prefill_complete(req.rid + ":prefill", now=now)
+
+    def prefill_done(self, req: SimRequest, now: float) -> None:
+        """The first token: the handoff."""
+        assert self.service is not None
+        self.service.release_plan(req.rid, end=False, now=now)
+
+    def freed(self, req: SimRequest, now: float) -> None:
+        assert self.service is not None
+        self.service.release_plan(req.rid, end=True, now=now)
 
 
-def _run(name: str, setting: Settings | str | None, arrivals: Iterable[tuple[float, TraceRequest]], end: float,
-         config: FleetConfig) -> SettingRun:
-    settings = setting if isinstance(setting, Settings) else None
+_ARRIVE, _STEP, _EVENTS, _SAMPLE, _TICK, _SENT = range(6)
+
+
+def _run(name: str, setting: Settings | PdSetup | str | None, arrivals: Iterable[tuple[float, TraceRequest]],
+         end: float, config: FleetConfig) -> SettingRun:
+    settings = setting.settings if isinstance(setting, PdSetup) else setting if isinstance(setting, Settings) else None
     router: _Router | ServiceRouter
     if isinstance(setting, str):  # a running service's URL
         router = ServiceRouter(setting, config)
+    elif isinstance(setting, PdSetup):
+        router = _PdRouter(name, setting, config)
     else:
         router = _Router(name, settings, config)
     heap: list[tuple[float, int, int, Any]] = []
@@ -175,7 +265,8 @@ def _run(name: str, setting: Settings | str | None, arrivals: Iterable[tuple[flo
     if isinstance(router, _Router):
         router.fleet = engines
     source = iter(arrivals)
-    ttft, waits = array("d"), array("d")
+    ttft, waits, tpot = array("d"), array("d"), array("d")
+    link_free = [0.0] * config.engines  # when each prefill engine's link is done sending
     failed = 0
     tickets: dict[int, SimRequest] = {}
     interval = max(end / config.samples, 1e-3)
@@ -213,9 +304,20 @@ def _run(name: str, setting: Settings | str | None, arrivals: Iterable[tuple[flo
         target = engines[engine]
         target.waiting.append(req)
         if target.busy_until is None:
-            ends = target.start(now)
-            if ends is not None:
-                push(ends, _STEP, engine)
+            start(engine, now)
+
+    def start(engine: int, now: float) -> None:
+        """The engine's next iteration; the transfers of the sent prompts it admitted begin,
+        each when its prefill engine's link is free."""
+        target = engines[engine]
+        ends = target.start(now)
+        if ends is not None:
+            push(ends, _STEP, engine)
+        for req, tokens in target.to_send:
+            begins = max(now, link_free[req.engine])
+            link_free[req.engine] = begins + config.transfer_secs(tokens)
+            push(link_free[req.engine], _SENT, req)
+        target.to_send.clear()
 
     def deliver(now: float) -> None:
         for engine, events in outbox.items():
@@ -265,12 +367,29 @@ def _run(name: str, setting: Settings | str | None, arrivals: Iterable[tuple[flo
                 if config.prefill_complete:
                     router.prefill_done(req, now)
             for req in done:
+                if req.osl > 1 and isinstance(router, _PdRouter):
+                    tpot.append((now - req.first_token) / (req.osl - 1))
                 router.freed(req, now)
                 live -= 1
+            for req in engine.prefilled:  # prefilled for another engine: to it, to be admitted there
+                if config.prefill_complete and isinstance(router, _PdRouter):
+                    router.prefilled(req, now)
+                req.stage = DECODE_SENT  # `engine` stays its prefill engine, whose link sends it
+                target = engines[req.decode_engine]
+                target.waiting.append(req)
+                if target.busy_until is None:
+                    start(req.decode_engine, now)
+            engine.prefilled.clear()
             deliver(now)
-            ends = engine.start(now)
-            if ends is not None:
-                push(ends, _STEP, payload)
+            start(payload, now)
+        elif kind == _SENT:  # a prompt's KV reached its decode engine
+            req = payload
+            engines[req.engine].sent(req)
+            engines[req.decode_engine].received(req)
+            deliver(now)
+            for index in (req.decode_engine, req.engine):  # both may start: one has work, one room
+                if engines[index].busy_until is None:
+                    start(index, now)
         elif kind == _EVENTS:
             router.events(payload[0], payload[1], now)
         elif kind == _TICK:
@@ -298,22 +417,32 @@ def _run(name: str, setting: Settings | str | None, arrivals: Iterable[tuple[flo
         answered(now)
     router.close()
     prompt = sum(e.prompt_tokens for e in engines)
-    cdf_values = sorted(ttft)
-    step = max(1, len(cdf_values) // 200)
-    cdf = [(cdf_values[i], (i + 1) / len(cdf_values)) for i in range(0, len(cdf_values), step)]
-    if cdf_values:
-        cdf.append((cdf_values[-1], 1.0))
     return SettingRun(
         name=name, settings={"service": setting} if isinstance(setting, str) else
         {} if settings is None else _changed(settings),
         ttft=_stats(ttft), queue_wait=_stats(waits),
         hit_rate=(sum(e.cached_tokens for e in engines) / prompt) if prompt else 0.0,
         busy_max_mean=(sum(busy_max) / len(busy_max)) if busy_max else 0.0,
-        requests=count, failed=failed, events_failed=router.events_failed, ttft_cdf=cdf,
+        requests=count, failed=failed, events_failed=router.events_failed, ttft_cdf=_cdf(ttft),
         series={"times": times, "in_flight": inflight, "kv_used": kv},
+        pd=None if not isinstance(router, _PdRouter) else {
+            "prefill_engines": router.setup.prefill_engines,
+            "decode_engines": config.engines - router.setup.prefill_engines, "decider": router.setup.decider},
+        tpot=_stats(tpot) if isinstance(router, _PdRouter) else None, tpot_cdf=_cdf(tpot),
+        remote_share=(router.remote / count if count else 0.0) if isinstance(router, _PdRouter) else None,
         tenants={} if set(tenants) <= {""} else {
             name: {"requests": n[0], "failed": n[1], "ttft": _stats(t), "queue_wait": _stats(w)}
             for name, (n, t, w) in sorted(tenants.items())})
+
+
+def _cdf(values: array[float]) -> list[tuple[float, float]]:
+    """(value, fraction at or below it) at ~200 points, for the report."""
+    ordered = sorted(values)
+    step = max(1, len(ordered) // 200)
+    cdf = [(ordered[i], (i + 1) / len(ordered)) for i in range(0, len(ordered), step)]
+    if ordered:
+        cdf.append((ordered[-1], 1.0))
+    return cdf
 
 
 def _changed(settings: Settings) -> dict[str, Any]:
@@ -324,10 +453,11 @@ def _changed(settings: Settings) -> dict[str, Any]:
 
 
 def simulate(trace: Callable[[], Iterable[TraceRequest]], config: FleetConfig,
-             settings: list[tuple[str, Settings | str | None]]) -> list[SettingRun]:
+             settings: list[tuple[str, Settings | PdSetup | str | None]]) -> list[SettingRun]:
     """Replay `trace()` (called once for its totals and once per setting: a stream, never held
-    whole) through a fleet for each named setting: `Settings` for the core in process, a URL for
-    a running service (`ServiceRouter`), None for a baseline of `BASELINES` or the `ORACLE`."""
+    whole) through a fleet for each named setting: `Settings` for the core in process, a
+    `PdSetup` for its plans, a URL for a running service (`ServiceRouter`), None for a baseline of
+    `BASELINES` or the `ORACLE`."""
     first = last = None
     count = isl = osl = blocks = 0
     for req in trace():

@@ -39,7 +39,9 @@ def _ratio(run: SettingRun, yardstick: SettingRun) -> str:
 
 def table(runs: Sequence[SettingRun]) -> str:
     """With an oracle among the runs, each run's mean TTFT also as a multiple of the oracle's and
-    of Dynamo's (`yardsticks`)."""
+    of Dynamo's (`yardsticks`); `--pd` runs have their own columns (`_pd_table`)."""
+    if any(run.tpot is not None for run in runs):
+        return _pd_table(runs)
     against = yardsticks(runs)
     head = ("setting", "ttft mean", "p50", "p90", "p99", "wait mean", "hit rate", "busy max", "requests", "failed",
             *(name for name, _ in against))
@@ -48,6 +50,27 @@ def table(runs: Sequence[SettingRun]) -> str:
         f"{run.hit_rate:.3f}", f"{run.busy_max_mean:.1f}", str(run.requests), str(run.failed),
         *(_ratio(run, yardstick) for _, yardstick in against)) for run in runs]
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(row))
+             for row in rows]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]]) + "\n" + _tenant_table(runs)
+
+
+_PD_HEAD = ("setting", "remote", "ttft mean", "p50", "p99", "tpot mean ms", "p99 ms", "wait mean", "hit rate",
+            "requests", "failed")
+
+
+def _pd_cells(run: SettingRun) -> tuple[str, ...]:
+    """A planned run's row: TTFT in seconds, the time per output token in milliseconds."""
+    tpot = run.tpot or {"mean": 0.0, "p99": 0.0}
+    return (run.name, f"{run.remote_share or 0.0:.2f}", *(f"{run.ttft[k]:.3f}" for k in ("mean", "p50", "p99")),
+            *(f"{tpot[k] * 1000:.1f}" for k in ("mean", "p99")), f"{run.queue_wait['mean']:.3f}",
+            f"{run.hit_rate:.3f}", str(run.requests), str(run.failed))
+
+
+def _pd_table(runs: Sequence[SettingRun]) -> str:
+    """`--pd`: each fleet and decider, with the share of remote plans and the time per output token."""
+    rows = [_PD_HEAD, *(_pd_cells(run) for run in runs)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_PD_HEAD))]
     lines = ["  ".join(cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(row))
              for row in rows]
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]]) + "\n" + _tenant_table(runs)
@@ -75,7 +98,14 @@ def _tenant_table(runs: Sequence[SettingRun]) -> str:
 
 
 def document(runs: Sequence[SettingRun], config: FleetConfig, trace: str) -> dict[str, Any]:
-    return {"trace": trace, "fleet": _fleet(config), "settings": [run.to_json() for run in runs]}
+    fleet = _fleet(config)
+    if any(run.pd is not None for run in runs):
+        fleet.update(_transfer(config))
+    return {"trace": trace, "fleet": fleet, "settings": [run.to_json() for run in runs]}
+
+
+def _transfer(config: FleetConfig) -> dict[str, Any]:
+    return {"kv_bytes_per_token": config.kv_bytes_per_token, "link_bytes_per_sec": config.link_bytes_per_sec}
 
 
 def _fleet(config: FleetConfig) -> dict[str, Any]:
@@ -96,6 +126,9 @@ def summary(runs: Sequence[SettingRun]) -> list[str]:
     for run in runs[1:]:
         ratios = [f"{what} TTFT {run.ttft[k] / first.ttft[k]:.2f}x" for what, k in (("mean", "mean"), ("p99", "p99"))
                   if first.ttft[k] > 0]
+        if run.tpot is not None and first.tpot is not None:
+            ratios += [f"{what} TPOT {run.tpot[k] / first.tpot[k]:.2f}x" for what, k in (("mean", "mean"), ("p99", "p99"))
+                       if first.tpot[k] > 0]
         if first.hit_rate > 0:
             ratios.append(f"hit rate {run.hit_rate / first.hit_rate:.2f}x")
         lines.append(f"{run.name}: {', '.join(ratios)} those of {first.name}")
@@ -143,24 +176,36 @@ def _svg(width: int, height: int, body: str) -> str:
             f'font-family="sans-serif" font-size="13">{body}</svg>')
 
 
-def html_report(runs: Sequence[SettingRun], config: FleetConfig, trace: str) -> str:
-    """One page: the table, the TTFT CDF of every setting, and per setting each engine's requests
-    in flight and KV use over time."""
+def _cdf_chart(runs: Sequence[SettingRun], curves: list[list[tuple[float, float]]], medians: list[float],
+               label: str) -> str:
+    """Each run's distribution (`curves[i]`, points of (value, fraction)) on one chart."""
     box = (70.0, 20.0, 620.0, 300.0)
-    x_max = max((max((x for x, _ in run.ttft_cdf), default=0.0) for run in runs), default=0.0) or 1.0
+    x_max = max((max((x for x, _ in curve), default=0.0) for curve in curves), default=0.0) or 1.0
     # When a setting is far behind the others, a linear axis crushes the rest into its left edge.
-    medians = [run.ttft["p50"] for run in runs if run.ttft["p50"] > 0]
+    medians = [m for m in medians if m > 0]
     x_min = min(medians) / 4 if medians and x_max / min(medians) > 20 else None
     scale = _log_scale(x_min, x_max) if x_min is not None else None
-    lines = [_polyline(run.ttft_cdf, box, x_max, 1.0, COLORS[i % len(COLORS)], x_scale=scale)
-             for i, run in enumerate(runs)]
+    lines = [_polyline(curve, box, x_max, 1.0, COLORS[i % len(COLORS)], x_scale=scale)
+             for i, curve in enumerate(curves)]
     legend = "".join(
         f'<rect x="{box[0] + box[2] + 20}" y="{30 + 20 * i}" width="14" height="4" fill="{COLORS[i % len(COLORS)]}"/>'
         f'<text x="{box[0] + box[2] + 40}" y="{36 + 20 * i}">{html.escape(run.name)}</text>'
         for i, run in enumerate(runs))
-    x_label = "time to first token (s)" + (", log scale" if x_min is not None else "")
-    cdf = _svg(960, 370, _axes(box, x_label, "fraction of requests", x_max, 1.0, x_min)
-               + "".join(lines) + legend)
+    x_label = label + (", log scale" if x_min is not None else "")
+    return _svg(960, max(370, 50 + 20 * len(runs)), _axes(box, x_label, "fraction of requests", x_max, 1.0, x_min)
+                + "".join(lines) + legend)
+
+
+def html_report(runs: Sequence[SettingRun], config: FleetConfig, trace: str) -> str:
+    """One page: the table, the TTFT CDF of every setting (and with --pd their time per output
+    token), and per setting each engine's requests in flight and KV use over time."""
+    cdf = _cdf_chart(runs, [run.ttft_cdf for run in runs], [run.ttft["p50"] for run in runs],
+                     "time to first token (s)")
+    planned = any(run.tpot is not None for run in runs)
+    if planned:
+        cdf += "<h2>Time per output token</h2>" + _cdf_chart(
+            runs, [[(x * 1000, y) for x, y in run.tpot_cdf] for run in runs],
+            [(run.tpot or {"p50": 0.0})["p50"] * 1000 for run in runs], "time per output token (ms)")
     sections = []
     for run in runs:
         series = run.series
@@ -178,6 +223,8 @@ def html_report(runs: Sequence[SettingRun], config: FleetConfig, trace: str) -> 
             + _svg(470, 230, _axes(small, "time (s)", "KV blocks used", t_max, 1.0) + kv) + "</div>")
     against = yardsticks(runs)
     rows = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in _pd_cells(run))
+        + f"<td><code>{html.escape(_settings_text(run))}</code></td></tr>" for run in runs) if planned else "".join(
         f"<tr><td>{html.escape(run.name)}</td>"
         + "".join(f"<td>{run.ttft[k]:.3f}</td>" for k in ("mean", "p50", "p90", "p99"))
         + f"<td>{run.queue_wait['mean']:.3f}</td><td>{run.hit_rate:.3f}</td><td>{run.busy_max_mean:.1f}</td>"
@@ -190,7 +237,13 @@ def html_report(runs: Sequence[SettingRun], config: FleetConfig, trace: str) -> 
                           for row in _tenant_rows(runs))
     tenants = "" if not tenant_rows else ("<h2>Per tenant</h2><table><tr>" + "".join(
         f"<th>{h}</th>" for h in _TENANT_HEAD) + f"</tr>{tenant_rows}</table>")
-    fleet = html.escape(", ".join(f"{k}={v}" for k, v in _fleet(config).items() if k != "engine_model"))
+    fleet_members = {**_fleet(config), **(_transfer(config) if planned else {})}
+    fleet = html.escape(", ".join(f"{k}={v}" for k, v in fleet_members.items() if k != "engine_model"))
+    head = ("<th>setting</th><th>remote</th><th>TTFT mean (s)</th><th>p50</th><th>p99</th><th>TPOT mean (ms)</th>"
+            "<th>p99</th><th>wait mean</th><th>hit rate</th><th>requests</th><th>failed</th><th>settings</th>"
+            if planned else
+            "<th>setting</th><th>TTFT mean (s)</th><th>p50</th><th>p90</th><th>p99</th><th>wait mean</th>\n"
+            f"<th>hit rate</th><th>busy max</th><th>requests</th><th>failed</th>{ratio_heads}<th>settings</th>")
     model = html.escape(", ".join(f"{k}={v}" for k, v in _fleet(config)["engine_model"].items()))
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>selection-proto simulate: {html.escape(trace)}</title>
@@ -200,8 +253,7 @@ td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}} td:first-child,t
 <h1>Simulated fleet: {html.escape(trace)}</h1>
 {"".join(f"<p class=summary>{html.escape(line)}</p>" for line in summary(runs))}
 <p>Fleet: {fleet}.<br>Engine model: {model}.</p>
-<table><tr><th>setting</th><th>TTFT mean (s)</th><th>p50</th><th>p90</th><th>p99</th><th>wait mean</th>
-<th>hit rate</th><th>busy max</th><th>requests</th><th>failed</th>{ratio_heads}<th>settings</th></tr>{rows}</table>
+<table><tr>{head}</tr>{rows}</table>
 {tenants}<h2>Time to first token</h2>{cdf}
 <h2>Engines over time</h2>{"".join(sections)}
 </body></html>
@@ -209,6 +261,10 @@ td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}} td:first-child,t
 
 
 def _settings_text(run: SettingRun) -> str:
+    if run.pd is not None:
+        fleet = (f"{run.pd['prefill_engines']} prefill + {run.pd['decode_engines']} decode engines, "
+                 f"decider {run.pd['decider'] or 'isl_bounding'}") if run.pd["prefill_engines"] else "aggregated"
+        return ", ".join([fleet, *(f"{k}={v}" for k, v in sorted(run.settings.items()) if k != "kv_events")])
     if not run.settings:
         return "all-knowing (greedy on the true state)" if run.name == ORACLE else \
             "baseline" if run.name in BASELINES else "defaults"
