@@ -259,6 +259,9 @@ class Engine:
         twin.decoding = list(self.decoding)  # a copy of a heap is a heap
         twin.iterations, twin.order, twin.busy_until = self.iterations, self.order, self.busy_until
         twin.cached_tokens, twin.prompt_tokens = self.cached_tokens, self.prompt_tokens
+        # The oracle runs aggregated fleets only: no prompt is ever on its way between engines.
+        assert not (self.prefilled or self.loading or self.to_send or self.arrived or self.joining)
+        twin.prefilled, twin.loading, twin.to_send, twin.arrived, twin.joining = [], set(), [], [], []
         return twin
 
     def in_flight(self) -> int:
