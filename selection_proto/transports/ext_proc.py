@@ -178,6 +178,8 @@ class _Connection:
         self.outbox = bytearray()
         self.writing = False
         self.group: anyio.abc.TaskGroup | None = None
+        self.opened = self.last_heard = owner.server.clock()
+        self.authenticated = owner.server.config.auth_token is None  # a call has carried the token
 
     async def flush(self) -> None:
         """Write what the wire has to say. One writer at a time, without a lock (its cost was a
@@ -203,11 +205,12 @@ class _Connection:
                 try:
                     await self.flush()  # our SETTINGS
                     while not self.wire.closed:
-                        data = await self._receive(server.config.request_timeout_secs)
+                        data = await self._receive()
                         if data is None:
                             continue  # a deadline passed: `_receive` answered it
                         if not data:
                             break
+                        self.last_heard = server.clock()
                         for event in self.wire.receive(data):
                             self._dispatch(event)
                         await self.flush()
@@ -221,20 +224,40 @@ class _Connection:
                 self._end(call, None)
             await server.pump()  # what their ends freed may start queued selections
 
-    async def _receive(self, timeout: float) -> bytes | None:
-        """The peer's next bytes (b"" once it has gone); None when a body's deadline passed first.
-        A peer that never says a word frees its slot in `timeout`."""
+    def _closing_time(self) -> tuple[float, str | None]:
+        """When this connection is closed unless the peer does something first, and the limit
+        that closes it (None: it idled). A peer must send its preface and SETTINGS, and, with
+        `--auth-token-file`, start a call carrying the token, within `--keep-alive-timeout-secs` of
+        connecting; a connection with no call open closes after as long without a byte
+        (docs/GATEWAY.md, "Transport"): a slot is never held by a peer that only connected, and one
+        whose last call ended closes within twice that."""
+        timeout = self.owner.server.config.keep_alive_timeout_secs
         if not self.wire.started:
-            with anyio.move_on_after(timeout):
-                return await self.stream.receive()
-            return b""
+            return self.opened + timeout, "ext_proc_handshake"
+        if not self.authenticated:
+            return self.opened + timeout, "ext_proc_unauthenticated"
+        if self.calls or self.wire.calls:  # looked at again then: a call may end in a task of its own
+            return self.owner.server.clock() + timeout, None
+        return self.last_heard + timeout, None
+
+    async def _receive(self) -> bytes | None:
+        """The peer's next bytes (b"" once it has gone, or once this side closes the connection);
+        None when a body's deadline passed first."""
+        clock = self.owner.server.clock
         while self.deadlines and not self.deadlines[0][1].handler.may_await_body:
             self.deadlines.popleft()
-        if not self.deadlines:  # a known peer may idle
+        closing, limit = self._closing_time()
+        body_deadline = self.deadlines[0][0] if self.deadlines else float("inf")
+        with anyio.move_on_after(min(closing, body_deadline) - clock()):
             return await self.stream.receive()
-        with anyio.move_on_after(self.deadlines[0][0] - self.owner.server.clock()):
-            return await self.stream.receive()
-        now = self.owner.server.clock()
+        now = clock()
+        closing, limit = self._closing_time()  # (what the deadline's wait spanned may have moved it)
+        if now >= closing:
+            if limit is not None:
+                self.owner.server.service.observe(LIMIT_REJECTIONS, (limit,), 1.0)
+            self.wire.go_away()  # no call is lost: those under way (an unauthenticated one's) end with it
+            await self.flush()
+            return b""
         while self.deadlines and self.deadlines[0][0] <= now:
             call = self.deadlines.popleft()[1]
             if call.handler.awaiting_body:  # one whose headers come later is checked then (`_advance`)
@@ -251,6 +274,9 @@ class _Connection:
             return
         if isinstance(event, CallStarted):
             owner = self.owner
+            token = owner.server.config.auth_token
+            if not self.authenticated and token is not None and _bearer_matches(event.metadata, token):
+                self.authenticated = True
             handler: _Handler
             if event.path == PROCESS_PATH:
                 handler = _ProcessHandler(owner.picker, event.metadata)

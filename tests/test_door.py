@@ -1,0 +1,141 @@
+"""A client that holds the door or the loop by doing little (docs/DECISIONS.md, "Bounds"): silent
+HTTP/2 connections to the picker, a flood of picker connections under a low descriptor limit,
+hostile frees, a queue of many priorities, a trickling `metrics_endpoint`. Each against a real
+`serve` over real sockets, which must answer on afterwards."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from test_hostile import assert_healthy
+from test_http import Server
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+EMPTY_SETTINGS = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+def picker_address(server: Server) -> tuple[str, int]:
+    host, port = server.ext_proc_url().removeprefix("grpc://").rsplit(":", 1)
+    return host, int(port)
+
+
+def closed_after(sock: socket.socket, limit: float) -> float | None:
+    """Seconds until the server closed `sock` (reading and dropping what it sends), or None if it
+    did not within `limit`."""
+    started = time.monotonic()
+    sock.settimeout(0.1)
+    while time.monotonic() - started < limit:
+        try:
+            if not sock.recv(65536):
+                return time.monotonic() - started
+        except TimeoutError:
+            continue
+        except OSError:  # reset
+            return time.monotonic() - started
+    return None
+
+
+def silent_connections(address: tuple[str, int], count: int, preface: bool = True) -> list[socket.socket]:
+    socks = []
+    for _ in range(count):
+        sock = socket.create_connection(address, timeout=5)
+        if preface:
+            sock.sendall(PREFACE + EMPTY_SETTINGS)
+        socks.append(sock)
+    return socks
+
+
+def grpc_call(address: tuple[str, int], token: str | None = None, timeout: float = 10) -> Any:
+    """One Process call through a real grpcio client: its first reply."""
+    import grpc
+    from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
+    from test_ext_proc import body, completion, headers
+
+    metadata = () if token is None else (("authorization", f"Bearer {token}"),)
+    with grpc.insecure_channel(f"{address[0]}:{address[1]}") as channel:
+        messages = [headers(), body(completion(list(range(16))), end=True)]
+        return next(ExternalProcessorStub(channel).Process(iter(messages), metadata=metadata, timeout=timeout))
+
+
+def register(server: Server, token: str | None = None) -> None:
+    import http.client
+    import json
+
+    worker = {"worker_id": 1, "model_name": "m", "block_size": 4, "endpoint": "http://127.0.0.1:9"}
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    auth = {} if token is None else {"authorization": f"Bearer {token}"}
+    conn.request("POST", "/workers", json.dumps(worker), {"content-type": "application/json", **auth})
+    assert conn.getresponse().status == 201
+    conn.close()
+
+
+def test_silent_picker_connections_are_closed_within_the_keep_alive_timeout() -> None:
+    """50 connections that send the HTTP/2 preface and an empty SETTINGS, then nothing, and 10 that
+    send nothing at all: every one is closed within `--keep-alive-timeout-secs` (they were never
+    closed); one whose call has ended idles out alike; a real gRPC call is routed afterwards."""
+    server = Server("--ext-proc-port", "0", "--keep-alive-timeout-secs", "2", mode="approximate")
+    try:
+        address = picker_address(server)
+        register(server)
+        socks = silent_connections(address, 50) + silent_connections(address, 10, preface=False)
+        waits = [closed_after(sock, 6.0) for sock in socks]
+        assert all(wait is not None and wait < 4.0 for wait in waits), waits
+        for sock in socks:
+            sock.close()
+        import grpc
+
+        with grpc.insecure_channel(f"{address[0]}:{address[1]}") as channel:
+            from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
+            from test_ext_proc import body, completion, headers
+
+            stub = ExternalProcessorStub(channel)
+            messages = [headers(), body(completion(list(range(16))), end=True)]
+            assert next(stub.Process(iter(messages), timeout=10)).HasField("request_headers")
+            # The channel's connection idles out in ~2 s (GOAWAY); the next call opens another.
+            time.sleep(4.5)
+            assert next(stub.Process(iter(messages), timeout=10)).HasField("request_headers")
+        assert 'selection_proto_limit_rejections_total{limit="ext_proc_handshake"} 10.0' in \
+            get_text(server, "/metrics")
+        assert_healthy(server)
+    finally:
+        assert server.stop() == 0
+
+
+def get_text(server: Server, path: str) -> str:
+    from test_hostile import get
+
+    return get(server, path)[1].decode()
+
+
+def test_unauthenticated_picker_connections_cannot_lock_out_callers_with_the_token(tmp_path: Path) -> None:
+    """With `--auth-token-file`, `--max-connections` connections that never start a call with the
+    token (silent, or asking only for health) are closed within `--keep-alive-timeout-secs`: an
+    authenticated gRPC call is routed within that time of the flood (it failed UNAVAILABLE for as
+    long as the flood stayed)."""
+    (tmp_path / "token").write_text("s3cret\n")
+    server = Server("--auth-token-file", str(tmp_path / "token"), "--ext-proc-port", "0",
+                    "--max-connections", "16", "--keep-alive-timeout-secs", "2", mode="approximate")
+    try:
+        address = picker_address(server)
+        register(server, "s3cret")
+        flood = silent_connections(address, 16)
+        started = time.monotonic()
+        while True:
+            try:
+                reply = grpc_call(address, "s3cret", timeout=2)
+                break
+            except Exception:  # noqa: BLE001 - UNAVAILABLE while the flood holds every slot
+                assert time.monotonic() - started < 5.0, "locked out past the keep-alive timeout"
+                time.sleep(0.2)
+        assert reply.HasField("request_headers")
+        assert all(closed_after(sock, 3.0) is not None for sock in flood)
+        for sock in flood:
+            sock.close()
+        assert 'selection_proto_limit_rejections_total{limit="ext_proc_unauthenticated"} 16.0' in \
+            get_text(server, "/metrics")
+        assert server.proc.poll() is None and get_text(server, "/health") == '{"status":"ok"}'
+    finally:
+        assert server.stop() == 0
