@@ -325,9 +325,6 @@ def _auth_token(args: argparse.Namespace, env: Mapping[str, str]) -> bytes | Non
     return token
 
 
-FD_HEADROOM: Final = 64  # descriptors beside connections and subscriptions: listener, logs, ledger, pipes
-
-
 def _fit_descriptors(settings: Settings, connections: int) -> Settings:
     """Subscriptions and connections must fit the process's descriptors, with room for accepts:
     the soft RLIMIT_NOFILE is raised to the hard one, and `max_subscriptions` lowered (with a
@@ -337,6 +334,8 @@ def _fit_descriptors(settings: Settings, connections: int) -> Settings:
         import resource
     except ImportError:  # pragma: no cover - not on Linux or macOS
         return settings
+    from .transports.accepting import FD_HEADROOM
+
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or hard > soft:
         try:

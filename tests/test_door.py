@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from test_hardening import assert_its_turn, health_latencies
 from test_hostile import assert_healthy
 from test_http import Server
 
@@ -137,5 +138,42 @@ def test_unauthenticated_picker_connections_cannot_lock_out_callers_with_the_tok
         assert 'selection_proto_limit_rejections_total{limit="ext_proc_unauthenticated"} 16.0' in \
             get_text(server, "/metrics")
         assert server.proc.poll() is None and get_text(server, "/health") == '{"status":"ok"}'
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_picker_flood_under_a_low_descriptor_limit_leaves_the_http_api_up_and_the_log_small() -> None:
+    """`ulimit -n 128`: connections to the picker's port until it refuses (each closed at once past
+    its half of the descriptors left for connections). The HTTP API answers on meanwhile (it stayed
+    down for the whole flood), the log holds a line per second at most (asyncio's listener logged
+    a traceback per accept retry: 178 MB in 3 minutes), and once the flood is gone both serve."""
+    server = Server("--ext-proc-port", "0", "--keep-alive-timeout-secs", "60", mode="approximate", open_files=128)
+    try:
+        address = picker_address(server)
+        register(server)
+        idle = health_latencies(server, count=20)
+        flood: list[socket.socket] = []
+        refused = 0
+        for _ in range(300):  # more than the process has descriptors for
+            try:
+                sock = socket.create_connection(address, timeout=2)
+                sock.sendall(PREFACE + EMPTY_SETTINGS)
+                flood.append(sock)
+            except OSError:
+                refused += 1
+        lines_before = len(server.logs)
+        assert_its_turn(health_latencies(server, count=40), idle, None, 0.25)
+        closed = sum(closed_after(sock, 0.05) is not None for sock in flood)
+        assert closed > 100, closed  # refused: closed at once, past the picker's share
+        time.sleep(2.0)
+        logs = server.logs[lines_before - 5:]
+        assert len(server.logs) < 40 and sum(map(len, server.logs)) < 30_000, logs
+        assert any('"ext_proc_connections_refused"' in line for line in server.logs)
+        assert not any("Traceback" in line for line in server.logs)
+        for sock in flood:
+            sock.close()
+        time.sleep(0.5)
+        assert grpc_call(address).HasField("request_headers")
+        assert_healthy(server)
     finally:
         assert server.stop() == 0

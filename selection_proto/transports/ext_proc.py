@@ -20,7 +20,8 @@ import anyio.abc
 from anyio.streams.tls import TLSStream
 
 from ..adapters.grpc import CallEnded, CallReset, CallStarted, GrpcServer, Message, Status, WindowOpened
-from ..core.metrics import LIMIT_REJECTIONS
+from ..core.metrics import INTERNAL_ERRORS, LIMIT_REJECTIONS
+from .accepting import Throttled, accept_forever
 from .logs import log
 from .loop_stream import LoopListener, on_asyncio
 
@@ -45,13 +46,17 @@ _GONE: Final = (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndO
 
 class Host(Protocol):
     """What the picker needs of the HTTP server it runs beside (server.py): the service, its
-    settings and clock, the shared byte budget, and where queued answers are delivered."""
+    settings and clock, the shared byte and connection budgets, and where queued answers are
+    delivered."""
 
     service: SelectionService
     config: ServerConfig
     clock: Callable[[], float]
     in_flight: InFlight
     resolvers: dict[int, Callable[[Response], None]]
+    connection_budget: float  # connections the descriptor limit leaves room for, HTTP's and the picker's
+
+    def connections_open(self) -> int: ...
 
     async def pump(self, wake_timer: bool = True) -> None: ...
 
@@ -90,6 +95,8 @@ class ExtProcServer:
         self.serving = True
         self.tls: ssl.SSLContext | None = None
         self.listener: anyio.abc.Listener[anyio.abc.SocketStream] | LoopListener | None = None
+        self.refused = Throttled("ext_proc_connections_refused")
+        self.admitted = 0  # connections accepted and not closed yet (in a TLS handshake, or served)
 
     async def start(self) -> None:
         options = self.options
@@ -116,13 +123,25 @@ class ExtProcServer:
         log("info", "ext_proc_listening", url=f"{scheme}://{host}:{port}", tokenizers=sorted(options.tokenizers))
 
     async def run(self) -> None:
-        """Accept and serve until cancelled."""
-        assert self.listener is not None
-        if isinstance(self.listener, LoopListener):
-            await self.listener.serve(self._connection)
+        """Accept and serve until cancelled, backing off while descriptors run out."""
+        listener = self.listener
+        assert listener is not None
+
+        def failed(exc: OSError) -> None:
+            self.server.service.observe(INTERNAL_ERRORS, ("accept",), 1.0)
+
+        if isinstance(listener, LoopListener):
+            await listener.serve(self._connection, failed, self.admit, self.release)
             return
-        async with self.listener:
-            await self.listener.serve(self._connection)
+        async with listener, anyio.create_task_group() as group:
+            def accepted(stream: anyio.abc.SocketStream) -> None:
+                if self.admit():
+                    group.start_soon(self._connection, stream)
+                else:
+                    group.start_soon(anyio.aclose_forcefully, stream)
+
+            for one in getattr(listener, "listeners", [listener]):
+                group.start_soon(accept_forever, one.accept, accepted, failed, "ext_proc")
 
     async def drain(self, timeout: float) -> None:
         """Health says NOT_SERVING, no new calls are taken (GOAWAY), and those under way have
@@ -135,12 +154,34 @@ class ExtProcServer:
             while any(conn.wire.calls for conn in self.connections):
                 await anyio.sleep(0.01)
 
+    def admit(self) -> bool:
+        """Whether a connection just accepted may stay (else it is closed at once, before anything
+        is read or allocated for it). The picker's connections share the descriptors left for
+        connections with the HTTP API's, and take at most half of them, so that a flood of either
+        leaves the other room (docs/DECISIONS.md, "Bounds"). Once admitted, `release` follows."""
+        server = self.server
+        config, budget = server.config, server.connection_budget
+        if self.admitted >= config.max_connections or self.admitted >= budget / 2 \
+                or server.connections_open() >= budget:
+            server.service.observe(LIMIT_REJECTIONS, ("ext_proc_connections",), 1.0)
+            self.refused(open=self.admitted, max_connections=config.max_connections, descriptor_budget=budget)
+            return False
+        self.admitted += 1
+        return True
+
+    def release(self) -> None:
+        """An admitted connection is closed."""
+        self.admitted -= 1
+
     async def _connection(self, stream: anyio.abc.ByteStream) -> None:
+        """Serve one admitted connection until it ends, then `release` it."""
+        try:
+            await self._serve_connection(stream)
+        finally:
+            self.release()
+
+    async def _serve_connection(self, stream: anyio.abc.ByteStream) -> None:
         config = self.server.config
-        if len(self.connections) >= config.max_connections:
-            self.server.service.observe(LIMIT_REJECTIONS, ("ext_proc_connections",), 1.0)
-            await anyio.aclose_forcefully(stream)
-            return
         conn = _Connection(self, stream)
         self.connections.add(conn)
         try:

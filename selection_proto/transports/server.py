@@ -26,6 +26,7 @@ from ..core.routes import media_type
 from ..core.service import SelectionService
 from ..core.streams import decode_or_error
 from ..core.wire import Response, error_response
+from .accepting import accept_forever, connection_budget
 from .config import LedgerOptions, ServerConfig
 from .ext_proc import ExtProcServer
 from .ledger import LedgerLink
@@ -46,8 +47,6 @@ MAX_PENDING_BUFFER = 65536  # read on while a request is queued (pipelined ones)
 # discard for this long before closing, so that the client is not reset before it reads it.
 LINGER_SECS = 2.0
 SEND_CHUNK = 1 << 20
-ACCEPT_BACKOFF_START = 0.01
-ACCEPT_BACKOFF_MAX = 1.0
 
 
 GIL_SWITCH_INTERVAL_SECS = 0.001
@@ -82,13 +81,19 @@ class _Server:
         self.ledger_link: LedgerLink | None = None
         self.in_flight = InFlight(config.max_buffer_bytes)
         self.status_feeds = StatusFeeds(service, clock)
+        self.ext_proc: ExtProcServer | None = None
+        # The descriptors left for connections once subscriptions have theirs (cli fits
+        # `max_subscriptions` to the limit): HTTP and the picker share them.
+        self.connection_budget = connection_budget(
+            service.settings.max_subscriptions if service.settings.kv_events == "subscribe" else 0)
 
     def _report_connections(self) -> None:
         self.service.observe(CONNECTIONS, ("http",), float(len(self.connections)))
 
     async def client(self, stream: anyio.abc.ByteStream) -> None:
         if self.config.tls is not None:
-            if len(self.connections) + self.ws_count + self.handshakes >= self.config.max_connections:
+            if len(self.connections) + self.ws_count + self.handshakes >= self.config.max_connections \
+                    or self.connections_open() >= self.connection_budget:
                 self.service.observe(LIMIT_REJECTIONS, ("connections",), 1.0)
                 await anyio.aclose_forcefully(stream)  # no plain-text answer on a TLS port
                 return
@@ -105,7 +110,8 @@ class _Server:
                 self.handshakes -= 1
         async with stream:
             open_now = len(self.connections) + self.ws_count
-            if open_now >= self.config.max_connections or self.draining:
+            if open_now >= self.config.max_connections or self.draining \
+                    or self.connections_open() >= self.connection_budget:
                 self.service.observe(LIMIT_REJECTIONS, ("connections",), 1.0)
                 response = error_response(503, "too many connections", (("connection", "close"),))
                 head = b"HTTP/1.1 503 Service Unavailable\r\n" + b"".join(
@@ -155,22 +161,21 @@ class _Server:
 
     async def accept_loop(self, listener: anyio.abc.SocketListener,
                           tg: anyio.abc.TaskGroup) -> None:
-        """Accept until cancelled. Running out of descriptors or buffers (EMFILE, ENFILE,
-        ENOBUFS...) backs off and retries: it is the machine's state, not a reason to stop."""
-        delay = ACCEPT_BACKOFF_START
-        while True:
-            try:
-                stream = await listener.accept()
-            except OSError as exc:
-                # Counted with the internal errors, logged once here (no traceback to add).
-                self.service.observe(INTERNAL_ERRORS, ("accept",), 1.0)
-                log("warning", "accept_failed", errno=exc.errno, detail=exc.strerror or str(exc),
-                    retry_in_secs=delay)
-                await anyio.sleep(delay)
-                delay = min(ACCEPT_BACKOFF_MAX, delay * 2)
-                continue
-            delay = ACCEPT_BACKOFF_START
+        """Accept until cancelled, backing off while descriptors or buffers run out
+        (`accepting.accept_forever`); each failure is counted with the internal errors."""
+        def failed(exc: OSError) -> None:
+            self.service.observe(INTERNAL_ERRORS, ("accept",), 1.0)
+
+        def accepted(stream: anyio.abc.SocketStream) -> None:
             tg.start_soon(self.client, stream)
+
+        await accept_forever(listener.accept, accepted, failed, "http")
+
+    def connections_open(self) -> int:
+        """HTTP connections (WebSocket sessions and TLS handshakes included) and the picker's:
+        what `connection_budget` bounds together."""
+        picker = self.ext_proc.admitted if self.ext_proc is not None else 0
+        return len(self.connections) + self.ws_count + self.handshakes + picker
 
     async def send(self, stream: anyio.abc.ByteStream, data: bytes) -> None:
         """A send that does not complete within request_timeout_secs aborts the connection."""
@@ -436,7 +441,7 @@ async def serve(service: SelectionService, config: ServerConfig,
     scheme = "https" if config.tls is not None else "http"
     log("info", "listening", url=f"{scheme}://{host}:{port}", version=__version__,
         settings=attrs.asdict(service.settings))
-    ext_proc = ExtProcServer(server, config.ext_proc) if config.ext_proc is not None else None
+    ext_proc = server.ext_proc = ExtProcServer(server, config.ext_proc) if config.ext_proc is not None else None
     if ext_proc is not None:
         await ext_proc.start()  # a port in use ends serve here, as the HTTP port's does above
     if ready is not None:
