@@ -214,3 +214,42 @@ def test_a_frees_body_past_a_few_kib_is_refused_before_it_is_read() -> None:
         assert_healthy(server)
     finally:
         assert server.stop() == 0
+
+
+def test_queued_selections_of_a_thousand_priorities_come_and_go_and_the_server_answers_on() -> None:
+    """A queue that saw 1,000 priority values, each request queued, then gone (its client left):
+    nothing waits afterwards, and the server answers (the queue's memory is what waits:
+    tests/test_flow_control.py counts it)."""
+    from test_http import api_call, request
+
+    server = Server("--queue-threshold", "0.000001", mode="push")
+    try:
+        assert api_call(server.port, "POST", "/workers", {"worker_id": 1, "model_name": "m", "block_size": 4,
+                                                          "endpoint": "http://w1", "max_num_batched_tokens": 64})[0] == 201
+        assert api_call(server.port, "POST", "/reservations", {"model_name": "m", "reservation_id": "hold",
+                                                               "worker_id": 1, "token_ids": list(range(16))})[0] == 201
+
+        def pending() -> int:
+            return int(api_call(server.port, "GET", "/loads")[1][0]["pending_count"])
+
+        for batch in range(10):
+            waiting = []
+            for priority in range(batch * 100, batch * 100 + 100):
+                sock = server.connect()
+                sock.sendall(request("POST", "/select", {"model_name": "m", "token_ids": [1, 2, 3],
+                                                         "priority": priority}))
+                waiting.append(sock)
+            deadline = time.monotonic() + 20
+            while pending() != 100:
+                assert time.monotonic() < deadline, pending()
+                time.sleep(0.02)
+            for sock in waiting:
+                sock.close()
+            while pending():
+                assert time.monotonic() < deadline, pending()
+                time.sleep(0.02)
+        assert api_call(server.port, "DELETE", "/reservations/hold")[0] == 200
+        assert api_call(server.port, "POST", "/select", {"model_name": "m", "token_ids": [1, 2, 3]})[0] == 200
+        assert_healthy(server)
+    finally:
+        assert server.stop() == 0
