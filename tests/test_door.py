@@ -6,6 +6,7 @@ hostile frees, a queue of many priorities, a trickling `metrics_endpoint`. Each 
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -252,4 +253,76 @@ def test_queued_selections_of_a_thousand_priorities_come_and_go_and_the_server_a
         assert api_call(server.port, "POST", "/select", {"model_name": "m", "token_ids": [1, 2, 3]})[0] == 200
         assert_healthy(server)
     finally:
+        assert server.stop() == 0
+
+
+def test_metrics_endpoints_answering_a_byte_at_a_time_leave_health_its_turn() -> None:
+    """16 workers whose `metrics_endpoint` answers in 1-byte chunks, as fast as it can, scraped
+    every second: each byte went through h11 on the loop, and `/health` stalled 1.6-5.3 s. Now the
+    loop only gathers bytes (a read per 10 ms at most), and a scrape ends at its deadline or its
+    size cap, with the reason in `/loads`; a worker that answers properly is scraped meanwhile."""
+    import http.server
+
+    from test_http import api_call
+
+    stop = threading.Event()
+
+    def trickle(conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            while not stop.is_set():
+                conn.sendall(b"1\r\n#\r\n")
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def accept(listener: socket.socket) -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=trickle, args=(conn,), daemon=True).start()
+
+    class Fine(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the standard library's name
+            body = b'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    fine = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Fine)
+    threading.Thread(target=fine.serve_forever, daemon=True).start()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    threading.Thread(target=accept, args=(listener,), daemon=True).start()
+    server = Server("--engine-metrics-interval-secs", "1", mode="approximate")
+    try:
+        idle = health_latencies(server, count=20)
+        endpoint = f"http://127.0.0.1:{listener.getsockname()[1]}/metrics"
+        for wid in range(1, 18):
+            url = endpoint if wid <= 16 else f"http://127.0.0.1:{fine.server_address[1]}/metrics"
+            assert api_call(server.port, "POST", "/workers", {"worker_id": wid, "model_name": "m", "block_size": 4,
+                                                              "endpoint": f"http://w{wid}", "metrics_endpoint": url}
+                            )[0] == 201
+        flood = threading.Thread(target=time.sleep, args=(6.0,))
+        flood.start()
+        assert_its_turn(health_latencies(server, flood), idle, None, 0.25)
+        engines = {e["worker_id"]: e for e in api_call(server.port, "GET", "/loads")[1][0]["engines"]}
+        assert engines[17]["error"] is None and engines[17]["running_requests"] == 3
+        assert all(engines[wid]["error"] in ("no answer within 2 s", "the answer is larger than 1048576 bytes")
+                   for wid in range(1, 17)), engines
+        assert_healthy(server)
+    finally:
+        stop.set()
+        listener.close()
+        fine.shutdown()
         assert server.stop() == 0
