@@ -5,12 +5,14 @@ hostile frees, a queue of many priorities, a trickling `metrics_endpoint`. Each 
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from test_hardening import assert_its_turn, health_latencies
 from test_hostile import assert_healthy, post
 from test_http import Server, read_response
@@ -325,4 +327,34 @@ def test_metrics_endpoints_answering_a_byte_at_a_time_leave_health_its_turn() ->
         stop.set()
         listener.close()
         fine.shutdown()
+        assert server.stop() == 0
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be"])
+def test_utf16_and_utf32_bodies_are_refused_400_by_the_api_and_the_picker(encoding: str) -> None:
+    """JSON between systems is UTF-8 (RFC 8259 §8.1; api.md §2.2: 400). The standard library reads
+    UTF-16 and UTF-32 given bytes, so the picker routed such bodies and the API named the wrong
+    cause (`lone surrogate in string`); both now refuse them 400, saying which encoding it was."""
+    import grpc
+    from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
+    from test_ext_proc import body, headers
+
+    wide = encoding[:6].upper()
+    server = Server("--ext-proc-port", "0", mode="approximate")
+    try:
+        address = picker_address(server)
+        register(server)
+        raw = json.dumps({"model_name": "m", "token_ids": [1, 2, 3, 4, 5]}).encode(encoding)
+        assert post(server, "/select", raw) == (400, {"error": f"Failed to parse the request body as JSON: the body "
+                                                               f"is {wide}; JSON must be UTF-8"})
+        openai = json.dumps({"model": "m", "prompt": [1, 2, 3, 4, 5]}).encode(encoding)
+        with grpc.insecure_channel(f"{address[0]}:{address[1]}") as channel:
+            reply = next(ExternalProcessorStub(channel).Process(iter([headers(), body(openai, end=True)]),
+                                                                 timeout=10))
+        assert reply.HasField("immediate_response") and reply.immediate_response.status.code == 400
+        assert f"the body is {wide}; JSON must be UTF-8" in reply.immediate_response.body.decode()
+        assert post(server, "/select", b'{"model_name": "m", "token_ids": [1, 2, 3, 4, 5]}')[0] == 200
+        assert grpc_call(address).HasField("request_headers")
+        assert_healthy(server)
+    finally:
         assert server.stop() == 0
