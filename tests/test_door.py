@@ -358,3 +358,48 @@ def test_utf16_and_utf32_bodies_are_refused_400_by_the_api_and_the_picker(encodi
         assert_healthy(server)
     finally:
         assert server.stop() == 0
+
+
+def test_a_process_starting_beside_a_sibling_does_not_ask_itself_for_its_dump(ledger: Any) -> None:
+    """`serve --processes 2 --ledger`: a process that found its sibling in the ledger's registry
+    warmed from that sibling's URL, which is its own (one shared port): the /dump could land in its
+    own backlog, which it does not accept until joined. It stalled 10 s, then took connections
+    unjoined and refused registrations 503 `ledger unavailable: catalog writes need the ledger`
+    (1 run in 2: whichever process the kernel gave the /dump to). Here the sibling has registered
+    and gone, so that the /dump would always reach the asker: every registration is answered 201
+    at once, and the process asks no peer."""
+    import os
+    import subprocess
+    import sys
+
+    from test_http import api_call
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    sibling = {"url": f"http://127.0.0.1:{port}", "seen": time.time(), "settings": {}}
+    ledger.client().hset("sp:{default}:replicas", "vm/1/sibling", json.dumps(sibling))
+    proc = subprocess.Popen([sys.executable, "-m", "selection_proto", "serve", "--port", str(port),
+                             "--kv-events", "push", "--ledger", ledger.url], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "SELECTION_PROTO_PROCESS_INDEX": "1"})  # as the supervisor starts it
+    logs: list[str] = []
+
+    def drain() -> None:
+        assert proc.stderr is not None
+        logs.extend(proc.stderr)
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        deadline = time.monotonic() + 30
+        while not any('"event":"listening"' in line for line in logs):
+            assert time.monotonic() < deadline and proc.poll() is None, logs
+            time.sleep(0.01)
+        for wid in range(1, 11):
+            started = time.monotonic()
+            answer = api_call(port, "POST", "/workers", {"worker_id": wid, "model_name": "m", "block_size": 4,
+                                                         "endpoint": f"http://w{wid}"})
+            assert answer[0] == 201 and time.monotonic() - started < 3.0, answer
+        assert not any(word in line for line in logs for word in ('"ledger_not_ready"', '"peer_recovery_failed"')), logs
+    finally:
+        proc.terminate()
+        assert proc.wait(20) == 0

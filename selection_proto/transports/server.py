@@ -27,7 +27,7 @@ from ..core.service import SelectionService
 from ..core.streams import decode_or_error
 from ..core.wire import Response, error_response
 from .accepting import accept_forever, connection_budget
-from .config import LedgerOptions, ServerConfig
+from .config import LedgerOptions, ServerConfig, advertised_url
 from .ext_proc import ExtProcServer
 from .ledger import LedgerLink
 from .logs import log, log_internal_error
@@ -480,9 +480,8 @@ async def serve(service: SelectionService, config: ServerConfig,
                                             lease_secs=service.settings.active_request_expiry_secs,
                                             batch=options.batch, feed_max=options.feed_max,
                                             on_change=server.pump)
-            wildcard = config.host in ("0.0.0.0", "::", "")  # noqa: S104 - compared, not bound
-            server.ledger_link.advertise = options.advertise_url or (
-                None if wildcard else f"{scheme}://{host}:{port}")
+            server.ledger_link.advertise = advertised_url(config.host, port, config.tls is not None,
+                                                          options.advertise_url)
             tg.start_soon(_join_ledger, service, server.ledger_link, options)
         await server.pump()  # subscriptions of workers restored before the start
         forced = False
