@@ -2,7 +2,8 @@
 another connection sends, over and over, one of the heaviest requests a client may send
 (docs/INVARIANTS.md, "No single request stalls everyone"; goal: p99 under 50 ms).
 
-    python bench/stalls.py [--scenarios ws_events,ws_flood,picker_echo,delete_bookings,ready,select_1m,select_booked,post_events,snapshot]
+    python bench/stalls.py [--scenarios ws_events,ws_flood,picker_echo,delete_bookings,ready,select_1m,select_booked,post_events,snapshot,
+                            idle,free_bodies,trickle_scrape]
         [--seconds 5] [--bookings 100000] [--workers 100000] [--blocks 200000]
 
 Each scenario starts its own `selection-proto serve --kv-events push` and prepares its state
@@ -220,6 +221,72 @@ def scenario_picker_echo(opts: argparse.Namespace) -> dict[str, float]:
         proc.wait()
 
 
+def scenario_idle(opts: argparse.Namespace) -> dict[str, float]:
+    """The baseline: nothing heavy, the other connection sleeps."""
+    proc, port = start([])
+    try:
+        return measure(port, lambda conn: time.sleep(0.05), opts.seconds)
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def scenario_free_bodies(opts: argparse.Namespace) -> dict[str, float]:
+    """`DELETE /reservations/{id}` of an unknown id, with the largest body a free takes (16 KiB,
+    docs/DECISIONS.md, "Bounds"; it was 8 MiB) ending in a NaN, which the standard library parses."""
+    proc, port = start([])
+    try:
+        body = b'{"cached_tokens": 1, "pad": "' + b"x" * (16 * 1024 - 50) + b'", "n": NaN}'
+
+        def heavy(conn: Conn) -> None:
+            assert conn.call("DELETE", "/reservations/nowhere", body)[0] == 404
+
+        return measure(port, heavy, opts.seconds)
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+TRICKLER = """
+import socket, sys, threading
+def trickle(conn):
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\\r\\ntransfer-encoding: chunked\\r\\n\\r\\n")
+        while True:
+            conn.sendall(b"1\\r\\n#\\r\\n")
+    except OSError:
+        conn.close()
+listener = socket.socket()
+listener.bind(("127.0.0.1", 0))
+listener.listen(128)
+print(listener.getsockname()[1], flush=True)
+while True:
+    threading.Thread(target=trickle, args=(listener.accept()[0],), daemon=True).start()
+"""
+
+
+def scenario_trickle_scrape(opts: argparse.Namespace) -> dict[str, float]:
+    """16 workers whose `metrics_endpoint` answers in 1-byte chunks as fast as it can (a process of
+    its own, so that its threads do not slow this one's probe), scraped every second (each scrape
+    ends at its 2 s deadline or its size cap)."""
+    trickler = subprocess.Popen([sys.executable, "-c", TRICKLER], stdout=subprocess.PIPE, text=True)
+    assert trickler.stdout is not None
+    endpoint = f"http://127.0.0.1:{int(trickler.stdout.readline())}/metrics"
+    proc, port = start(["--engine-metrics-interval-secs", "1"])
+    try:
+        conn = Conn(port)
+        for wid in range(1, 17):
+            assert conn.call("POST", "/workers", json.dumps(worker(wid, metrics_endpoint=endpoint)).encode())[0] == 201
+        return measure(port, lambda conn: time.sleep(0.05), opts.seconds)
+    finally:
+        trickler.kill()
+        trickler.wait()
+        proc.terminate()
+        proc.wait()
+
+
 def scenario_post_events(opts: argparse.Namespace) -> dict[str, float]:
     """The same 8 MB of events as one `POST /kv_events` (not sliced: see docs/INVARIANTS.md)."""
     proc, port = start([])
@@ -360,7 +427,8 @@ def scenario_snapshot(opts: argparse.Namespace) -> dict[str, float]:
 SCENARIOS = {"ws_events": scenario_ws_events, "ws_flood": scenario_ws_flood, "picker_echo": scenario_picker_echo, "delete_bookings": scenario_delete_bookings,
              "ready": scenario_ready, "select_1m": scenario_select_1m,
              "select_booked": scenario_select_booked, "post_events": scenario_post_events,
-             "snapshot": scenario_snapshot}
+             "snapshot": scenario_snapshot, "idle": scenario_idle, "free_bodies": scenario_free_bodies,
+             "trickle_scrape": scenario_trickle_scrape}
 
 
 def main() -> None:
