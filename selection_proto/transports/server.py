@@ -172,10 +172,8 @@ class _Server:
         await accept_forever(listener.accept, accepted, failed, "http")
 
     def connections_open(self) -> int:
-        """HTTP connections (WebSocket sessions and TLS handshakes included) and the picker's:
-        what `connection_budget` bounds together."""
-        picker = self.ext_proc.admitted if self.ext_proc is not None else 0
-        return len(self.connections) + self.ws_count + self.handshakes + picker
+        """HTTP's (WebSockets, TLS handshakes) and the picker's: what `connection_budget` bounds."""
+        return len(self.connections) + self.ws_count + self.handshakes + (self.ext_proc.admitted if self.ext_proc else 0)
 
     async def send(self, stream: anyio.abc.ByteStream, data: bytes) -> None:
         """A send that does not complete within request_timeout_secs aborts the connection."""
