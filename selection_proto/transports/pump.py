@@ -83,8 +83,13 @@ async def http_get(url: str, limit: int) -> bytes:
 
 
 def _answer_body(fetch: Fetch, answer: bytearray) -> bytes:
-    """The body of a whole answer (the peer has closed), read in a worker thread."""
-    fetch.receive_data(bytes(answer))
+    """The body of a whole answer (the peer has closed), read in a worker thread, 1 MiB at a
+    time: a peer's large `/dump` is not copied whole once more."""
+    with memoryview(answer) as view:
+        for start in range(0, len(view), 1 << 20):
+            fetch.receive_data(bytes(view[start:start + (1 << 20)]))
+            if fetch.done:
+                break
     if not fetch.done:
         fetch.receive_data(b"")  # raises: the answer was cut short
     return fetch.body
