@@ -2,7 +2,9 @@
 another connection sends, over and over, one of the heaviest requests a client may send
 (docs/INVARIANTS.md, "No single request stalls everyone"; goal: p99 under 50 ms).
 
-    python bench/stalls.py [--scenarios idle,picker_tokenize,picker_chat,select_nan,book_1m_push,book_1m_approx,ws_events,ws_flood,picker_echo,delete_bookings,ready,select_1m,select_booked,post_events,snapshot]
+    python bench/stalls.py [--scenarios idle,picker_tokenize,picker_chat,select_nan,book_1m_push,book_1m_approx,
+                            ws_events,ws_flood,picker_echo,delete_bookings,ready,select_1m,select_booked,
+                            post_events,snapshot,free_bodies,trickle_scrape]
         [--seconds 5] [--bookings 100000] [--workers 100000] [--blocks 200000]
 
 Each scenario starts its own `selection-proto serve --kv-events push` and prepares its state
@@ -250,6 +252,72 @@ def _picker(request: dict[str, Any], opts: argparse.Namespace, tokenizer: bool) 
         proc.wait()
 
 
+def scenario_idle(opts: argparse.Namespace) -> dict[str, float]:
+    """The baseline: nothing heavy, the other connection sleeps."""
+    proc, port = start([])
+    try:
+        return measure(port, lambda conn: time.sleep(0.05), opts.seconds)
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def scenario_free_bodies(opts: argparse.Namespace) -> dict[str, float]:
+    """`DELETE /reservations/{id}` of an unknown id, with the largest body a free takes (16 KiB,
+    docs/DECISIONS.md, "Bounds"; it was 8 MiB) ending in a NaN, which the standard library parses."""
+    proc, port = start([])
+    try:
+        body = b'{"cached_tokens": 1, "pad": "' + b"x" * (16 * 1024 - 50) + b'", "n": NaN}'
+
+        def heavy(conn: Conn) -> None:
+            assert conn.call("DELETE", "/reservations/nowhere", body)[0] == 404
+
+        return measure(port, heavy, opts.seconds)
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+TRICKLER = """
+import socket, sys, threading
+def trickle(conn):
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\\r\\ntransfer-encoding: chunked\\r\\n\\r\\n")
+        while True:
+            conn.sendall(b"1\\r\\n#\\r\\n")
+    except OSError:
+        conn.close()
+listener = socket.socket()
+listener.bind(("127.0.0.1", 0))
+listener.listen(128)
+print(listener.getsockname()[1], flush=True)
+while True:
+    threading.Thread(target=trickle, args=(listener.accept()[0],), daemon=True).start()
+"""
+
+
+def scenario_trickle_scrape(opts: argparse.Namespace) -> dict[str, float]:
+    """16 workers whose `metrics_endpoint` answers in 1-byte chunks as fast as it can (a process of
+    its own, so that its threads do not slow this one's probe), scraped every second (each scrape
+    ends at its 2 s deadline or its size cap)."""
+    trickler = subprocess.Popen([sys.executable, "-c", TRICKLER], stdout=subprocess.PIPE, text=True)
+    assert trickler.stdout is not None
+    endpoint = f"http://127.0.0.1:{int(trickler.stdout.readline())}/metrics"
+    proc, port = start(["--engine-metrics-interval-secs", "1"])
+    try:
+        conn = Conn(port)
+        for wid in range(1, 17):
+            assert conn.call("POST", "/workers", json.dumps(worker(wid, metrics_endpoint=endpoint)).encode())[0] == 201
+        return measure(port, lambda conn: time.sleep(0.05), opts.seconds)
+    finally:
+        trickler.kill()
+        trickler.wait()
+        proc.terminate()
+        proc.wait()
+
+
 def scenario_post_events(opts: argparse.Namespace) -> dict[str, float]:
     """The same 8 MB of events as one `POST /kv_events` (not sliced: see docs/INVARIANTS.md)."""
     proc, port = start([])
@@ -361,16 +429,6 @@ def _nine_huge_bookings(conn: Conn) -> None:
 scenario_select_1m = _select_million(_eight_workers)
 
 
-def scenario_idle(opts: argparse.Namespace) -> dict[str, float]:
-    """The baseline: `/health` while the other connection asks `/health` too."""
-    proc, port = start([])
-    try:
-        return measure(port, lambda conn: conn.call("GET", "/health"), opts.seconds)
-    finally:
-        proc.terminate()
-        proc.wait()
-
-
 def scenario_select_nan(opts: argparse.Namespace) -> dict[str, float]:
     """`POST /select` of 1,048,576 token ids ending in `NaN`: not JSON, so orjson refuses it and the
     error's text comes from another reader."""
@@ -447,11 +505,12 @@ def scenario_snapshot(opts: argparse.Namespace) -> dict[str, float]:
         os.rmdir(folder)
 
 
-SCENARIOS = {"idle": scenario_idle, "picker_tokenize": scenario_picker_tokenize, "picker_chat": scenario_picker_chat, "select_nan": scenario_select_nan, "book_1m_push": scenario_book_1m_push,
+SCENARIOS = {"picker_tokenize": scenario_picker_tokenize, "picker_chat": scenario_picker_chat, "select_nan": scenario_select_nan, "book_1m_push": scenario_book_1m_push,
              "book_1m_approx": scenario_book_1m_approx, "ws_events": scenario_ws_events, "ws_flood": scenario_ws_flood, "picker_echo": scenario_picker_echo, "delete_bookings": scenario_delete_bookings,
              "ready": scenario_ready, "select_1m": scenario_select_1m,
              "select_booked": scenario_select_booked, "post_events": scenario_post_events,
-             "snapshot": scenario_snapshot}
+             "snapshot": scenario_snapshot, "idle": scenario_idle, "free_bodies": scenario_free_bodies,
+             "trickle_scrape": scenario_trickle_scrape}
 
 
 def main() -> None:

@@ -323,9 +323,6 @@ def _auth_token(args: argparse.Namespace, env: Mapping[str, str]) -> bytes | Non
     return token
 
 
-FD_HEADROOM: Final = 64  # descriptors beside connections and subscriptions: listener, logs, ledger, pipes
-
-
 def _fit_descriptors(settings: Settings, connections: int) -> Settings:
     """Subscriptions and connections must fit the process's descriptors, with room for accepts:
     the soft RLIMIT_NOFILE is raised to the hard one, and `max_subscriptions` lowered (with a
@@ -335,6 +332,8 @@ def _fit_descriptors(settings: Settings, connections: int) -> Settings:
         import resource
     except ImportError:  # pragma: no cover - not on Linux or macOS
         return settings
+    from .transports.accepting import FD_HEADROOM
+
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or hard > soft:
         try:
@@ -405,11 +404,15 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
     peers = transport_value(args, env, "indexer_peers", TRANSPORT["indexer_peers"], str)
     if ledger is not None and not peers and not service.catalog:
+        from .transports.config import advertised_url
         from .transports.ledger import registry_peers
 
         # A replica starts warm: its index from a live peer's /dump; its catalog and bookings
-        # come from the ledger.
-        peers = ",".join(registry_peers(ledger.url, ledger.scope))
+        # come from the ledger. Not from its own address: the processes of `--processes` share
+        # one, and a /dump asked there may reach the asker, which takes no connection until it has
+        # joined the ledger (a 10 s stall, then catalog writes refused 503). Nor a crashed run's.
+        own = advertised_url(host, port, config.tls is not None, ledger.advertise_url)
+        peers = ",".join(peer for peer in registry_peers(ledger.url, ledger.scope) if peer != own)
     if peers:
         from .transports.peers import recover_from_peers
 

@@ -1180,7 +1180,7 @@ def test_the_pickers_loop_streams_read_ahead_a_bounded_amount_and_end_cleanly(ba
             done.set()
 
         async with anyio.create_task_group() as group:
-            group.start_soon(listener.serve, handler)
+            group.start_soon(listener.serve, handler, lambda exc: None, lambda: True, lambda: None)
             client = await anyio.connect_tcp("127.0.0.1", listener.port)
 
             async def push() -> None:

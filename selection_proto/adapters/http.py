@@ -19,7 +19,16 @@ from wsproto import WSConnection
 
 from ..core.metrics import LIMIT_REJECTIONS, REQUEST_DURATION
 from ..core.responses import Pending
-from ..core.routes import MAX_BODY, MSGPACK_TYPES, ParsedBody, is_json, match, media_type, route_of
+from ..core.routes import (
+    MAX_BODY,
+    MSGPACK_TYPES,
+    ParsedBody,
+    body_limit,
+    is_json,
+    match,
+    media_type,
+    route_of,
+)
 from ..core.service import SelectionService
 from ..core.wire import Response, error_response
 from .inflight import InFlight
@@ -114,6 +123,7 @@ class HttpConnection:
         self._request: h11.Request | None = None
         self._body: list[bytes] = []
         self._body_len = 0
+        self._max_body = MAX_BODY  # the request's route's (`body_limit`), once its head has come
         self._in_flight = in_flight
         self._held = 0  # body bytes held in `in_flight`
         self.pending_ticket: int | None = None
@@ -196,7 +206,7 @@ class HttpConnection:
                 self._begin(event)
             elif isinstance(event, h11.Data):
                 self._body_len += len(event.data)
-                if self._body_len > MAX_BODY:
+                if self._body_len > self._max_body:
                     self._refuse_body()
                     return
                 if self._in_flight is not None:
@@ -226,6 +236,8 @@ class HttpConnection:
                           close=True)
             return
         path = request.target.split(b"?", 1)[0]
+        # A free's or a prefill mark's body is refused past a few KiB before it is read.
+        self._max_body = body_limit(request.method.decode("ascii", "replace"), path.decode("ascii", "replace"))
         if self._auth is not None and path not in OPEN_PATHS:
             given = next((v for n, v in request.headers if n == b"authorization"), b"")
             if not (hmac.compare_digest(given, self._auth) or self._basic_auth(given)):
@@ -244,7 +256,7 @@ class HttpConnection:
             return
         for name, value in request.headers:
             # h11 has checked the digits; a declared length of any size is compared as text first.
-            if name == b"content-length" and (len(value.lstrip(b"0")) > 19 or int(value) > MAX_BODY):
+            if name == b"content-length" and (len(value.lstrip(b"0")) > 19 or int(value) > self._max_body):
                 self._refuse_body()
                 return
             if name == b"content-length" and self._in_flight is not None and not self._in_flight.fits(int(value)):

@@ -124,11 +124,14 @@ def _raise_template_error(message: str) -> None:
 def _load(body: bytes) -> Any:
     """orjson, the cyclic collector paused for a big body: it holds the GIL a fraction of the
     stdlib's time, which matters in a worker thread beside the event loop. What it refuses (a lone
-    surrogate, a number out of range, deep nesting) the stdlib reads as before."""
+    surrogate, a number out of range, deep nesting) the stdlib reads as before, from UTF-8 only:
+    given bytes, it would read UTF-16 and UTF-32 too, which JSON between systems is not."""
     try:
         return jsonio.loads(body)
     except jsonio.JSONSyntaxError:
-        return json.loads(body)
+        if (wide := jsonio.wide_encoding(body)) is not None:
+            raise ValueError(f"the body is {wide}; JSON must be UTF-8") from None
+        return json.loads(body.decode("utf-8"))  # (a UnicodeDecodeError is a ValueError)
 
 
 def parse_request(body: bytes, tokenizers: Mapping[str, ChatTokenizer]) -> RoutingPrompt:

@@ -170,12 +170,17 @@ class FlowQueue:
     clock a fairness ID that starts waiting again may begin, if it used less than its share
     meanwhile (0: none, every flow begins at the clock)."""
 
-    __slots__ = ("_classes", "_tier_clocks", "_tickets", "_weights", "_promote", "_counts", "_burst")
+    __slots__ = ("_classes", "_tier_clocks", "_tier_classes", "_tickets", "_weights", "_promote", "_counts",
+                 "_burst")
 
     def __init__(self, weights: Mapping[str, float] | None = None, promote_secs: float | None = None,
                  burst_tokens: int = 0) -> None:
         self._classes: dict[tuple[int, str], _Class] = {}
+        # Per tier with a class waiting, and only then: a tier's clock matters to classes that join
+        # it while others wait, so an empty tier forgets it, and the memory is what is queued
+        # (a client naming a new priority each time kept an entry per value for ever).
         self._tier_clocks: dict[int, float] = {}
+        self._tier_classes: dict[int, int] = {}  # tier -> its classes waiting
         self._tickets: dict[int, QueuedSelection] = {}
         self._weights = dict(weights or {"default": 1.0})
         self._promote = promote_secs
@@ -208,6 +213,7 @@ class FlowQueue:
         cls = self._classes.get((tier, name))
         if cls is None:  # a class that starts waiting begins at its tier's clock: no credit banked
             cls = self._classes[(tier, name)] = _Class(self._tier_clocks.get(tier, 0.0))
+            self._tier_classes[tier] = self._tier_classes.get(tier, 0) + 1
         flow = cls.flows.get(fid)
         if flow is None:
             # It begins at the clock; with a burst allowance, up to that far before it, but never
@@ -234,6 +240,10 @@ class FlowQueue:
             del cls.flows[fid]
             if not cls.flows:  # nobody waits: nobody is owed anything, the class starts afresh
                 del self._classes[(tier, name)]
+                self._tier_classes[tier] -= 1
+                if not self._tier_classes[tier]:  # no class waits in the tier: nobody to compare with
+                    del self._tier_classes[tier]
+                    self._tier_clocks.pop(tier, None)
             elif self._burst:
                 self._remember(cls, fid, flow.vtime)
         return True
@@ -270,6 +280,8 @@ class FlowQueue:
     def take_all(self) -> list[QueuedSelection]:
         entries = list(self)
         self._classes.clear()
+        self._tier_clocks.clear()
+        self._tier_classes.clear()
         self._tickets.clear()
         self._counts.clear()
         return entries
@@ -311,6 +323,13 @@ class FlowQueue:
                 if best is None or rank < best:
                     best, chosen = rank, head
         return chosen
+
+    def footprint(self) -> int:
+        """Entries the queue keeps, of every kind (tickets, classes, flows, tiers, counts): bounded
+        by what waits, whatever has waited before (tests read it)."""
+        flows = sum(len(cls.flows) for cls in self._classes.values())
+        return (len(self._tickets) + len(self._classes) + flows + len(self._tier_clocks) + len(self._tier_classes)
+                + len(self._counts))
 
     def work_ahead(self, lane: Lane) -> int:
         """Uncached tokens that run before a request joining `lane` would, were every lane to keep

@@ -22,10 +22,12 @@ from .errors import (
     MethodNotAllowed,
     NotFound,
     SelectionError,
+    ShapeError,
     TooManyRequests,
     UnsupportedMediaType,
 )
 from .events import decode_json_events
+from .metrics import IGNORED_VALUES
 from .prompt import prehash
 from .readouts import with_verdict
 from .responses import Pending, SelectResponse
@@ -188,9 +190,9 @@ def _dispatch(service: Service, method: str, matched: tuple[str, str | None] | N
     verb = "GET" if head else method
     if verb not in methods:
         raise MethodNotAllowed(methods)
-    service.limits.body_size(body.size if isinstance(body, ParsedBody) else len(body), MAX_BODY)
     route = route_of(verb, template)
     assert route is not None
+    service.limits.body_size(body.size if isinstance(body, ParsedBody) else len(body), route.max_body)
     if route.body:
         media = media_type(headers)
         if media in MSGPACK_TYPES and isinstance(body, bytes):
@@ -348,10 +350,11 @@ def _h_reserve(service: Service, param: str | None, query: str, body: Body, now:
     return _ok(service.reserve(req, now=now), 201)
 
 
-def _observed_cached_tokens(body: Body) -> int | None:
+def _observed_cached_tokens(body: Body, warnings: list[str]) -> int | None:
     """`cached_tokens` an engine reported, carried by a prefill_complete or a free. These routes
-    ignore their body as 1.6.1 does, unless it is a JSON object with that member: then the member
-    must be a u64 (422 otherwise)."""
+    ignore their body as 1.6.1 does, unless it is a JSON object with that member. A member that is
+    not a u64 (-1, 5.0, true, "5") is ignored too, with a line in `warnings`: a free must free, and
+    a prefill mark must land, whatever a client adds (docs/DECISIONS.md, "Bounds")."""
     if isinstance(body, ParsedBody):
         value = body.value
     elif not body.strip():
@@ -363,23 +366,37 @@ def _observed_cached_tokens(body: Body) -> int | None:
             return None
     if not isinstance(value, dict) or "cached_tokens" not in value:
         return None
-    return _decode(body, lambda v, ctx: from_json(ObservedCache, v, "", ctx)).cached_tokens
+    try:
+        return _decode(body, lambda v, ctx: from_json(ObservedCache, v, "", ctx)).cached_tokens
+    except ShapeError as exc:
+        warnings.append(f"cached_tokens ignored: {exc.detail}")
+        return None
+
+
+def _booking_done(service: Service, warnings: list[str]) -> Response:
+    """`{"status": "ok"}`, with `warnings` when part of the body was ignored (counted)."""
+    if not warnings:
+        return _ok(service.health())
+    service.metrics.inc(IGNORED_VALUES, ("cached_tokens",))
+    return json_response(200, {**service.health().to_json(), "warnings": warnings})
 
 
 def _h_prefill(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
     rid = _reservation_id(param or "")
     params = parse_query(query, KEY_QUERY)
+    warnings: list[str] = []
     service.prefill_complete(rid, model_name=params.get("model_name"), tenant_id=params.get("tenant_id"),
-                             cached_tokens=_observed_cached_tokens(body), now=now)
-    return _ok(service.health())
+                             cached_tokens=_observed_cached_tokens(body, warnings), now=now)
+    return _booking_done(service, warnings)
 
 
 def _h_free(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
     rid = _reservation_id(param or "")
     params = parse_query(query, KEY_QUERY)
+    warnings: list[str] = []
     service.free(rid, model_name=params.get("model_name"), tenant_id=params.get("tenant_id"),
-                 cached_tokens=_observed_cached_tokens(body), now=now)
-    return _ok(service.health())
+                 cached_tokens=_observed_cached_tokens(body, warnings), now=now)
+    return _booking_done(service, warnings)
 
 
 def _h_output_block(service: Service, param: str | None, query: str, body: Body,

@@ -24,7 +24,7 @@ try:  # pragma: no cover - exercised by whichever is installed
 except ImportError:  # pragma: no cover
     _orjson = None
 
-__all__ = ["gc_paused", "loads_array_stepwise", "parse_large", "LONE_SURROGATE", "MAX_DEPTH", "MAX_INT_DIGITS", "JSONSyntaxError", "dumps", "loads", "loads_exact", "loads_own", "loads_with_hints", "FAST_PARSER"]
+__all__ = ["gc_paused", "wide_encoding", "loads_array_stepwise", "parse_large", "LONE_SURROGATE", "MAX_DEPTH", "MAX_INT_DIGITS", "JSONSyntaxError", "dumps", "loads", "loads_exact", "loads_own", "loads_with_hints", "FAST_PARSER"]
 
 FAST_PARSER = _orjson is not None
 
@@ -104,6 +104,8 @@ def _too_deep(value: Any) -> bool:
 
 
 def _stdlib_loads(data: bytes | str) -> Any:
+    if isinstance(data, (bytes, bytearray)) and (wide := wide_encoding(bytes(data[:4]))) is not None:
+        raise JSONSyntaxError(f"the body is {wide}; JSON must be UTF-8")
     try:
         text = data.decode("utf-8") if isinstance(data, (bytes, bytearray, memoryview)) else data
     except UnicodeDecodeError as exc:
@@ -314,6 +316,19 @@ def _parse(data: bytes | str) -> Any:
             if "surrogate" in text and "utf-8" not in text:  # (orjson says "surrogates" of bad UTF-8 too)
                 raise JSONSyntaxError(LONE_SURROGATE) from None
     return _stdlib_loads(data)
+
+
+def wide_encoding(data: bytes) -> str | None:
+    """The name of a UTF-16 or UTF-32 encoding `data` looks written in (a byte order mark, or the
+    NULs of RFC 4627 §3 in its first four bytes), else None: the standard library would read it,
+    and JSON between systems is UTF-8 (RFC 8259 §8.1)."""
+    head = data[:4]
+    if head in (b"\x00\x00\xfe\xff", b"\xff\xfe\x00\x00") or (len(head) == 4 and head[:3] == b"\x00\x00\x00") \
+            or (len(head) == 4 and head[1:] == b"\x00\x00\x00"):
+        return "UTF-32"
+    if head[:2] in (b"\xfe\xff", b"\xff\xfe") or (len(head) >= 2 and b"\x00" in head[:2]):
+        return "UTF-16"
+    return None
 
 
 if _orjson is not None:

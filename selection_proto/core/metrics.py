@@ -12,6 +12,7 @@ __all__ = [
     "CONNECTIONS",
     "EXT_PROC_STREAMS",
     "FAMILIES",
+    "IGNORED_VALUES",
     "INTERNAL_ERRORS",
     "JSONRPC_MESSAGES",
     "LIMIT_REJECTIONS",
@@ -43,6 +44,7 @@ _WORKER_LABELS: Final = ("model_name", "tenant_id", "worker_id")
 
 # The families reported from outside the core, by name.
 LIMIT_REJECTIONS: Final = "selection_proto_limit_rejections_total"
+IGNORED_VALUES: Final = "selection_proto_ignored_values_total"
 INTERNAL_ERRORS: Final = "selection_proto_internal_errors_total"
 REQUEST_DURATION: Final = "selection_proto_request_duration_seconds"
 CONNECTIONS: Final = "selection_proto_connections"
@@ -134,6 +136,8 @@ FAMILIES: Final[Mapping[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]
     "selection_proto_session_bindings": ("gauge", "Session-affinity bindings, live or awaiting expiry.",
                                          ("model_name", "tenant_id"), ()),
     LIMIT_REJECTIONS: ("counter", "Requests refused by a limit.", ("limit",), ()),
+    IGNORED_VALUES: ("counter", "Request members ignored for a bad value, the request served without them.",
+                     ("member",), ()),
     INTERNAL_ERRORS: (
         "counter", "Unexpected exceptions confined to one request, connection, stream or task.",
         ("where",), ()),

@@ -21,9 +21,12 @@ from .types import (
 )
 
 __all__ = ["EVENT_QUERY", "KEY_QUERY", "MAX_BODY", "PUSH_QUERY", "ROUTES", "Route", "ParsedBody",
-           "MSGPACK_TYPES", "allowed_methods", "is_json", "match", "media_type", "path_parameter", "route_of"]
+           "MSGPACK_TYPES", "SMALL_BODY", "allowed_methods", "body_limit", "is_json", "match", "media_type", "path_parameter", "route_of"]
 
 MAX_BODY: Final = 8 * 1024 * 1024
+# What a free or a prefill_complete carries is `cached_tokens` at most: a body past this is refused
+# 413 before it is read or parsed (docs/DECISIONS.md, "Bounds").
+SMALL_BODY: Final = 16 * 1024
 KEY_QUERY: Final = ("model_name", "tenant_id", "routing_group")
 EVENT_QUERY: Final = ("worker_id", "dp_rank", *KEY_QUERY)
 PUSH_QUERY: Final = (*EVENT_QUERY, "framing", "ack", "resume")
@@ -40,6 +43,7 @@ class Route(NamedTuple):
     rpc: str | None  # the JSON-RPC method name (transports.md §6.3)
     summary: str = ""  # one line for the OpenAPI document
     prompt: bool = False  # its body carries a prompt to hash (`prepare_large_body` hashes it ahead)
+    max_body: int = MAX_BODY  # the largest body it takes (413 past it)
 
 
 _WRITE: Final = (400, 413, 415, 422)
@@ -75,11 +79,11 @@ ROUTES: Final[tuple[Route, ...]] = (
     Route("POST", "/reservations", "reserve", True, ReservationRequest, (),
           (201, 400, 404, 409, 413, 415, 422, 429, 503), "reservations.create", "Book on a given worker, or book a pending selection.", prompt=True),
     Route("POST", "/reservations/{reservation_id}/prefill_complete", "prefill_complete", False, None, KEY_QUERY,
-          (200, 400, 404), "reservations.prefill_complete", "A booking's prefill is done."),
+          (200, 400, 404, 413), "reservations.prefill_complete", "A booking's prefill is done.", max_body=SMALL_BODY),
     Route("POST", "/reservations/{reservation_id}/output_block", "output_block", True, OutputBlockRequest, (),
           (200, 400, 404, 413, 415, 422), "reservations.output_block", "One more decode block for a booking."),
-    Route("DELETE", "/reservations/{reservation_id}", "free", False, None, KEY_QUERY, (200, 400, 404),
-          "reservations.free", "End a booking."),
+    Route("DELETE", "/reservations/{reservation_id}", "free", False, None, KEY_QUERY, (200, 400, 404, 413),
+          "reservations.free", "End a booking.", max_body=SMALL_BODY),
     Route("GET", "/loads", "loads", False, None, KEY_QUERY, (200, 400), "loads", "Each key's per-rank load and queue."),
     Route("POST", "/potential_loads", "potential_loads", True, PotentialLoadsRequest, (),
           (200, 400, 413, 415, 422, 503), "potential_loads", "What each rank's load would be with a prompt.",
@@ -125,6 +129,14 @@ def is_json(media: str | None) -> bool:
 
 def route_of(method: str, template: str) -> Route | None:
     return _BY_KEY.get((method, template))
+
+
+def body_limit(method: str, path: str) -> int:
+    """The largest body the request's route takes, known from its head (MAX_BODY when the route
+    is unknown: that answer comes later)."""
+    matched = match(path)
+    route = None if matched is None else route_of(method, matched[0])
+    return MAX_BODY if route is None else route.max_body
 
 
 def allowed_methods(template: str) -> tuple[str, ...]:

@@ -9,7 +9,17 @@ from typing import Any
 
 import attrs
 
-__all__ = ["ExtProcOptions", "LedgerOptions", "ServerConfig"]
+__all__ = ["ExtProcOptions", "LedgerOptions", "ServerConfig", "advertised_url"]
+
+
+def advertised_url(host: str, port: int, tls: bool, advertise_url: str | None) -> str | None:
+    """Where peers reach this replica for `/dump` (the ledger's registry): `--advertise-url`, else
+    the listening address (None on a wildcard address: no peer could use it)."""
+    if advertise_url is not None:
+        return advertise_url
+    if host in ("0.0.0.0", "::", ""):  # noqa: S104 - compared, not bound
+        return None
+    return f"{'https' if tls else 'http'}://{f'[{host}]' if ':' in host else host}:{port}"
 
 
 @attrs.frozen

@@ -1,59 +1,47 @@
 """The endpoint picker's gRPC server: Envoy's `ExternalProcessor` service and gRPC health, over
 HTTP/2 on anyio in `serve`'s own event loop (`adapters.grpc` frames the calls), so that it shares
 the HTTP API's service, queue and ledger (docs/GATEWAY.md). Each `Process` call is an
-`adapters.ext_proc.ExtProcStream`; this module only moves bytes and messages, and waits for queued
-selections."""
+`adapters.ext_proc.ExtProcStream` (what each call does: transports/ext_proc_calls.py); this module
+accepts and closes connections, moves bytes and messages, and waits for queued selections."""
 
 from __future__ import annotations
 
-import hmac
 import json
 import os
 import ssl
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
-from functools import partial
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 import anyio.abc
 from anyio.streams.tls import TLSStream
 
 from ..adapters.grpc import CallEnded, CallReset, CallStarted, GrpcServer, Message, Status, WindowOpened
-from ..core.metrics import LIMIT_REJECTIONS
+from ..core.metrics import INTERNAL_ERRORS, LIMIT_REJECTIONS
+from .accepting import Throttled, accept_forever
+from .ext_proc_calls import (
+    CHECK_PATH,
+    PROCESS_PATH,
+    SERVICE_NAME,
+    Handler,
+    HealthHandler,
+    Host,
+    Picker,
+    ProcessHandler,
+    bearer_matches,
+)
 from .logs import log
 from .loop_stream import LoopListener, on_asyncio
 
 if TYPE_CHECKING:
-    from ..adapters.ext_proc import ExtProcStream
-    from ..adapters.inflight import InFlight
     from ..adapters.openai import ChatTokenizer
-    from ..core.service import SelectionService
-    from ..core.wire import Response
-    from .config import ExtProcOptions, ServerConfig
+    from .config import ExtProcOptions
 
 __all__ = ["SERVICE_NAME", "ExtProcServer", "Host", "load_tokenizers"]
 
-SERVICE_NAME: Final = "envoy.service.ext_proc.v3.ExternalProcessor"
-PROCESS_PATH: Final = f"/{SERVICE_NAME}/Process"
-CHECK_PATH: Final = "/grpc.health.v1.Health/Check"
-HEALTH_NAMES: Final = ("", SERVICE_NAME, "liveness", "readiness")
 MAX_MESSAGE_BYTES: Final = 16 << 20  # a chunk is at most Envoy's buffer; room for a whole 8 MiB body
-INLINE_BODY_BYTES: Final = 64 * 1024  # ~10k token ids, or 64 KB of text: a few ms at most
 _GONE: Final = (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStream, OSError, ssl.SSLError)
-
-
-class Host(Protocol):
-    """What the picker needs of the HTTP server it runs beside (server.py): the service, its
-    settings and clock, the shared byte budget, and where queued answers are delivered."""
-
-    service: SelectionService
-    config: ServerConfig
-    clock: Callable[[], float]
-    in_flight: InFlight
-    resolvers: dict[int, Callable[[Response], None]]
-
-    async def pump(self, wake_timer: bool = True) -> None: ...
 
 
 def load_tokenizers(pairs: tuple[tuple[str, str], ...]) -> dict[str, ChatTokenizer]:
@@ -85,11 +73,13 @@ class ExtProcServer:
 
     def __init__(self, server: Host, options: ExtProcOptions) -> None:
         self.server, self.options = server, options
-        self.picker = _Picker(server, options.tokenizers)
+        self.picker = Picker(server, options.tokenizers)
         self.connections: set[_Connection] = set()
         self.serving = True
         self.tls: ssl.SSLContext | None = None
         self.listener: anyio.abc.Listener[anyio.abc.SocketStream] | LoopListener | None = None
+        self.refused = Throttled("ext_proc_connections_refused")
+        self.admitted = 0  # connections accepted and not closed yet (in a TLS handshake, or served)
 
     async def start(self) -> None:
         options = self.options
@@ -116,13 +106,25 @@ class ExtProcServer:
         log("info", "ext_proc_listening", url=f"{scheme}://{host}:{port}", tokenizers=sorted(options.tokenizers))
 
     async def run(self) -> None:
-        """Accept and serve until cancelled."""
-        assert self.listener is not None
-        if isinstance(self.listener, LoopListener):
-            await self.listener.serve(self._connection)
+        """Accept and serve until cancelled, backing off while descriptors run out."""
+        listener = self.listener
+        assert listener is not None
+
+        def failed(exc: OSError) -> None:
+            self.server.service.observe(INTERNAL_ERRORS, ("accept",), 1.0)
+
+        if isinstance(listener, LoopListener):
+            await listener.serve(self._connection, failed, self.admit, self.release)
             return
-        async with self.listener:
-            await self.listener.serve(self._connection)
+        async with listener, anyio.create_task_group() as group:
+            def accepted(stream: anyio.abc.SocketStream) -> None:
+                if self.admit():
+                    group.start_soon(self._connection, stream)
+                else:
+                    group.start_soon(anyio.aclose_forcefully, stream)
+
+            for one in getattr(listener, "listeners", [listener]):
+                group.start_soon(accept_forever, one.accept, accepted, failed, "ext_proc")
 
     async def drain(self, timeout: float) -> None:
         """Health says NOT_SERVING, no new calls are taken (GOAWAY), and those under way have
@@ -135,12 +137,34 @@ class ExtProcServer:
             while any(conn.wire.calls for conn in self.connections):
                 await anyio.sleep(0.01)
 
+    def admit(self) -> bool:
+        """Whether a connection just accepted may stay (else it is closed at once, before anything
+        is read or allocated for it). The picker's connections share the descriptors left for
+        connections with the HTTP API's, and take at most half of them, so that a flood of either
+        leaves the other room (docs/DECISIONS.md, "Bounds"). Once admitted, `release` follows."""
+        server = self.server
+        config, budget = server.config, server.connection_budget
+        if self.admitted >= config.max_connections or self.admitted >= budget / 2 \
+                or server.connections_open() >= budget:
+            server.service.observe(LIMIT_REJECTIONS, ("ext_proc_connections",), 1.0)
+            self.refused(open=self.admitted, max_connections=config.max_connections, descriptor_budget=budget)
+            return False
+        self.admitted += 1
+        return True
+
+    def release(self) -> None:
+        """An admitted connection is closed."""
+        self.admitted -= 1
+
     async def _connection(self, stream: anyio.abc.ByteStream) -> None:
+        """Serve one admitted connection until it ends, then `release` it."""
+        try:
+            await self._serve_connection(stream)
+        finally:
+            self.release()
+
+    async def _serve_connection(self, stream: anyio.abc.ByteStream) -> None:
         config = self.server.config
-        if len(self.connections) >= config.max_connections:
-            self.server.service.observe(LIMIT_REJECTIONS, ("ext_proc_connections",), 1.0)
-            await anyio.aclose_forcefully(stream)
-            return
         conn = _Connection(self, stream)
         self.connections.add(conn)
         try:
@@ -178,6 +202,8 @@ class _Connection:
         self.outbox = bytearray()
         self.writing = False
         self.group: anyio.abc.TaskGroup | None = None
+        self.opened = self.last_heard = owner.server.clock()
+        self.authenticated = owner.server.config.auth_token is None  # a call has carried the token
 
     async def flush(self) -> None:
         """Write what the wire has to say. One writer at a time, without a lock (its cost was a
@@ -203,11 +229,12 @@ class _Connection:
                 try:
                     await self.flush()  # our SETTINGS
                     while not self.wire.closed:
-                        data = await self._receive(server.config.request_timeout_secs)
+                        data = await self._receive()
                         if data is None:
                             continue  # a deadline passed: `_receive` answered it
                         if not data:
                             break
+                        self.last_heard = server.clock()
                         for event in self.wire.receive(data):
                             self._dispatch(event)
                         await self.flush()
@@ -221,20 +248,40 @@ class _Connection:
                 self._end(call, None)
             await server.pump()  # what their ends freed may start queued selections
 
-    async def _receive(self, timeout: float) -> bytes | None:
-        """The peer's next bytes (b"" once it has gone); None when a body's deadline passed first.
-        A peer that never says a word frees its slot in `timeout`."""
+    def _closing_time(self) -> tuple[float, str | None]:
+        """When this connection is closed unless the peer does something first, and the limit
+        that closes it (None: it idled). A peer must send its preface and SETTINGS, and, with
+        `--auth-token-file`, start a call carrying the token, within `--keep-alive-timeout-secs` of
+        connecting; a connection with no call open closes after as long without a byte
+        (docs/GATEWAY.md, "Transport"): a slot is never held by a peer that only connected, and one
+        whose last call ended closes within twice that."""
+        timeout = self.owner.server.config.keep_alive_timeout_secs
         if not self.wire.started:
-            with anyio.move_on_after(timeout):
-                return await self.stream.receive()
-            return b""
+            return self.opened + timeout, "ext_proc_handshake"
+        if not self.authenticated:
+            return self.opened + timeout, "ext_proc_unauthenticated"
+        if self.calls or self.wire.calls:  # looked at again then: a call may end in a task of its own
+            return self.owner.server.clock() + timeout, None
+        return self.last_heard + timeout, None
+
+    async def _receive(self) -> bytes | None:
+        """The peer's next bytes (b"" once it has gone, or once this side closes the connection);
+        None when a body's deadline passed first."""
+        clock = self.owner.server.clock
         while self.deadlines and not self.deadlines[0][1].handler.may_await_body:
             self.deadlines.popleft()
-        if not self.deadlines:  # a known peer may idle
+        closing, limit = self._closing_time()
+        body_deadline = self.deadlines[0][0] if self.deadlines else float("inf")
+        with anyio.move_on_after(min(closing, body_deadline) - clock()):
             return await self.stream.receive()
-        with anyio.move_on_after(self.deadlines[0][0] - self.owner.server.clock()):
-            return await self.stream.receive()
-        now = self.owner.server.clock()
+        now = clock()
+        closing, limit = self._closing_time()  # (what the deadline's wait spanned may have moved it)
+        if now >= closing:
+            if limit is not None:
+                self.owner.server.service.observe(LIMIT_REJECTIONS, (limit,), 1.0)
+            self.wire.go_away()  # no call is lost: those under way (an unauthenticated one's) end with it
+            await self.flush()
+            return b""
         while self.deadlines and self.deadlines[0][0] <= now:
             call = self.deadlines.popleft()[1]
             if call.handler.awaiting_body:  # one whose headers come later is checked then (`_advance`)
@@ -251,11 +298,14 @@ class _Connection:
             return
         if isinstance(event, CallStarted):
             owner = self.owner
-            handler: _Handler
+            token = owner.server.config.auth_token
+            if not self.authenticated and token is not None and bearer_matches(event.metadata, token):
+                self.authenticated = True
+            handler: Handler
             if event.path == PROCESS_PATH:
-                handler = _ProcessHandler(owner.picker, event.metadata)
+                handler = ProcessHandler(owner.picker, event.metadata)
             elif event.path == CHECK_PATH:
-                handler = _HealthHandler(owner.serving)
+                handler = HealthHandler(owner.serving)
             else:
                 self.wire.finish(event.stream_id, Status.UNIMPLEMENTED, f"unknown method {event.path}")
                 return
@@ -345,199 +395,9 @@ class _Call:
 
     __slots__ = ("stream_id", "handler", "inbox", "ended", "stale", "task")
 
-    def __init__(self, stream_id: int, handler: _Handler) -> None:
+    def __init__(self, stream_id: int, handler: Handler) -> None:
         self.stream_id, self.handler = stream_id, handler
         self.inbox: deque[Message] = deque()
         self.ended = False  # the peer sent its last message
         self.stale = False  # over: answered, or reset
         self.task: anyio.CancelScope | None = None  # set while it waits in a task of its own
-
-
-class _Handler:
-    """What a call does with its messages, without I/O: `message` takes one (returning a
-    coroutine function when it must wait for something first), `replies` says what to send,
-    `outcome` how the call ends once they are sent."""
-
-    outcome: tuple[int, str] | None = None
-    deadline = float("inf")
-    awaiting_body = False  # its request's headers came and its body is not whole: `deadline` applies
-    may_await_body = False  # ... or it may still come to that
-
-    def message(self, payload: bytes) -> Callable[[], Awaitable[None]] | None:
-        raise NotImplementedError
-
-    def replies(self) -> list[bytes]:
-        return []
-
-    def written(self) -> None:
-        """The replies taken so far are sent (or queued in the wire's window)."""
-
-    def ended(self) -> None:
-        """The peer has sent its last message."""
-        self.outcome = (Status.OK, "")
-
-    def expire(self) -> None:
-        """Its deadline passed while it waited for a body."""
-
-    def close(self) -> None:
-        """The call is over, however it ended."""
-
-
-class _HealthHandler(_Handler):
-    """`grpc.health.v1.Health/Check`: SERVING until the server drains."""
-
-    def __init__(self, serving: bool) -> None:
-        self.serving = serving
-        self.answer: list[bytes] = []
-
-    def message(self, payload: bytes) -> None:
-        from google.protobuf.message import DecodeError
-        from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
-
-        try:
-            name = HealthCheckRequest.FromString(payload).service
-        except DecodeError:
-            self.outcome = (Status.INVALID_ARGUMENT, "not a HealthCheckRequest")
-            return None
-        if name not in HEALTH_NAMES:
-            self.outcome = (Status.NOT_FOUND, f"unknown service {name!r}")
-            return None
-        status = HealthCheckResponse.SERVING if self.serving else HealthCheckResponse.NOT_SERVING
-        self.answer = [HealthCheckResponse(status=status).SerializeToString()]
-        self.outcome = (Status.OK, "")
-        return None
-
-    def replies(self) -> list[bytes]:
-        answer, self.answer = self.answer, []
-        return answer
-
-    def ended(self) -> None:
-        if self.outcome is None:
-            self.message(b"")  # no request message: the default service
-
-
-class _ProcessHandler(_Handler):
-    """`ExternalProcessor/Process`: one request through the gateway, an `ExtProcStream`."""
-
-    def __init__(self, picker: _Picker, metadata: Mapping[str, bytes]) -> None:
-        self.picker = picker
-        server = picker.server
-        self.stream: ExtProcStream | None = None
-        self.deadline = server.clock() + server.config.request_timeout_secs
-        token = server.config.auth_token
-        if token is not None and not _bearer_matches(metadata, token):
-            # --auth-token-file guards the picker as it guards the HTTP API: Envoy sends the token
-            # as gRPC metadata (`initial_metadata` of the ext_proc filter's grpc_service).
-            self.outcome = (Status.UNAUTHENTICATED, "missing or wrong bearer token")
-        elif picker.streams >= server.config.max_connections:
-            server.service.observe(LIMIT_REJECTIONS, ("ext_proc_streams",), 1.0)
-            self.outcome = (Status.RESOURCE_EXHAUSTED,
-                            f"too many streams: at most {server.config.max_connections} (--max-connections)")
-        else:
-            picker.streams += 1
-            self.stream = picker.stream_type(server.service, picker.tokenizers, in_flight=server.in_flight,
-                                        defer_parse=True)
-
-    @property
-    def awaiting_body(self) -> bool:  # type: ignore[override]
-        # A body that never completes would hold its bytes of the shared budget for ever: it has
-        # `--request-timeout-secs` from the stream's start, as an HTTP request has.
-        return self.stream is not None and self.stream.awaiting_body
-
-    @property
-    def may_await_body(self) -> bool:  # type: ignore[override]
-        return self.stream is not None and not self.stream.past_body
-
-    def message(self, payload: bytes) -> Callable[[], Awaitable[None]] | None:
-        picker, stream = self.picker, self.stream
-        server = picker.server
-        assert stream is not None
-        try:
-            message = picker.read_request(payload)
-        except picker.decode_error:
-            self.outcome = (Status.INVALID_ARGUMENT, "not a ProcessingRequest")
-            return None
-        now = server.clock()
-        stream.receive(message, now)
-        if stream.body_ready:
-            body = stream.take_body()
-            if len(body) > INLINE_BODY_BYTES:
-                return partial(self._prepare_off_loop, body)
-            # A small body is parsed, tokenized and hashed here (a thread's round trip is most of
-            # its cost); a large one off the loop, as HTTP's are.
-            stream.route_prepared(picker.prepare_body(body, picker.tokenizers, server.service.pools), now)
-        return self._wait if stream.pending_ticket is not None else None
-
-    async def _prepare_off_loop(self, body: bytes) -> None:
-        from ..core.routes import ParsedBody
-
-        picker, stream = self.picker, self.stream
-        server = picker.server
-        assert stream is not None
-        prepared = await anyio.to_thread.run_sync(picker.prepare_body, body, picker.tokenizers, server.service.pools)
-        stream.route_prepared(prepared, server.clock())
-        if isinstance(prepared, ParsedBody):
-            await anyio.to_thread.run_sync(prepared.release)
-        if stream.pending_ticket is not None:
-            await self._wait()
-
-    async def _wait(self) -> None:
-        """Until the queued selection is answered (`_Server._deliver` calls the resolver)."""
-        server, stream = self.picker.server, self.stream
-        assert stream is not None and stream.pending_ticket is not None
-        answered = anyio.Event()
-
-        def resolve(response: Response) -> None:
-            stream.resolve(response, server.clock())
-            answered.set()
-
-        server.resolvers[stream.pending_ticket] = resolve
-        await server.pump()
-        await answered.wait()
-
-    def replies(self) -> list[bytes]:
-        stream = self.stream
-        return [] if stream is None else [reply.SerializeToString() for reply in stream.replies()]
-
-    def written(self) -> None:
-        if self.stream is not None:
-            self.stream.replies_written()
-            if self.stream.finished and self.outcome is None:
-                self.outcome = (Status.OK, "")
-
-    def expire(self) -> None:
-        if self.stream is not None and self.stream.awaiting_body:
-            self.stream.expire(self.picker.server.config.request_timeout_secs)
-
-    def close(self) -> None:
-        stream, server = self.stream, self.picker.server
-        if stream is None:
-            return
-        self.stream = None
-        self.picker.streams -= 1
-        if stream.pending_ticket is not None:
-            server.resolvers.pop(stream.pending_ticket, None)
-        stream.close(server.clock())  # frees the booking if the response's end did not
-
-
-class _Picker:
-    """The `ExternalProcessor` service's shared state: the tokenizers, the count of streams, and
-    the `gateway` extra's parts (imported once: an import per message is a cost)."""
-
-    def __init__(self, server: Host, tokenizers: Mapping[str, ChatTokenizer]) -> None:
-        from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
-        from google.protobuf.message import DecodeError
-
-        from ..adapters.ext_proc import ExtProcStream, prepare_body
-
-        self.read_request = ProcessingRequest.FromString
-        self.decode_error = DecodeError
-        self.stream_type, self.prepare_body = ExtProcStream, prepare_body
-        self.server = server
-        self.tokenizers = tokenizers
-        self.streams = 0  # open now: at most `--max-connections`, as HTTP connections are
-
-
-def _bearer_matches(metadata: Mapping[str, bytes], token: bytes) -> bool:
-    """The call's `authorization` metadata is `Bearer <token>` (compared in constant time)."""
-    return hmac.compare_digest(metadata.get("authorization", b""), b"Bearer " + token)

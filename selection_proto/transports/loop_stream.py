@@ -10,13 +10,17 @@ is asyncio's, with the handshake bounded by `handshake_timeout`."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 from collections import deque
 from collections.abc import Callable, Coroutine
+from functools import partial
 from typing import Any, Final, cast
 
 import anyio
 import anyio.abc
+
+from .accepting import accept_forever
 
 __all__ = ["LoopListener", "LoopStream", "on_asyncio"]
 
@@ -34,38 +38,70 @@ def on_asyncio() -> bool:
 
 class LoopListener:
     """Accepts once `serve` runs; each connection is handed to `handler` in a task of its own,
-    cancelled with `serve`."""
+    cancelled with `serve`. Accepting is ours (`accepting.accept_forever`), not asyncio's server,
+    whose loop logged a traceback for every retry once descriptors ran out."""
 
-    def __init__(self, server: asyncio.Server, on_connection: list[Callable[[LoopStream], None]]) -> None:
-        self._server = server
-        self._on_connection = on_connection  # the one callback a new connection calls, set by `serve`
+    def __init__(self, listener: anyio.abc.Listener[anyio.abc.SocketStream], tls: ssl.SSLContext | None,
+                 handshake_timeout: float) -> None:
+        self._listener = listener  # anyio's: it binds (every address of the host) and closes
+        self._sockets = [one.extra(anyio.abc.SocketAttribute.raw_socket) for one in _each(listener)]
+        self._tls, self._handshake_timeout = tls, handshake_timeout
 
     @classmethod
     async def bind(cls, host: str, port: int, *, reuse_port: bool, tls: ssl.SSLContext | None,
                    handshake_timeout: float) -> LoopListener:
         """Listening at once (a port in use raises OSError here), accepting from `serve` on."""
-        on_connection: list[Callable[[LoopStream], None]] = []
-        loop = asyncio.get_running_loop()
-        server = await loop.create_server(
-            lambda: _Protocol(on_connection[0]), host, port, reuse_port=reuse_port or None, ssl=tls,
-            ssl_handshake_timeout=handshake_timeout if tls is not None else None, start_serving=False)
-        return cls(server, on_connection)
+        listener = await anyio.create_tcp_listener(local_host=host, local_port=port, reuse_port=reuse_port)
+        return cls(listener, tls, handshake_timeout)
 
     @property
     def port(self) -> int:
-        return int(self._server.sockets[0].getsockname()[1])
+        return int(self._sockets[0].getsockname()[1])
 
-    async def serve(self, handler: Callable[[anyio.abc.ByteStream], Coroutine[Any, Any, None]]) -> None:
-        async with anyio.create_task_group() as group:
-            def start(stream: LoopStream) -> None:
-                group.start_soon(handler, stream)
+    async def serve(self, handler: Callable[[anyio.abc.ByteStream], Coroutine[Any, Any, None]],
+                    failed: Callable[[OSError], None], admit: Callable[[], bool],
+                    release: Callable[[], None]) -> None:
+        """Until cancelled. `failed` counts each accept that failed (it is retried, backing off);
+        a connection `admit` refuses is closed at once, in the accept's own turn (so that a flood
+        cannot accept faster than it is closed); one admitted whose TLS handshake fails is
+        `release`d (the handler releases the others)."""
+        loop = asyncio.get_running_loop()
+        try:
+            async with anyio.create_task_group() as group:
+                def started(stream: LoopStream) -> None:
+                    group.start_soon(handler, stream)
 
-            self._on_connection.append(start)
-            try:
-                await self._server.start_serving()
-                await anyio.sleep_forever()
-            finally:
-                self._server.close()
+                def accepted(connection: tuple[socket.socket, Any]) -> None:
+                    if admit():
+                        group.start_soon(self._open, connection[0], started, release)
+                    else:
+                        connection[0].close()
+
+                for listening in self._sockets:
+                    group.start_soon(accept_forever, partial(loop.sock_accept, listening), accepted, failed,
+                                     "ext_proc")
+        finally:
+            await self._listener.aclose()
+
+    async def _open(self, connection: socket.socket, started: Callable[[LoopStream], None],
+                    release: Callable[[], None]) -> None:
+        """The connection's transport (after its TLS handshake, when there is TLS); its stream
+        then starts its handler."""
+        tls = self._tls
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(
+                lambda: _Protocol(started), connection, ssl=tls,
+                ssl_handshake_timeout=self._handshake_timeout if tls is not None else None)
+        except (OSError, ssl.SSLError, TimeoutError, ConnectionError):
+            connection.close()  # (the handshake failed or timed out: asyncio closed its transport)
+            release()
+
+
+def _each(listener: anyio.abc.Listener[anyio.abc.SocketStream]) -> list[anyio.abc.SocketListener]:
+    """The socket listeners of what `anyio.create_tcp_listener` returned (one per address)."""
+    if isinstance(listener, anyio.abc.SocketListener):
+        return [listener]
+    return [one for one in getattr(listener, "listeners", ()) if isinstance(one, anyio.abc.SocketListener)]
 
 
 class _Protocol(asyncio.Protocol):

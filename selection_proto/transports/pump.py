@@ -46,19 +46,50 @@ async def flush(send: Callable[[bytes], Awaitable[None]], conn: Outgoing,
             await send(out)
 
 
+GATHER_SECS = 0.01  # after a short read, let the next bytes gather this long before reading again
+SHORT_READ = 16384
+
+
 async def http_get(url: str, limit: int) -> bytes:
     """The body of a `GET url` answered 200, at most `limit` bytes; raises FetchError or OSError
-    (the caller bounds the time). A peer killed mid-answer is a FetchError, not a crash."""
+    (the caller bounds the time: a deadline for the whole answer). A peer killed mid-answer is a
+    FetchError, not a crash. On the loop the answer's bytes are only gathered, each short read
+    followed by a pause of `GATHER_SECS` (a peer sending a byte at a time costs a read per pause,
+    not one per byte), up to what a body of `limit` bytes could take on the wire; the HTTP is read
+    in a worker thread once the peer has closed (we ask it to: `connection: close`). Read on the
+    loop, an answer in 1-byte chunks from 16 engines held `/health` 1.6-5.3 s."""
     parts = urlsplit(url)
     if parts.scheme != "http" or not parts.hostname:
         raise FetchError("expected an http://host:port URL")
     fetch = Fetch(parts.netloc, (parts.path or "/") + (f"?{parts.query}" if parts.query else ""), limit)
+    wire_limit = 2 * limit + CHUNK  # the body, its chunks' framing (a 1-byte chunk is 6 bytes) or its head
+    gathered = bytearray()
     try:
         async with await anyio.connect_tcp(parts.hostname, parts.port or 80) as stream:
             await flush(stream.send, fetch)
-            while not fetch.done:
-                data = await receive(stream)
-                fetch.receive_data(data or b"")
+            while True:
+                try:
+                    data = await stream.receive(CHUNK)
+                except anyio.EndOfStream:
+                    break
+                gathered += data
+                if len(gathered) > wire_limit:
+                    raise FetchError(f"the answer is larger than {limit} bytes")
+                if len(data) < SHORT_READ:
+                    await anyio.sleep(GATHER_SECS)
     except anyio.BrokenResourceError:  # anyio's word for a reset; it is no OSError
         raise FetchError("the connection was reset") from None
+    return await anyio.to_thread.run_sync(_answer_body, fetch, gathered)
+
+
+def _answer_body(fetch: Fetch, answer: bytearray) -> bytes:
+    """The body of a whole answer (the peer has closed), read in a worker thread, 1 MiB at a
+    time: a peer's large `/dump` is not copied whole once more."""
+    with memoryview(answer) as view:
+        for start in range(0, len(view), 1 << 20):
+            fetch.receive_data(bytes(view[start:start + (1 << 20)]))
+            if fetch.done:
+                break
+    if not fetch.done:
+        fetch.receive_data(b"")  # raises: the answer was cut short
     return fetch.body

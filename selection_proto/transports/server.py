@@ -27,7 +27,8 @@ from ..core.routes import media_type
 from ..core.service import SelectionService
 from ..core.streams import decode_or_error
 from ..core.wire import Response, error_response
-from .config import LedgerOptions, ServerConfig
+from .accepting import accept_forever, connection_budget
+from .config import LedgerOptions, ServerConfig, advertised_url
 from .ledger import LedgerLink
 from .logs import log, log_internal_error
 from .peers import recover_from_peers
@@ -49,8 +50,6 @@ MAX_PENDING_BUFFER = 65536  # read on while a request is queued (pipelined ones)
 # discard for this long before closing, so that the client is not reset before it reads it.
 LINGER_SECS = 2.0
 SEND_CHUNK = 1 << 20
-ACCEPT_BACKOFF_START = 0.01
-ACCEPT_BACKOFF_MAX = 1.0
 
 
 GIL_SWITCH_INTERVAL_SECS = 0.001
@@ -85,13 +84,19 @@ class _Server:
         self.ledger_link: LedgerLink | None = None
         self.in_flight = InFlight(config.max_buffer_bytes)
         self.status_feeds = StatusFeeds(service, clock)
+        self.ext_proc: ExtProcServer | None = None
+        # The descriptors left for connections once subscriptions have theirs (cli fits
+        # `max_subscriptions` to the limit): HTTP and the picker share them.
+        self.connection_budget = connection_budget(
+            service.settings.max_subscriptions if service.settings.kv_events == "subscribe" else 0)
 
     def _report_connections(self) -> None:
         self.service.observe(CONNECTIONS, ("http",), float(len(self.connections)))
 
     async def client(self, stream: anyio.abc.ByteStream) -> None:
         if self.config.tls is not None:
-            if len(self.connections) + self.ws_count + self.handshakes >= self.config.max_connections:
+            if len(self.connections) + self.ws_count + self.handshakes >= self.config.max_connections \
+                    or self.connections_open() >= self.connection_budget:
                 self.service.observe(LIMIT_REJECTIONS, ("connections",), 1.0)
                 await anyio.aclose_forcefully(stream)  # no plain-text answer on a TLS port
                 return
@@ -108,7 +113,8 @@ class _Server:
                 self.handshakes -= 1
         async with stream:
             open_now = len(self.connections) + self.ws_count
-            if open_now >= self.config.max_connections or self.draining:
+            if open_now >= self.config.max_connections or self.draining \
+                    or self.connections_open() >= self.connection_budget:
                 self.service.observe(LIMIT_REJECTIONS, ("connections",), 1.0)
                 response = error_response(503, "too many connections", (("connection", "close"),))
                 head = b"HTTP/1.1 503 Service Unavailable\r\n" + b"".join(
@@ -158,22 +164,19 @@ class _Server:
 
     async def accept_loop(self, listener: anyio.abc.SocketListener,
                           tg: anyio.abc.TaskGroup) -> None:
-        """Accept until cancelled. Running out of descriptors or buffers (EMFILE, ENFILE,
-        ENOBUFS...) backs off and retries: it is the machine's state, not a reason to stop."""
-        delay = ACCEPT_BACKOFF_START
-        while True:
-            try:
-                stream = await listener.accept()
-            except OSError as exc:
-                # Counted with the internal errors, logged once here (no traceback to add).
-                self.service.observe(INTERNAL_ERRORS, ("accept",), 1.0)
-                log("warning", "accept_failed", errno=exc.errno, detail=exc.strerror or str(exc),
-                    retry_in_secs=delay)
-                await anyio.sleep(delay)
-                delay = min(ACCEPT_BACKOFF_MAX, delay * 2)
-                continue
-            delay = ACCEPT_BACKOFF_START
+        """Accept until cancelled, backing off while descriptors or buffers run out
+        (`accepting.accept_forever`); each failure is counted with the internal errors."""
+        def failed(exc: OSError) -> None:
+            self.service.observe(INTERNAL_ERRORS, ("accept",), 1.0)
+
+        def accepted(stream: anyio.abc.SocketStream) -> None:
             tg.start_soon(self.client, stream)
+
+        await accept_forever(listener.accept, accepted, failed, "http")
+
+    def connections_open(self) -> int:
+        """HTTP's (WebSockets, TLS handshakes) and the picker's: what `connection_budget` bounds."""
+        return len(self.connections) + self.ws_count + self.handshakes + (self.ext_proc.admitted if self.ext_proc else 0)
 
     async def send(self, stream: anyio.abc.ByteStream, data: bytes) -> None:
         """A send that does not complete within request_timeout_secs aborts the connection."""
@@ -460,7 +463,7 @@ async def serve(service: SelectionService, config: ServerConfig,
         # the HTTP API without importing them (config.py refuses --ext-proc-port without it).
         from .ext_proc import ExtProcServer
 
-        ext_proc = ExtProcServer(server, config.ext_proc)
+        ext_proc = server.ext_proc = ExtProcServer(server, config.ext_proc)
         await ext_proc.start()  # a port in use ends serve here, as the HTTP port's does above
     if ready is not None:
         ready(config.host, port)
@@ -498,9 +501,8 @@ async def serve(service: SelectionService, config: ServerConfig,
                                             lease_secs=service.settings.active_request_expiry_secs,
                                             batch=options.batch, feed_max=options.feed_max,
                                             on_change=server.pump)
-            wildcard = config.host in ("0.0.0.0", "::", "")  # noqa: S104 - compared, not bound
-            server.ledger_link.advertise = options.advertise_url or (
-                None if wildcard else f"{scheme}://{host}:{port}")
+            server.ledger_link.advertise = advertised_url(config.host, port, config.tls is not None,
+                                                          options.advertise_url)
             tg.start_soon(_join_ledger, service, server.ledger_link, options)
         await server.pump()  # subscriptions of workers restored before the start
         forced = False
