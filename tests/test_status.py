@@ -118,11 +118,16 @@ def test_the_page_follows_the_fleet_live_in_chromium(guarded: Server, browser: B
     chosen = answer["worker_id"]
     runner = 3 - chosen
     text = browser.wait_for("document.querySelector('#decisions tr[data-worker]')?.innerText")
-    assert f"{chosen}:0" in text and f"{runner}:0 (0 cached)" in text, text
+    # Worker and rank named, the booking's id to match a complaint with, the tie said as a tie.
+    assert f"worker {chosen}, rank 0" in text and f"worker {runner}, rank 0 (0 cached)" in text, text
+    assert answer["reservation_id"] in text and "tie: the same cost (blocks)" in text, text
 
     # A state change shows: the booking brought no event within the window; then one arrives.
     assert browser.wait_for(row(chosen, " .kv") + "?.textContent === 'no_events'")
     assert "no KV event" in browser.evaluate(row(chosen) + ".innerText")
+    # in the colour of its severity, the alert rules' (test_severity_is_one_scale...)
+    assert browser.evaluate(row(chosen, " .kv") + ".classList.contains('critical')")
+    assert browser.evaluate(row(chosen) + " === document.querySelector('#workers tr')")  # worst first
     call(guarded, "POST", f"/kv_events?worker_id={chosen}", {"event_id": 1, "data": "cleared"})
     assert browser.wait_for(row(chosen, " .kv") + "?.textContent === 'ok'")
     call(guarded, "DELETE", "/workers/3")
@@ -215,11 +220,13 @@ def test_the_snapshot_explains_decisions_and_shows_loads_queues_and_index(make_c
     assert snapshot == client.ok("GET", "/status/snapshot")
     workers = {w["worker_id"]: w for w in snapshot["workers"]}
     assert [w["lifecycle"] for w in workers.values()] == ["schedulable", "schedulable"]
-    booked = {w: sum(r["active_requests"] for r in workers[w]["ranks"]) for w in workers}
+    booked = {w: workers[w]["active_requests"] for w in workers}
     assert booked == {w: sum(p["worker_id"] == w for p in picks) for w in (1, 2)}
-    assert workers[2]["ranks"][0]["index_blocks"] >= 2 and workers[2]["kv_routing"]["state"] == "ok"
-    assert snapshot["queues"] == [{"model_name": "m", "tenant_id": "default", "pending_count": 0,
-                                   "pending_isl_tokens": 0, "active_reservations": 3}]
+    assert workers[2]["index_blocks"] >= 2 and workers[2]["kv_routing"]["state"] == "ok"
+    [key] = snapshot["keys"]
+    assert (key["model_name"], key["pending_count"], key["pending_isl_tokens"], key["active_reservations"],
+            key["lanes"]) == ("m", 0, 0, 3, [])
+    assert key["prompt_tokens"] == 36 and key["achieved_cached_tokens"] == sum(p["cached_tokens"] for p in picks)
     newest = snapshot["decisions"][0]
     assert len(snapshot["decisions"]) == 3 and newest["isl_tokens"] == 12
     assert (newest["worker_id"], newest["cached_tokens"]) == (picks[-1]["worker_id"], picks[-1]["cached_tokens"])
@@ -238,7 +245,7 @@ def test_a_json_lines_router_reads_the_same_snapshot() -> None:
     assert code == 0
     status = next(a["result"] for a in answers if a["id"] == 3)
     assert [w["worker_id"] for w in status["workers"]] == [4]
-    assert status["decisions"][0]["worker_id"] == 4 and status["queues"][0]["active_reservations"] == 1
+    assert status["decisions"][0]["worker_id"] == 4 and status["keys"][0]["active_reservations"] == 1
 
 
 def test_a_viewer_watching_does_not_hold_up_a_graceful_stop() -> None:

@@ -32,6 +32,7 @@ __all__ = [
     "estimates",
     "explain",
     "score",
+    "shadow_choice",
     "tracks_prefill",
 ]
 
@@ -137,7 +138,10 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
     scored: list[Scored] = []
     append = scored.append
     ttft = s.router_policy == "ttft"
-    speeds, unknown, pressure = state.speeds.of, worker_speed(None, None), KV_PRESSURE * bs
+    shadow = s.shadow_policy  # scored beside the acting policy, never acting (docs/STATUS.md)
+    predict = ttft or shadow == "ttft"
+    learned = state.speeds if ttft or state.speeds.shadow is None else state.speeds.shadow
+    speeds, unknown, pressure = learned.of, worker_speed(None, None), KV_PRESSURE * bs
     # The constants as locals: this loop runs once per candidate of every selection.
     drag_full, overflow_tokens = DECODE_DRAG, OVERFLOW_WEIGHT * bs
     per_context, reuse_credit = 1.0 / ATTENTION_CONTEXT_TOKENS, REUSE_CREDIT
@@ -174,9 +178,9 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
             taints = state.taints[r[0]]
             preference = math.exp(-math.tanh(sum(w for t, w in preferred.items() if t in taints)))
             logit *= preference
-        if not ttft:
+        if not predict:
             append(make(Scored, (r, logit, active_prefill + (new_prefill if track else 0),
-                                 decode_blocks, d, h, k, effective, cached, 0.0, 0.0, logit)))
+                                 decode_blocks, d, h, k, effective, cached, 0.0, 0.0, logit, 0.0)))
             continue
         per_token, kv_blocks = speeds.get(r[0], unknown)
         work = new_prefill * (1.0 + (cached + new_prefill * 0.5) * per_context) if cached else uncached_work
@@ -193,9 +197,22 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
         predicted = wait + prefill - reuse_credit * cached * per_token if cached else wait + prefill
         if preferred:
             predicted *= preference
-        append(make(Scored, (r, predicted, active_prefill + (new_prefill if track else 0),
-                             decode_blocks, d, h, k, effective, cached, wait, prefill, logit)))
+        if ttft:  # a shadow then can only be Dynamo's cost
+            append(make(Scored, (r, predicted, active_prefill + (new_prefill if track else 0),
+                                 decode_blocks, d, h, k, effective, cached, wait, prefill, logit,
+                                 logit if shadow else 0.0)))
+        else:  # Dynamo's cost acts; the predicted time to first token shadows it
+            append(make(Scored, (r, logit, active_prefill + (new_prefill if track else 0),
+                                 decode_blocks, d, h, k, effective, cached, wait, prefill, logit, predicted)))
     return scored, min(map(DYNAMO_LOGIT, scored)) if ttft else None
+
+
+def shadow_choice(scored: list[Scored], chosen: Scored) -> Scored:
+    """What the shadow policy would have chosen: `chosen` when it costs the shadow no more than its
+    least (a tie agrees), else its cheapest, ties to the lowest rank. No draw from the service's
+    random generator, so that the acting choices are the same with or without it."""
+    cheapest = min(scored, key=lambda c: (c.shadow, c.rank))
+    return chosen if chosen.shadow <= cheapest.shadow else cheapest
 
 
 def choose(state: Pool, scored: list[Scored], temperature: float, rng: random.Random) -> Scored:

@@ -30,6 +30,7 @@ class Scored(NamedTuple):
     wait: float = 0.0  # router_policy=ttft: predicted seconds before its prefill starts
     prefill: float = 0.0  # and the seconds of its own prefill
     dynamo_logit: float = 0.0  # and Dynamo's cost, which `logit` replaces
+    shadow: float = 0.0  # with a shadow policy (shadow.py): its cost of the candidate
 
 
 class Decision(NamedTuple):
@@ -43,11 +44,18 @@ class Decision(NamedTuple):
     cheapest: tuple[Scored, ...]
     candidates: int
     predicted: bool  # the candidates carry predicted wait and prefill seconds (router_policy=ttft)
+    request_id: str | None = None  # the booking's reservation id, else the request's selection id
+    achievable: int = 0  # the most cached tokens any rank of the key held (outcomes.py)
+    loss: str | None = None  # why the chosen held fewer (outcomes.REASONS)
+    shadow: Scored | None = None  # what the shadow policy would have chosen (shadow.py)
 
     @classmethod
-    def of(cls, at: float, isl: int, chosen: Scored, scored: Sequence[Scored], predicted: bool) -> Decision:
+    def of(cls, at: float, isl: int, chosen: Scored, scored: Sequence[Scored], predicted: bool,
+           request_id: str | None = None, achievable: int = 0, loss: str | None = None,
+           shadow: Scored | None = None) -> Decision:
         cheapest = tuple(heapq.nsmallest(DECISION_CANDIDATES, scored, key=lambda s: (s.logit, s.rank)))
-        return cls(at, isl, chosen, runner_up(chosen, scored), cheapest, len(scored), predicted)
+        return cls(at, isl, chosen, runner_up(chosen, scored), cheapest, len(scored), predicted, request_id,
+                   achievable, loss, shadow)
 
 
 def runner_up(chosen: Scored, scored: Sequence[Scored]) -> Scored | None:

@@ -80,6 +80,11 @@ class EngineMetrics:
         if len(self._latest) > MAX_WORKERS:
             del self._latest[next(iter(self._latest))]
 
+    def hit_rate(self, worker_id: int) -> float | None:
+        """The prefix-cache hit rate the worker's engine last reported, if it reports one."""
+        kept = self._latest.get(worker_id)
+        return None if kept is None or kept[1] is None else kept[1].get("prefix_cache_hit_rate")
+
     def view(self, worker_id: int, now: float) -> dict[str, Any] | None:
         """What `/loads` shows of the worker's engine, or None before its first scrape."""
         kept = self._latest.get(worker_id)
