@@ -107,7 +107,15 @@ class _Row(NamedTuple):
 def _worker(record: WorkerCatalogRecord, pools: Mapping[Key, Pool], settings: Settings,
             engines: EngineMetrics, now: float) -> _Row:
     pool = pools.get(record.key)
-    ranks = _ranks(record, pool)
+    ranks = pool.workers.get(record.worker_id, ()) if pool is not None else ()
+    requests = prefill = decode = blocks = 0
+    for rank in ranks:  # summed here, listed only in a detail: a fleet has many
+        assert pool is not None
+        load = pool.tracker.loads[rank]
+        requests += load.requests
+        prefill += load.prefill_tokens
+        decode += load.decode_blocks()
+        blocks += pool.index.device.size(rank)
     verdict = kv_routing(record, pools, settings, now)
     state = verdict["state"]
     severity = SEVERITY[state]
@@ -123,9 +131,8 @@ def _worker(record: WorkerCatalogRecord, pools: Mapping[Key, Pool], settings: Se
                        "predicted_cached_tokens": verdict["predicted_cached_tokens"],
                        "observed_cached_tokens": verdict["observed_cached_tokens"],
                        "observations": verdict["observations"]},
-        "dp_size": len(ranks),
-        **{name: sum(r[name] for r in ranks)
-           for name in ("active_requests", "prefill_tokens", "decode_blocks", "index_blocks")},
+        "dp_size": len(ranks), "active_requests": requests, "prefill_tokens": prefill, "decode_blocks": decode,
+        "index_blocks": blocks,
         "engine": engines.view(record.worker_id, now),
     }
     text = " ".join((str(record.worker_id), record.request.endpoint or "", f"{record.key[0]}/{record.key[1]}",

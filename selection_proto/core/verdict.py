@@ -123,9 +123,8 @@ class RankWatch:
                 "KV events were lost (a gap the engine could not replay, a stream lost without proof of "
                 "continuity, or stores over the state budget): the index may be wrong for this worker "
                 "until its engine clears its cache or restarts")))
-        predicted = sum(p for p, _ in self.recent)
-        observed = sum(o for _, o in self.recent)
-        if len(self.recent) >= MIN_OBSERVATIONS and observed < MISS_RATIO * predicted:
+        if len(self.recent) >= MIN_OBSERVATIONS and (
+                (observed := sum(o for _, o in self.recent)) < MISS_RATIO * (predicted := sum(p for p, _ in self.recent))):
             found.append((ORDER["misses"], "misses", (
                 f"over the last {len(self.recent)} observed requests the engine found {observed} of "
                 f"{predicted} predicted cached tokens: is prefix caching on in the engine, and do the "
@@ -146,29 +145,37 @@ class RankWatch:
 def judge(watches: list[tuple[int, RankWatch, RankFreshness]], block_size: int, events_expected: bool,
           window: float, now: float) -> dict[str, Any]:
     """A worker's `kv_routing` from its ranks' (dp_rank, watch, freshness): its worst rank's state."""
+    # One pass: a status snapshot judges every worker of the fleet each second.
     state, reasons = "ok", []
+    several = len(watches) > 1
+    events = restarts = predicted = observed = observations = 0
+    last: float | None = None
+    size: int | None = None
     for dp_rank, watch, fresh in watches:
         rank_state, rank_reasons = watch.state(fresh, block_size, events_expected, window, now)
-        if len(watches) > 1:
-            rank_reasons = [f"dp_rank {dp_rank}: {r}" for r in rank_reasons]
         if ORDER[rank_state] > ORDER[state]:
             state = rank_state
         if rank_state != "ok":
-            reasons.extend(rank_reasons)
-    if state == "ok":
-        reasons = []
-    last = [w.last_event_at for _, w, _ in watches if w.last_event_at is not None]
-    sizes = [w.engine_block_size for _, w, _ in watches if w.engine_block_size is not None]
+            reasons.extend([f"dp_rank {dp_rank}: {r}" for r in rank_reasons] if several else rank_reasons)
+        events += watch.events
+        restarts += fresh.restarts
+        predicted += watch.predicted
+        observed += watch.observed
+        observations += watch.observations
+        if watch.last_event_at is not None and (last is None or watch.last_event_at > last):
+            last = watch.last_event_at
+        if watch.engine_block_size is not None:
+            size = watch.engine_block_size
     return {
         "state": state,
-        "reasons": reasons,
-        "events_total": sum(w.events for _, w, _ in watches),
-        "last_event_age_secs": max(0.0, now - max(last)) if last else None,
-        "engine_block_size": sizes[-1] if sizes else None,
-        "restarts": sum(f.restarts for _, _, f in watches),
-        "predicted_cached_tokens": sum(w.predicted for _, w, _ in watches),
-        "observed_cached_tokens": sum(w.observed for _, w, _ in watches),
-        "observations": sum(w.observations for _, w, _ in watches),
+        "reasons": reasons if state != "ok" else [],
+        "events_total": events,
+        "last_event_age_secs": max(0.0, now - last) if last is not None else None,
+        "engine_block_size": size,
+        "restarts": restarts,
+        "predicted_cached_tokens": predicted,
+        "observed_cached_tokens": observed,
+        "observations": observations,
     }
 
 

@@ -2,8 +2,8 @@
 status snapshot (`core.status`) a second until the viewer leaves or the server drains.
 
 Bounded: at most `MAX_VIEWERS` feeds at once (the next is answered 503); what the snapshots are cut
-from is built once per interval whatever the number of viewers, and viewers with the same filter
-share the event; nothing is queued for a viewer, so one that stops reading costs its socket's buffer
+from is built once per interval whatever the number of viewers (less often when building it would
+take over `BUSY_SHARE` of the loop), and viewers with the same filter share the event; nothing is queued for a viewer, so one that stops reading costs its socket's buffer
 until a send does not complete within the server's request timeout, and then it is cut. A viewer
 that closes its side gives its place back at once."""
 
@@ -20,10 +20,13 @@ from ..core.service import SelectionService
 from ..core.status import Fleet, View
 from .pump import flush, receive
 
-__all__ = ["INTERVAL", "MAX_VIEWERS", "StatusFeeds"]
+__all__ = ["BUSY_SHARE", "INTERVAL", "MAX_VIEWERS", "StatusFeeds"]
 
 MAX_VIEWERS: Final = 16
 INTERVAL: Final = 1.0
+# At most this share of the event loop goes to building what the snapshots are cut from: a fleet
+# whose build takes longer than a tenth of the interval is rebuilt less often (docs/STATUS.md).
+BUSY_SHARE: Final = 0.1
 
 
 class StatusFeeds:
@@ -34,13 +37,15 @@ class StatusFeeds:
         self._clock = clock
         self.viewers = 0
         self._built_at = float("-inf")
+        self._every = INTERVAL / 2  # viewers that joined at other instants share a build
         self._fleet: Fleet | None = None
         self._events: dict[View, bytes] = {}  # cut from the current fleet, per filter
 
     def _current(self, view: View) -> bytes:
         now = self._clock()
-        if self._fleet is None or now - self._built_at >= INTERVAL / 2:  # viewers that joined at other instants share it
+        if self._fleet is None or now - self._built_at >= self._every:
             self._fleet, self._built_at = status_fleet(self._service, now), now
+            self._every = max(INTERVAL / 2, (self._clock() - now) / BUSY_SHARE)
             self._events.clear()
         event = self._events.get(view)
         if event is None:
