@@ -65,10 +65,14 @@ def runner_up(chosen: Scored, scored: Sequence[Scored]) -> Scored | None:
 
 def decision(chosen: Scored, scored: Sequence[Scored], isl: int, policy: str) -> str:
     """A choice in one header line: the chosen rank, its cached tokens of the prompt, how many
-    candidates, and the runner-up with how much more its cost (logit) was."""
+    candidates, and the runner-up (`worker:dp_rank`) with how much more its cost (logit) was, in
+    the policy's unit, and `tie=true` when it cost the same."""
     parts = [f"worker={chosen.rank[0]}", f"dp_rank={chosen.rank[1]}", f"cached={chosen.cached}", f"isl={isl}",
              f"candidates={len(scored)}", f"policy={policy}"]
     if (runner := runner_up(chosen, scored)) is not None:
         parts += [f"runner_up={runner.rank[0]}:{runner.rank[1]}", f"runner_up_cached={runner.cached}",
-                  f"margin={runner.logit - chosen.logit:.4g}"]
+                  f"margin={runner.logit - chosen.logit:.4g}",
+                  f"margin_unit={'seconds' if policy == 'ttft' else 'blocks'}"]
+        if runner.logit == chosen.logit:
+            parts.append("tie=true")  # chosen among equals: the fewest cached blocks, then at random
     return ";".join(parts)
