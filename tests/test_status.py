@@ -80,7 +80,7 @@ class Browser:
 def guarded(tmp_path: Path) -> Iterator[Server]:
     token = tmp_path / "token"
     token.write_text(TOKEN + "\n")
-    server = Server("--auth-token-file", str(token), "--kv-verdict-window-secs", "1")
+    server = Server("--auth-token-file", str(token), "--kv-verdict-window-secs", "1", "--shadow-policy", "ttft")
     yield server
     server.stop()
 
@@ -361,7 +361,9 @@ def test_the_page_summarises_1000_workers_in_chromium(guarded: Server, browser: 
     severities = browser.evaluate("[...document.querySelectorAll('#workers tr')].map(r => r.dataset.severity)")
     assert severities[:3] == ["critical"] * 3 and set(severities[3:]) == {"info"}
     assert "showing 100 of 1000" in browser.evaluate("document.getElementById('shown').textContent")
-    assert "complaint-7" in browser.evaluate("document.getElementById('decisions').innerText")
+    decided = browser.evaluate("document.getElementById('decisions').innerText")
+    assert "complaint-7" in decided and ("ttft agrees" in decided or "ttft would choose" in decided), decided
+    assert "shadow policy ttft" in summary and "achieved / achievable" in summary, summary
     # The filter keeps the matching rows; a click shows that worker's ranks.
     browser.evaluate("(f => { f.value = '10.1.3.227:'; f.dispatchEvent(new Event('input')); })"
                      "(document.getElementById('filter'))")
