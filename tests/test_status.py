@@ -241,9 +241,11 @@ def test_a_json_lines_router_reads_the_same_snapshot() -> None:
 
     answers, _, code = run_session(rpc(1, "workers.create", worker_id=4, **WORKER)
                                    + rpc(2, "select_and_reserve", model_name="m", token_ids=list(range(8)))
-                                   + rpc(3, "status"))
+                                   + rpc(3, "status") + rpc(4, "status", q="nothing-matches", detail=4))
     assert code == 0
     status = next(a["result"] for a in answers if a["id"] == 3)
+    filtered = next(a["result"] for a in answers if a["id"] == 4)
+    assert filtered["workers"] == [] and [r["dp_rank"] for r in filtered["detail"]["ranks"]] == [0]
     assert [w["worker_id"] for w in status["workers"]] == [4]
     assert status["decisions"][0]["worker_id"] == 4 and status["keys"][0]["active_reservations"] == 1
 

@@ -16,7 +16,7 @@ from typing import Any, Final, NamedTuple
 from .._version import __version__
 from . import jsonio
 from .cost import explain
-from .decisions import Decision, Scored
+from .decisions import Decision
 from .engine_metrics import EngineMetrics
 from .errors import BadRequest
 from .outcomes import REASONS
@@ -61,19 +61,22 @@ def _rate(part: float, whole: float) -> float | None:
     return round(part / whole, 4) if whole > 0 else None
 
 
-def _choice(c: Scored, predicted: bool) -> dict[str, Any]:
-    return {"worker_id": c.rank[0], "dp_rank": c.rank[1], "cached_tokens": c.cached,
-            "predicted_ttft_secs": round(c.wait + c.prefill, 6) if predicted else None}
+def _shadow(d: Decision, policy: str | None) -> dict[str, Any] | None:
+    """What the shadow policy would have chosen (one of the two policies predicts every candidate's seconds)."""
+    if d.shadow is None:
+        return None
+    c = d.shadow
+    return {"policy": policy, "worker_id": c.rank[0], "dp_rank": c.rank[1], "cached_tokens": c.cached,
+            "predicted_ttft_secs": round(c.wait + c.prefill, 6), "agrees": c.rank == d.chosen.rank}
 
 
 def _decision(key: Key, d: Decision, settings: Settings, now: float) -> dict[str, Any]:
     chosen, runner = d.chosen, d.runner_up
-    shadowed = d.shadow is not None  # then one of the two policies predicts seconds for every candidate
     return {
         "age_secs": round(max(0.0, now - d.at), 3), "model_name": key[0], "tenant_id": key[1],
         "request_id": d.request_id, "isl_tokens": d.isl, "worker_id": chosen.rank[0], "dp_rank": chosen.rank[1],
         "cached_tokens": chosen.cached, "achievable_cached_tokens": d.achievable, "loss_reason": d.loss,
-        "predicted_ttft_secs": round(chosen.wait + chosen.prefill, 6) if d.predicted or shadowed else None,
+        "predicted_ttft_secs": round(chosen.wait + chosen.prefill, 6) if d.predicted or d.shadow else None,
         "candidate_count": d.candidates, "margin_unit": "seconds" if d.predicted else "blocks",
         "runner_up": None if runner is None else {"worker_id": runner.rank[0], "dp_rank": runner.rank[1],
                                                   "cached_tokens": runner.cached,
@@ -82,8 +85,7 @@ def _decision(key: Key, d: Decision, settings: Settings, now: float) -> dict[str
         "candidates": [{"worker_id": c.worker_id, "dp_rank": c.dp_rank, "cached_tokens": c.cached_tokens,
                         "logit": round(c.logit, 6), "predicted_wait_secs": c.predicted_wait_secs}
                        for c in explain(list(d.cheapest), d.predicted)],
-        "shadow": None if d.shadow is None else {"policy": settings.shadow_policy, **_choice(d.shadow, True),
-                                                 "agrees": d.shadow.rank == chosen.rank},
+        "shadow": _shadow(d, settings.shadow_policy),
     }
 
 
