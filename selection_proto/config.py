@@ -143,6 +143,8 @@ SETTING_HELP: Final[Mapping[str, str]] = {
     "temperature": "softmax temperature of the choice (0: the lowest cost wins)",
     "router_policy": "dynamo: Dynamo 1.6.1's cost, answers byte-identical; ttft: the least predicted time to "
                      "first token (docs/ROUTING.md)",
+    "shadow_policy": "a second router_policy that scores every selection without acting: /metrics and /status "
+                     "show how often it disagrees and the predicted time to first token of both choices",
     "track_active_blocks": "count booked decode blocks as load",
     "assume_kv_reuse": "a booked prompt's blocks count as cached on its rank until events say otherwise",
     "track_prefill_tokens": "count booked prefill tokens as load",

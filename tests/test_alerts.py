@@ -21,6 +21,8 @@ from test_http import Server, api_call
 from test_subscriptions import free_port
 
 from selection_proto.core.metrics import FAMILIES
+from selection_proto.core.status_page import PAGE
+from selection_proto.core.verdict import SEVERITY, STATES
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "deploy" / "prometheus"
@@ -51,6 +53,49 @@ def test_every_metric_a_rule_or_a_panel_reads_is_served() -> None:
     exprs = [rule["expr"] for rule in rules] + panel_queries()
     read = {re.sub(r"_(bucket|sum|count)$", "", name) for e in exprs for name in re.findall(r"\b(selection_proto_[a-z_]+)", e)}
     assert len(read) >= 15 and read <= set(FAMILIES), read - set(FAMILIES)
+
+
+def _rule_states(expr: str) -> set[str]:
+    """The verdict states a rule on `selection_proto_kv_routing_state` fires for."""
+    matcher = re.search(r'selection_proto_kv_routing_state\{state(=~|=)"([^"]+)"\}', expr)
+    if matcher is None:
+        return set()
+    op, value = matcher.groups()
+    return {s for s in STATES if (re.fullmatch(value, s) if op == "=~" else s == value)}
+
+
+def _doc_table(path: Path, header: str) -> list[list[str]]:
+    """The rows of the markdown table under `header` (its first line), cells stripped of backticks."""
+    lines = path.read_text().splitlines()
+    start = lines.index(header)
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.replace("`", "").strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def test_severity_is_one_scale_for_the_page_the_alerts_and_the_docs() -> None:
+    """Each verdict state has one severity: the status snapshot's (the page colours by it), the
+    `severity` label of the rule that alerts on it, and docs/VERDICT.md's and docs/STATUS.md's."""
+    rules = yaml.safe_load((RULES / "alerts.yaml").read_text())["groups"][0]["rules"]
+    alerted: dict[str, str] = {}
+    for rule in rules:
+        for state in _rule_states(rule["expr"]):
+            assert state not in alerted, f"{state} has two rules"
+            alerted[state] = rule["labels"]["severity"]
+    # Every state worse than info pages someone, at its severity; info and ok never alert.
+    assert alerted == {s: v for s, v in SEVERITY.items() if v in ("warning", "critical")}
+    verdict_doc = {row[0]: row[1] for row in _doc_table(ROOT / "docs" / "VERDICT.md",
+                                                         "| state | severity | when | what to do |")}
+    assert {s.removesuffix(", restarting"): v for s, v in verdict_doc.items()} == SEVERITY
+    status_doc = {state.strip(): row[0] for row in _doc_table(ROOT / "docs" / "STATUS.md",
+                                                                        "| severity | states | colour |")
+                  for state in row[1].split(",")}
+    assert status_doc == SEVERITY
+    page = PAGE.decode()
+    assert "no_events" not in page and "critical" in page  # colours come from the snapshot's severity
 
 
 def query(port: int, expr: str) -> list[dict[str, Any]]:
@@ -91,7 +136,7 @@ def test_a_real_prometheus_scrapes_the_verdict_and_loads_the_rules(tmp_path: Pat
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/rules", timeout=10) as answer:
             groups = json.loads(answer.read())["data"]["groups"]
         rules = {r["name"]: r["health"] for g in groups for r in g["rules"]}
-        assert len(rules) == 5 and set(rules.values()) == {"ok"}, rules
+        assert len(rules) == 9 and set(rules.values()) == {"ok"}, rules
         for expr in panel_queries():  # each parses and evaluates (raises on an error)
             query(port, expr)
     finally:

@@ -240,6 +240,18 @@ def test_replay_order_hands_a_restarted_engine_on() -> None:
     assert [s for s, _ in order.ready()] == [4, 0] and order.restarts == 2
 
 
+def test_the_decision_header_says_a_tie_and_the_unit_of_its_margin() -> None:
+    service = SelectionService(Settings(kv_events="push", explain_header=True, router_policy="ttft"), random.Random(0))
+    client = Client(service)
+    for wid in (1, 2):
+        client.ok("POST", "/workers", {"worker_id": wid, "model_name": "m", "block_size": BS,
+                                       "endpoint": f"http://e{wid}"}, status=201)
+    response = service.handle("POST", "/select", "", [("content-type", "application/json")],
+                              b'{"model_name": "m", "token_ids": [1, 2, 3, 4, 5, 6]}', now=1.0)
+    fields = dict(part.split("=", 1) for part in dict(response.headers)["x-selection-decision"].split(";"))
+    assert (fields["margin"], fields["margin_unit"], fields["tie"]) == ("0", "seconds", "true")
+
+
 def test_the_decision_header_says_why_when_asked() -> None:
     """Issue 33: with `explain_header` each selection's answer carries `x-selection-decision`
     (the chosen rank, its cached tokens, the runner-up and the margin); off by default."""
@@ -261,3 +273,4 @@ def test_the_decision_header_says_why_when_asked() -> None:
             assert header is not None and header.startswith("worker=2;dp_rank=0;cached=4;isl=6;candidates=2;")
             fields = dict(part.split("=", 1) for part in header.split(";"))
             assert fields["policy"] == "dynamo" and fields["runner_up"] == "1:0" and float(fields["margin"]) > 0
+            assert fields["margin_unit"] == "blocks" and "tie" not in fields

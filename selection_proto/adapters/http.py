@@ -17,6 +17,7 @@ from typing import Final, NamedTuple
 import h11
 from wsproto import WSConnection
 
+from ..core.errors import SelectionError
 from ..core.metrics import LIMIT_REJECTIONS, REQUEST_DURATION
 from ..core.responses import Pending
 from ..core.routes import (
@@ -30,6 +31,7 @@ from ..core.routes import (
     route_of,
 )
 from ..core.service import SelectionService
+from ..core.status import View, view_of
 from ..core.wire import Response, error_response
 from .inflight import InFlight
 from .ws import check_handshake, server_handshake
@@ -132,6 +134,7 @@ class HttpConnection:
         self.upgrade: Upgrade | None = None
         self._feeds = feeds
         self.feed_requested = False
+        self.feed_view = View()  # the requested feed's filter
         self.closed = False
         self.close_after_response = False
 
@@ -314,8 +317,13 @@ class HttpConnection:
         self._body = []
         self.release()
         if self._feeds and method == "GET" and path == "/status/events":
-            self.feed_requested = True  # the answer is the caller's: `start_feed`
-            return
+            try:
+                self.feed_view = view_of(query)
+            except SelectionError:
+                pass  # the core answers it: 400 with the reason
+            else:
+                self.feed_requested = True  # the answer is the caller's: `start_feed`
+                return
         if self._defer_large and method in ("GET", "HEAD") and path == "/dump":
             self.large_request = LargeRequest(method, path, query, headers, body)
             return

@@ -200,6 +200,17 @@ class FlowQueue:
         count = self._counts.get((kind, name))
         return (count[0], count[1]) if count is not None else (0, 0)
 
+    def lanes(self) -> list[tuple[int, str, int, int, int]]:
+        """(priority tier, class, queued requests, their uncached tokens, fairness IDs waiting) of
+        each class of each tier with a request waiting, highest tier first."""
+        out = []
+        for (tier, name), cls in sorted(self._classes.items(), key=lambda item: (-item[0][0], item[0][1])):
+            waiting = [flow for flow in cls.flows.values() if flow.entries]
+            if waiting:
+                out.append((tier, name, sum(len(f.entries) for f in waiting), sum(f.tokens for f in waiting),
+                            len(waiting)))
+        return out
+
     def _count(self, entry: QueuedSelection, sign: int) -> None:
         for counted in (("class", entry.lane.policy_class), ("fairness", entry.lane.fairness_id)):
             count = self._counts.setdefault(counted, [0, 0])

@@ -33,6 +33,7 @@ __all__ = [
     "explain",
     "queue_secs",
     "score",
+    "shadow_choice",
     "tracks_prefill",
 ]
 
@@ -142,8 +143,11 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
     scored: list[Scored] = []
     append = scored.append
     ttft = s.router_policy == "ttft"
-    speeds, unknown, pressure = state.speeds.of, worker_speed(None, None), KV_PRESSURE * bs
-    left, count_left = state.speeds.left, COUNT_WHAT_IS_LEFT
+    shadow = s.shadow_policy  # scored beside the acting policy, never acting (docs/STATUS.md)
+    predict = ttft or shadow == "ttft"
+    learned = state.speeds if ttft or state.speeds.shadow is None else state.speeds.shadow
+    speeds, unknown, pressure = learned.of, worker_speed(None, None), KV_PRESSURE * bs
+    left, count_left = learned.left, COUNT_WHAT_IS_LEFT
     # The constants as locals: this loop runs once per candidate of every selection.
     drag_full, overflow_tokens = DECODE_DRAG, OVERFLOW_WEIGHT * bs
     per_context, reuse_credit = 1.0 / ATTENTION_CONTEXT_TOKENS, REUSE_CREDIT
@@ -180,9 +184,9 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
             taints = state.taints[r[0]]
             preference = math.exp(-math.tanh(sum(w for t, w in preferred.items() if t in taints)))
             logit *= preference
-        if not ttft:
+        if not predict:
             append(make(Scored, (r, logit, active_prefill + (new_prefill if track else 0),
-                                 decode_blocks, d, h, k, effective, cached, 0.0, 0.0, logit)))
+                                 decode_blocks, d, h, k, effective, cached, 0.0, 0.0, logit, 0.0)))
             continue
         per_token, kv_blocks = speeds.get(r[0], unknown)
         queued = left(r, active_prefill, now) if count_left and active_prefill else active_prefill
@@ -200,8 +204,13 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
         predicted = wait + prefill - reuse_credit * cached * per_token if cached else wait + prefill
         if preferred:
             predicted *= preference
-        append(make(Scored, (r, predicted, active_prefill + (new_prefill if track else 0),
-                             decode_blocks, d, h, k, effective, cached, wait, prefill, logit)))
+        if ttft:  # a shadow then can only be Dynamo's cost
+            append(make(Scored, (r, predicted, active_prefill + (new_prefill if track else 0),
+                                 decode_blocks, d, h, k, effective, cached, wait, prefill, logit,
+                                 logit if shadow else 0.0)))
+        else:  # Dynamo's cost acts; the predicted time to first token shadows it
+            append(make(Scored, (r, logit, active_prefill + (new_prefill if track else 0),
+                                 decode_blocks, d, h, k, effective, cached, wait, prefill, logit, predicted)))
     return scored, min(map(DYNAMO_LOGIT, scored)) if ttft else None
 
 
@@ -215,6 +224,14 @@ def queue_secs(state: Pool, c: Scored) -> float:
         return active * per_token
     drag = 1.0 + (DECODE_DRAG if c.decode_blocks >= kv_blocks else DECODE_DRAG * c.decode_blocks / kv_blocks)
     return active * drag * per_token
+
+
+def shadow_choice(scored: list[Scored], chosen: Scored) -> Scored:
+    """What the shadow policy would have chosen: `chosen` when it costs the shadow no more than its
+    least (a tie agrees), else its cheapest, ties to the lowest rank. No draw from the service's
+    random generator, so that the acting choices are the same with or without it."""
+    cheapest = min(scored, key=lambda c: (c.shadow, c.rank))
+    return chosen if chosen.shadow <= cheapest.shadow else cheapest
 
 
 def choose(state: Pool, scored: list[Scored], temperature: float, rng: random.Random) -> Scored:

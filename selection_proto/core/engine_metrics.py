@@ -85,6 +85,11 @@ class EngineMetrics:
         kept = self._latest.get(worker_id)
         return None if kept is None or kept[1] is None else kept[1].get("kv_usage")
 
+    def hit_rate(self, worker_id: int) -> float | None:
+        """The prefix-cache hit rate the worker's engine last reported, if it reports one."""
+        kept = self._latest.get(worker_id)
+        return None if kept is None or kept[1] is None else kept[1].get("prefix_cache_hit_rate")
+
     def view(self, worker_id: int, now: float) -> dict[str, Any] | None:
         """What `/loads` shows of the worker's engine, or None before its first scrape."""
         kept = self._latest.get(worker_id)

@@ -44,7 +44,7 @@ from .routes import (
     route_of,
 )
 from .selection import SHUTTING_DOWN
-from .status import event, snapshot
+from .status import Fleet, View, event, fleet, snapshot, view_of
 from .types import (
     ObservedCache,
     OutputBlockRequest,
@@ -74,7 +74,7 @@ if TYPE_CHECKING:
     from .service_api import Service
 
 __all__ = ["DECISION_HEADER", "handle", "prepare_large_body", "select_and_reserve_parsed", "select_pd_and_reserve_parsed",
-           "status_event"]
+           "status_event", "status_fleet"]
 
 DECISION_HEADER: Final = "x-selection-decision"  # `explain_header`: why a selection chose its worker
 
@@ -522,25 +522,28 @@ def _h_status_page(service: Service, param: str | None, query: str, body: Body, 
                           ("cache-control", "no-store"), *PAGE_HEADERS), PAGE)
 
 
-def _status(service: Service, now: float) -> dict[str, Any]:
+def status_fleet(service: Service, now: float) -> Fleet:
+    """What every viewer's status snapshot is cut from (status.py): built once per interval by a
+    server that streams them."""
     ready, _ = service.readiness(now=now)
-    return snapshot(service.catalog.values(), service.pools, service.settings, service.engines, ready,
-                    service.serving(), now)
+    return fleet(service.catalog.values(), service.pools, service.settings, service.engines, ready,
+                 service.serving(), now)
 
 
-def status_event(service: Service, now: float) -> bytes:
-    """One server-sent event of the status snapshot: what `GET /status/events` streams."""
-    return event(_status(service, now))
+def status_event(service: Service, built: Fleet, view: View, now: float) -> bytes:
+    """One server-sent event of one viewer's status snapshot: what `GET /status/events` streams."""
+    return event(snapshot(built, view, service.settings, now))
 
 
 def _h_status(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
-    return json_response(200, _status(service, now))
+    view = view_of(query)
+    return json_response(200, snapshot(status_fleet(service, now), view, service.settings, now))
 
 
 def _h_status_events(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
     """One event: a server streams them (transports/status.py); without one, the page's EventSource
     asks again after `status.RETRY_MS` and the page still follows the fleet."""
-    data = status_event(service, now)
+    data = status_event(service, status_fleet(service, now), view_of(query), now)
     return Response(200, (("content-type", "text/event-stream"), ("content-length", str(len(data))),
                           ("cache-control", "no-store")), data)
 

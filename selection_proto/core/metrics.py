@@ -84,6 +84,30 @@ FAMILIES: Final[Mapping[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]
     "selection_proto_policy_disagreements_total": (
         "counter", "router_policy=ttft selections of a rank Dynamo's cost would not have chosen.",
         ("model_name", "tenant_id"), ()),
+    "selection_proto_prompt_tokens_total": (
+        "counter", "Prompt tokens of successful selections: what hit rates divide by.", ("model_name", "tenant_id"), ()),
+    "selection_proto_achieved_cached_tokens_total": (
+        "counter", "Cached tokens the chosen rank held of each prompt (predicted by the index).",
+        ("model_name", "tenant_id"), ()),
+    "selection_proto_achievable_cached_tokens_total": (
+        "counter", "Cached tokens the best-cached schedulable rank held of each prompt at the same moment.",
+        ("model_name", "tenant_id"), ()),
+    "selection_proto_cache_losses_total": (
+        "counter", "Selections whose rank held fewer cached tokens than the best-cached one, by why "
+        "(constraints, affinity, load, queue, sampling).", ("model_name", "tenant_id", "reason"), ()),
+    "selection_proto_lost_cached_tokens_total": (
+        "counter", "Achievable minus achieved cached tokens, by why.", ("model_name", "tenant_id", "reason"), ()),
+    "selection_proto_engine_prefix_cache_hit_rate": (
+        "gauge", "The prefix-cache hit rate a worker's engine reports at its metrics_endpoint (0-1).",
+        _WORKER_LABELS, ()),
+    "selection_proto_shadow_selections_total": (
+        "counter", "Selections the shadow policy scored without acting.", ("model_name", "tenant_id", "policy"), ()),
+    "selection_proto_shadow_disagreements_total": (
+        "counter", "Of them, those where it would have chosen another rank.", ("model_name", "tenant_id", "policy"),
+        ()),
+    "selection_proto_shadow_predicted_ttft_seconds_total": (
+        "counter", "Predicted seconds to first token of the rank each policy chose (choice: acting or shadow); "
+        "divide by the shadow's selections for the mean.", ("model_name", "tenant_id", "choice"), ()),
     "selection_proto_reservations_active": ("gauge", "Live bookings.", ("model_name", "tenant_id"), ()),
     "selection_proto_pd_plans_total": ("counter", "Prefill/decode plans answered, by route, path (local, remote) "
                                        "and decider (docs/PD.md).",
@@ -200,6 +224,8 @@ class _Histogram:
 
 
 MAX_FAIRNESS_LABELS: Final = 100
+_CACHE_TOTALS: Final = {"selection_proto_prompt_tokens_total": 0, "selection_proto_achieved_cached_tokens_total": 1,
+                        "selection_proto_achievable_cached_tokens_total": 2}
 
 
 class Metrics:
@@ -209,6 +235,9 @@ class Metrics:
         self._values: dict[str, dict[Labels, float]] = {}
         self._histograms: dict[str, dict[Labels, _Histogram]] = {}
         self._fairness_labels: set[str] = {""}
+        # key -> [prompt, achieved, achievable] tokens: added to on every selection, so kept apart
+        # from the general samples (one lookup) and rendered as the `_CACHE_TOTALS` families.
+        self._cache_totals: dict[Labels, list[float]] = {}
 
     def _family(self, name: str, labels: Labels) -> tuple[str, str, tuple[str, ...], tuple[float, ...]]:
         family = FAMILIES.get(name)
@@ -276,6 +305,27 @@ class Metrics:
         if policy_differs:
             self.inc("selection_proto_policy_disagreements_total", key)
 
+    def achieved(self, key: Labels, prompt_tokens: int, achieved: int, achievable: int, loss: str | None) -> None:
+        """A selection's cached tokens against the best-cached rank's, and why it got fewer (outcomes.py)."""
+        totals = self._cache_totals.get(key)
+        if totals is None:
+            totals = self._cache_totals[key] = [0.0, 0.0, 0.0]
+        totals[0] += prompt_tokens
+        totals[1] += achieved
+        totals[2] += achievable
+        if loss is not None:
+            self.inc("selection_proto_cache_losses_total", (*key, loss))
+            self.inc("selection_proto_lost_cached_tokens_total", (*key, loss), achievable - achieved)
+
+    def shadowed(self, key: Labels, policy: str, disagrees: bool, acting_ttft: float, shadow_ttft: float) -> None:
+        """The shadow policy scored a selection: whether it would have chosen another rank, and the
+        predicted time to first token of each choice."""
+        self.inc("selection_proto_shadow_selections_total", (*key, policy))
+        if disagrees:
+            self.inc("selection_proto_shadow_disagreements_total", (*key, policy))
+        for choice, seconds in (("acting", acting_ttft), ("shadow", shadow_ttft)):
+            self.inc("selection_proto_shadow_predicted_ttft_seconds_total", (*key, choice), seconds)
+
     def booking(self, key: Labels, event: str, count: int = 1) -> None:
         """Bookings booked, freed, prefill_complete, expired or dropped."""
         self.inc("selection_proto_reservation_events_total", (*key, event), count)
@@ -332,6 +382,8 @@ class Metrics:
         self.inc("selection_proto_kv_observed_cached_tokens_total", labels, observed)
 
     def value(self, name: str, labels: Labels = ()) -> float:
+        if name in _CACHE_TOTALS:
+            return self._cache_totals.get(labels, [0.0, 0.0, 0.0])[_CACHE_TOTALS[name]]
         return self._values.get(name, {}).get(labels, 0.0)
 
     def render(self, state_gauges: Mapping[str, Mapping[Labels, float]]) -> str:
@@ -352,6 +404,8 @@ class Metrics:
                 continue
             samples = dict(self._values.get(name, {}))
             samples.update(state_gauges.get(name, {}))
+            if name in _CACHE_TOTALS:
+                samples.update((key, totals[_CACHE_TOTALS[name]]) for key, totals in self._cache_totals.items())
             for labels, v in sorted(samples.items()):
                 lines.append(f"{name}{_labels(label_names, labels)} {float(v)!r}")
         return "\n".join(lines) + "\n"

@@ -137,9 +137,11 @@ _ANSWERS: Final[dict[str, dict[str, Any]]] = {
         "released": {"type": "array", "items": {"enum": ["prefill", "decode", "decode_prefill"]}}},
         "required": ["status", "plan_id", "released"]},
     "OpenApi": {"type": "object"},
-    "Status": {"type": "object", "description": "docs/STATUS.md: version, ready, serving, policy, kv_events, "
-                                                "workers, queues, decisions.",
-               "required": ["version", "ready", "serving", "workers", "queues", "decisions"]},
+    "Status": {"type": "object", "description": "docs/STATUS.md: version, ready, serving, policy, shadow_policy, "
+                                                "kv_events, summary, keys, workers (worst first, at most 100 of "
+                                                "workers_matched), filter, detail, decisions.",
+               "required": ["version", "ready", "serving", "summary", "keys", "workers", "workers_matched", "filter",
+                            "detail", "decisions"]},
 }
 _ANSWER_OF: Final[dict[str, tuple[str, str]]] = {  # operation -> (schema, media type)
     "health": ("StatusOk", "application/json"), "ready": ("ReadyResponse", "application/json"),

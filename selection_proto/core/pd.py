@@ -269,7 +269,7 @@ class Plans:
             self._metrics.selected(pool.key, chosen.cached / prompt.isl if prompt.isl > 0 else None,
                                    chosen.device < max(c.device for c in scored))
             pool.recent.append(Decision.of(now, prompt.isl, chosen, scored, lowest is not None, (
-                verdict.path, None if prefill is None else prefill.rank, verdict.reason)))
+                verdict.path, None if prefill is None else prefill.rank, verdict.reason), request_id=plan_id))
             response = self._response(req, pool, plan_id, verdict, chosen, prefill, booked, prompt.isl)
             if req.explain:
                 response = attrs.evolve(response, candidates=explain(scored, lowest is not None),

@@ -19,6 +19,7 @@ from .engine import NamespaceMemory
 from .errors import NotFound
 from .freshness import RankFreshness
 from .index import DeviceTree, Rank
+from .outcomes import Recent
 from .predictions import Predictions
 from .prefill_ends import PrefillEnds
 from .sessions import SessionTable
@@ -53,7 +54,7 @@ class Pool:
 
     __slots__ = ("key", "label", "block_size", "eagle", "speeds", "index", "tracker", "fresh", "memory", "epoch",
                  "workers", "taints", "prefill_only", "queue", "_ranks", "budget", "sessions", "side", "predictions",
-                 "watch", "recent", "prefill_ends")
+                 "watch", "recent", "prefill_ends", "outcomes")
 
     def __init__(self, key: Key, block_size: int, now: float, settings: Settings,
                  budget: StateBudget) -> None:
@@ -61,7 +62,8 @@ class Pool:
         self.label = key_label(key)
         self.block_size = block_size
         self.eagle = False  # its workers' `is_eagle`: prompts that do not say use eagle windows
-        self.speeds = Speeds(learn=settings.router_policy == "ttft")  # what router_policy=ttft reads
+        self.speeds = Speeds(learn=settings.router_policy == "ttft",  # what router_policy=ttft reads
+                             shadow=Speeds(learn=True) if settings.shadow_policy == "ttft" else None)
         self.index = KeyIndex()
         self.budget = budget
         self.tracker = Tracker(settings.max_reservations_per_key, self.label, budget)
@@ -88,6 +90,7 @@ class Pool:
         self.prefill_ends = PrefillEnds()  # bookings whose prefill's end is read from events
         self._ranks: list[Rank] | None = None
         self.recent: deque[Decision] = deque(maxlen=RECENT_DECISIONS)  # for the status page (status.py)
+        self.outcomes = Recent(now)  # its last minute of selections, for the status page
 
     def ranks(self) -> list[Rank]:
         """Schedulable ranks sorted by (worker_id, dp_rank)."""

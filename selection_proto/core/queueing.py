@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
@@ -35,6 +35,7 @@ from .errors import Internal, NotReady, SelectionError, TooManyRequests
 from .index import Rank
 from .limits import Limits
 from .metrics import Metrics
+from .outcomes import ERRORS, REFUSALS
 from .outputs import OutputEvent, SelectionReady
 from .pool import Key, Pool
 from .prompt import PromptHashes
@@ -44,6 +45,10 @@ from .types import SelectAndReserveRequest, SelectRequest
 from .wire import error_response, json_response
 
 __all__ = ["Admission", "Selection"]
+
+# What the live page counts of a selection's outcome: refusals say "not now" (backpressure, no
+# worker, the queue's timeout); other errors are the request's own.
+_REFUSALS: Final = frozenset({429, 503, 529})
 
 
 @attrs.define(slots=True)
@@ -80,6 +85,13 @@ class Admission:
     if TYPE_CHECKING:
         def _finish(self, sel: Selection, now: float) -> SelectResponse: ...
         def _retry(self, pool: Pool, entry: QueuedSelection, now: float) -> Selection | None: ...
+
+    def _outcome(self, key: Key, route: str, status: int, now: float) -> None:
+        """A selection's final outcome: counted, and in its key's last minute (outcomes.py)."""
+        self._metrics.selection(key, route, status)
+        pool = self._pools.get(key)
+        if pool is not None and status != 200:  # a selection is counted where it is made (selection.py)
+            pool.outcomes.ended(now, REFUSALS if status in _REFUSALS else ERRORS)
 
     def _busy(self, pool: Pool, rank: Rank) -> bool:
         threshold = self._settings.queue_threshold
@@ -216,7 +228,7 @@ class Admission:
             response = error_response(result.status, result.message, extra)
         else:
             response = json_response(200, result.to_json())
-        self._metrics.selection(pool.key, route, response.status)
+        self._outcome(pool.key, route, response.status, now)
         self._metrics.queue(pool.key, outcome, now - entry.enqueued_at)
         self._metrics.flow(pool.key, entry.lane.policy_class, entry.lane.fairness_id, outcome, now - entry.enqueued_at)
         self._outbox.append(SelectionReady(entry.ticket, result, response))

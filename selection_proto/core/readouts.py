@@ -45,16 +45,20 @@ def with_verdict(record_json: bytes, verdict: dict[str, Any]) -> bytes:
 
 
 def gauges(records: Iterable[WorkerCatalogRecord], pools: Mapping[Key, Pool], budget: StateBudget,
-           pending: PendingSelections, settings: Settings, now: float) -> dict[str, Samples]:
+           pending: PendingSelections, settings: Settings, now: float,
+           engines: EngineMetrics | None = None) -> dict[str, Samples]:
     """The gauge families that mirror state, sampled now (api.md §5)."""
     lifecycles: Samples = {("incomplete",): 0.0, ("schedulable",): 0.0, ("unschedulable",): 0.0}
     verdicts: Samples = {}
+    hit_rates: Samples = {}
     for r in records:
         lifecycles[(r.lifecycle,)] = lifecycles.get((r.lifecycle,), 0.0) + 1
         if r.lifecycle == "schedulable":  # bounded by the worker limits
             state = kv_routing(r, pools, settings, now)["state"]
             for name in STATES:
                 verdicts[(*r.key, str(r.worker_id), name)] = 1.0 if name == state else 0.0
+        if engines is not None and (rate := engines.hit_rate(r.worker_id)) is not None:
+            hit_rates[(*r.key, str(r.worker_id))] = rate
     ranks: Samples = {}
     active: Samples = {}
     queued: Samples = {}
@@ -90,6 +94,7 @@ def gauges(records: Iterable[WorkerCatalogRecord], pools: Mapping[Key, Pool], bu
         "selection_proto_queue_pending": queued,
         "selection_proto_kv_stale_ranks": stale,
         "selection_proto_kv_routing_state": verdicts,
+        "selection_proto_engine_prefix_cache_hit_rate": hit_rates,
         "selection_proto_index_blocks": blocks,
         "selection_proto_state_bytes": {(): float(budget.used)},
         "selection_proto_state_budget_bytes": {(): float(budget.limit)},

@@ -20,8 +20,9 @@ from .types import (
     WorkerRequest,
 )
 
-__all__ = ["EVENT_QUERY", "KEY_QUERY", "MAX_BODY", "PUSH_QUERY", "ROUTES", "Route", "ParsedBody",
-           "MSGPACK_TYPES", "SMALL_BODY", "allowed_methods", "body_limit", "is_json", "match", "media_type", "path_parameter", "route_of"]
+__all__ = ["EVENT_QUERY", "KEY_QUERY", "MAX_BODY", "PUSH_QUERY", "ROUTES", "STATUS_QUERY", "Route", "ParsedBody",
+           "MSGPACK_TYPES", "SMALL_BODY", "allowed_methods", "body_limit", "is_json", "match", "media_type",
+           "path_parameter", "route_of"]
 
 MAX_BODY: Final = 8 * 1024 * 1024
 # What a free or a prefill_complete carries is `cached_tokens` at most: a body past this is refused
@@ -30,6 +31,7 @@ SMALL_BODY: Final = 16 * 1024
 KEY_QUERY: Final = ("model_name", "tenant_id", "routing_group")
 EVENT_QUERY: Final = ("worker_id", "dp_rank", *KEY_QUERY)
 PUSH_QUERY: Final = (*EVENT_QUERY, "framing", "ack", "resume")
+STATUS_QUERY: Final = ("q", "detail")  # the status page's filter and the worker shown in detail
 
 
 class Route(NamedTuple):
@@ -98,9 +100,10 @@ ROUTES: Final[tuple[Route, ...]] = (
     Route("GET", "/openapi.json", "openapi", False, None, (), (200,), "openapi", "This document."),
     Route("GET", "/dump", "dump", False, None, KEY_QUERY, (200, 400), "dump", "A replayable snapshot of catalog and index."),
     Route("GET", "/status", "status_page", False, None, (), (200,), None, "The live status page (HTML)."),
-    Route("GET", "/status/snapshot", "status", False, None, (), (200,), "status",
-          "The fleet at a glance: each worker's state and load, the queues, the latest decisions."),
-    Route("GET", "/status/events", "status_events", False, None, (), (200, 503), None,
+    Route("GET", "/status/snapshot", "status", False, None, STATUS_QUERY, (200, 400), "status",
+          "The fleet at a glance: a summary, the workers worst first (filtered by q), one worker's ranks "
+          "(detail), the latest decisions."),
+    Route("GET", "/status/events", "status_events", False, None, STATUS_QUERY, (200, 400, 503), None,
           "The status snapshot as server-sent events, one a second while the client listens."),
 )
 

@@ -26,6 +26,7 @@ from .cost import (
     estimates,
     explain,
     score,
+    shadow_choice,
     tracks_prefill,
 )
 from .decisions import Decision, decision
@@ -45,6 +46,7 @@ from .index import Rank
 from .journal import Journal
 from .limits import Limits
 from .metrics import Metrics
+from .outcomes import achievable, best_cached, loss_reason
 from .outputs import Notice, OutputEvent
 from .pd import PlanResponse, Plans
 from .pending import MISSING, PendingSelection, PendingSelections, entry_size
@@ -128,9 +130,9 @@ class Selector(Admission, Plans):
                     raise self._refuse(sel.pool, lane, "deadline", late.message, late.retry_after)
             result = self._finish(sel, now)
         except SelectionError as exc:
-            self._metrics.selection(key, route, exc.status)
+            self._outcome(key, route, exc.status, now)
             raise
-        self._metrics.selection(key, route, 200)
+        self._outcome(key, route, 200, now)
         return result
 
     def plan(self, req: SelectPdRequest, now: float) -> PlanResponse:
@@ -306,7 +308,31 @@ class Selector(Admission, Plans):
         differs = lowest is not None and chosen.dynamo_logit > lowest  # Dynamo's cost would choose otherwise
         self._metrics.selected(pool.key, chosen.cached / prompt.isl if prompt.isl > 0 else None,
                                chosen.device < max(map(DEVICE, scored)), differs)
-        pool.recent.append(Decision.of(now, prompt.isl, chosen, scored, lowest is not None))
+        s, (device, host, disk) = self._settings, sel.found
+        bs, allowed = pool.block_size, req.allowed_worker_ids  # 1.6.1 matches the prompt against the allowed workers only
+        weights = (s.host_cache_hit_weight, s.disk_cache_hit_weight)
+        if host or disk or allowed is not None:
+            most = achievable(device, host, disk, bs, *weights)
+            longest = max((device.get(r, 0) + host.get(r, 0) + disk.get(r, 0)
+                           for r in {*device, *host, *disk} if allowed is None or r[0] in allowed), default=0)
+        else:  # the common case: device blocks only
+            longest = max(device.values(), default=0)
+            most = longest * bs
+        loss = None
+        if chosen.cached < most:
+            loss = loss_reason(chosen, scored, sel.excluded, best_cached(device, host, disk, bs, *weights),
+                               most, sel.queued_secs > 0)
+        self._metrics.achieved(pool.key, prompt.isl, chosen.cached, most, loss)
+        pool.outcomes.selected(now, prompt.isl, chosen.cached, most, loss)
+        shadow = None
+        if s.shadow_policy is not None:
+            shadow = shadow_choice(scored, chosen)
+            acting_ttft, shadow_ttft = chosen.wait + chosen.prefill, shadow.wait + shadow.prefill
+            self._metrics.shadowed(pool.key, s.shadow_policy, shadow.rank != chosen.rank, acting_ttft, shadow_ttft)
+            pool.outcomes.shadowed(now, shadow.rank != chosen.rank, acting_ttft, shadow_ttft)
+        request_id = sel.rid if sel.rid is not None else req.selection_id
+        pool.recent.append(Decision.of(now, prompt.isl, chosen, scored, lowest is not None, request_id=request_id,
+                                       achievable=most, loss=loss, shadow=shadow))
         if self.log_decisions:
             self._outbox.append(Notice("selection", (
                 ("model_name", req.model_name), ("tenant_id", req.tenant_id), ("worker_id", chosen.rank[0]),
@@ -314,13 +340,7 @@ class Selector(Admission, Plans):
                 ("isl_tokens", prompt.isl), ("candidates", len(scored)), ("excluded", len(sel.excluded)),
                 ("booked", sel.rid), ("session", sel.session)), "debug"))
         record = self._catalog[chosen.rank[0]].request
-        bs, (device, host, disk), worker = pool.block_size, sel.found, chosen.rank[0]
-        allowed = req.allowed_worker_ids  # 1.6.1 matches the prompt against the allowed workers only
-        if host or disk or allowed is not None:
-            longest = max((device.get(r, 0) + host.get(r, 0) + disk.get(r, 0)
-                           for r in {*device, *host, *disk} if allowed is None or r[0] in allowed), default=0)
-        else:  # the common case: device blocks only
-            longest = max(device.values(), default=0)
+        worker = chosen.rank[0]
         ranks = pool.workers[worker]
         overlap = Overlap(longest_matched=longest * bs, gpu=chosen.device * bs,
                           dp={str(chosen.rank[1]): chosen.device * bs} if len(ranks) == 1 else

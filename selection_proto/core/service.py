@@ -444,7 +444,7 @@ class SelectionService:
         if self.ledger is not None:
             self.ledger.report()
         return self.metrics.render(gauges(self.catalog.values(), self._pools, self.budget,
-                                          self._selector.pending, self.settings, now))
+                                          self._selector.pending, self.settings, now, self.engines))
 
     # -- bytes ---------------------------------------------------------------------------------
 

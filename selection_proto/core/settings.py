@@ -46,6 +46,7 @@ class Settings:
     disk_cache_hit_weight: float = 0.25
     temperature: float = 0.0
     router_policy: RouterPolicy = "dynamo"  # ttft: the least predicted time to first token (cost.py)
+    shadow_policy: RouterPolicy | None = None  # scores every selection beside router_policy, never acting
     track_active_blocks: bool = True
     assume_kv_reuse: bool = True
     track_prefill_tokens: bool = True
@@ -102,6 +103,10 @@ class Settings:
         _check("queue_policy", self.queue_policy in ("fcfs", "lcfs", "wspt"),
                "must be one of fcfs, lcfs, wspt")
         _check("router_policy", self.router_policy in ("dynamo", "ttft"), "must be one of dynamo, ttft")
+        if self.shadow_policy is not None:
+            _check("shadow_policy", self.shadow_policy in ("dynamo", "ttft"), "must be one of dynamo, ttft")
+            _check("shadow_policy", self.shadow_policy != self.router_policy,
+                   f"must differ from router_policy ({self.router_policy}): it scores what the other would choose")
         if self.overlap_score_credit is not None:
             _check("overlap_score_credit",
                    _is_number(self.overlap_score_credit) and 0 <= self.overlap_score_credit <= 1,

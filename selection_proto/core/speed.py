@@ -39,11 +39,14 @@ class Speeds:
     """One pool's workers: `of` is what the cost reads (worker -> `worker_speed`, learned ones
     scaled); `observe`, `stopped` and `completed` are fed by the bookings when `learn` is on."""
 
-    __slots__ = ("of", "learn", "_declared", "_busy", "_done", "_since", "_unread", "_started", "_rate")
+    __slots__ = ("of", "learn", "shadow", "_declared", "_busy", "_done", "_since", "_unread", "_started", "_rate")
 
-    def __init__(self, learn: bool) -> None:
+    def __init__(self, learn: bool, shadow: Speeds | None = None) -> None:
         self.of: dict[int, tuple[float, int]] = {}
         self.learn = learn
+        # A shadow policy's own speeds, fed the same calls: what the acting cost reads stays as
+        # it would be without a shadow (docs/STATUS.md, "The shadow policy").
+        self.shadow = shadow
         self._declared: set[int] = set()
         self._busy: dict[int, float] = {}  # worker -> rank-seconds with prefill booked
         self._done: dict[int, int] = {}  # worker -> prefill tokens completed
@@ -56,6 +59,8 @@ class Speeds:
 
     def set(self, worker_id: int, prefill_tokens_per_sec: float | None, total_kv_blocks: int | None) -> None:
         """The worker joined or its record changed."""
+        if self.shadow is not None:
+            self.shadow.set(worker_id, prefill_tokens_per_sec, total_kv_blocks)
         per_token, kv_blocks = worker_speed(prefill_tokens_per_sec, total_kv_blocks)
         if prefill_tokens_per_sec:
             self._declared.add(worker_id)
@@ -66,6 +71,8 @@ class Speeds:
 
     def forget(self, worker_id: int) -> None:
         """The worker left: what was learned of it goes too (it may come back another engine)."""
+        if self.shadow is not None:
+            self.shadow.forget(worker_id)
         self.of.pop(worker_id, None)
         self._declared.discard(worker_id)
         self._busy.pop(worker_id, None)
@@ -77,6 +84,8 @@ class Speeds:
 
     def observe(self, rank: Rank, booked_prefill: int, now: float) -> None:
         """Called before the rank's booked prefill changes, with what it was until `now`."""
+        if self.shadow is not None:
+            self.shadow.observe(rank, booked_prefill, now)
         if not self.learn:
             return
         since = self._since.get(rank)
@@ -105,6 +114,8 @@ class Speeds:
 
     def completed(self, worker_id: int, prefill_tokens: int) -> None:
         """A booking on the worker finished its prefill: the learned speeds move."""
+        if self.shadow is not None:
+            self.shadow.completed(worker_id, prefill_tokens)
         if not self.learn or prefill_tokens <= 0:
             return
         self._done[worker_id] = self._done.get(worker_id, 0) + prefill_tokens

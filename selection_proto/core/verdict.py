@@ -25,11 +25,19 @@ from typing import Any, Final
 from .freshness import RankFreshness
 from .tracker import Booking
 
-__all__ = ["MIN_OBSERVATIONS", "MISS_RATIO", "RECENT", "RankWatch", "STATES", "judge", "not_schedulable",
-           "visible_cached"]
+__all__ = ["MIN_OBSERVATIONS", "MISS_RATIO", "ORDER", "RECENT", "SEVERITY", "SEVERITY_ORDER", "STATES", "RankWatch",
+           "judge", "not_schedulable", "visible_cached"]
 
 STATES: Final = ("ok", "waiting", "no_events", "block_size_mismatch", "stale", "misses")
-_SEVERITY: Final = {"block_size_mismatch": 5, "stale": 4, "misses": 3, "no_events": 2, "waiting": 1, "ok": 0}
+# Which state a worker shows when several hold (the table above, worst first).
+ORDER: Final = {"block_size_mismatch": 5, "stale": 4, "misses": 3, "no_events": 2, "waiting": 1, "ok": 0}
+# How urgent each state is: the one scale of the status page's colours, the alert rules'
+# `severity` label (deploy/prometheus/alerts.yaml) and docs/VERDICT.md. `critical`: KV routing is
+# off for the worker (nothing of its engine's cache reaches the index); `warning`: it routes on a
+# picture that may be wrong; `info`: nothing to judge yet.
+SEVERITY: Final = {"block_size_mismatch": "critical", "no_events": "critical", "stale": "warning",
+                   "misses": "warning", "waiting": "info", "ok": "ok"}
+SEVERITY_ORDER: Final = {"ok": 0, "info": 1, "warning": 2, "critical": 3}
 _RECOVERING: Final = 1.5  # stale awaiting its next batch: below no_events, so an engine gone for good says so
 RECENT: Final = 32  # observations with a prediction kept per rank for `misses`
 MIN_OBSERVATIONS: Final = 5  # of them, before `misses` may be said
@@ -102,7 +110,7 @@ class RankWatch:
         """This rank's state and the reasons behind it (every finding, worst first)."""
         found: list[tuple[float, str, str]] = []  # (severity, state, reason)
         if self.engine_block_size is not None and self.engine_block_size != block_size:
-            found.append((_SEVERITY["block_size_mismatch"], "block_size_mismatch", (
+            found.append((ORDER["block_size_mismatch"], "block_size_mismatch", (
                 f"the engine stores blocks of {self.engine_block_size} tokens but the worker record says "
                 f"block_size {block_size}: {self.mismatched} stored events were dropped; register the "
                 f"worker with block_size {self.engine_block_size}")))
@@ -111,19 +119,18 @@ class RankWatch:
                 "the engine restarted or its event stream dropped: the index forgot what it held for it, "
                 "and trusts it again once its next events follow in order")))
         elif fresh.stale:
-            found.append((_SEVERITY["stale"], "stale", (
+            found.append((ORDER["stale"], "stale", (
                 "KV events were lost (a gap the engine could not replay, a stream lost without proof of "
                 "continuity, or stores over the state budget): the index may be wrong for this worker "
                 "until its engine clears its cache or restarts")))
-        predicted = sum(p for p, _ in self.recent)
-        observed = sum(o for _, o in self.recent)
-        if len(self.recent) >= MIN_OBSERVATIONS and observed < MISS_RATIO * predicted:
-            found.append((_SEVERITY["misses"], "misses", (
+        if len(self.recent) >= MIN_OBSERVATIONS and (
+                (observed := sum(o for _, o in self.recent)) < MISS_RATIO * (predicted := sum(p for p, _ in self.recent))):
+            found.append((ORDER["misses"], "misses", (
                 f"over the last {len(self.recent)} observed requests the engine found {observed} of "
                 f"{predicted} predicted cached tokens: is prefix caching on in the engine, and do the "
                 "router and the engine tokenize alike (tokenizer, chat template, BOS)?")))
         if events_expected and self.awaiting_since is not None and now - self.awaiting_since >= window:
-            found.append((_SEVERITY["no_events"], "no_events", (
+            found.append((ORDER["no_events"], "no_events", (
                 f"{self.awaiting_bookings} bookings with new blocks and no KV event in "
                 f"{now - self.awaiting_since:.0f} s: is the engine running and publishing to the worker's "
                 "kv_events_endpoint, with prefix caching and KV events enabled?")))
@@ -138,29 +145,37 @@ class RankWatch:
 def judge(watches: list[tuple[int, RankWatch, RankFreshness]], block_size: int, events_expected: bool,
           window: float, now: float) -> dict[str, Any]:
     """A worker's `kv_routing` from its ranks' (dp_rank, watch, freshness): its worst rank's state."""
+    # One pass: a status snapshot judges every worker of the fleet each second.
     state, reasons = "ok", []
+    several = len(watches) > 1
+    events = restarts = predicted = observed = observations = 0
+    last: float | None = None
+    size: int | None = None
     for dp_rank, watch, fresh in watches:
         rank_state, rank_reasons = watch.state(fresh, block_size, events_expected, window, now)
-        if len(watches) > 1:
-            rank_reasons = [f"dp_rank {dp_rank}: {r}" for r in rank_reasons]
-        if _SEVERITY[rank_state] > _SEVERITY[state]:
+        if ORDER[rank_state] > ORDER[state]:
             state = rank_state
         if rank_state != "ok":
-            reasons.extend(rank_reasons)
-    if state == "ok":
-        reasons = []
-    last = [w.last_event_at for _, w, _ in watches if w.last_event_at is not None]
-    sizes = [w.engine_block_size for _, w, _ in watches if w.engine_block_size is not None]
+            reasons.extend([f"dp_rank {dp_rank}: {r}" for r in rank_reasons] if several else rank_reasons)
+        events += watch.events
+        restarts += fresh.restarts
+        predicted += watch.predicted
+        observed += watch.observed
+        observations += watch.observations
+        if watch.last_event_at is not None and (last is None or watch.last_event_at > last):
+            last = watch.last_event_at
+        if watch.engine_block_size is not None:
+            size = watch.engine_block_size
     return {
         "state": state,
-        "reasons": reasons,
-        "events_total": sum(w.events for _, w, _ in watches),
-        "last_event_age_secs": max(0.0, now - max(last)) if last else None,
-        "engine_block_size": sizes[-1] if sizes else None,
-        "restarts": sum(f.restarts for _, _, f in watches),
-        "predicted_cached_tokens": sum(w.predicted for _, w, _ in watches),
-        "observed_cached_tokens": sum(w.observed for _, w, _ in watches),
-        "observations": sum(w.observations for _, w, _ in watches),
+        "reasons": reasons if state != "ok" else [],
+        "events_total": events,
+        "last_event_age_secs": max(0.0, now - last) if last is not None else None,
+        "engine_block_size": size,
+        "restarts": restarts,
+        "predicted_cached_tokens": predicted,
+        "observed_cached_tokens": observed,
+        "observations": observations,
     }
 
 

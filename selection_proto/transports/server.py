@@ -344,7 +344,7 @@ class _Server:
                 if parsed is not None:
                     await anyio.to_thread.run_sync(parsed.release)
             if conn.feed_requested:
-                await self.status_feeds.serve(conn, partial(self.send, stream), lambda: self.draining)
+                await self.status_feeds.serve(conn, stream, partial(self.send, stream), lambda: self.draining)
                 return
             if conn.pending_ticket is not None:
                 self.waiting[conn.pending_ticket] = (conn, stream, lock)
