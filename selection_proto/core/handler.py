@@ -44,7 +44,7 @@ from .routes import (
     route_of,
 )
 from .selection import SHUTTING_DOWN
-from .status import Fleet, View, event, fleet, snapshot, view_of
+from .status_answers import status_answer, status_events_answer, status_page_answer
 from .types import (
     ObservedCache,
     OutputBlockRequest,
@@ -73,8 +73,7 @@ if TYPE_CHECKING:
     from .pd import PlanResponse
     from .service_api import Service
 
-__all__ = ["DECISION_HEADER", "handle", "prepare_large_body", "select_and_reserve_parsed", "select_pd_and_reserve_parsed",
-           "status_event", "status_fleet"]
+__all__ = ["DECISION_HEADER", "handle", "prepare_large_body", "select_and_reserve_parsed", "select_pd_and_reserve_parsed"]
 
 DECISION_HEADER: Final = "x-selection-decision"  # `explain_header`: why a selection chose its worker
 
@@ -515,39 +514,6 @@ def _h_dump(service: Service, param: str | None, query: str, body: Body, now: fl
         return json_response(200, service.dump(params.get("model_name"), params.get("tenant_id")))
 
 
-def _h_status_page(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
-    from .status_page import PAGE, PAGE_HEADERS
-
-    return Response(200, (("content-type", "text/html; charset=utf-8"), ("content-length", str(len(PAGE))),
-                          ("cache-control", "no-store"), *PAGE_HEADERS), PAGE)
-
-
-def status_fleet(service: Service, now: float) -> Fleet:
-    """What every viewer's status snapshot is cut from (status.py): built once per interval by a
-    server that streams them."""
-    ready, _ = service.readiness(now=now)
-    return fleet(service.catalog.values(), service.pools, service.settings, service.engines, ready,
-                 service.serving(), now)
-
-
-def status_event(service: Service, built: Fleet, view: View, now: float) -> bytes:
-    """One server-sent event of one viewer's status snapshot: what `GET /status/events` streams."""
-    return event(snapshot(built, view, service.settings, now))
-
-
-def _h_status(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
-    view = view_of(query)
-    return json_response(200, snapshot(status_fleet(service, now), view, service.settings, now))
-
-
-def _h_status_events(service: Service, param: str | None, query: str, body: Body, now: float) -> Response:
-    """One event: a server streams them (transports/status.py); without one, the page's EventSource
-    asks again after `status.RETRY_MS` and the page still follows the fleet."""
-    data = status_event(service, status_fleet(service, now), view_of(query), now)
-    return Response(200, (("content-type", "text/event-stream"), ("content-length", str(len(data))),
-                          ("cache-control", "no-store")), data)
-
-
 # route operation (routes.ROUTES) -> its handler
 _HANDLERS: Final[dict[str, Callable[..., Response | Pending]]] = {
     "health": _h_health,
@@ -576,7 +542,7 @@ _HANDLERS: Final[dict[str, Callable[..., Response | Pending]]] = {
     "metrics": _h_metrics,
     "openapi": _h_openapi,
     "dump": _h_dump,
-    "status_page": _h_status_page,
-    "status": _h_status,
-    "status_events": _h_status_events,
+    "status_page": status_page_answer,
+    "status": status_answer,
+    "status_events": status_events_answer,
 }

@@ -26,7 +26,6 @@ from .cost import (
     estimates,
     explain,
     score,
-    shadow_choice,
     tracks_prefill,
 )
 from .decisions import Decision, decision
@@ -46,11 +45,12 @@ from .index import Rank
 from .journal import Journal
 from .limits import Limits
 from .metrics import Metrics
-from .outcomes import achievable, best_cached, loss_reason
+from .outcomes import account, shadowed
 from .outputs import Notice, OutputEvent
 from .pd import PlanResponse, Plans
 from .pending import MISSING, PendingSelection, PendingSelections, entry_size
 from .pool import Key, Pool, holding, key_label
+from .prefill_ends import PrefillReading
 from .prompt import PromptHashes
 from .queueing import Admission, Selection
 from .responses import Excluded, Overlap, Pending, ReservationResponse, SelectResponse
@@ -71,7 +71,7 @@ SHUTTING_DOWN: Final = "selection service is shutting down"
 NO_CAPACITY: Final = 10_000_000  # 1.6.1's prefill capacity of a worker without max_num_batched_tokens
 
 
-class Selector(Admission, Plans):
+class Selector(Admission, Plans, PrefillReading):
     """Selections, bookings, prefill/decode plans and the admission queue of every pool."""
 
     __slots__ = ("_settings", "_rng", "_metrics", "_limits", "_catalog", "_pools", "_tickets",
@@ -308,28 +308,11 @@ class Selector(Admission, Plans):
         differs = lowest is not None and chosen.dynamo_logit > lowest  # Dynamo's cost would choose otherwise
         self._metrics.selected(pool.key, chosen.cached / prompt.isl if prompt.isl > 0 else None,
                                chosen.device < max(map(DEVICE, scored)), differs)
-        s, (device, host, disk) = self._settings, sel.found
-        bs, allowed = pool.block_size, req.allowed_worker_ids  # 1.6.1 matches the prompt against the allowed workers only
-        weights = (s.host_cache_hit_weight, s.disk_cache_hit_weight)
-        if host or disk or allowed is not None:
-            most = achievable(device, host, disk, bs, *weights)
-            longest = max((device.get(r, 0) + host.get(r, 0) + disk.get(r, 0)
-                           for r in {*device, *host, *disk} if allowed is None or r[0] in allowed), default=0)
-        else:  # the common case: device blocks only
-            longest = max(device.values(), default=0)
-            most = longest * bs
-        loss = None
-        if chosen.cached < most:
-            loss = loss_reason(chosen, scored, sel.excluded, best_cached(device, host, disk, bs, *weights),
-                               most, sel.queued_secs > 0)
-        self._metrics.achieved(pool.key, prompt.isl, chosen.cached, most, loss)
-        pool.outcomes.selected(now, prompt.isl, chosen.cached, most, loss)
+        device, bs = sel.found[0], pool.block_size
+        longest, most, loss = account(self._metrics, pool, sel, chosen, scored, self._settings, now)
         shadow = None
-        if s.shadow_policy is not None:
-            shadow = shadow_choice(scored, chosen)
-            acting_ttft, shadow_ttft = chosen.wait + chosen.prefill, shadow.wait + shadow.prefill
-            self._metrics.shadowed(pool.key, s.shadow_policy, shadow.rank != chosen.rank, acting_ttft, shadow_ttft)
-            pool.outcomes.shadowed(now, shadow.rank != chosen.rank, acting_ttft, shadow_ttft)
+        if self._settings.shadow_policy is not None:
+            shadow = shadowed(self._metrics, pool, self._settings.shadow_policy, scored, chosen, now)
         request_id = sel.rid if sel.rid is not None else req.selection_id
         pool.recent.append(Decision.of(now, prompt.isl, chosen, scored, lowest is not None, request_id=request_id,
                                        achievable=most, loss=loss, shadow=shadow))
@@ -447,62 +430,6 @@ class Selector(Admission, Plans):
                     piece()  # a queued selection's: the next one this dispatch runs must see them
                 else:
                     self._deferred.add(piece)  # after the answer is written (deferred.py): no answer reads them
-
-    @property
-    def _reads_prefill_ends(self) -> bool:
-        """Whether a booking's prefill ends when its engine stores its prompt (router_policy=ttft,
-        with events feeding the index; docs/ROUTING.md "When a prefill ends"). Dynamo's policy
-        keeps 1.6.1's bookings exactly."""
-        s = self._settings
-        return s.router_policy == "ttft" and s.kv_events in ("push", "subscribe")
-
-    def _watch_prefill(self, pool: Pool, booking: Booking, prompt: PromptHashes, device_blocks: int | None,
-                       now: float) -> None:
-        """Wait for the engine to store the prompt's full blocks (an engine never stores a partial
-        one, which a client may name); a prompt the rank's index already holds whole, or without a
-        full block, has nothing new to store: it ends with the prefills booked ahead of it, at
-        once when there are none."""
-        full = min(len(prompt.blocks), prompt.isl // pool.block_size)
-        blocks = prompt.blocks if full == len(prompt.blocks) else prompt.blocks[:full]
-        if blocks and device_blocks is None:
-            device_blocks = pool.index.device.find(blocks)[0].get(booking.rank, 0)
-        if blocks and device_blocks is not None and device_blocks < full:
-            pool.prefill_ends.watch(booking, blocks)
-        elif not pool.prefill_ends.follow(booking):
-            self._end_prefill(pool, booking, now, learn=False)
-
-    def prefills_ended(self, pool: Pool, bookings: list[Booking], now: float) -> None:
-        """Their engine stored their prompts (ingest.py): their prefill ended; queued selections
-        may run once the events are applied."""
-        for booking in bookings:
-            self._end_prefill(pool, booking, now, learn=True)
-        self._end_followers(pool, now)
-        if pool.queue:
-            self._deferred.add(lambda: self.dispatch(pool if self._pools.get(pool.key) is pool else None, now))
-
-    def _end_prefill(self, pool: Pool, booking: Booking, now: float, learn: bool) -> None:
-        """What `prefill_complete` does to a booking whose prefill's end was read from events;
-        `learn`: its time teaches the worker's speed (not when it ended at booking)."""
-        if booking.prefill_done:  # its client told another replica first, and the ledger brought it
-            pool.prefill_ends.ended(booking)
-            return
-        pool.speeds.observe(booking.rank, pool.tracker.loads[booking.rank].prefill_tokens, now)
-        pool.speeds.stopped(booking.rank, booking.prefill_tokens)
-        if learn:
-            pool.speeds.completed(booking.rank[0], booking.prefill_tokens)
-        pool.tracker.prefill_complete(booking.rid)
-        pool.prefill_ends.ended(booking)
-        if self.journal is not None:
-            self.journal.prefilled(booking)
-        self._metrics.booking(pool.key, "prefill_inferred")
-
-    def _end_followers(self, pool: Pool, now: float) -> None:
-        """End the prefill of the bookings whose prefills ahead have all ended (each may free more)."""
-        ready = pool.prefill_ends.ready
-        while ready:
-            booking = ready.pop(0)
-            if pool.tracker.bookings.get(booking.rid) is booking and not booking.prefill_done:
-                self._end_prefill(pool, booking, now, learn=False)
 
     def reserve(self, req: ReservationRequest, now: float) -> ReservationResponse:
         """An explicit booking on `worker_id` (it discards a pending selection of the same id),

@@ -25,7 +25,6 @@ from ..core.metrics import CONNECTIONS, INTERNAL_ERRORS, LIMIT_REJECTIONS
 from ..core.outputs import CloseEventStream, InternalError, Notice, OutputEvent, SelectionReady
 from ..core.routes import media_type
 from ..core.service import SelectionService
-from ..core.streams import decode_or_error
 from ..core.wire import Response, error_response
 from .accepting import accept_forever, connection_budget
 from .config import LedgerOptions, ServerConfig, advertised_url
@@ -33,7 +32,8 @@ from .ledger import LedgerLink
 from .logs import log, log_internal_error
 from .peers import recover_from_peers
 from .process import ProcessMetrics
-from .pump import CHUNK, flush, receive
+from .pump import CHUNK, flush
+from .push_streams import GONE, PushStreams
 from .scrape import scrape_engines
 from .snapshots import Snapshots, dump_in_child
 from .status import StatusFeeds
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LedgerOptions", "ServerConfig", "serve"]
 
-_GONE = (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
+_GONE = GONE
 MAX_PENDING_BUFFER = 65536  # read on while a request is queued (pipelined ones), then wait for it
 # After answering a request whose body was not read (413, a refused upgrade...), read and
 # discard for this long before closing, so that the client is not reset before it reads it.
@@ -53,14 +53,13 @@ SEND_CHUNK = 1 << 20
 
 
 GIL_SWITCH_INTERVAL_SECS = 0.001
-WS_SLICE = 8192  # a WebSocket read: ~8 KiB of small events is a few ms of work (64 KiB held others ~30 ms)
 
 
 def _access_log(method: str, path: str, status: int, seconds: float) -> None:
     log("info", "access", method=method, path=path, status=status, ms=round(seconds * 1000, 3))
 
 
-class _Server:
+class _Server(PushStreams):
     def __init__(self, service: SelectionService, config: ServerConfig,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.service = service
@@ -349,81 +348,13 @@ class _Server:
             if conn.pending_ticket is not None:
                 self.waiting[conn.pending_ticket] = (conn, stream, lock)
             if conn.upgrade is not None:
-                await self._websocket(stream, conn, lock)
+                await self.push_stream(stream, conn, lock)
                 return
             await self.pump()
             if self.draining and not conn.busy:
                 return
         if conn.linger:
             await self._linger(stream)
-
-    async def _websocket(self, stream: anyio.abc.ByteStream, conn: HttpConnection,
-                         lock: anyio.Lock) -> None:
-        """The rest of an upgraded connection: one inbound KV-event push stream. It counts
-        against `max_connections` like the HTTP connection it was."""
-        assert conn.upgrade is not None
-        ws, target, trailing = conn.upgrade
-        self.ws_count += 1
-        self.connections.discard(conn)
-        self._report_connections()
-        self.service.observe(CONNECTIONS, ("websocket_in",), float(self.ws_count))
-        session: PushSession | None = None
-        try:
-            session = PushSession(self.service, self.clock, ws, target, trailing, self.in_flight)
-            if session.stream is not None:
-                self.ws_sessions[session.stream] = (session, stream, lock)
-            await flush(partial(self.send, stream), session, lock)
-            interval = self.config.ws_ping_interval_secs
-            while not session.closed:
-                data = await receive(stream, interval, WS_SLICE)  # a flood leaves others their turn
-                if data is None:
-                    if session.ping_outstanding:
-                        session.close(1011, "keepalive ping timeout")
-                    else:
-                        session.ping()
-                else:
-                    session.receive_data(data)
-                    await self._large_messages(session, stream, lock)
-                await flush(partial(self.send, stream), session, lock)
-                await self.pump()
-        except _GONE:
-            pass
-        except Exception:  # noqa: BLE001 - one stream's failure is confined to it
-            self.service.internal_error("websocket")
-            if session is not None:
-                try:
-                    session.close(1011, "internal error")
-                    with anyio.move_on_after(1.0):
-                        await flush(partial(self.send, stream), session, lock)
-                except Exception:  # noqa: BLE001, S110 - nothing more can be said on it
-                    pass
-        finally:
-            if session is not None:
-                try:
-                    session.connection_lost()
-                except Exception:  # noqa: BLE001
-                    self.service.internal_error("websocket")
-                if session.stream is not None:
-                    self.ws_sessions.pop(session.stream, None)
-                for sid, (other, _, _) in list(self.ws_sessions.items()):
-                    if other is session:
-                        del self.ws_sessions[sid]
-            self.ws_count -= 1
-            self.service.observe(CONNECTIONS, ("websocket_in",), float(self.ws_count))
-
-    async def _large_messages(self, session: PushSession, stream: anyio.abc.ByteStream,
-                              lock: anyio.Lock) -> None:
-        """Large messages are decoded in a worker thread (a pure function of their bytes) and
-        applied in slices, so that an 8 MB message of 70k events does not stall other clients.
-        The stream is not read meanwhile."""
-        while (message := session.next_large()) is not None:
-            decoded = await anyio.to_thread.run_sync(decode_or_error, message.data)
-            start: int | None = 0
-            while start is not None:
-                start = session.apply_slice(message, decoded, start)
-                await flush(partial(self.send, stream), session, lock)
-                await self.pump()
-                await anyio.sleep(0)
 
     async def _linger(self, stream: anyio.abc.ByteStream) -> None:
         """Half-close, then read and drop what the client still sends (bounded in time), so

@@ -15,9 +15,9 @@ from typing import Final
 import anyio.abc
 
 from ..adapters.http import HttpConnection
-from ..core.handler import status_event, status_fleet
 from ..core.service import SelectionService
 from ..core.status import Fleet, View
+from ..core.status_answers import status_event, status_fleet
 from .pump import flush, receive
 
 __all__ = ["BUSY_SHARE", "INTERVAL", "MAX_VIEWERS", "StatusFeeds"]

@@ -1,0 +1,114 @@
+"""The server's inbound KV-event push streams (transports.md §3): the rest of an upgraded
+connection, one `adapters.ws.PushSession` fed as the socket is read, a slice at a time, its large
+messages decoded in a worker thread and applied in slices, so that a flood or an 8 MB message
+leaves the server's other clients their turn."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Final
+
+import anyio
+import anyio.abc
+
+from ..adapters.http import HttpConnection
+from ..adapters.inflight import InFlight
+from ..adapters.ws import PushSession
+from ..core.metrics import CONNECTIONS
+from ..core.service import SelectionService
+from ..core.streams import decode_or_error
+from .config import ServerConfig
+from .pump import flush, receive
+
+__all__ = ["GONE", "PushStreams"]
+
+GONE: Final = (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
+WS_SLICE: Final = 8192  # a read: ~8 KiB of small events is a few ms of work (64 KiB held others ~30 ms)
+
+
+class PushStreams:
+    """The part of the server (`server._Server`, a mixin) that runs push streams; each counts
+    against `max_connections` like the HTTP connection it was."""
+
+    if TYPE_CHECKING:
+        service: SelectionService
+        clock: Callable[[], float]
+        config: ServerConfig
+        in_flight: InFlight
+        connections: set[HttpConnection]
+        ws_sessions: dict[int, tuple[PushSession, anyio.abc.ByteStream, anyio.Lock]]
+        ws_count: int
+
+        def _report_connections(self) -> None: ...
+        async def send(self, stream: anyio.abc.ByteStream, data: bytes) -> None: ...
+        async def pump(self, wake_timer: bool = True) -> None: ...
+
+    async def push_stream(self, stream: anyio.abc.ByteStream, conn: HttpConnection,
+                         lock: anyio.Lock) -> None:
+        """The rest of an upgraded connection: one inbound KV-event push stream. It counts
+        against `max_connections` like the HTTP connection it was."""
+        assert conn.upgrade is not None
+        ws, target, trailing = conn.upgrade
+        self.ws_count += 1
+        self.connections.discard(conn)
+        self._report_connections()
+        self.service.observe(CONNECTIONS, ("websocket_in",), float(self.ws_count))
+        session: PushSession | None = None
+        try:
+            session = PushSession(self.service, self.clock, ws, target, trailing, self.in_flight)
+            if session.stream is not None:
+                self.ws_sessions[session.stream] = (session, stream, lock)
+            await flush(partial(self.send, stream), session, lock)
+            interval = self.config.ws_ping_interval_secs
+            while not session.closed:
+                data = await receive(stream, interval, WS_SLICE)  # a flood leaves others their turn
+                if data is None:
+                    if session.ping_outstanding:
+                        session.close(1011, "keepalive ping timeout")
+                    else:
+                        session.ping()
+                else:
+                    session.receive_data(data)
+                    await self._large_messages(session, stream, lock)
+                await flush(partial(self.send, stream), session, lock)
+                await self.pump()
+        except GONE:
+            pass
+        except Exception:  # noqa: BLE001 - one stream's failure is confined to it
+            self.service.internal_error("websocket")
+            if session is not None:
+                try:
+                    session.close(1011, "internal error")
+                    with anyio.move_on_after(1.0):
+                        await flush(partial(self.send, stream), session, lock)
+                except Exception:  # noqa: BLE001, S110 - nothing more can be said on it
+                    pass
+        finally:
+            if session is not None:
+                try:
+                    session.connection_lost()
+                except Exception:  # noqa: BLE001
+                    self.service.internal_error("websocket")
+                if session.stream is not None:
+                    self.ws_sessions.pop(session.stream, None)
+                for sid, (other, _, _) in list(self.ws_sessions.items()):
+                    if other is session:
+                        del self.ws_sessions[sid]
+            self.ws_count -= 1
+            self.service.observe(CONNECTIONS, ("websocket_in",), float(self.ws_count))
+
+    async def _large_messages(self, session: PushSession, stream: anyio.abc.ByteStream,
+                              lock: anyio.Lock) -> None:
+        """Large messages are decoded in a worker thread (a pure function of their bytes) and
+        applied in slices, so that an 8 MB message of 70k events does not stall other clients.
+        The stream is not read meanwhile."""
+        while (message := session.next_large()) is not None:
+            decoded = await anyio.to_thread.run_sync(decode_or_error, message.data)
+            start: int | None = 0
+            while start is not None:
+                start = session.apply_slice(message, decoded, start)
+                await flush(partial(self.send, stream), session, lock)
+                await self.pump()
+                await anyio.sleep(0)
+
