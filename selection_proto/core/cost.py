@@ -33,7 +33,6 @@ __all__ = [
     "explain",
     "queue_secs",
     "score",
-    "shadow_choice",
     "tracks_prefill",
 ]
 
@@ -225,13 +224,6 @@ def queue_secs(state: Pool, c: Scored) -> float:
     drag = 1.0 + (DECODE_DRAG if c.decode_blocks >= kv_blocks else DECODE_DRAG * c.decode_blocks / kv_blocks)
     return active * drag * per_token
 
-
-def shadow_choice(scored: list[Scored], chosen: Scored) -> Scored:
-    """What the shadow policy would have chosen: `chosen` when it costs the shadow no more than its
-    least (a tie agrees), else its cheapest, ties to the lowest rank. No draw from the service's
-    random generator, so that the acting choices are the same with or without it."""
-    cheapest = min(scored, key=lambda c: (c.shadow, c.rank))
-    return chosen if chosen.shadow <= cheapest.shadow else cheapest
 
 
 def choose(state: Pool, scored: list[Scored], temperature: float, rng: random.Random) -> Scored:

@@ -12,7 +12,6 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Final
 
-from .cost import shadow_choice
 from .decisions import Scored
 from .index import Rank
 
@@ -23,7 +22,7 @@ if TYPE_CHECKING:
     from .settings import Settings
 
 __all__ = ["BUCKET_SECS", "ERRORS", "FIELDS", "REASONS", "REFUSALS", "SELECTIONS", "WINDOW_SECS", "Recent",
-           "account", "achievable", "best_cached", "loss_reason", "shadowed"]
+           "account", "achievable", "best_cached", "loss_reason", "shadow_choice", "shadowed"]
 
 # Why a selection got fewer cached tokens than the best-cached rank held, in the order they are
 # looked for (docs/STATUS.md says what each means and what to do about it).
@@ -171,8 +170,16 @@ def shadowed(metrics: Metrics, pool: Pool, policy: str, scored: Sequence[Scored]
              now: float) -> Scored:
     """What the shadow policy would have chosen, counted with both choices' predicted time to
     first token (docs/STATUS.md)."""
-    shadow = shadow_choice(list(scored), chosen)
+    shadow = shadow_choice(scored, chosen)
     acting_ttft, shadow_ttft = chosen.wait + chosen.prefill, shadow.wait + shadow.prefill
     metrics.shadowed(pool.key, policy, shadow.rank != chosen.rank, acting_ttft, shadow_ttft)
     pool.outcomes.shadowed(now, shadow.rank != chosen.rank, acting_ttft, shadow_ttft)
     return shadow
+
+
+def shadow_choice(scored: Sequence[Scored], chosen: Scored) -> Scored:
+    """What the shadow policy would have chosen: `chosen` when it costs the shadow no more than its
+    least (a tie agrees), else its cheapest, ties to the lowest rank. No draw from the service's
+    random generator, so that the acting choices are the same with or without it."""
+    cheapest = min(scored, key=lambda c: (c.shadow, c.rank))
+    return chosen if chosen.shadow <= cheapest.shadow else cheapest
