@@ -10,19 +10,13 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from .decisions import Scored
 from .index import Rank
 
-if TYPE_CHECKING:
-    from .metrics import Metrics
-    from .pool import Pool
-    from .queueing import Selection
-    from .settings import Settings
-
 __all__ = ["BUCKET_SECS", "ERRORS", "FIELDS", "REASONS", "REFUSALS", "SELECTIONS", "WINDOW_SECS", "Recent",
-           "account", "achievable", "best_cached", "loss_reason", "shadow_choice", "shadowed"]
+           "achievable", "best_cached", "loss_reason"]
 
 # Why a selection got fewer cached tokens than the best-cached rank held, in the order they are
 # looked for (docs/STATUS.md says what each means and what to do about it).
@@ -139,47 +133,3 @@ class Recent:
     def span(self, now: float) -> float:
         """The seconds the window covers: less than a minute for a key seen lately (at least a bucket)."""
         return min(WINDOW_SECS, max(BUCKET_SECS, now - self._since))
-
-
-def account(metrics: Metrics, pool: Pool, sel: Selection, chosen: Scored, scored: Sequence[Scored], s: Settings,
-            now: float) -> tuple[int, int, str | None]:
-    """A selection's cached tokens against the most any eligible rank held, counted: the longest
-    match in blocks (the answer's `overlap.longest_matched`), the achievable tokens, and why the
-    chosen held fewer (None: it held the most)."""
-    device, host, disk = sel.found
-    bs, allowed = pool.block_size, sel.req.allowed_worker_ids  # 1.6.1 matches against the allowed workers only
-    weights = (s.host_cache_hit_weight, s.disk_cache_hit_weight)
-    if host or disk or allowed is not None:
-        most = achievable(device, host, disk, bs, *weights)
-        longest = max((device.get(r, 0) + host.get(r, 0) + disk.get(r, 0)
-                       for r in {*device, *host, *disk} if allowed is None or r[0] in allowed), default=0)
-    else:  # the common case: device blocks only
-        longest = max(device.values(), default=0)
-        most = longest * bs
-    loss = None
-    if chosen.cached < most:
-        loss = loss_reason(chosen, scored, sel.excluded, best_cached(device, host, disk, bs, *weights),
-                           most, sel.queued_secs > 0)
-    isl = sel.prompt.isl
-    metrics.achieved(pool.key, isl, chosen.cached, most, loss)
-    pool.outcomes.selected(now, isl, chosen.cached, most, loss)
-    return longest, most, loss
-
-
-def shadowed(metrics: Metrics, pool: Pool, policy: str, scored: Sequence[Scored], chosen: Scored,
-             now: float) -> Scored:
-    """What the shadow policy would have chosen, counted with both choices' predicted time to
-    first token (docs/STATUS.md)."""
-    shadow = shadow_choice(scored, chosen)
-    acting_ttft, shadow_ttft = chosen.wait + chosen.prefill, shadow.wait + shadow.prefill
-    metrics.shadowed(pool.key, policy, shadow.rank != chosen.rank, acting_ttft, shadow_ttft)
-    pool.outcomes.shadowed(now, shadow.rank != chosen.rank, acting_ttft, shadow_ttft)
-    return shadow
-
-
-def shadow_choice(scored: Sequence[Scored], chosen: Scored) -> Scored:
-    """What the shadow policy would have chosen: `chosen` when it costs the shadow no more than its
-    least (a tie agrees), else its cheapest, ties to the lowest rank. No draw from the service's
-    random generator, so that the acting choices are the same with or without it."""
-    cheapest = min(scored, key=lambda c: (c.shadow, c.rank))
-    return chosen if chosen.shadow <= cheapest.shadow else cheapest

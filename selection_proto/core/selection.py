@@ -45,15 +45,15 @@ from .index import Rank
 from .journal import Journal
 from .limits import Limits
 from .metrics import Metrics
-from .outcomes import account, shadowed
 from .outputs import Notice, OutputEvent
 from .pd import PlanResponse, Plans
 from .pending import MISSING, PendingSelection, PendingSelections, entry_size
 from .pool import Key, Pool, holding, key_label
-from .prefill_ends import PrefillReading
+from .prefill_reading import PrefillReading
 from .prompt import PromptHashes
 from .queueing import Admission, Selection
 from .responses import Excluded, Overlap, Pending, ReservationResponse, SelectResponse
+from .selection_outcome import account, shadowed
 from .sessions import check_session_id, mismatch
 from .settings import Settings
 from .tracker import PIECE_BLOCKS, Booking, DuplicateReservation, rank_text
