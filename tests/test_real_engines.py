@@ -3,7 +3,8 @@ our `serve` subscribed to their ZMQ KV events, and every scenario checked agains
 itself reports (`usage.prompt_tokens_details.cached_tokens`). docs/REAL_ENGINES.md says what they
 need; they fail, never skip, without it.
 
-Engine a replays (a ZMQ ROUTER), b does not, c runs with prefix caching off. The tests run in file
+Engine a replays (a ZMQ ROUTER) and is started with docs/GATEWAY.md's recipe as written, b does
+not replay, c runs with prefix caching off. The tests run in file
 order over the same engines (starting one costs ~45 s); each uses token ranges of its own."""
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from __future__ import annotations
 import http.client
 import json
 import random
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from engines.vllm import VllmEngine, build_model
+from engines.vllm import VllmEngine, build_model, recipe_args, recipe_blocks, render_recipe
 from test_http import Server, api_call
 
 BLOCK = 32
@@ -27,20 +29,25 @@ WINDOW = 3.0  # --kv-verdict-window-secs of the service under test
 class Fleet:
     def __init__(self, folder: Path) -> None:
         self.model = build_model(folder / "tiny")
-        self.a = VllmEngine(self.model, folder, "a", core=0, replay=True)
+        self.a = VllmEngine(self.model, folder, "a", core=0, replay=True, recipe=True)
         self.b = VllmEngine(self.model, folder, "b", core=1, replay=False)
         self.c = VllmEngine(self.model, folder, "c", core=1, prefix_caching=False)
         self.engines = [self.a, self.b, self.c]
-        for engine in self.engines:
-            engine.start()
-        for engine in self.engines:
-            engine.healthy_or_retried()
-        self.server = Server("--kv-verdict-window-secs", str(WINDOW), "--engine-metrics-interval-secs", "0.5",
-                             mode="subscribe")
-        for worker_id, engine in ((1, self.a), (2, self.b)):
-            assert self.api("POST", "/workers", engine.worker(worker_id, metrics_endpoint=engine.url + "/metrics"))[0] == 201
-        self.by_worker = {1: self.a, 2: self.b}
-        self.wait_subscribed(1, 2)
+        try:
+            for engine in self.engines:
+                engine.start()
+            for engine in self.engines:
+                engine.healthy_or_retried()
+            self.server = Server("--kv-verdict-window-secs", str(WINDOW), "--engine-metrics-interval-secs", "0.5",
+                                 mode="subscribe")
+            for worker_id, engine in ((1, self.a), (2, self.b)):
+                record = engine.worker(worker_id, metrics_endpoint=engine.url + "/metrics")
+                assert self.api("POST", "/workers", record)[0] == 201
+            self.by_worker = {1: self.a, 2: self.b}
+            self.wait_subscribed(1, 2)
+        except BaseException:  # no engine outlives a failed start
+            self.stop()
+            raise
 
     def wait_subscribed(self, *worker_ids: int, model: str = "tiny", port: int | None = None) -> None:
         """Until the service's subscriptions to these workers' engines are connected: an engine
@@ -78,7 +85,8 @@ class Fleet:
         return next((r["device_blocks"] for r in rows if r["worker_id"] == worker_id), 0)
 
     def stop(self) -> None:
-        self.server.stop()
+        if hasattr(self, "server"):
+            self.server.stop()
         for engine in self.engines:
             engine.kill()
 
@@ -186,13 +194,57 @@ def test_text_and_chat_through_the_picker_are_predicted_as_the_engine_finds_them
             assert status == 200, payload
             found.append(json.loads(payload)["usage"]["prompt_tokens_details"]["cached_tokens"])
             until(lambda b=before: events() > b, "the request's stored event")  # type: ignore[misc]
-        assert gateway.wait_idle() == 0
+        assert gateway.wait_idle(model="tiny") == 0
         verdicts = [gateway.api("GET", f"/workers/{w}")[1]["kv_routing"] for w in (1, 2)]
         assert sum(v["observations"] for v in verdicts) == len(bodies)
         observed = sum(v["observed_cached_tokens"] for v in verdicts)
         assert observed == sum(found) and observed >= 4 * BLOCK  # the shared prefixes were found
         assert sum(v["predicted_cached_tokens"] for v in verdicts) == observed
         assert all(v["state"] in ("ok", "waiting") for v in verdicts)
+    finally:
+        gateway.stop()
+
+
+def test_the_gateway_recipe_works_as_written(fleet: Fleet) -> None:
+    """docs/GATEWAY.md's real-engine recipe: engine a runs its `vllm serve` command; here its
+    `serve` command, its Envoy config, and its `curl` commands (through bash) on this machine's
+    free ports. The same text prompt twice: the second is found cached by the engine, as the
+    router predicted."""
+    from gateway import Gateway
+
+    blocks = recipe_blocks()
+    assert recipe_args(blocks["envoy"]) == ["envoy", "-c", "deploy/envoy/envoy.yaml"]  # what Gateway runs
+    serve = recipe_args(render_recipe(blocks["serve"], {"picker": 0}, fleet.model))
+    assert serve[:2] == ["selection-proto", "serve"], serve
+    gateway = Gateway(*serve[2:], records=[])
+    try:
+        ports = {"engine": fleet.a.http_port, "events": fleet.a.events_port, "replay": fleet.a.replay_port,
+                 "api": gateway.server.port, "gateway": gateway.port}
+
+        def run(name: str) -> Any:
+            command = render_recipe(blocks[name], ports, fleet.model)
+            done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, (command, done.stderr)
+            return json.loads(done.stdout)
+
+        registered = run("register")
+        assert registered["worker_id"] == 1, registered
+        fleet.wait_subscribed(1, port=gateway.server.port)
+
+        def verdict() -> dict[str, Any]:
+            return gateway.api("GET", "/workers/1")[1]["kv_routing"]  # type: ignore[no-any-return]
+
+        answers = [run("request")]
+        until(lambda: verdict()["events_total"] > 0, "the prompt's stored blocks")
+        answers.append(run("request"))
+        assert all("usage" in answer for answer in answers), answers
+        found = [answer["usage"]["prompt_tokens_details"]["cached_tokens"] for answer in answers]
+        whole_blocks = (answers[1]["usage"]["prompt_tokens"] - 1) // BLOCK * BLOCK
+        assert found == [0, whole_blocks] and whole_blocks >= BLOCK
+        assert gateway.wait_idle(model="tiny") == 0
+        seen = verdict()
+        assert seen["state"] == "ok" and seen["observations"] == 2 and seen["engine_block_size"] == BLOCK
+        assert seen["predicted_cached_tokens"] == seen["observed_cached_tokens"] == whole_blocks
     finally:
         gateway.stop()
 
