@@ -314,3 +314,51 @@ def test_the_relay_resumes_where_the_service_stands() -> None:
     finally:
         server.stop()
         engine.close()
+
+
+def test_passing_over_what_precedes_the_newest_clear_changes_nothing_the_index_holds() -> None:
+    """For any history of stores, removals and clears replayed to a new subscription: the blocks
+    held after what `SeqOrder` hands on equal the blocks held after the whole history, and
+    nothing after the newest clear is passed over."""
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from selection_proto.adapters.replay import SeqOrder
+
+    event = st.one_of(st.tuples(st.just("store"), st.integers(0, 20)),
+                      st.tuples(st.just("remove"), st.integers(0, 20)), st.just(("clear", 0)))
+
+    def payload(events: list[tuple[str, int]]) -> bytes:
+        wire = [["AllBlocksCleared"] if kind == "clear" else
+                ["BlockStored", [h], None, [1, 2, 3, 4], 4, None, "GPU", None, None] if kind == "store" else
+                ["BlockRemoved", [h], "GPU"] for kind, h in events]
+        return msgpack.packb([0.0, wire, 0])
+
+    def held(history: list[list[tuple[str, int]]]) -> set[int]:
+        blocks: set[int] = set()
+        for batch in history:
+            for kind, h in batch:
+                if kind == "clear":
+                    blocks.clear()
+                elif kind == "store":
+                    blocks.add(h)
+                else:
+                    blocks.discard(h)
+        return blocks
+
+    @given(st.lists(st.lists(event, max_size=4), min_size=2, max_size=30))  # the live one is past 0
+    def check(history: list[list[tuple[str, int]]]) -> None:
+        order = SeqOrder()
+        last = len(history) - 1
+        order.live(last, payload(history[last]))
+        assert order.want == 0
+        order.replay([(seq, payload(batch)) for seq, batch in enumerate(history)])
+        order.replay_done()
+        handed = order.ready()
+        by_seq = dict(enumerate(history))
+        assert held([by_seq[seq] for seq, _ in handed]) == held(history)
+        cleared = [seq for seq, batch in enumerate(history) if ("clear", 0) in batch]
+        assert [seq for seq, _ in handed] == list(range(cleared[-1] if cleared else 0, len(history)))
+        assert order.passed_over == (cleared[-1] if cleared else 0) and order.unrecovered == 0
+
+    check()

@@ -69,8 +69,8 @@ class Fleet:
         assert 200 <= status < 300, (status, answer)
         return answer
 
-    def ok_text(self, path: str) -> str:
-        conn = http.client.HTTPConnection("127.0.0.1", self.server.port, timeout=30)
+    def ok_text(self, path: str, port: int | None = None) -> str:
+        conn = http.client.HTTPConnection("127.0.0.1", port or self.server.port, timeout=30)
         conn.request("GET", path)
         text = conn.getresponse().read().decode()
         conn.close()
@@ -79,9 +79,9 @@ class Fleet:
     def verdict(self, worker_id: int, port: int | None = None) -> dict[str, Any]:
         return self.ok("GET", f"/workers/{worker_id}", port=port)["kv_routing"]  # type: ignore[no-any-return]
 
-    def held(self, worker_id: int, prompt: list[int], model: str = "tiny") -> int:
+    def held(self, worker_id: int, prompt: list[int], model: str = "tiny", port: int | None = None) -> int:
         """Prompt blocks the index places on the worker's device."""
-        rows = self.ok("POST", "/overlap_scores", {"model_name": model, "token_ids": prompt})["workers"]
+        rows = self.ok("POST", "/overlap_scores", {"model_name": model, "token_ids": prompt}, port)["workers"]
         return next((r["device_blocks"] for r in rows if r["worker_id"] == worker_id), 0)
 
     def stop(self) -> None:
@@ -318,6 +318,35 @@ def test_prefix_caching_off_is_no_events_with_events_and_misses_with_predictions
         assert "prefix caching" in verdict["reasons"][0]
     finally:
         predicting.stop()
+
+
+def test_a_fresh_service_replays_a_real_engine_from_its_newest_clear(fleet: Fleet) -> None:
+    """Engine a has published every test's batches so far; after a cache reset, a service started
+    now passes over what came before the clear and knows what the engine holds since."""
+    a = fleet.a
+    kept = tokens(11000, 96)
+    assert a.post("/reset_prefix_cache", {})[0] == 200
+    a.complete(kept)  # the clear goes out with this step, then the prompt's three blocks
+    until(lambda: fleet.held(1, kept) == 3, "the stored event")
+    fresh = Server(mode="subscribe")
+    try:
+        assert fleet.api("POST", "/workers", a.worker(1), port=fresh.port)[0] == 201
+        fleet.wait_subscribed(1, port=fresh.port)
+        a.complete(tokens(11200, 40))  # a live batch: the replay from 0 comes first
+        until(lambda: fleet.held(1, kept, port=fresh.port) == 3, "the replay")
+
+        def replays(result: str) -> float:
+            line = f'selection_proto_kv_replay_total{{result="{result}"}} '
+            found = [x for x in fleet.ok_text("/metrics", fresh.port).splitlines() if x.startswith(line)]
+            return float(found[0].split()[-1]) if found else 0.0
+
+        assert replays("passed_over") > 0 and replays("unrecovered") == 0
+        probe = kept + [7]
+        assert fleet.held(1, probe, port=fresh.port) * BLOCK == a.complete(probe) == 96
+        verdict = fleet.verdict(1, port=fresh.port)
+        assert verdict["state"] == "ok" and verdict["restarts"] == 0
+    finally:
+        fresh.stop()
 
 
 def test_a_restarted_engine_is_forgotten_with_and_without_replay(fleet: Fleet) -> None:
