@@ -33,8 +33,9 @@ TEST_ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-
 
 def recipe_blocks() -> dict[str, str]:
     """The real-engine recipe of docs/GATEWAY.md: each `sh` block after a `<!-- recipe: NAME -->`."""
-    blocks = dict(re.findall(r"<!-- recipe: (\w+) -->\n```sh\n(.*?)```", GATEWAY_DOC.read_text(), re.S))
-    assert set(blocks) == {"engine", "serve", "envoy", "register", "request"}, sorted(blocks)
+    blocks = dict(re.findall(r"<!-- recipe: ([\w-]+) -->\n```sh\n(.*?)```", GATEWAY_DOC.read_text(), re.S))
+    assert set(blocks) == {"engine", "serve", "envoy", "register", "request", "approximate-serve",
+                           "approximate-register"}, sorted(blocks)
     return blocks
 
 
