@@ -23,7 +23,7 @@ DISCONNECTED: Final = "disconnected"
 REPLAY_TIMEOUT = 1.0  # seconds the engine may take for each replayed batch
 MAX_REPLAYED = 100_000
 # Replays asked for one gap: each asks again from the first batch the last lost. A round loses
-# only what overflowed the engine's send queue (a few hundred of 10,000 here), so a handful ends it.
+# only what overflowed the engine's send queue (at most a fifth of 10,000 here), so a handful ends it.
 MAX_REPLAY_ROUNDS = 8
 
 
@@ -33,7 +33,7 @@ def fetch_replay(endpoint: str, start: int, timeout: float = REPLAY_TIMEOUT) -> 
     order, each once), and whether the replay ended as it should.
 
     vLLM's ROUTER sends its whole buffer at once at the default high-water mark (1,000 messages)
-    and drops, silently, what its send queue cannot hold: 300-1,200 of 10,000 batches here,
+    and drops, silently, what its send queue cannot hold: 130-2,054 of 10,001 batches here,
     whatever our end's receive queue. What a round lost is asked for again (`replay_holes`)."""
     import zmq
 
