@@ -221,15 +221,15 @@ class Gateway:
     def engine_of(self, port_text: str) -> int:
         return next(i for i, e in enumerate(self.engines) if str(e.port) == port_text)
 
-    def active_requests(self) -> int:
-        status, keys = self.api("GET", "/loads?model_name=m")
+    def active_requests(self, model: str = "m") -> int:
+        status, keys = self.api("GET", f"/loads?model_name={model}")
         assert status == 200
         return sum(load["active_requests"] for key in keys for load in key["loads"])
 
-    def wait_idle(self, timeout: float = 10) -> int:
+    def wait_idle(self, timeout: float = 10, model: str = "m") -> int:
         """Active bookings once they are all freed (or what is left after `timeout`)."""
         deadline = time.monotonic() + timeout
-        while (left := self.active_requests()) and time.monotonic() < deadline:
+        while (left := self.active_requests(model)) and time.monotonic() < deadline:
             time.sleep(0.05)
         return left
 

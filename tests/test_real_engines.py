@@ -3,7 +3,8 @@ our `serve` subscribed to their ZMQ KV events, and every scenario checked agains
 itself reports (`usage.prompt_tokens_details.cached_tokens`). docs/REAL_ENGINES.md says what they
 need; they fail, never skip, without it.
 
-Engine a replays (a ZMQ ROUTER), b does not, c runs with prefix caching off. The tests run in file
+Engine a replays (a ZMQ ROUTER) and is started with docs/GATEWAY.md's recipe as written, b does
+not replay, c runs with prefix caching off. The tests run in file
 order over the same engines (starting one costs ~45 s); each uses token ranges of its own."""
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from __future__ import annotations
 import http.client
 import json
 import random
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from engines.vllm import VllmEngine
+from engines.vllm import VllmEngine, recipe_args, recipe_blocks, render_recipe
 from test_http import Server, api_call
 
 BLOCK = 32
@@ -27,20 +29,25 @@ WINDOW = 3.0  # --kv-verdict-window-secs of the service under test
 class Fleet:
     def __init__(self, folder: Path, model: Path) -> None:
         self.model = model
-        self.a = VllmEngine(self.model, folder, "a", core=0, replay=True)
+        self.a = VllmEngine(self.model, folder, "a", core=0, replay=True, recipe=True)
         self.b = VllmEngine(self.model, folder, "b", core=1, replay=False)
         self.c = VllmEngine(self.model, folder, "c", core=1, prefix_caching=False)
         self.engines = [self.a, self.b, self.c]
-        for engine in self.engines:
-            engine.start()
-        for engine in self.engines:
-            engine.healthy_or_retried()
-        self.server = Server("--kv-verdict-window-secs", str(WINDOW), "--engine-metrics-interval-secs", "0.5",
-                             mode="subscribe")
-        for worker_id, engine in ((1, self.a), (2, self.b)):
-            assert self.api("POST", "/workers", engine.worker(worker_id, metrics_endpoint=engine.url + "/metrics"))[0] == 201
-        self.by_worker = {1: self.a, 2: self.b}
-        self.wait_subscribed(1, 2)
+        try:
+            for engine in self.engines:
+                engine.start()
+            for engine in self.engines:
+                engine.healthy_or_retried()
+            self.server = Server("--kv-verdict-window-secs", str(WINDOW), "--engine-metrics-interval-secs", "0.5",
+                                 mode="subscribe")
+            for worker_id, engine in ((1, self.a), (2, self.b)):
+                record = engine.worker(worker_id, metrics_endpoint=engine.url + "/metrics")
+                assert self.api("POST", "/workers", record)[0] == 201
+            self.by_worker = {1: self.a, 2: self.b}
+            self.wait_subscribed(1, 2)
+        except BaseException:  # no engine outlives a failed start
+            self.stop()
+            raise
 
     def wait_subscribed(self, *worker_ids: int, model: str = "tiny", port: int | None = None) -> None:
         """Until the service's subscriptions to these workers' engines are connected: an engine
@@ -62,8 +69,8 @@ class Fleet:
         assert 200 <= status < 300, (status, answer)
         return answer
 
-    def ok_text(self, path: str) -> str:
-        conn = http.client.HTTPConnection("127.0.0.1", self.server.port, timeout=30)
+    def ok_text(self, path: str, port: int | None = None) -> str:
+        conn = http.client.HTTPConnection("127.0.0.1", port or self.server.port, timeout=30)
         conn.request("GET", path)
         text = conn.getresponse().read().decode()
         conn.close()
@@ -72,13 +79,14 @@ class Fleet:
     def verdict(self, worker_id: int, port: int | None = None) -> dict[str, Any]:
         return self.ok("GET", f"/workers/{worker_id}", port=port)["kv_routing"]  # type: ignore[no-any-return]
 
-    def held(self, worker_id: int, prompt: list[int], model: str = "tiny") -> int:
+    def held(self, worker_id: int, prompt: list[int], model: str = "tiny", port: int | None = None) -> int:
         """Prompt blocks the index places on the worker's device."""
-        rows = self.ok("POST", "/overlap_scores", {"model_name": model, "token_ids": prompt})["workers"]
+        rows = self.ok("POST", "/overlap_scores", {"model_name": model, "token_ids": prompt}, port)["workers"]
         return next((r["device_blocks"] for r in rows if r["worker_id"] == worker_id), 0)
 
     def stop(self) -> None:
-        self.server.stop()
+        if hasattr(self, "server"):
+            self.server.stop()
         for engine in self.engines:
             engine.kill()
 
@@ -186,13 +194,65 @@ def test_text_and_chat_through_the_picker_are_predicted_as_the_engine_finds_them
             assert status == 200, payload
             found.append(json.loads(payload)["usage"]["prompt_tokens_details"]["cached_tokens"])
             until(lambda b=before: events() > b, "the request's stored event")  # type: ignore[misc]
-        assert gateway.wait_idle() == 0
+        assert gateway.wait_idle(model="tiny") == 0
         verdicts = [gateway.api("GET", f"/workers/{w}")[1]["kv_routing"] for w in (1, 2)]
         assert sum(v["observations"] for v in verdicts) == len(bodies)
         observed = sum(v["observed_cached_tokens"] for v in verdicts)
         assert observed == sum(found) and observed >= 4 * BLOCK  # the shared prefixes were found
         assert sum(v["predicted_cached_tokens"] for v in verdicts) == observed
         assert all(v["state"] in ("ok", "waiting") for v in verdicts)
+    finally:
+        gateway.stop()
+
+
+@pytest.mark.parametrize("mode", ["subscribe", "approximate"])
+def test_the_gateway_recipe_works_as_written(fleet: Fleet, mode: str) -> None:
+    """docs/GATEWAY.md's recipe: engine a runs its engine command; here its `serve` command (with
+    KV events, or approximate), its Envoy config, and its `curl` commands (through bash) on this
+    machine's free ports. The same chat twice: the second is found cached by the engine as the
+    router predicted; with events the router also knows what the engine held before."""
+    from gateway import Gateway
+
+    blocks = recipe_blocks()
+    prefix = "" if mode == "subscribe" else "approximate-"
+    assert recipe_args(blocks["envoy"]) == ["envoy", "-c", "deploy/envoy/envoy.yaml"]  # what Gateway runs
+    serve = recipe_args(render_recipe(blocks[prefix + "serve"], {"picker": 0}, fleet.model))
+    assert serve[:4] == ["selection-proto", "serve", "--kv-events", mode], serve
+    gateway = Gateway(*serve[2:], records=[])
+    try:
+        ports = {"engine": fleet.a.http_port, "events": fleet.a.events_port, "replay": fleet.a.replay_port,
+                 "api": gateway.server.port, "gateway": gateway.port}
+
+        def run(name: str) -> Any:
+            command = render_recipe(blocks[name], ports, fleet.model)
+            done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, (command, done.stderr)
+            return json.loads(done.stdout)
+
+        registered = run(prefix + "register")
+        assert registered["worker_id"] == 1, registered
+
+        def verdict() -> dict[str, Any]:
+            return gateway.api("GET", "/workers/1")[1]["kv_routing"]  # type: ignore[no-any-return]
+
+        if mode == "subscribe":
+            fleet.wait_subscribed(1, port=gateway.server.port)
+        answers = [run("request")]
+        if mode == "subscribe":
+            until(lambda: verdict()["events_total"] > 0, "the prompt's stored blocks")
+        answers.append(run("request"))
+        assert all("usage" in answer for answer in answers), answers
+        found = [answer["usage"]["prompt_tokens_details"]["cached_tokens"] for answer in answers]
+        whole_blocks = (answers[1]["usage"]["prompt_tokens"] - 1) // BLOCK * BLOCK
+        assert found[1] == whole_blocks >= BLOCK
+        assert gateway.wait_idle(model="tiny") == 0
+        seen = verdict()
+        assert seen["state"] == "ok" and seen["observations"] == 2
+        assert seen["observed_cached_tokens"] == sum(found)
+        # Approximate mode knows only what it sent: the first request is predicted 0 whatever the
+        # engine held (from the run with events before).
+        first = found[0] if mode == "subscribe" else 0
+        assert seen["predicted_cached_tokens"] == first + found[1]
     finally:
         gateway.stop()
 
@@ -266,6 +326,35 @@ def test_prefix_caching_off_is_no_events_with_events_and_misses_with_predictions
         assert "prefix caching" in verdict["reasons"][0]
     finally:
         predicting.stop()
+
+
+def test_a_fresh_service_replays_a_real_engine_from_its_newest_clear(fleet: Fleet) -> None:
+    """Engine a has published every test's batches so far; after a cache reset, a service started
+    now passes over what came before the clear and knows what the engine holds since."""
+    a = fleet.a
+    kept = tokens(11000, 96)
+    assert a.post("/reset_prefix_cache", {})[0] == 200
+    a.complete(kept)  # the clear goes out with this step, then the prompt's three blocks
+    until(lambda: fleet.held(1, kept) == 3, "the stored event")
+    fresh = Server(mode="subscribe")
+    try:
+        assert fleet.api("POST", "/workers", a.worker(1), port=fresh.port)[0] == 201
+        fleet.wait_subscribed(1, port=fresh.port)
+        a.complete(tokens(11200, 40))  # a live batch: the replay from 0 comes first
+        until(lambda: fleet.held(1, kept, port=fresh.port) == 3, "the replay")
+
+        def replays(result: str) -> float:
+            line = f'selection_proto_kv_replay_total{{result="{result}"}} '
+            found = [x for x in fleet.ok_text("/metrics", fresh.port).splitlines() if x.startswith(line)]
+            return float(found[0].split()[-1]) if found else 0.0
+
+        assert replays("passed_over") > 0 and replays("unrecovered") == 0
+        probe = kept + [7]
+        assert fleet.held(1, probe, port=fresh.port) * BLOCK == a.complete(probe) == 96
+        verdict = fleet.verdict(1, port=fresh.port)
+        assert verdict["state"] == "ok" and verdict["restarts"] == 0
+    finally:
+        fresh.stop()
 
 
 def test_a_restarted_engine_is_forgotten_with_and_without_replay(fleet: Fleet) -> None:

@@ -191,7 +191,8 @@ FAMILIES: Final[Mapping[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]
         "gauge", "router_policy=ttft: a worker's prefill speed against its pool's mean as learned (2: twice as "
         "fast); workers whose record declares prefill_tokens_per_sec are not learned.",
         _WORKER_LABELS, ()),
-    KV_REPLAYS: ("counter", "Engine replays: requests, batches recovered and lost, replays that failed.",
+    KV_REPLAYS: ("counter", "Engine replays: requests, batches recovered, lost and passed over (before "
+                             "the engine's newest clear), replays that failed.",
                  ("result",), ()),
     SUBSCRIPTION_FAILURES: ("counter", "Subscription failures.",
                                                        ("scheme", "reason"), ()),

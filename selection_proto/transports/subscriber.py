@@ -27,6 +27,10 @@ BACKOFF_MAX = 30.0
 STABLE_AFTER = 30.0  # a connection that lasted this long resets the backoff
 CONNECT_TIMEOUT = 10.0
 HANDSHAKE_TIMEOUT = 10.0
+# Bytes of engine batches applied between turns of the loop: ~8 KiB of small events is a few ms
+# of work (as a WebSocket read, transports/server.py); a 10,000-batch replay applied whole held
+# `/health` for seconds.
+APPLY_SLICE_BYTES = 8192
 
 
 async def connect(host: str, port: int, *, tls: bool) -> anyio.abc.ByteStream:
@@ -183,30 +187,45 @@ class Subscriptions:
                     order.live(int.from_bytes(frames[1], "big"), frames[2], sub.replay_endpoint is not None)
                     if order.want is not None and sub.replay_endpoint is not None:
                         await self._replay(sub, sub.replay_endpoint, order, order.want)
-                    for seq, payload in order.ready():
-                        self.service.stream_message(sub.stream, payload, seq=seq, now=anyio.current_time())
+                    await self._apply(sub, order.ready())
                 if messages:
                     await self.changed()
         finally:
             self.service.subscription_state(sub.stream, False, now=anyio.current_time())
 
+    async def _apply(self, sub: SubscribeKvEvents, ready: list[tuple[int, bytes]]) -> None:
+        """Batches in order; a long run of them (a replay of thousands) in slices of about
+        `APPLY_SLICE_BYTES`, with the loop's other work between slices."""
+        pending = 0
+        for seq, payload in ready:
+            self.service.stream_message(sub.stream, payload, seq=seq, now=anyio.current_time())
+            pending += len(payload)
+            if pending >= APPLY_SLICE_BYTES:
+                pending = 0
+                await self.changed()
+                await anyio.sleep(0)
+
     async def _replay(self, sub: SubscribeKvEvents, endpoint: str, order: SeqOrder, start: int) -> None:
         """Fill a gap from the engine's replay socket (issue 13); live batches wait in the SUB
         socket meanwhile, and those the replay already brought are dropped as duplicates."""
         order.want = None
-        before = (order.recovered, order.unrecovered)
+        before = (order.recovered, order.unrecovered, order.passed_over)
         frames_list, ended = await anyio.to_thread.run_sync(fetch_replay, endpoint, start,
                                                             abandon_on_cancel=True)
+        batches = []
         for frames in frames_list:
             parsed = parse_replay_frames(frames)
             if parsed is None:
                 self.service.stream_dropped(sub.stream, "bad_zmq_frames")
                 continue
-            order.replayed(*parsed)
+            batches.append(parsed)
+        order.replay(batches)
         order.replay_done()
         self.service.observe(KV_REPLAYS, ("requested",), 1.0)
         self.service.observe(KV_REPLAYS, ("recovered",), float(order.recovered - before[0]))
         self.service.observe(KV_REPLAYS, ("unrecovered",), float(order.unrecovered - before[1]))
+        if order.passed_over > before[2]:
+            self.service.observe(KV_REPLAYS, ("passed_over",), float(order.passed_over - before[2]))
         if not ended:
             self.service.observe(KV_REPLAYS, ("failed",), 1.0)
             log("warning", "kv_replay_failed", worker_id=sub.worker_id, dp_rank=sub.dp_rank,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -19,6 +21,35 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 420.0  # a cold start under load took 157 s here; two at once on two cores, more
+GATEWAY_DOC = ROOT / "docs" / "GATEWAY.md"
+# The ports docs/GATEWAY.md's recipe names, by what listens there; the tests put free ones in their place.
+RECIPE_PORTS = {"engine": 8000, "events": 5557, "replay": 5558, "api": 8092, "picker": 9002, "gateway": 8081}
+RECIPE_MODEL = "qwen"  # the recipe's served model name; the tests' engines serve `tiny`
+# What a test engine adds to the recipe's command: the tiny model's dtype and length, few blocks
+# (evictions come quickly), no CUDA graphs on the CPU.
+TEST_ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "8",
+                    "--max-num-batched-tokens", "2048", "--enforce-eager"]
+
+
+def recipe_blocks() -> dict[str, str]:
+    """The real-engine recipe of docs/GATEWAY.md: each `sh` block after a `<!-- recipe: NAME -->`."""
+    blocks = dict(re.findall(r"<!-- recipe: ([\w-]+) -->\n```sh\n(.*?)```", GATEWAY_DOC.read_text(), re.S))
+    assert set(blocks) == {"engine", "serve", "envoy", "register", "request", "approximate-serve",
+                           "approximate-register"}, sorted(blocks)
+    return blocks
+
+
+def render_recipe(block: str, ports: dict[str, int], model: Path) -> str:
+    """A recipe block for this machine: the test's ports, model folder and model name."""
+    text = block.replace("$MODEL", str(model))
+    for name, port in ports.items():
+        text = re.sub(rf"\b{RECIPE_PORTS[name]}\b", str(port), text)
+    return re.sub(rf"\b{RECIPE_MODEL}\b", "tiny", text)
+
+
+def recipe_args(command: str) -> list[str]:
+    """A rendered one-command block split as the shell splits it (a backslash-newline joins lines)."""
+    return shlex.split(command.replace("\\\n", ""))
 
 
 def vllm_python() -> str:
@@ -56,8 +87,11 @@ class VllmEngine:
 
     def __init__(self, model: Path, log_dir: Path, name: str, core: int, *, replay: bool = True,
                  prefix_caching: bool = True, gpu_blocks: int = 80, block_size: int = 32,
-                 kv_role: str | None = None, kv_folder: Path | None = None) -> None:
-        self.model, self.name, self.core = model, name, core
+                 kv_role: str | None = None, kv_folder: Path | None = None, recipe: bool = False) -> None:
+        """`kv_role`/`kv_folder`: a P/D engine of vLLM's ExampleConnector (docs/PD.md); `recipe`:
+        started with docs/GATEWAY.md's command as written (`TEST_ENGINE_ARGS` added), which must
+        then give what the other arguments say."""
+        self.model, self.name, self.core, self.recipe = model, name, core, recipe
         self.kv_role, self.kv_folder = kv_role, kv_folder
         self.replay, self.prefix_caching = replay, prefix_caching
         self.gpu_blocks, self.block_size = gpu_blocks, block_size
@@ -79,23 +113,32 @@ class VllmEngine:
             record["replay_endpoint"] = f"tcp://127.0.0.1:{self.replay_port}"
         return {**record, **extra}
 
-    def start(self) -> None:
+    def command(self) -> list[str]:
+        """The engine's command line, on its current ports."""
+        if self.recipe:
+            ports = {"engine": self.http_port, "events": self.events_port, "replay": self.replay_port}
+            args = recipe_args(render_recipe(recipe_blocks()["engine"], ports, self.model))
+            assert args[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"], args
+            return [vllm_python(), *args[1:], *TEST_ENGINE_ARGS,
+                    "--num-gpu-blocks-override", str(self.gpu_blocks)]
         events: dict[str, Any] = {"enable_kv_cache_events": True, "publisher": "zmq",
                                   "endpoint": f"tcp://*:{self.events_port}", "topic": "kv-events"}
         if self.replay:
             events["replay_endpoint"] = f"tcp://*:{self.replay_port}"
         args = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
-                "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "2048",
-                "--max-num-seqs", "8", "--max-num-batched-tokens", "2048", "--block-size", str(self.block_size),
+                "--served-model-name", "tiny", *TEST_ENGINE_ARGS, "--block-size", str(self.block_size),
                 "--enable-prompt-tokens-details", "--num-gpu-blocks-override", str(self.gpu_blocks),
-                "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.http_port),
-                "--kv-events-config", json.dumps(events),
+                "--host", "127.0.0.1", "--port", str(self.http_port), "--kv-events-config", json.dumps(events),
                 "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching"]
         if self.kv_role is not None:
             assert self.kv_folder is not None
             args += ["--kv-transfer-config", json.dumps({
                 "kv_connector": "ExampleConnector", "kv_role": self.kv_role,
                 "kv_connector_extra_config": {"shared_storage_path": str(self.kv_folder)}})]
+        return args
+
+    def start(self) -> None:
+        args = self.command()
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu",
                "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(self.core),
                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
