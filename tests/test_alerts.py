@@ -22,15 +22,16 @@ from test_subscriptions import free_port
 
 from selection_proto.core.metrics import FAMILIES
 from selection_proto.core.status_page import PAGE
-from selection_proto.core.verdict import SEVERITY, STATES
+from selection_proto.core.verdict import SEVERITY, SEVERITY_ORDER, STATES
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "deploy" / "prometheus"
 DASHBOARD = ROOT / "deploy" / "grafana" / "selection-proto.json"
 
 
-def panel_queries() -> list[str]:
-    return [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"] for t in p["targets"]]
+def panel_queries(title_prefix: str = "") -> list[str]:
+    return [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"] if p["title"].startswith(title_prefix)
+            for t in p["targets"]]
 
 
 def tool(name: str) -> str:
@@ -87,6 +88,8 @@ def test_severity_is_one_scale_for_the_page_the_alerts_and_the_docs() -> None:
             alerted[state] = rule["labels"]["severity"]
     # Every state worse than info pages someone, at its severity; info and ok never alert.
     assert alerted == {s: v for s, v in SEVERITY.items() if v in ("warning", "critical")}
+    # The rules on other numbers (plans orphaned, the queue timing out, ...) use the same scale.
+    assert {rule["labels"]["severity"] for rule in rules} <= set(SEVERITY_ORDER) - {"ok"}
     verdict_doc = {row[0]: row[1] for row in _doc_table(ROOT / "docs" / "VERDICT.md",
                                                          "| state | severity | when | what to do |")}
     assert {s.removesuffix(", restarting"): v for s, v in verdict_doc.items()} == SEVERITY
@@ -104,6 +107,60 @@ def query(port: int, expr: str) -> list[dict[str, Any]]:
         body = json.loads(answer.read())
     assert body["status"] == "success", body
     return body["data"]["result"]  # type: ignore[no-any-return]
+
+
+def _plan_round(port: int, n: int) -> None:
+    """On key `pd`, a remote plan handed off and ended and three local plans ended; on key
+    `pd-local` (no prefill worker), a local plan ended (docs/PD.md)."""
+    for i, (model, path) in enumerate((("pd", "remote"), ("pd", "local"), ("pd", "local"), ("pd", "local"),
+                                       ("pd-local", "local"))):
+        plan_id = f"{n}-{i}"
+        status, plan = api_call(port, "POST", "/select_pd_and_reserve", {
+            "model_name": model, "token_ids": list(range(1, 41)), "plan_id": plan_id, "pd": {"mode": path}})
+        assert status == 200 and plan["path"] == path, plan
+        if path == "remote":
+            assert api_call(port, "POST", f"/plans/{plan_id}/handoff")[1]["released"] == ["prefill"]
+        assert api_call(port, "DELETE", f"/plans/{plan_id}")[0] == 200
+
+
+def _eventually(port: int, expr: str, wanted: dict[tuple[tuple[str, str], ...], float | None],
+                deadline: float) -> None:
+    """Wait until `expr` answers `wanted`, {labels: value} (None: any value above 0), for the keys
+    `pd` and `pd-local`."""
+    while True:
+        found = {tuple(sorted(r["metric"].items())): float(r["value"][1])
+                 for r in query(port, expr) if r["metric"].get("model_name", "").startswith("pd")}
+        if found.keys() == wanted.keys() and all(
+                value > 0 if (expected := wanted[labels]) is None else abs(value - expected) < 1e-9
+                for labels, value in found.items()):
+            return
+        assert time.monotonic() < deadline, (expr, found)
+        time.sleep(0.5)
+
+
+def _the_pd_panels_show_plans(service: int, port: int) -> None:
+    """The P/D panels, evaluated by Prometheus, show plans by path and decider, the remote share
+    (0 on a key whose plans are all local), handoffs and ends; nothing orphaned or compensated."""
+    for wid, model, role in ((8, "pd", "prefill"), (9, "pd", "both"), (10, "pd-local", "both")):
+        assert api_call(service, "POST", "/workers", {"worker_id": wid, "model_name": model, "block_size": 4,
+                                                      "endpoint": f"http://w{wid}", "role": role})[0] == 201
+    _plan_round(service, 1)  # makes the series; a rate needs them to grow after their first scrape
+    deadline = time.monotonic() + 60
+    pd, pd_local = ("model_name", "pd"), ("model_name", "pd-local")
+    _eventually(port, "sum by (model_name, path) (selection_proto_pd_plans_total)",
+                {(pd, ("path", "local")): 3, (pd, ("path", "remote")): 1, (pd_local, ("path", "local")): 1},
+                deadline)
+    _plan_round(service, 2)
+    plans, share, events, failures = (panel_queries(title) for title in (
+        "P/D plans", "P/D remote share", "P/D handoffs", "P/D orphans"))
+    # A forced path's decider is the default, isl_bounding.
+    _eventually(port, plans[0], {(("decider", "isl_bounding"), pd, ("path", "local")): None,
+                                 (("decider", "isl_bounding"), pd, ("path", "remote")): None,
+                                 (("decider", "isl_bounding"), pd_local, ("path", "local")): None}, deadline)
+    _eventually(port, share[0], {(pd,): 0.25, (pd_local,): 0.0}, deadline)
+    _eventually(port, events[0], {(("event", "ended"), pd): None, (("event", "handoff"), pd): None,
+                                  (("event", "ended"), pd_local): None}, deadline)
+    assert [r for r in query(port, failures[0]) if r["metric"].get("model_name", "").startswith("pd")] == []
 
 
 def test_a_real_prometheus_scrapes_the_verdict_and_loads_the_rules(tmp_path: Path) -> None:
@@ -136,9 +193,10 @@ def test_a_real_prometheus_scrapes_the_verdict_and_loads_the_rules(tmp_path: Pat
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/rules", timeout=10) as answer:
             groups = json.loads(answer.read())["data"]["groups"]
         rules = {r["name"]: r["health"] for g in groups for r in g["rules"]}
-        assert len(rules) == 9 and set(rules.values()) == {"ok"}, rules
+        assert len(rules) == 11 and set(rules.values()) == {"ok"}, rules
         for expr in panel_queries():  # each parses and evaluates (raises on an error)
             query(port, expr)
+        _the_pd_panels_show_plans(server.port, port)
     finally:
         prometheus.terminate()
         prometheus.wait(timeout=30)
