@@ -1,8 +1,9 @@
 """The alert rules and the dashboard that ship with the service (deploy/prometheus/alerts.yaml,
 deploy/grafana/selection-proto.json, issue 33): the rules' `promtool` unit tests pass, every metric
 the rules and the panels read is one `/metrics` declares, and a real Prometheus (Debian's
-`prometheus`) scraping a running `serve` reads the verdict, loads the rules healthy and evaluates
-every panel's query. Without `promtool` and `prometheus` on the PATH these tests fail (README's test command
+`prometheus`) scraping a running `serve` reads the verdict, loads the rules healthy, evaluates
+every panel's query and shows prefill/decode plans made through `serve` in the P/D panels; the rules'
+severities and docs/VERDICT.md's table of alerts agree. Without `promtool` and `prometheus` on the PATH these tests fail (README's test command
 installs them)."""
 
 from __future__ import annotations
@@ -99,6 +100,13 @@ def test_severity_is_one_scale_for_the_page_the_alerts_and_the_docs() -> None:
     assert status_doc == SEVERITY
     page = PAGE.decode()
     assert "no_events" not in page and "critical" in page  # colours come from the snapshot's severity
+
+
+def test_every_rule_is_in_the_docs_with_its_severity() -> None:
+    """docs/VERDICT.md's table of alerts names every rule, at the severity the rule pages with."""
+    rules = yaml.safe_load((RULES / "alerts.yaml").read_text())["groups"][0]["rules"]
+    documented = {row[0]: row[2] for row in _doc_table(ROOT / "docs" / "VERDICT.md", "| alert | when | severity |")}
+    assert documented == {rule["alert"]: rule["labels"]["severity"] for rule in rules}
 
 
 def query(port: int, expr: str) -> list[dict[str, Any]]:
