@@ -117,15 +117,21 @@ def query(port: int, expr: str) -> list[dict[str, Any]]:
     return body["data"]["result"]  # type: ignore[no-any-return]
 
 
+EXPIRY = 1.0  # seconds: `serve --active-request-expiry-secs`, so that an unended plan is an orphan soon
+
+
 def _plan_round(port: int, n: int) -> None:
-    """On key `pd`, a remote plan handed off and ended and three local plans ended; on key
-    `pd-local` (no prefill worker), a local plan ended (docs/PD.md)."""
+    """On key `pd`, a remote plan handed off and ended, three local plans ended and a remote plan
+    left unended (an orphan, expired by a later round's plans); on key `pd-local` (no prefill
+    worker), a local plan ended (docs/PD.md)."""
     for i, (model, path) in enumerate((("pd", "remote"), ("pd", "local"), ("pd", "local"), ("pd", "local"),
-                                       ("pd-local", "local"))):
+                                       ("pd-local", "local"), ("pd", "remote"))):
         plan_id = f"{n}-{i}"
         status, plan = api_call(port, "POST", "/select_pd_and_reserve", {
             "model_name": model, "token_ids": list(range(1, 41)), "plan_id": plan_id, "pd": {"mode": path}})
         assert status == 200 and plan["path"] == path, plan
+        if i == 5:
+            break  # the orphan
         if path == "remote":
             assert api_call(port, "POST", f"/plans/{plan_id}/handoff")[1]["released"] == ["prefill"]
         assert api_call(port, "DELETE", f"/plans/{plan_id}")[0] == 200
@@ -148,31 +154,39 @@ def _eventually(port: int, expr: str, wanted: dict[tuple[tuple[str, str], ...], 
 
 def _the_pd_panels_show_plans(service: int, port: int) -> None:
     """The P/D panels, evaluated by Prometheus, show plans by path and decider, the remote share
-    (0 on a key whose plans are all local), handoffs and ends; nothing orphaned or compensated."""
+    (0 on a key whose plans are all local), handoffs and ends beside the plans booked, and orphans
+    expired; no compensation."""
     for wid, model, role in ((8, "pd", "prefill"), (9, "pd", "both"), (10, "pd-local", "both")):
         assert api_call(service, "POST", "/workers", {"worker_id": wid, "model_name": model, "block_size": 4,
                                                       "endpoint": f"http://w{wid}", "role": role})[0] == 201
-    _plan_round(service, 1)  # makes the series; a rate needs them to grow after their first scrape
-    deadline = time.monotonic() + 60
     pd, pd_local = ("model_name", "pd"), ("model_name", "pd-local")
-    _eventually(port, "sum by (model_name, path) (selection_proto_pd_plans_total)",
-                {(pd, ("path", "local")): 3, (pd, ("path", "remote")): 1, (pd_local, ("path", "local")): 1},
-                deadline)
-    _plan_round(service, 2)
+    deadline = time.monotonic() + 90
+    # A rate needs a series to grow after its first scrape: a round, its counts scraped, the
+    # expiry passed (the next round's plans expire the round's orphan), the next round.
+    for n in (1, 2, 3):
+        _plan_round(service, n)
+        if n < 3:
+            started = time.monotonic()
+            _eventually(port, "sum by (model_name, path) (selection_proto_pd_plans_total)",
+                        {(pd, ("path", "local")): 3 * n, (pd, ("path", "remote")): 2 * n,
+                         (pd_local, ("path", "local")): n}, deadline)
+            time.sleep(max(0.0, started + EXPIRY + 0.1 - time.monotonic()))
     plans, share, events, failures = (panel_queries(title) for title in (
         "P/D plans", "P/D remote share", "P/D handoffs", "P/D orphans"))
     # A forced path's decider is the default, isl_bounding.
     _eventually(port, plans[0], {(("decider", "isl_bounding"), pd, ("path", "local")): None,
                                  (("decider", "isl_bounding"), pd, ("path", "remote")): None,
                                  (("decider", "isl_bounding"), pd_local, ("path", "local")): None}, deadline)
-    _eventually(port, share[0], {(pd,): 0.25, (pd_local,): 0.0}, deadline)
+    _eventually(port, share[0], {(pd,): 0.4, (pd_local,): 0.0}, deadline)
     _eventually(port, events[0], {(("event", "ended"), pd): None, (("event", "handoff"), pd): None,
                                   (("event", "ended"), pd_local): None}, deadline)
-    assert [r for r in query(port, failures[0]) if r["metric"].get("model_name", "").startswith("pd")] == []
+    _eventually(port, events[1], {(pd, ("path", "local")): None, (pd, ("path", "remote")): None,
+                                  (pd_local, ("path", "local")): None}, deadline)
+    _eventually(port, failures[0], {(("event", "orphan_expired"), pd): None}, deadline)
 
 
 def test_a_real_prometheus_scrapes_the_verdict_and_loads_the_rules(tmp_path: Path) -> None:
-    server = Server(mode="push")
+    server = Server("--active-request-expiry-secs", str(EXPIRY), mode="push")
     port = free_port()
     config = tmp_path / "prometheus.yml"
     config.write_text(yaml.safe_dump({
