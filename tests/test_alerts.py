@@ -215,7 +215,7 @@ def test_a_real_prometheus_scrapes_the_verdict_and_loads_the_rules(tmp_path: Pat
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/rules", timeout=10) as answer:
             groups = json.loads(answer.read())["data"]["groups"]
         rules = {r["name"]: r["health"] for g in groups for r in g["rules"]}
-        assert len(rules) == 11 and set(rules.values()) == {"ok"}, rules
+        assert len(rules) == 12 and set(rules.values()) == {"ok"}, rules
         for expr in panel_queries():  # each parses and evaluates (raises on an error)
             query(port, expr)
         _the_pd_panels_show_plans(server.port, port)
