@@ -2,9 +2,9 @@
 deploy/grafana/selection-proto.json, issue 33): the rules' `promtool` unit tests pass, every metric
 the rules and the panels read is one `/metrics` declares, and a real Prometheus (Debian's
 `prometheus`) scraping a running `serve` reads the verdict, loads the rules healthy, evaluates
-every panel's query and shows prefill/decode plans made through `serve` in the P/D panels; the rules'
-severities and docs/VERDICT.md's table of alerts agree. Without `promtool` and `prometheus` on the PATH these tests fail (README's test command
-installs them)."""
+every panel's query and shows prefill/decode plans made through `serve` in the P/D panels; the
+rules' severities and docs/VERDICT.md's table of alerts agree. Without `promtool` and `prometheus`
+on the PATH these tests fail (README's test command installs them)."""
 
 from __future__ import annotations
 
