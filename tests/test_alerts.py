@@ -1,9 +1,10 @@
 """The alert rules and the dashboard that ship with the service (deploy/prometheus/alerts.yaml,
 deploy/grafana/selection-proto.json, issue 33): the rules' `promtool` unit tests pass, every metric
 the rules and the panels read is one `/metrics` declares, and a real Prometheus (Debian's
-`prometheus`) scraping a running `serve` reads the verdict, loads the rules healthy and evaluates
-every panel's query. Without `promtool` and `prometheus` on the PATH these tests fail (README's test command
-installs them)."""
+`prometheus`) scraping a running `serve` reads the verdict, loads the rules healthy, evaluates
+every panel's query and shows prefill/decode plans made through `serve` in the P/D panels; the
+rules' severities and docs/VERDICT.md's table of alerts agree. Without `promtool` and `prometheus`
+on the PATH these tests fail (README's test command installs them)."""
 
 from __future__ import annotations
 
@@ -22,15 +23,16 @@ from test_subscriptions import free_port
 
 from selection_proto.core.metrics import FAMILIES
 from selection_proto.core.status_page import PAGE
-from selection_proto.core.verdict import SEVERITY, STATES
+from selection_proto.core.verdict import SEVERITY, SEVERITY_ORDER, STATES
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "deploy" / "prometheus"
 DASHBOARD = ROOT / "deploy" / "grafana" / "selection-proto.json"
 
 
-def panel_queries() -> list[str]:
-    return [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"] for t in p["targets"]]
+def panel_queries(title_prefix: str = "") -> list[str]:
+    return [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"] if p["title"].startswith(title_prefix)
+            for t in p["targets"]]
 
 
 def tool(name: str) -> str:
@@ -87,6 +89,8 @@ def test_severity_is_one_scale_for_the_page_the_alerts_and_the_docs() -> None:
             alerted[state] = rule["labels"]["severity"]
     # Every state worse than info pages someone, at its severity; info and ok never alert.
     assert alerted == {s: v for s, v in SEVERITY.items() if v in ("warning", "critical")}
+    # The rules on other numbers (plans orphaned, the queue timing out, ...) use the same scale.
+    assert {rule["labels"]["severity"] for rule in rules} <= set(SEVERITY_ORDER) - {"ok"}
     verdict_doc = {row[0]: row[1] for row in _doc_table(ROOT / "docs" / "VERDICT.md",
                                                          "| state | severity | when | what to do |")}
     assert {s.removesuffix(", restarting"): v for s, v in verdict_doc.items()} == SEVERITY
@@ -98,6 +102,13 @@ def test_severity_is_one_scale_for_the_page_the_alerts_and_the_docs() -> None:
     assert "no_events" not in page and "critical" in page  # colours come from the snapshot's severity
 
 
+def test_every_rule_is_in_the_docs_with_its_severity() -> None:
+    """docs/VERDICT.md's table of alerts names every rule, at the severity the rule pages with."""
+    rules = yaml.safe_load((RULES / "alerts.yaml").read_text())["groups"][0]["rules"]
+    documented = {row[0]: row[2] for row in _doc_table(ROOT / "docs" / "VERDICT.md", "| alert | when | severity |")}
+    assert documented == {rule["alert"]: rule["labels"]["severity"] for rule in rules}
+
+
 def query(port: int, expr: str) -> list[dict[str, Any]]:
     url = f"http://127.0.0.1:{port}/api/v1/query?query={urllib.request.quote(expr)}"
     with urllib.request.urlopen(url, timeout=10) as answer:
@@ -106,8 +117,76 @@ def query(port: int, expr: str) -> list[dict[str, Any]]:
     return body["data"]["result"]  # type: ignore[no-any-return]
 
 
+EXPIRY = 1.0  # seconds: `serve --active-request-expiry-secs`, so that an unended plan is an orphan soon
+
+
+def _plan_round(port: int, n: int) -> None:
+    """On key `pd`, a remote plan handed off and ended, three local plans ended and a remote plan
+    left unended (an orphan, expired by a later round's plans); on key `pd-local` (no prefill
+    worker), a local plan ended (docs/PD.md)."""
+    for i, (model, path) in enumerate((("pd", "remote"), ("pd", "local"), ("pd", "local"), ("pd", "local"),
+                                       ("pd-local", "local"), ("pd", "remote"))):
+        plan_id = f"{n}-{i}"
+        status, plan = api_call(port, "POST", "/select_pd_and_reserve", {
+            "model_name": model, "token_ids": list(range(1, 41)), "plan_id": plan_id, "pd": {"mode": path}})
+        assert status == 200 and plan["path"] == path, plan
+        if i == 5:
+            break  # the orphan
+        if path == "remote":
+            assert api_call(port, "POST", f"/plans/{plan_id}/handoff")[1]["released"] == ["prefill"]
+        assert api_call(port, "DELETE", f"/plans/{plan_id}")[0] == 200
+
+
+def _eventually(port: int, expr: str, wanted: dict[tuple[tuple[str, str], ...], float | None],
+                deadline: float) -> None:
+    """Wait until `expr` answers `wanted`, {labels: value} (None: any value above 0), for the keys
+    `pd` and `pd-local`."""
+    while True:
+        found = {tuple(sorted(r["metric"].items())): float(r["value"][1])
+                 for r in query(port, expr) if r["metric"].get("model_name", "").startswith("pd")}
+        if found.keys() == wanted.keys() and all(
+                value > 0 if (expected := wanted[labels]) is None else abs(value - expected) < 1e-9
+                for labels, value in found.items()):
+            return
+        assert time.monotonic() < deadline, (expr, found)
+        time.sleep(0.5)
+
+
+def _the_pd_panels_show_plans(service: int, port: int) -> None:
+    """The P/D panels, evaluated by Prometheus, show plans by path and decider, the remote share
+    (0 on a key whose plans are all local), handoffs and ends beside the plans booked, and orphans
+    expired; no compensation."""
+    for wid, model, role in ((8, "pd", "prefill"), (9, "pd", "both"), (10, "pd-local", "both")):
+        assert api_call(service, "POST", "/workers", {"worker_id": wid, "model_name": model, "block_size": 4,
+                                                      "endpoint": f"http://w{wid}", "role": role})[0] == 201
+    pd, pd_local = ("model_name", "pd"), ("model_name", "pd-local")
+    deadline = time.monotonic() + 90
+    # A rate needs a series to grow after its first scrape: a round, its counts scraped, the
+    # expiry passed (the next round's plans expire the round's orphan), the next round.
+    for n in (1, 2, 3):
+        _plan_round(service, n)
+        if n < 3:
+            started = time.monotonic()
+            _eventually(port, "sum by (model_name, path) (selection_proto_pd_plans_total)",
+                        {(pd, ("path", "local")): 3 * n, (pd, ("path", "remote")): 2 * n,
+                         (pd_local, ("path", "local")): n}, deadline)
+            time.sleep(max(0.0, started + EXPIRY + 0.1 - time.monotonic()))
+    plans, share, events, failures = (panel_queries(title) for title in (
+        "P/D plans", "P/D remote share", "P/D handoffs", "P/D orphans"))
+    # A forced path's decider is the default, isl_bounding.
+    _eventually(port, plans[0], {(("decider", "isl_bounding"), pd, ("path", "local")): None,
+                                 (("decider", "isl_bounding"), pd, ("path", "remote")): None,
+                                 (("decider", "isl_bounding"), pd_local, ("path", "local")): None}, deadline)
+    _eventually(port, share[0], {(pd,): 0.4, (pd_local,): 0.0}, deadline)
+    _eventually(port, events[0], {(("event", "ended"), pd): None, (("event", "handoff"), pd): None,
+                                  (("event", "ended"), pd_local): None}, deadline)
+    _eventually(port, events[1], {(pd, ("path", "local")): None, (pd, ("path", "remote")): None,
+                                  (pd_local, ("path", "local")): None}, deadline)
+    _eventually(port, failures[0], {(("event", "orphan_expired"), pd): None}, deadline)
+
+
 def test_a_real_prometheus_scrapes_the_verdict_and_loads_the_rules(tmp_path: Path) -> None:
-    server = Server(mode="push")
+    server = Server("--active-request-expiry-secs", str(EXPIRY), mode="push")
     port = free_port()
     config = tmp_path / "prometheus.yml"
     config.write_text(yaml.safe_dump({
@@ -136,9 +215,10 @@ def test_a_real_prometheus_scrapes_the_verdict_and_loads_the_rules(tmp_path: Pat
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/rules", timeout=10) as answer:
             groups = json.loads(answer.read())["data"]["groups"]
         rules = {r["name"]: r["health"] for g in groups for r in g["rules"]}
-        assert len(rules) == 9 and set(rules.values()) == {"ok"}, rules
+        assert len(rules) == 12 and set(rules.values()) == {"ok"}, rules
         for expr in panel_queries():  # each parses and evaluates (raises on an error)
             query(port, expr)
+        _the_pd_panels_show_plans(server.port, port)
     finally:
         prometheus.terminate()
         prometheus.wait(timeout=30)
