@@ -129,7 +129,7 @@ def test_adapters_and_transports_record_through_observe() -> None:
 
 
 def test_the_facade_is_thin_and_no_core_module_is_large() -> None:
-    """The layout of issue 12: the facade at most ~450 lines (465 with the prefill/decode plan
+    """The facade at most ~450 lines (465 with the prefill/decode plan
     calls, docs/PD.md), no core module over ~550."""
     sizes = {str(path.relative_to(PACKAGE)): len(path.read_text().splitlines())
              for path in sorted(PACKAGE.rglob("*.py"))}
@@ -152,7 +152,7 @@ def test_each_counted_family_is_named_once_outside_the_table() -> None:
 
 
 def test_the_routes_that_hash_a_prompt_ahead_are_those_whose_body_has_one() -> None:
-    """Issue 35: a route's prompt is a fact of the route table, not a second list beside it."""
+    """A route's prompt is a fact of the route table, not a second list beside it."""
     import attrs
 
     from selection_proto.core.routes import ROUTES
