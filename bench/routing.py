@@ -69,7 +69,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--trace", default=TRACE)
     parser.add_argument("--hard", action="store_true",
-                        help="issue 31's cases: saturation, mixed engine speeds, no prefill_complete, event lag")
+                        help="docs/ROUTING.md's hard cases: saturation, mixed engine speeds, no prefill_complete, event lag")
     parser.add_argument("--synthetic", action="store_true",
                         help="a generated high-reuse trace instead (synthetic_trace), one slice")
     parser.add_argument("--baselines", action="store_true", help="also the cache-blind baselines")
@@ -89,7 +89,7 @@ def main() -> int:
     cases += [(4000, load, 8, ()) for load in (0.5, 1.0)] + [(4000, 0.8, engines, ()) for engines in (4, 16)]
     if args.synthetic:
         cases = [(0, load, engines, ()) for load, engines in ((0.5, 8), (0.8, 8), (1.0, 8), (0.8, 4), (0.8, 16))]
-    if args.hard:  # issue 31's cases: saturation, unknown engine speeds, silent clients, event lag
+    if args.hard:  # docs/ROUTING.md's hard cases: saturation, unknown engine speeds, silent clients, event lag
         mixed = ("--engine-speeds", "1,0.5")
         cases = [(skip, load, engines, extra) for skip in (0, 4000) for load, engines, extra in (
             (1.1, 8, ()), (1.2, 8, ()), (0.8, 8, mixed), (0.8, 8, ("--no-prefill-complete",)),

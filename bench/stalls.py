@@ -166,8 +166,8 @@ def scenario_ws_events(opts: argparse.Namespace) -> dict[str, float]:
 
 
 def scenario_ws_flood(opts: argparse.Namespace) -> dict[str, float]:
-    """Issue 35: one stream sending small events, one per message, as fast as the socket takes
-    them (a heavy request is 10,000 of them; 300,000 in the issue's run)."""
+    """One stream sending small events, one per message, as fast as the socket takes
+    them (a heavy request is 10,000 of them; 300,000 in the run docs/INVARIANTS.md gives)."""
     proc, port = start([])
     try:
         Conn(port).call("POST", "/workers", json.dumps(worker(1)).encode())
@@ -418,7 +418,7 @@ def _eight_workers(conn: Conn) -> None:
 
 
 def _nine_huge_bookings(conn: Conn) -> None:
-    """A worker of `block_size` 1 holding nine bookings of 850,000 sequence hashes (issue 27, case 2)."""
+    """A worker of `block_size` 1 holding nine bookings of 850,000 sequence hashes (docs/INVARIANTS.md)."""
     conn.call("POST", "/workers", json.dumps(worker(1, block_size=1)).encode())
     for n in range(9):
         booking = {"reservation_id": f"b{n}", "worker_id": 1, "model_name": "m", "isl_tokens": 850_000,

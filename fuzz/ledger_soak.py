@@ -109,7 +109,7 @@ def main() -> int:
     lock = threading.Lock()
     counts = {"booked": 0, "freed": 0, "prefilled": 0, "errors": 0, "replica_kills": 0, "ledger_kills": 0,
               "retried_frees": 0, "retry_not_404": 0, "reused_ids": 0}
-    reusable: dict[int, list[str]] = {}  # client -> ids it freed, to book again (issue 24)
+    reusable: dict[int, list[str]] = {}  # client -> ids it freed, to book again (docs/REPLICATION.md)
 
     def client(index: int) -> None:
         local = random.Random(index)

@@ -5,7 +5,7 @@ the interpreter parses, upgrade variants, framing conflicts, deep nesting), agai
 an internal error was counted, or a read no longer answers 200, and prints that case.
 
 With `--heavy`, one more client cycles through the loads that once held the event loop or grew
-memory without bound (issue 27): huge prompts beside huge bookings, a WebSocket event flood,
+memory without bound (docs/INVARIANTS.md): huge prompts beside huge bookings, a WebSocket event flood,
 bodies stalled just short of their end. `/health` is then timed throughout: its p99 and maximum
 are reported, and a probe over `--max-health-ms` (default 1,000) fails the run.
 
@@ -40,7 +40,7 @@ FIELDS = ["worker_id", "model_name", "tenant_id", "routing_group", "endpoint", "
           "router_temperature", "pinned_worker", "allowed_worker_ids", "priority_jump", "max_num_batched_tokens",
           "expected_output_tokens", "router_config_override", "event", "event_id", "data", "stored", "removed",
           "parent_hash", "blocks", "block_hash", "tokens_hash", "dp_rank", "cleared", "storage_tier", "explain",
-          # 1.6.1's members (issues 13 and 14)
+          # 1.6.1's members (docs/DECISIONS.md, "Speaking Dynamo 1.6.1")
           "session_id", "session_context", "cache_salt", "advisory", "is_eagle", "mm_routing_info",
           "routing_token_ids", "block_mm_infos", "mm_objects", "mm_hash", "offsets", "decay_fraction",
           "replay_endpoint",

@@ -1,5 +1,5 @@
 """The alert rules and the dashboard that ship with the service (deploy/prometheus/alerts.yaml,
-deploy/grafana/selection-proto.json, issue 33): the rules' `promtool` unit tests pass, every metric
+deploy/grafana/selection-proto.json, docs/VERDICT.md): the rules' `promtool` unit tests pass, every metric
 the rules and the panels read is one `/metrics` declares, and a real Prometheus (Debian's
 `prometheus`) scraping a running `serve` reads the verdict, loads the rules healthy, evaluates
 every panel's query and shows prefill/decode plans made through `serve` in the P/D panels; the

@@ -126,7 +126,7 @@ def test_worker_lifecycle_and_reasons(make_client: Any) -> None:
     ("tcp://host:70000", "invalid TCP port: number too large to fit in target type"),
     ("inproc://x", "unsupported scheme `inproc`"),
     ("tcp://", "missing address"),
-    # What ZMQ would refuse on every retry (issue 27): refused at registration instead.
+    # What ZMQ would refuse on every retry: refused at registration instead.
     ("tcp://a b:1", "invalid TCP host"),
     ("tcp://*:5557", "invalid TCP host"),
     ("ipc:///tmp/" + "x" * 200, "ipc path longer than 107 bytes"),

@@ -1,4 +1,4 @@
-"""Engines' own metrics (issue 34): a worker's `metrics_endpoint` read from vLLM's and SGLang's
+"""Engines' own metrics (docs/VERDICT.md): a worker's `metrics_endpoint` read from vLLM's and SGLang's
 Prometheus text, kept per worker and shown in `/loads`; scraped by `serve` from real sockets, a
 silent or hostile endpoint costing only its own scrape. Against a real vLLM engine:
 tests/test_real_engines.py."""
@@ -171,7 +171,7 @@ def test_a_scrape_interval_that_is_not_positive_is_refused_at_start() -> None:
 
 
 def test_hostile_observations_over_a_socket_are_ignored_and_the_server_answers_on() -> None:
-    """Issue 34's new input path: `cached_tokens` with `prefill_complete` and the free, sent over a
+    """The verdict's input path: `cached_tokens` with `prefill_complete` and the free, sent over a
     real socket. A member of the wrong shape is ignored, said in `warnings` and counted (it was a
     422 that kept a free's booking until it expired: a free must free); a body that does not parse
     (a 5,000-digit integer, a lone surrogate, 1e999) is ignored as 1.6.1 ignores these bodies.

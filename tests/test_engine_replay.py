@@ -1,4 +1,4 @@
-"""Engine replay (issue 13) with a real ZMQ engine stand-in: a PUB socket and a ROUTER replay socket
+"""Engine replay (docs/DECISIONS.md) with a real ZMQ engine stand-in: a PUB socket and a ROUTER replay socket
 framed as vLLM frames them, against a real `serve --kv-events subscribe`. Batches published before
 the subscription, batches lost on the wire, and batches the engine no longer has."""
 

@@ -534,7 +534,7 @@ def test_a_backend_is_checked_before_anything_starts_and_a_missing_one_named(
 
 
 def test_the_pickers_port_needs_the_servers_bearer_token(tmp_path: Any) -> None:
-    """Issue 35: with `--auth-token-file` a stream without `authorization: Bearer <token>` gRPC
+    """With `--auth-token-file` a stream without `authorization: Bearer <token>` gRPC
     metadata (or with another token) is refused UNAUTHENTICATED and books nothing; with it, it is
     routed; gRPC health stays open, as `/health` is."""
     import http.client
@@ -571,7 +571,7 @@ def test_the_pickers_port_needs_the_servers_bearer_token(tmp_path: Any) -> None:
 
 
 def test_a_body_that_never_completes_is_refused_after_the_request_timeout_and_frees_its_bytes() -> None:
-    """Issue 35: a picker stream holding an unfinished body kept its bytes of the shared budget for
+    """A picker stream holding an unfinished body kept its bytes of the shared budget for
     as long as it stayed open; now it has `--request-timeout-secs`, then 408 and the bytes back."""
     import threading
     import time
@@ -660,7 +660,7 @@ def test_a_stream_whose_headers_come_after_its_time_is_refused_at_once_and_other
 
 
 def test_picker_streams_are_capped_by_max_connections() -> None:
-    """Issue 35: the picker had no cap on streams (the descriptor limit counted HTTP only): past
+    """The picker had no cap on streams (the descriptor limit counted HTTP only): past
     `--max-connections` open streams a new one is refused RESOURCE_EXHAUSTED, counted, and served
     again once one ends; HTTP answers throughout."""
     import threading
@@ -704,7 +704,7 @@ def test_picker_streams_are_capped_by_max_connections() -> None:
 
 
 def test_the_decision_rides_on_the_header_mutation_when_asked() -> None:
-    """Issue 33: with `explain_header` the picker adds `x-selection-decision` to the request it
+    """With `explain_header` the picker adds `x-selection-decision` to the request it
     routes (the engine and its logs see why); not otherwise."""
     for on in (False, True):
         service = fleet(explain_header=on)
@@ -720,7 +720,7 @@ def test_the_decision_rides_on_the_header_mutation_when_asked() -> None:
 
 
 def test_replies_a_peer_does_not_read_hold_their_bytes_of_the_budget() -> None:
-    """Issue 35: a stream whose peer never reads the echoed body kept it (~6 MB) outside the
+    """A stream whose peer never reads the echoed body kept it (~6 MB) outside the
     byte budget, so 150 such streams grew the server by 837 MB. The body's bytes now stay in
     `--max-buffer-bytes` until its echo is written: past the budget, bodies are refused (503),
     and served again once the silent stream goes; HTTP answers throughout."""
@@ -848,7 +848,7 @@ def test_open_streams_keep_no_parsed_prompt() -> None:
 
 
 def test_picker_connections_are_capped_and_silent_ones_time_out() -> None:
-    """Issue 35: the picker had no cap on gRPC connections. Past `--max-connections` a new one is
+    """The picker had no cap on gRPC connections. Past `--max-connections` a new one is
     closed at once; a connection that never completes its HTTP/2 handshake is closed after
     `--request-timeout-secs`, its slot given back; HTTP answers throughout."""
     import socket

@@ -1,4 +1,4 @@
-"""Flow control (issue 32, docs/FLOW_CONTROL.md): the properties, in virtual time over the core, of
+"""Flow control (docs/FLOW_CONTROL.md): the properties, in virtual time over the core, of
 lanes by priority, policy class and fairness ID; the door's refusals; and the same over HTTP and
 JSON lines."""
 

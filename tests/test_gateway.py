@@ -1,4 +1,4 @@
-"""The endpoint picker behind a real Envoy (issue 26): Envoy's ext_proc filter in FULL_DUPLEX_STREAMED
+"""The endpoint picker behind a real Envoy (docs/GATEWAY.md): Envoy's ext_proc filter in FULL_DUPLEX_STREAMED
 mode both ways with trailers SEND asks our `serve --ext-proc-port` where each OpenAI request goes,
 and an ORIGINAL_DST cluster sends it to that engine (tests/gateway.py has the parts)."""
 
@@ -164,7 +164,7 @@ def test_a_queued_selection_holds_the_request_until_a_rank_frees_and_a_full_queu
         time.sleep(0.2)
         status, _, body = gw.request("/v1/completions", {"model": "m", "prompt": [4] * 40})
         assert status == 429 and "queue is full" in json.loads(body)["error"]["message"]
-        # Issue 32: a sheddable request (the Gateway API's priority < 0) is refused at once under
+        # A sheddable request (the Gateway API's priority < 0; docs/FLOW_CONTROL.md) is refused at once under
         # saturation, with when to come back; so is one that asked not to queue.
         for ask in ({"x-llm-d-inference-fairness-id": "team-b", "x-selection-priority": "-1"},
                     {"x-selection-do-not-queue": "true"}):

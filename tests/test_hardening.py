@@ -1,4 +1,4 @@
-"""Hardening, round two (issue 27): no client holds the loop, buffered bytes have a budget. Over
+"""Hardening, round two (docs/INVARIANTS.md): no client holds the loop, buffered bytes have a budget. Over
 real sockets against a real `serve` process; each test asserts the server answers afterwards."""
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def test_a_large_dump_is_written_by_a_child_and_health_answers_meanwhile() -> No
 
 
 def test_a_huge_select_beside_huge_bookings_leaves_health_its_turn() -> None:
-    """Issue 27, case 2: a worker of block size 1 holding bookings of 850,000 sequence hashes,
+    """A worker of block size 1 holding bookings of 850,000 sequence hashes,
     then selections of 1,048,576 token ids; the prompt is hashed and counted in a worker thread."""
     server = Server("--max-state-bytes", str(8 << 30))
     try:
@@ -232,7 +232,7 @@ def test_a_huge_select_beside_huge_bookings_leaves_health_its_turn() -> None:
 
 def test_a_websocket_event_flood_leaves_other_clients_their_turn() -> None:
     """One stream sending small events as fast as it can: /health keeps a p50 under 50 ms and a
-    p99 under 100 ms (issue 35's goal; bench/stalls.py --scenarios ws_flood has the figures)."""
+    p99 under 100 ms (docs/INVARIANTS.md; bench/stalls.py --scenarios ws_flood has the figures)."""
     from websockets.sync.client import connect
 
     server = Server()
@@ -333,9 +333,8 @@ def test_subscriptions_and_connections_fit_the_descriptor_limit() -> None:
 
 
 def test_hostile_worker_speeds_and_eagle_flags_are_refused_and_the_server_answers_on() -> None:
-    """The new members of a worker record (issue 24's `is_eagle`, issue 25's
-    `prefill_tokens_per_sec`) over a real socket: a 5,000-digit number, a lone surrogate, the
-    wrong types; each a 422, nothing stored."""
+    """The new members of a worker record (`is_eagle`, `prefill_tokens_per_sec`) over a real
+    socket: a 5,000-digit number, a lone surrogate, the wrong types; each a 422, nothing stored."""
     server = Server()
     try:
         head = b'{"worker_id": 1, "model_name": "m", "block_size": 4, "endpoint": "http://w", '
@@ -352,7 +351,7 @@ def test_hostile_worker_speeds_and_eagle_flags_are_refused_and_the_server_answer
 
 
 def test_a_huge_openai_body_through_the_picker_leaves_health_its_turn() -> None:
-    """Issue 35: the picker parsed, tokenized and hashed a body on the event loop (a 2 MiB text
+    """The picker parsed, tokenized and hashed a body on the event loop (a 2 MiB text
     completion held `/health` 1.8-2.5 s, a 220,000-message chat 4-5 s); now in a worker thread, as
     HTTP bodies are. (Booking a million blocks, at block size 1, is still loop work: not here.)"""
     import grpc

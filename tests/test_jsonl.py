@@ -321,7 +321,7 @@ def test_every_method_is_documented() -> None:
 
 
 def test_a_cancel_whose_id_is_not_an_id_is_invalid_params_and_the_process_answers_on() -> None:
-    """Issue 27: a list or an object as `params.id` is -32602, not an internal error."""
+    """A list or an object as `params.id` is -32602, not an internal error."""
     lines = b"".join([rpc(1, "cancel", id=[1, 2]), rpc(2, "cancel", id={"a": 1}), rpc(None, "cancel", id=[3]),
                       rpc(3, "cancel", id="nothing-waits"), rpc(4, "health")])
     answers, _, code = run_session(lines)

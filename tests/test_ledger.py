@@ -325,7 +325,7 @@ def shared_ledger(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LedgerSe
 @settings(max_examples=int(os.environ.get("LEDGER_EXAMPLES", "25")), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=_OPS)
-# Issue 24: a retried free answers 404, and the id booked again stays counted, on one replica and
+# A retried free answers 404, and the id booked again stays counted, on one replica and
 # across two (booked on A, freed on B, the free retried on A, booked again on B).
 @example(ops=[("book", 0, 0, 1, 1, False), ("free", 0, 0, 1, 1, False), ("free", 0, 0, 1, 1, False),
               ("book", 0, 0, 1, 1, False), ("output", 0, 0, 1, 1, False)])
@@ -458,7 +458,7 @@ def _workers_json(r: Any) -> list[dict[str, Any]]:
 
 
 def test_a_retried_free_answers_404_and_the_id_booked_again_stays_counted(ledger: LedgerServer) -> None:
-    """One replica, as a client with retries would drive it (issue 24's curl session)."""
+    """One replica, as a client with retries would drive it."""
     async def main() -> None:
         async with replicas(1, ledger.url) as (a,):
             await _two_workers(a)

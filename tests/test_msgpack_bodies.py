@@ -1,4 +1,4 @@
-"""Binary prompts (issue 17): every JSON route takes the same members as one msgpack map, and a
+"""Binary prompts (docs/DECISIONS.md): every JSON route takes the same members as one msgpack map, and a
 u32 array (`token_ids`) may be a `bin` of little-endian u32. The answers are the bytes the JSON
 request gets; a body that is not msgpack is a 400 that changes nothing; over a real socket too."""
 

@@ -1,4 +1,4 @@
-"""Pending selections, output blocks and session affinity in the core (issue 14), with a seeded
+"""Pending selections, output blocks and session affinity in the core (docs/DECISIONS.md), with a seeded
 clock: the cache's limits, expiry and eviction order, replays, output-block weights, bindings."""
 
 from __future__ import annotations

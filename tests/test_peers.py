@@ -1,4 +1,4 @@
-"""Starting warm from a peer (`--indexer-peers`, issue 13), with real servers: the first peer whose
+"""Starting warm from a peer (`--indexer-peers`, docs/DECISIONS.md), with real servers: the first peer whose
 `/dump` restores is used, unreachable, hostile and silent peers are skipped, and the service starts
 empty when none answers."""
 

@@ -1,4 +1,4 @@
-"""`router_policy=ttft` (issue 25): the least predicted time to first token, in the core. Each test
+"""`router_policy=ttft` (docs/ROUTING.md): the least predicted time to first token, in the core. Each test
 asserts a choice a user would see, and the predicted parts `explain` reports."""
 
 from __future__ import annotations

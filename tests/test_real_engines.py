@@ -1,4 +1,4 @@
-"""Real vLLM engines in the loop (issue 34): three engines on the CPU serving a tiny model built here,
+"""Real vLLM engines in the loop: three engines on the CPU serving a tiny model built here,
 our `serve` subscribed to their ZMQ KV events, and every scenario checked against what the engine
 itself reports (`usage.prompt_tokens_details.cached_tokens`). docs/REAL_ENGINES.md says what they
 need; they fail, never skip, without it.

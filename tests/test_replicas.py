@@ -403,7 +403,7 @@ def test_a_replica_on_a_ledger_survives_hostile_requests_and_keeps_its_ledger(le
 
 
 def test_processes_take_connections_once_they_can_serve_them(ledger: LedgerServer) -> None:
-    """Issue 35: the moment the shared port first accepts, every process that takes a connection
+    """The moment the shared port first accepts, every process that takes a connection
     has joined the ledger: 16 registrations on fresh connections all succeed."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "selection_proto", "serve", "--port", str(port), "--kv-events",
@@ -433,7 +433,7 @@ def test_processes_take_connections_once_they_can_serve_them(ledger: LedgerServe
 
 
 def test_processes_share_the_pickers_port_too(ledger: LedgerServer) -> None:
-    """Issue 35: with `--ext-proc-port`, every process serves the one picker port (it was bound
+    """With `--ext-proc-port`, every process serves the one picker port (it was bound
     without port sharing: all but one process exited, and were started again for ever)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -459,7 +459,7 @@ def test_processes_share_the_pickers_port_too(ledger: LedgerServer) -> None:
 
 
 def test_replicas_whose_shared_settings_differ_are_named(ledger: LedgerServer) -> None:
-    """Issue 35: replicas on one ledger with different leases or limits drifted apart silently;
+    """Replicas on one ledger with different leases or limits drifted apart silently;
     each now names the other in a warning (and counts it), while equal ones say nothing."""
     a = Server("--ledger", ledger.url)
     b = Server("--ledger", ledger.url)

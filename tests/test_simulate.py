@@ -1,4 +1,4 @@
-"""`selection-proto simulate` (issue 25): a Mooncake trace replayed through simulated engines and the
+"""`selection-proto simulate` (docs/ROUTING.md): a Mooncake trace replayed through simulated engines and the
 real core, as a real subprocess; its JSON, its table, its HTML report rendered by a real headless
 Chromium, and its refusals of bad traces (exit 2, one line, no traceback)."""
 
@@ -255,7 +255,7 @@ def test_a_running_service_over_http_routes_as_the_core_in_process(tmp_path: Pat
 
 
 def test_trace_lines_may_say_their_tenant_and_each_tenant_gets_its_figures(tmp_path: Path) -> None:
-    """Issue 32: tenant `a` steady, tenant `b` a burst of many times its share; with fairness on,
+    """Tenant `a` steady, tenant `b` a burst of many times its share; with fairness on,
     `a`'s TTFT barely moves, with one FIFO it waits behind `b`. Several settings after one --compare."""
     lines, block = [], 10_000
     for i in range(240):  # a: one every half second for two minutes
@@ -291,7 +291,7 @@ def test_trace_lines_may_say_their_tenant_and_each_tenant_gets_its_figures(tmp_p
 
 
 def test_speedup_replays_the_traces_own_timestamps(tmp_path: Path) -> None:
-    """Issue 31: --speedup X keeps the trace's own spacing, X times faster, instead of --load."""
+    """--speedup X keeps the trace's own spacing, X times faster, instead of --load."""
     trace = tmp_path / "t.jsonl"
     trace.write_bytes(b"\n".join(_trace_lines(60, 0)))  # one request a second, nothing shared
     waits = {}
@@ -309,7 +309,7 @@ def test_speedup_replays_the_traces_own_timestamps(tmp_path: Path) -> None:
 
 
 def test_mocker_timing_uses_dynamos_polynomials_exactly(tmp_path: Path) -> None:
-    """Issue 31: ours counts attention over a chunk's context (a 32k prompt ~1.0 s); the mocker does
+    """Ours counts attention over a chunk's context (a 32k prompt ~1.0 s); the mocker does
     not (~0.68 s); --mocker-timing uses its formulas, decode's quadratic in KV use too."""
     from selection_proto.sim.engine import EngineModel
 
@@ -374,7 +374,7 @@ def test_the_series_stay_bounded_when_the_fleet_runs_long_after_the_last_arrival
 
 
 def test_engine_speeds_slow_the_engines_named_and_the_load_follows_the_fleet(tmp_path: Path) -> None:
-    """Issue 31: a mixed fleet. Every other engine a quarter as fast: round-robin, blind to speed,
+    """A mixed fleet. Every other engine a quarter as fast: round-robin, blind to speed,
     gives the slow ones as much as the fast ones and waits far longer than on a uniform fleet
     offered the same share of its capacity, while a load-aware router keeps closer."""
     out, mixed_out = tmp_path / "uniform.json", tmp_path / "mixed.json"

@@ -1,4 +1,5 @@
-"""mypy --strict on the whole package and ruff on the package, as part of the test command."""
+"""mypy --strict on the whole package and ruff on the package, as part of the test command; and no
+comment names an issue by number."""
 
 from __future__ import annotations
 
@@ -26,3 +27,18 @@ def test_mypy_strict_package() -> None:
 def test_ruff_clean() -> None:
     result = _run("ruff", "check", "selection_proto", "tests", "bench", "examples")
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_no_comment_names_an_issue_by_number() -> None:
+    """Issues close, and their numbers tell a reader of the code nothing: a comment or docstring
+    names the docs page that holds the concept instead."""
+    import re
+
+    issue = re.compile(r"\bissues? ?#?[0-9]+", re.IGNORECASE)
+    texts = (".py", ".pyi", ".sh", ".js", ".json", ".yaml", ".yml", ".toml", ".md")
+    files = [path for folder in ("selection_proto", "tests", "bench", "fuzz", "deploy", "examples")
+             for path in sorted((ROOT / folder).rglob("*")) if path.suffix in texts]
+    assert len(files) > 200
+    named = [f"{path.relative_to(ROOT)}:{n}" for path in files
+             for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if issue.search(line)]
+    assert named == []

@@ -1,4 +1,4 @@
-"""The live status page (issue 33): `GET /status` in a real headless Chromium following the fleet over
+"""The live status page (docs/STATUS.md): `GET /status` in a real headless Chromium following the fleet over
 server-sent events, behind the API's token; the snapshot's contents; the feed's bounds over real sockets."""
 
 from __future__ import annotations

@@ -254,7 +254,7 @@ def test_the_decision_header_says_a_tie_and_the_unit_of_its_margin() -> None:
 
 
 def test_the_decision_header_says_why_when_asked() -> None:
-    """Issue 33: with `explain_header` each selection's answer carries `x-selection-decision`
+    """With `explain_header` (docs/VERDICT.md) each selection's answer carries `x-selection-decision`
     (the chosen rank, its cached tokens, the runner-up and the margin); off by default."""
     for on in (False, True):
         service = SelectionService(Settings(kv_events="push", explain_header=on), random.Random(0))

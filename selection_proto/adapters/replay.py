@@ -1,4 +1,4 @@
-"""Engine replay as a Sans-IO sequence (issue 13): vLLM and SGLang number their ZMQ batches and keep
+"""Engine replay as a Sans-IO sequence (docs/DECISIONS.md): vLLM and SGLang number their ZMQ batches and keep
 the recent ones behind a ROUTER socket (the worker's `replay_endpoint`). When the live stream skips
 a number (also when a new subscription's first batch is not 0), the missing batches are asked for
 (`want`), the live ones that keep arriving are held, and everything is handed on in order, each

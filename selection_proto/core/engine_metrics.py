@@ -1,4 +1,4 @@
-"""An engine's own metrics (issue 34): what a worker's `metrics_endpoint` reports, read from the
+"""An engine's own metrics (docs/VERDICT.md): what a worker's `metrics_endpoint` reports, read from the
 Prometheus text vLLM and SGLang serve (running and waiting requests, KV cache usage, prefix-cache
 hits and queries), kept as the latest sample per worker and shown in `/loads`.
 

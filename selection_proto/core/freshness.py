@@ -5,7 +5,7 @@ the next number is fine; a jump forward is a gap (the numbers in between are mis
 else is a rewind. Either break marks the rank stale until a `cleared` event proves the index whole
 again. A stream seq that goes back (or is 0 again) is an engine restart (its cache is empty, its numbers begin
 again): the caller drops the rank's index, and when the batch is the engine's first (seq 0) the next
-batch in order proves the index whole again (issue 34)."""
+batch in order proves the index whole again (docs/VERDICT.md, "Engine restarts")."""
 
 from __future__ import annotations
 

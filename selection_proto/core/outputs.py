@@ -32,7 +32,7 @@ class SubscribeKvEvents:
     endpoint: str
     model_name: str
     tenant_id: str
-    replay_endpoint: str | None = None  # the engine's replay socket, when it has one (issue 13)
+    replay_endpoint: str | None = None  # the engine's replay socket, when it has one (docs/DECISIONS.md)
 
 
 @attrs.frozen

@@ -1,4 +1,4 @@
-"""Whether KV routing works for a worker (issue 34): what its engine's events and its own reports of
+"""Whether KV routing works for a worker: what its engine's events and its own reports of
 cached tokens say about the index's predictions, reduced to one state and reasons an operator can
 act on (docs/VERDICT.md).
 

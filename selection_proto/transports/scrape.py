@@ -1,4 +1,4 @@
-"""Engines' own metrics (issue 34): every `interval` seconds each schedulable worker's
+"""Engines' own metrics (docs/VERDICT.md): every `interval` seconds each schedulable worker's
 `metrics_endpoint` is fetched (a few at once, each within `TIMEOUT` seconds and `MAX_BYTES`), read in
 a worker thread (`core.engine_metrics.parse`) and handed to the service, which shows it in `/loads`.
 A slow or silent engine costs its own scrape, never the event loop."""

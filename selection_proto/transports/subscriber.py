@@ -206,7 +206,7 @@ class Subscriptions:
                 await anyio.sleep(0)
 
     async def _replay(self, sub: SubscribeKvEvents, endpoint: str, order: SeqOrder, start: int) -> None:
-        """Fill a gap from the engine's replay socket (issue 13); live batches wait in the SUB
+        """Fill a gap from the engine's replay socket (docs/DECISIONS.md); live batches wait in the SUB
         socket meanwhile, and those the replay already brought are dropped as duplicates."""
         order.want = None
         before = (order.recovered, order.unrecovered, order.passed_over)

@@ -1,4 +1,4 @@
-"""Request parity with 1.6.1 (issue 14), side by side: the same script in 1.6.1's dialect against
+"""Request parity with 1.6.1 (docs/DECISIONS.md), side by side: the same script in 1.6.1's dialect against
 the reference service and ours, both started with the same cache limits, compared on statuses,
 error texts, the chosen workers and `/loads`."""
 
@@ -317,7 +317,7 @@ def mm(*hashes: int) -> dict[str, Any]:
 
 
 def test_multimodal_prompts_hash_as_1_6_1(pair: tuple[Http, Http]) -> None:
-    """Issue 13: `mm_routing_info` and `block_mm_infos`, compared through the booked sequence hashes
+    """`mm_routing_info` and `block_mm_infos`, compared through the booked sequence hashes
     (the chain of the block hashes), the input length, the potential loads and the 422s."""
     ours, ref = pair
     members = ("sequence_hashes", "isl_tokens", "effective_prefill_tokens", "potential_decode_blocks", "error")
@@ -340,7 +340,7 @@ def test_multimodal_prompts_hash_as_1_6_1(pair: tuple[Http, Http]) -> None:
 
 
 def test_start_warm_from_a_1_6_1_peer(reference_python: str) -> None:
-    """Issue 13: `--indexer-peers` pointed at 1.6.1 takes its index before our workers register;
+    """`--indexer-peers` pointed at 1.6.1 takes its index before our workers register;
     a worker of that partition must then use the recovered block size."""
     import msgpack
     import zmq
@@ -388,7 +388,7 @@ def device_rows(service: Http, tokens: list[int]) -> dict[int, int]:
 
 def test_approximate_mode_predicts_from_bookings_as_1_6_1(reference_python: str,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 13: with `DYN_ROUTER_USE_KV_EVENTS=false` (both read it) bookings predict the cache for
+    """With `DYN_ROUTER_USE_KV_EVENTS=false` (both read it) bookings predict the cache for
     `DYN_ROUTER_TTL_SECS`, refreshed by each booking; a plain select records nothing."""
     monkeypatch.setenv("DYN_ROUTER_USE_KV_EVENTS", "false")
     monkeypatch.setenv("DYN_ROUTER_TTL_SECS", "3")
@@ -436,7 +436,7 @@ def test_approximate_mode_predicts_from_bookings_as_1_6_1(reference_python: str,
 
 def test_a_predicted_side_index_beside_real_events_as_1_6_1(reference_python: str,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 13: `DYN_ROUTER_PREDICTED_TTL_SECS` (both read it): a real block plus bookings' predicted
+    """`DYN_ROUTER_PREDICTED_TTL_SECS` (both read it): a real block plus bookings' predicted
     blocks, the larger prefix per worker, not dumped, gone after the TTL."""
     import msgpack
     import zmq
@@ -488,7 +488,7 @@ def test_a_predicted_side_index_beside_real_events_as_1_6_1(reference_python: st
 
 @pytest.mark.parametrize("keep", [10, 3])
 def test_engine_replay_recovers_as_1_6_1(reference_python: str, keep: int) -> None:
-    """Issue 13: one engine stand-in (PUB + ROUTER, vLLM framing) feeds both services; batches 1-4
+    """One engine stand-in (PUB + ROUTER, vLLM framing) feeds both services; batches 1-4
     are lost on the wire. With the engine keeping 10 batches both recover them all; keeping 3,
     both apply what it still has (3-5) and go on without 1 and 2."""
     from tests.test_engine_replay import Engine
@@ -528,7 +528,7 @@ def test_engine_replay_recovers_as_1_6_1(reference_python: str, keep: int) -> No
 
 
 def test_every_answer_names_the_routing_group_and_workers_carry_is_eagle_as_1_6_1(pair: tuple[Http, Http]) -> None:
-    """Issue 24: a 1.6.1 client reads `routing_group` wherever we answer `tenant_id`, and a worker's
+    """A 1.6.1 client reads `routing_group` wherever we answer `tenant_id`, and a worker's
     `is_eagle`: echoed, agreed on by a key's workers, and the key's default for prompts."""
     ours, ref = pair
 
@@ -574,7 +574,7 @@ def test_every_answer_names_the_routing_group_and_workers_carry_is_eagle_as_1_6_
 
 def test_overlap_counts_the_allowed_workers_and_an_unknown_worker_names_the_group(
         reference_python: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 35: with `allowed_worker_ids`, `overlap.longest_matched` counts the allowed workers only
+    """With `allowed_worker_ids`, `overlap.longest_matched` counts the allowed workers only
     (a prompt cached on worker 2 alone, selected among [1], matched 0 tokens), also when booked as
     the same selection; an explicit booking on an unknown worker names `routing_group=`."""
     monkeypatch.setenv("DYN_ROUTER_USE_KV_EVENTS", "false")  # bookings predict the cache, in both
