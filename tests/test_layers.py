@@ -170,7 +170,7 @@ def test_the_routes_that_hash_a_prompt_ahead_are_those_whose_body_has_one() -> N
 # here (a new one too) and the imports that run up between wings may not grow.
 CORE_WINGS: tuple[tuple[str, frozenset[str]], ...] = (
     ("base", frozenset({"errors", "jsonio", "wire", "codec", "types", "responses", "outputs", "routes",
-                        "deferred", "hashing", "budget", "metrics", "settings"})),
+                        "deferred", "hashing", "budget", "metrics", "settings", "flow_classes"})),
     ("cache", frozenset({"events", "engine", "index", "tiers", "freshness", "predictions", "tally",
                          "engine_metrics"})),
     ("bookings", frozenset({"prompt", "tracker", "tracking", "sessions", "prefill_ends"})),
@@ -181,8 +181,8 @@ CORE_WINGS: tuple[tuple[str, frozenset[str]], ...] = (
     ("service", frozenset({"service", "service_api", "handler", "openapi", "ahead", "workers", "ledger",
                            "readouts", "status", "status_answers", "status_page"})),
 )
-# Today: settings -> admission (`Settings` checks `flow_classes` with `admission.parse_classes`).
-UPWARD_BETWEEN_WINGS = 1
+# None since policy classes became a value of their own (flow_classes.py); it was settings -> admission.
+UPWARD_BETWEEN_WINGS = 0
 
 
 def arrows_up(edges: dict[str, set[str]], wings: tuple[tuple[str, frozenset[str]], ...]) -> list[str]:

@@ -12,11 +12,12 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Final
 
-from .admission import FlowQueue, parse_classes
+from .admission import FlowQueue
 from .budget import StateBudget
 from .decisions import Decision
 from .engine import NamespaceMemory
 from .errors import NotFound
+from .flow_classes import parse_classes
 from .freshness import RankFreshness
 from .index import DeviceTree, Rank
 from .outcomes import Recent

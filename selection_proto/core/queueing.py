@@ -28,10 +28,11 @@ from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
-from .admission import FlowClass, Lane, QueuedSelection, Tickets, order_key, parse_classes
+from .admission import Lane, QueuedSelection, Tickets, order_key
 from .catalog import Catalog
 from .cost import Estimates, cached_tokens
 from .errors import Internal, NotReady, SelectionError, TooManyRequests
+from .flow_classes import FlowClass, parse_classes
 from .index import Rank
 from .limits import Limits
 from .metrics import Metrics

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import attrs
 
-from .admission import parse_classes
+from .flow_classes import parse_classes
 
 __all__ = ["Settings", "KvEventsMode", "QueuePolicy"]
 
@@ -54,7 +54,7 @@ class Settings:
     queue_policy: QueuePolicy = "fcfs"
     queue_timeout_secs: float = 30.0
     queue_max_pending: int = 1024
-    flow_classes: str | None = None  # admission.parse_classes: "name:weight[:key=value...],..."; the first is the default
+    flow_classes: str | None = None  # flow_classes.parse_classes: "name:weight[:key=value...],..."; the first is the default
     fairness: bool = True  # queued requests share by fairness ID; off: one lane per class and tier
     fairness_max_queued: int | None = None  # queued requests at most per fairness ID (per key)
     fairness_max_queued_tokens: int | None = None  # and their uncached tokens
