@@ -278,30 +278,15 @@ def scenario_free_bodies(opts: argparse.Namespace) -> dict[str, float]:
         proc.wait()
 
 
-TRICKLER = """
-import socket, sys, threading
-def trickle(conn):
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    try:
-        conn.recv(65536)
-        conn.sendall(b"HTTP/1.1 200 OK\\r\\ntransfer-encoding: chunked\\r\\n\\r\\n")
-        while True:
-            conn.sendall(b"1\\r\\n#\\r\\n")
-    except OSError:
-        conn.close()
-listener = socket.socket()
-listener.bind(("127.0.0.1", 0))
-listener.listen(128)
-print(listener.getsockname()[1], flush=True)
-while True:
-    threading.Thread(target=trickle, args=(listener.accept()[0],), daemon=True).start()
-"""
 
 
 def scenario_trickle_scrape(opts: argparse.Namespace) -> dict[str, float]:
     """16 workers whose `metrics_endpoint` answers in 1-byte chunks as fast as it can (a process of
     its own, so that its threads do not slow this one's probe), scraped every second (each scrape
     ends at its 2 s deadline or its size cap)."""
+    sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+    from test_door import TRICKLER  # one trickling engine for the test and the bench
+
     trickler = subprocess.Popen([sys.executable, "-c", TRICKLER], stdout=subprocess.PIPE, text=True)
     assert trickler.stdout is not None
     endpoint = f"http://127.0.0.1:{int(trickler.stdout.readline())}/metrics"

@@ -10,8 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 from engines.vllm import VllmEngine
 from gateway import Gateway
+from test_real_engines import tokens, until
 
 from selection_proto.adapters.ext_proc import PREFILLER
 
@@ -97,20 +97,6 @@ def counter(text: str, metric: tuple[str, str]) -> float:
     name, label = metric
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith((name + "{", name + " ")) and label in line)
-
-
-def until(check: Callable[[], bool], what: str, seconds: float = 30) -> None:
-    deadline = time.monotonic() + seconds
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
-def tokens(start: int, n: int) -> list[int]:
-    import random
-
-    rng = random.Random(start)
-    return [rng.randrange(2, 1024) for _ in range(n)]
 
 
 class PdFleet:
