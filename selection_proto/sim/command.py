@@ -19,7 +19,7 @@ import attrs
 from ..config import UsageError, settings_with
 from ..core.settings import Settings
 from .engine import EngineModel, FleetConfig
-from .fleet import BASELINES, DECIDERS, ORACLE, PdSetup, simulate
+from .fleet import BASELINES, DECIDERS, ORACLE, PdSetup, ReplicaSetup, Setup, simulate
 from .report import document, html_report, summary, table
 from .trace import MAX_TOKENS, TraceError, TraceRequest, parse_trace, read_lines
 
@@ -69,6 +69,12 @@ def add_parser(sub: Any) -> None:
                               "beside the same fleet aggregated, all through the core's plans, instead of the "
                               "plain runs and the baselines (docs/PD.md); several after one flag, or the flag "
                               "repeated")
+    command.add_argument("--replicas", default=None, metavar="N[,N...]",
+                         help="also run each setting as N services behind a round-robin balancer, each with its "
+                              "own index and every engine's events: once sharing bookings through a ledger, once "
+                              "alone (docs/ROUTING.md, Replicas); 1 is the lone service")
+    command.add_argument("--ledger-delay", type=float, default=0.0, metavar="SECS",
+                         help="--replicas: seconds a replica's change takes to reach the others through the ledger (0)")
     command.add_argument("--deciders", default=None, metavar="NAME[,NAME...]",
                          help=f"the deciders of the --pd runs, of {', '.join(DECIDERS)} (ttft: the faster "
                               f"predicted path, under router_policy=ttft) (default {','.join(DECIDERS[:4])})")
@@ -130,6 +136,35 @@ def _deciders(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def _replica_counts(text: str) -> list[int]:
+    """`--replicas N[,N...]`: each from 1 to 64, in the order given."""
+    parts = text.split(",")
+    if len(parts) > 16 or not all(p.strip().isdigit() and len(p.strip()) <= 3 for p in parts):
+        raise UsageError(f"--replicas: expected counts such as 1,2,4,8, not {text[:40]!r}")
+    counts = [int(p) for p in parts]
+    if not all(1 <= n <= 64 for n in counts):
+        raise UsageError("--replicas: each count from 1 to 64")
+    return list(dict.fromkeys(counts))
+
+
+def _replica_runs(runs: list[tuple[str, Setup]], counts: list[int], delay: float) -> list[tuple[str, Setup]]:
+    """Per core setting: the lone service where 1 is asked, then each count shared and alone."""
+    out: list[tuple[str, Setup]] = []
+    for text, settings in runs:
+        if not isinstance(settings, Settings):
+            out.append((text, settings))
+            continue
+        prefix = "" if text == "default" else text + " "
+        for count in counts:
+            if count == 1:
+                out.append((text, settings))
+                continue
+            for shared in (True, False):
+                out.append((f"{prefix}{count} replicas {'shared' if shared else 'alone'}",
+                            ReplicaSetup(settings=settings, replicas=count, shared=shared, ledger_delay_secs=delay)))
+    return out
+
+
 def _lines(path: str) -> Iterator[bytes]:
     with open(path, "rb") as raw:
         gzipped = raw.read(2) == b"\x1f\x8b"
@@ -138,12 +173,12 @@ def _lines(path: str) -> Iterator[bytes]:
         yield from read_lines(lines)
 
 
-def _pd_runs(runs: list[tuple[str, Settings | PdSetup | str | None]], prefill_engines: list[int],
-             deciders: list[str], engines: int) -> list[tuple[str, Settings | PdSetup | str | None]]:
+def _pd_runs(runs: list[tuple[str, Setup]], prefill_engines: list[int],
+             deciders: list[str], engines: int) -> list[tuple[str, Setup]]:
     """Per setting: the aggregated fleet (and under router_policy=ttft too when the `ttft` decider
     runs), then each P:D fleet with each decider (`ttft` under router_policy=ttft), all planned
     through the core."""
-    out: list[tuple[str, Settings | PdSetup | str | None]] = []
+    out: list[tuple[str, Setup]] = []
     for text, settings in runs:
         assert isinstance(settings, Settings)
         prefix = "" if text == "default" else text + " "
@@ -174,6 +209,12 @@ def run(args: argparse.Namespace) -> int:
         args.link_gbps = fleet.link_bytes_per_sec * 8 / 1e9
     if args.pd and args.service:
         raise UsageError("--pd: runs the core in process; it does not take --service")
+    if args.replicas is not None and args.pd:
+        raise UsageError("--replicas: runs aggregated fleets only; it does not take --pd")
+    if args.ledger_delay != 0.0 and args.replicas is None:
+        raise UsageError("--ledger-delay: only with --replicas")
+    if not 0 <= args.ledger_delay <= 3600:
+        raise UsageError("--ledger-delay: must be a number of seconds from 0 to 3600")
     if args.pd and ORACLE in args.compare:
         raise UsageError("--pd: the oracle routes aggregated fleets only; it does not take --compare oracle")
     if not 1 <= args.kv_bytes_per_token <= 1 << 40:
@@ -211,12 +252,14 @@ def run(args: argparse.Namespace) -> int:
                          engine_speeds=speeds, prefill_complete=not args.no_prefill_complete,
                          kv_bytes_per_token=args.kv_bytes_per_token, link_bytes_per_sec=args.link_gbps * 1e9 / 8)
     base = Settings(kv_events="push")
-    runs: list[tuple[str, Settings | PdSetup | str | None]] = [
+    runs: list[tuple[str, Setup]] = [
         (text, None if text == ORACLE else settings_with(base, text, "--compare")) for text in args.compare]
     if all(text == ORACLE for text in args.compare) and not args.service:  # the defaults, beside the oracle
         runs.insert(0, ("default", base))
     if args.pd:
         runs = _pd_runs(runs, prefill_engines, deciders, args.engines)
+    if args.replicas is not None:
+        runs = _replica_runs(runs, _replica_counts(args.replicas), args.ledger_delay)
     for url in args.service:
         if not url.startswith("http://"):
             raise UsageError(f"--service: expected http://HOST:PORT, not {url!r}")

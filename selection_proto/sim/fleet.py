@@ -10,7 +10,13 @@ A `PdSetup` runs a fleet through the core's plans (docs/PD.md): `select_pd_and_r
 arrival, the prefill leg's `prefill_complete` when a prefill engine is done, the handoff at the
 first token, the end at the last; the prompt's KV crosses the prefill engine's link to the decode
 engine in between. Its aggregated form (no prefill engines) is the same fleet as a `Settings`
-run, planned: every plan is local, on the engine `/select` picks."""
+run, planned: every plan is local, on the engine `/select` picks.
+
+A `ReplicaSetup` runs N services behind a round-robin balancer (docs/ROUTING.md, "Replicas"):
+each has its own index and receives every engine's KV events; a request's prefill completion and
+free go to the replica that booked it. Shared, their journals go through an in-process ledger
+(ledger.py) and every replica applies its feed, after `ledger_delay_secs`; alone, each counts only
+its own bookings."""
 
 from __future__ import annotations
 
@@ -26,22 +32,27 @@ import attrs
 from ..core.errors import NotFound, SelectionError
 from ..core.events import KvEvent
 from ..core.hashing import signed
+from ..core.journal import LedgerSettings
+from ..core.ledger import Ledger
+from ..core.ledger_wire import LedgerSnapshot
 from ..core.outputs import SelectionReady
 from ..core.responses import Pending, SelectResponse
 from ..core.service import SelectionService
 from ..core.settings import Settings
 from ..core.types import PdOptions, SelectAndReserveRequest, SelectPdAndReserveRequest, WorkerRequest
 from .engine import DECODE_SENT, PREFILL_FOR_OTHER, Engine, FleetConfig, SimRequest, block_hash
+from .ledger import FeedLedger
 from .oracle import fastest
 from .service import ServiceRouter
 from .trace import TraceRequest
 
-__all__ = ["BASELINES", "DECIDERS", "ORACLE", "PdSetup", "SettingRun", "simulate"]
+__all__ = ["BASELINES", "DECIDERS", "ORACLE", "PdSetup", "ReplicaSetup", "SettingRun", "Setup", "simulate"]
 
 BASELINES = ("random", "round-robin", "least-loaded")
 ORACLE = "oracle"  # the all-knowing router (oracle.py): `--compare oracle`
 # The core's deciders (docs/PD.md), and `ttft`: no decider named, under router_policy=ttft.
 DECIDERS = ("isl_bounding", "uncached_threshold", "always", "never", "ttft")
+_EMPTY_LEDGER = LedgerSnapshot("sim", 0, b"0-0", {}, set(), {}, {}, {}, {}, {})  # where shared replicas start
 
 
 @attrs.frozen(kw_only=True)
@@ -58,6 +69,21 @@ class PdSetup:
         """What each plan asks: the decider, and the link's speed as the fleet has it."""
         return PdOptions(decider=None if self.decider in (None, "ttft") else self.decider,
                          transfer_tokens_per_sec=config.transfer_tokens_per_sec)
+
+
+@attrs.frozen(kw_only=True)
+class ReplicaSetup:
+    """`replicas` services of `settings` behind a round-robin balancer, sharing their bookings
+    through one ledger whose changes reach every replica `ledger_delay_secs` after they are made
+    (`shared`), or each counting only its own (not `shared`)."""
+
+    settings: Settings
+    replicas: int
+    shared: bool = True
+    ledger_delay_secs: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"replicas": self.replicas, "shared": self.shared, "ledger_delay_secs": self.ledger_delay_secs}
 
 
 @attrs.frozen(kw_only=True)
@@ -86,12 +112,15 @@ class SettingRun:
     tpot: dict[str, float] | None = None
     remote_share: float | None = None
     tpot_cdf: list[tuple[float, float]] = attrs.Factory(list)  # (seconds, fraction), for the report
+    # A `ReplicaSetup` run only: {"replicas", "shared", "ledger_delay_secs"}.
+    replicas: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         planned = {} if self.pd is None else {"pd": self.pd, "tpot": self.tpot, "remote_share": self.remote_share}
         return {"name": self.name, "settings": self.settings, "ttft": self.ttft, "queue_wait": self.queue_wait,
                 "hit_rate": self.hit_rate, "busy_max_mean": self.busy_max_mean, "requests": self.requests,
                 "failed": self.failed, "events_failed": self.events_failed, **planned,
+                **({"replicas": self.replicas} if self.replicas is not None else {}),
                 **({"tenants": self.tenants} if self.tenants else {})}
 
 
@@ -111,16 +140,17 @@ class _Router:
     """Where a request goes: the core (booking, completing and freeing as a client does), or a
     baseline that books nothing."""
 
-    def __init__(self, name: str, settings: Settings | None, config: FleetConfig) -> None:
+    def __init__(self, name: str, settings: Settings | None, config: FleetConfig, seed: int | None = None) -> None:
         self.name = name
-        self.rng = random.Random(config.seed)
+        seed = config.seed if seed is None else seed
+        self.rng = random.Random(seed)
         self.turn = 0
         self.engines = config.engines
         self.service: SelectionService | None = None
         self.fleet: list[Engine] = []  # the engines, which least-loaded and the oracle read
         self.events_failed = 0  # engine events the core refused (none, when the engines are right)
         if settings is not None:
-            self.service = SelectionService(settings, random.Random(config.seed))
+            self.service = SelectionService(settings, random.Random(seed))
             # Each engine's record says its prefill speed, as a real one would: what deadline
             # admission reads. A mixed fleet (`engine_speeds`) is not told: its speeds are learned.
             speed = None if config.engine_speeds else config.model.tokens_per_sec
@@ -181,8 +211,106 @@ class _Router:
             if isinstance(out, SelectionReady):
                 yield out
 
+    def tick(self, now: float) -> None:
+        if self.service is not None:
+            self.service.tick(now)
+
     def close(self) -> None:
         """Nothing to let go of in process."""
+
+
+class _Replicas(_Router):
+    """N services behind a round-robin balancer (`ReplicaSetup`). A request's later calls go to
+    the replica that booked it, as a gateway frees what it routed. Shared, after each call the
+    replica's journal is written to the ledger and the entries it appended, with the writer's
+    replies, reach every replica `ledger_delay_secs` later (`later`), in the ledger's order."""
+
+    def __init__(self, name: str, setup: ReplicaSetup, config: FleetConfig) -> None:
+        super().__init__(name, None, config)
+        self.setup = setup
+        # Replica 0 is seeded as a lone service is: one replica is today's run, exactly.
+        self.replicas = [_Router(f"{name}/{i}", setup.settings, config, seed=config.seed + i)
+                         for i in range(setup.replicas)]
+        self.service = self.replicas[0].service  # what `_run` reads: the core is in the loop
+        self.booked: dict[str, int] = {}  # reservation id -> its replica
+        self.tickets: dict[tuple[int, int], int] = {}  # (replica, its ticket) -> the run's
+        self.issued = 0
+        self.ledger = FeedLedger() if setup.shared else None
+        self.mirrors: list[Ledger] = []
+        # Set by `_run`: call `action(at)` at virtual time `at`, after what is due before it.
+        self.later: Callable[[float, Callable[[float], None]], None] = lambda at, action: action(at)
+        if self.ledger is not None:
+            for i, replica in enumerate(self.replicas):
+                assert replica.service is not None
+                mirror = replica.service.share(LedgerSettings(), f"replica-{i}")
+                mirror.connected(True, 0.0)
+                mirror.load(_EMPTY_LEDGER, 0.0)  # which it gives its catalog, as seeds
+                self.mirrors.append(mirror)
+            for i in range(setup.replicas):  # every replica reads the feed from its first entry
+                self.share(i, 0.0)
+
+    def share(self, replica: int, now: float) -> None:
+        """Write `replica`'s journal to the ledger; its replies and the feed reach the replicas
+        after the delay (at once with none)."""
+        if self.ledger is None:
+            return
+        mirror = self.mirrors[replica]
+        ops = mirror.journal.take(len(mirror.journal.ops))
+        if not ops:
+            return
+        replies, entries = self.ledger.write(mirror.origin, ops)
+
+        def arrive(at: float) -> None:
+            mirror.results(ops, replies, at)
+            for other in self.mirrors:
+                other.apply(entries, at)
+                if other.needs_snapshot:  # the feed is whole and in order here: a gap is a bug
+                    raise RuntimeError(f"simulated replica {other.origin} lost its place in the ledger's feed")
+
+        if self.setup.ledger_delay_secs > 0:
+            self.later(now + self.setup.ledger_delay_secs, arrive)
+        else:
+            arrive(now)
+
+    def choose(self, req: SimRequest, now: float) -> int | Pending | None:
+        index = self.turn
+        self.turn = (self.turn + 1) % len(self.replicas)
+        self.booked[req.rid] = index
+        answer = self.replicas[index].choose(req, now)
+        self.share(index, now)
+        if isinstance(answer, Pending):
+            self.issued += 1
+            self.tickets[(index, answer.ticket)] = self.issued
+            return Pending(self.issued)
+        return answer
+
+    def prefill_done(self, req: SimRequest, now: float) -> None:
+        index = self.booked[req.rid]
+        self.replicas[index].prefill_done(req, now)
+        self.share(index, now)
+
+    def freed(self, req: SimRequest, now: float) -> None:
+        index = self.booked.pop(req.rid)
+        self.replicas[index].freed(req, now)
+        self.share(index, now)
+
+    def events(self, engine: int, events: list[KvEvent], now: float) -> None:
+        for index, replica in enumerate(self.replicas):  # each replica subscribes to every engine
+            replica.events(engine, events, now)
+            self.share(index, now)
+        self.events_failed = sum(replica.events_failed for replica in self.replicas)
+
+    def ready(self) -> Iterator[SelectionReady]:
+        for index, replica in enumerate(self.replicas):
+            for out in replica.ready():
+                ticket = self.tickets.pop((index, out.ticket), None)
+                if ticket is not None:  # else an answer held for the ledger: no client waits on it here
+                    yield attrs.evolve(out, ticket=ticket)
+
+    def tick(self, now: float) -> None:
+        for index, replica in enumerate(self.replicas):
+            replica.tick(now)
+            self.share(index, now)
 
 
 class _PdRouter(_Router):
@@ -235,17 +363,23 @@ class _PdRouter(_Router):
         self.service.release_plan(req.rid, end=True, now=now)
 
 
-_ARRIVE, _STEP, _EVENTS, _SAMPLE, _TICK, _SENT = range(6)
+_ARRIVE, _STEP, _EVENTS, _SAMPLE, _TICK, _SENT, _LATER = range(7)
 
 
-def _run(name: str, setting: Settings | PdSetup | str | None, arrivals: Iterable[tuple[float, TraceRequest]],
+Setup = Settings | PdSetup | ReplicaSetup | str | None
+
+
+def _run(name: str, setting: Setup, arrivals: Iterable[tuple[float, TraceRequest]],
          end: float, config: FleetConfig) -> SettingRun:
-    settings = setting.settings if isinstance(setting, PdSetup) else setting if isinstance(setting, Settings) else None
+    settings = setting.settings if isinstance(setting, PdSetup | ReplicaSetup) else \
+        setting if isinstance(setting, Settings) else None
     router: _Router | ServiceRouter
     if isinstance(setting, str):  # a running service's URL
         router = ServiceRouter(setting, config)
     elif isinstance(setting, PdSetup):
         router = _PdRouter(name, setting, config)
+    elif isinstance(setting, ReplicaSetup):
+        router = _Replicas(name, setting, config)
     else:
         router = _Router(name, settings, config)
     heap: list[tuple[float, int, int, Any]] = []
@@ -255,6 +389,9 @@ def _run(name: str, setting: Settings | PdSetup | str | None, arrivals: Iterable
         nonlocal order
         order += 1
         heapq.heappush(heap, (at, order, kind, payload))
+
+    if isinstance(router, _Replicas):
+        router.later = lambda at, action: push(at, _LATER, action)
 
     outbox: dict[int, list[KvEvent]] = {}
 
@@ -392,9 +529,11 @@ def _run(name: str, setting: Settings | PdSetup | str | None, arrivals: Iterable
                     start(index, now)
         elif kind == _EVENTS:
             router.events(payload[0], payload[1], now)
+        elif kind == _LATER:
+            payload(now)
         elif kind == _TICK:
-            if router.service is not None:
-                router.service.tick(now)
+            if isinstance(router, _Router):
+                router.tick(now)
             if live or more:
                 push(now + 0.1, _TICK, None)
         else:  # a sample of the engines
@@ -430,6 +569,7 @@ def _run(name: str, setting: Settings | PdSetup | str | None, arrivals: Iterable
             "decode_engines": config.engines - router.setup.prefill_engines, "decider": router.setup.decider},
         tpot=_stats(tpot) if isinstance(router, _PdRouter) else None, tpot_cdf=_cdf(tpot),
         remote_share=(router.remote / count if count else 0.0) if isinstance(router, _PdRouter) else None,
+        replicas=setting.to_json() if isinstance(setting, ReplicaSetup) else None,
         tenants={} if set(tenants) <= {""} else {
             name: {"requests": n[0], "failed": n[1], "ttft": _stats(t), "queue_wait": _stats(w)}
             for name, (n, t, w) in sorted(tenants.items())})
@@ -453,10 +593,10 @@ def _changed(settings: Settings) -> dict[str, Any]:
 
 
 def simulate(trace: Callable[[], Iterable[TraceRequest]], config: FleetConfig,
-             settings: list[tuple[str, Settings | PdSetup | str | None]]) -> list[SettingRun]:
+             settings: list[tuple[str, Setup]]) -> list[SettingRun]:
     """Replay `trace()` (called once for its totals and once per setting: a stream, never held
     whole) through a fleet for each named setting: `Settings` for the core in process, a
-    `PdSetup` for its plans, a URL for a running service (`ServiceRouter`), None for a baseline of
+    `PdSetup` for its plans, a `ReplicaSetup` for replicas of it, a URL for a running service (`ServiceRouter`), None for a baseline of
     `BASELINES` or the `ORACLE`."""
     first = last = None
     count = isl = osl = blocks = 0

@@ -43,16 +43,25 @@ def table(runs: Sequence[SettingRun]) -> str:
     if any(run.tpot is not None for run in runs):
         return _pd_table(runs)
     against = yardsticks(runs)
-    head = ("setting", "ttft mean", "p50", "p90", "p99", "wait mean", "hit rate", "busy max", "requests", "failed",
-            *(name for name, _ in against))
+    counted = any(run.replicas is not None for run in runs)  # `--replicas`: a column says how many, and shared
+    head = ("setting", *(("replicas",) if counted else ()), "ttft mean", "p50", "p90", "p99", "wait mean", "hit rate",
+            "busy max", "requests", "failed", *(name for name, _ in against))
     rows = [head] + [(
-        run.name, *(f"{run.ttft[k]:.3f}" for k in ("mean", "p50", "p90", "p99")), f"{run.queue_wait['mean']:.3f}",
+        run.name, *((replica_count(run),) if counted else ()),
+        *(f"{run.ttft[k]:.3f}" for k in ("mean", "p50", "p90", "p99")), f"{run.queue_wait['mean']:.3f}",
         f"{run.hit_rate:.3f}", f"{run.busy_max_mean:.1f}", str(run.requests), str(run.failed),
         *(_ratio(run, yardstick) for _, yardstick in against)) for run in runs]
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(row))
              for row in rows]
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]]) + "\n" + _tenant_table(runs)
+
+
+def replica_count(run: SettingRun) -> str:
+    """How many services routed the run, and whether they shared bookings: `-` for a baseline."""
+    if run.replicas is not None:
+        return f"{run.replicas['replicas']} {'shared' if run.replicas['shared'] else 'alone'}"
+    return "-" if run.name in BASELINES or run.name == ORACLE else "1"
 
 
 _PD_HEAD = ("setting", "remote", "ttft mean", "p50", "p99", "tpot mean ms", "p99 ms", "wait mean", "hit rate",
@@ -265,6 +274,10 @@ def _settings_text(run: SettingRun) -> str:
         fleet = (f"{run.pd['prefill_engines']} prefill + {run.pd['decode_engines']} decode engines, "
                  f"decider {run.pd['decider'] or 'isl_bounding'}") if run.pd["prefill_engines"] else "aggregated"
         return ", ".join([fleet, *(f"{k}={v}" for k, v in sorted(run.settings.items()) if k != "kv_events")])
+    if run.replicas is not None:
+        return ", ".join([f"{replica_count(run)} replicas behind round robin"
+                          + (f", ledger delay {run.replicas['ledger_delay_secs']:g} s" if run.replicas["shared"] else ""),
+                          *(f"{k}={v}" for k, v in sorted(run.settings.items()) if k != "kv_events")])
     if not run.settings:
         return "all-knowing (greedy on the true state)" if run.name == ORACLE else \
             "baseline" if run.name in BASELINES else "defaults"
