@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-import selection_proto.sim.fleet as fleet_module
+import selection_proto.sim.routers as routers_module
 from selection_proto.core.journal import LedgerOp
 from selection_proto.core.ledger_wire import ADD, FREE, PREFILL, Reply
 from selection_proto.core.service import SelectionService
@@ -44,7 +44,7 @@ def watch(monkeypatch: pytest.MonkeyPatch, routers: list[Any] | None = None) -> 
     """Every replica's loads after each of the balancer's calls has gone through the ledger (and
     in `routers`, the balancers)."""
     seen: list[Views] = []
-    share = fleet_module._Replicas.share
+    share = routers_module.Replicas.share
 
     def checked(self: Any, replica: int, now: float) -> None:
         share(self, replica, now)
@@ -52,7 +52,7 @@ def watch(monkeypatch: pytest.MonkeyPatch, routers: list[Any] | None = None) -> 
         if routers is not None and self not in routers:
             routers.append(self)
 
-    monkeypatch.setattr(fleet_module._Replicas, "share", checked)
+    monkeypatch.setattr(routers_module.Replicas, "share", checked)
     return seen
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-import selection_proto.sim.fleet as fleet_module
+import selection_proto.sim.routers as routers_module
 from selection_proto.core.settings import Settings
 from selection_proto.sim import EngineModel, FleetConfig, parse_trace, simulate
 
@@ -399,14 +399,14 @@ def test_without_prefill_complete_the_router_hears_only_frees() -> None:
                          "hash_ids": [i % 7, 100 + i, 200 + i, 300 + i]}).encode() for i in range(300)]
     heard: list[int] = []
 
-    class Counting(fleet_module.SelectionService):
+    class Counting(routers_module.SelectionService):
         def prefill_complete(self, *args: Any, **kwargs: Any) -> None:
             heard.append(1)
             super().prefill_complete(*args, **kwargs)
 
     runs = {}
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fleet_module, "SelectionService", Counting)
+        patch.setattr(routers_module, "SelectionService", Counting)
         for told in (True, False):
             heard.clear()
             config = FleetConfig(engines=4, kv_blocks=200, load=0.9, prefill_complete=told)

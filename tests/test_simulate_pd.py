@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import selection_proto.sim.fleet as fleet_module
+import selection_proto.sim.routers as routers_module
 from selection_proto.core.settings import Settings
 from selection_proto.sim import EngineModel, FleetConfig, SettingRun, parse_trace, simulate
 from selection_proto.sim.engine import Engine
@@ -258,7 +259,7 @@ def test_every_request_ends_and_leaves_nothing_behind(requests: list[tuple[int, 
             super().__init__(*args)
             engines.append(self)
 
-    class Routed(fleet_module._PdRouter):
+    class Routed(routers_module.PdRouter):
         def __init__(self, *args: Any) -> None:
             super().__init__(*args)
             services.append(self.service)
@@ -275,7 +276,7 @@ def test_every_request_ends_and_leaves_nothing_behind(requests: list[tuple[int, 
     settings_ = Settings(kv_events="push", router_policy="ttft") if decider == "ttft" else BASE
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(fleet_module, "Engine", Recorded)
-        patch.setattr(fleet_module, "_PdRouter", Routed)
+        patch.setattr(fleet_module, "PdRouter", Routed)
         run_ = _simulate(lines, config, {"run": PdSetup(settings=settings_, prefill_engines=prefill,
                                                         decider=None if prefill == 0 else decider)})["run"]
     assert run_.failed == 0 and run_.events_failed == 0 and run_.requests == len(requests)
