@@ -283,6 +283,7 @@ class LedgerLink:
                 log("warning" if failures == 1 else "debug", "ledger_unavailable", url=_redacted(self.url),
                     detail=_reason(exc), retry_in_secs=delay)
             self.ledger.connected(False, self.clock())
+            self.ledger.tick(self.clock())  # a free held across the outage answers 503 after its grace
             await self._changed()
             if self.clock() - started > 10 * BACKOFF_MAX:
                 delay = BACKOFF_START  # it was up a while: this is a new outage
