@@ -173,6 +173,37 @@ def test_a_written_through_free_unanswered_through_a_long_outage_answers_503_nev
     run(main)
 
 
+def test_an_early_free_after_the_ledger_came_back_empty_refuses_the_booking_given_back(
+        ledger: LedgerServer) -> None:
+    """A booking given back after a reset carried its replica's view of the old feed, which is
+    ahead of the new one: an early free of it in the new feed did not refuse it, answered 404
+    after the grace and left it counted."""
+    async def main() -> None:
+        async with replicas(2, ledger.url, ledger=LedgerSettings(free_grace_secs=3.0)) as (a, b):
+            await _two_workers(a)
+            await settled([a, b])
+            for i in range(20):  # the old feed runs well ahead of the new one's first entries
+                await b.ok("POST", "/reservations", {**PROMPT, "worker_id": 1, "reservation_id": f"old{i}"},
+                           status=201)
+                await b.ok("DELETE", f"/reservations/old{i}")
+            await b.ok("POST", "/reservations", {**PROMPT, "worker_id": 2, "reservation_id": "x"}, status=201)
+            await settled([a, b])
+            b.link.held_writes = True  # B gives x back only after A's free of it
+            ledger.wipe()
+            ledger.start()
+            await until(lambda: a.synced() and a.ledger.n < 10 and a.loads()[2] == (0, 0, 0))
+            ticket = a.send("DELETE", "/reservations/x")  # A no longer holds x: written through
+            assert isinstance(ticket, int)
+            await until(lambda: ledger.client().zscore("sp:{t}:tomb", "x") is not None)
+            b.link.held_writes = False
+            assert await a.answer(ticket) == (200, {"status": "ok"})
+            await settled([a, b])
+            assert a.loads() == b.loads() == {1: (0, 0, 0), 2: (0, 0, 0)}
+            assert not ledger.client().hexists("sp:{t}:res", "x")
+
+    run(main)
+
+
 def test_a_batch_written_twice_is_counted_once(ledger: LedgerServer) -> None:
     async def main() -> None:
         async with replicas(2, ledger.url) as (a, b):

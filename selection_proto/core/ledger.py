@@ -474,6 +474,12 @@ class Ledger:
         queued = {op.ident for op in journal.ops if op.kind == ADD}
         pending = list(journal.ops)
         journal.ops.clear()
+        # Every booking given back or still queued was made before the new feed's first entry:
+        # its view of the old feed would put it after an early free's fence in the new one.
+        self.n = 0
+        for op in pending:
+            if op.kind == ADD:
+                op.view = 0
         for record in sorted(self._catalog.values(), key=lambda r: r.worker_id):
             self._give(record)
         for key, pool in sorted(self._pools.items()):
