@@ -204,6 +204,29 @@ def test_an_early_free_after_the_ledger_came_back_empty_refuses_the_booking_give
     run(main)
 
 
+def test_an_early_free_remembered_by_the_ledger_answers_503_when_it_goes_away(ledger: LedgerServer) -> None:
+    """Whether the booking of a remembered early free came is unknown while the ledger is away:
+    503 (retry), not 404; its booking, arriving after, is still refused."""
+    async def main() -> None:
+        async with replicas(2, ledger.url, ledger=LedgerSettings(free_grace_secs=3.0)) as (a, b):
+            await _two_workers(a)
+            await settled([a, b])
+            a.link.held_writes = True  # A's booking of x reaches the ledger only after B's free
+            await a.ok("POST", "/reservations", {**PROMPT, "worker_id": 2, "reservation_id": "x"}, status=201)
+            ticket = b.send("DELETE", "/reservations/x")
+            assert isinstance(ticket, int)
+            await until(lambda: ledger.client().zscore("sp:{t}:tomb", "x") is not None)
+            ledger.stop()
+            status, body = await b.answer(ticket)
+            assert (status, body["error"]) == (503, "ledger unavailable: reservation x may be booked on another replica")
+            ledger.start()
+            a.link.held_writes = False
+            await settled([a, b])
+            assert a.loads() == b.loads() == {1: (0, 0, 0), 2: (0, 0, 0)}
+
+    run(main)
+
+
 def test_a_batch_written_twice_is_counted_once(ledger: LedgerServer) -> None:
     async def main() -> None:
         async with replicas(2, ledger.url) as (a, b):
