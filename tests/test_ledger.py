@@ -121,6 +121,112 @@ def test_a_written_through_free_of_a_booking_in_flight_answers_200(ledger: Ledge
     run(main)
 
 
+def test_a_written_through_free_cut_off_by_an_outage_answers_200_once_the_ledger_takes_it(
+        ledger: LedgerServer) -> None:
+    """A free waiting for the ledger's word when the connection drops is not a 404: the booking
+    is kept, and the free goes once the ledger is back (it used to answer 404 at the drop)."""
+    async def main() -> None:
+        async with replicas(2, ledger.url) as (a, b):
+            await _two_workers(a)
+            await settled([a, b])
+            await park([b], via=a)  # B will not have seen the booking
+            await a.ok("POST", "/reservations", {**PROMPT, "worker_id": 2, "reservation_id": "x"}, status=201)
+            await until(lambda: ledger.client().hexists("sp:{t}:res", "x"))
+            b.link.held_writes = True  # the free stays queued when the ledger goes
+            ticket = b.send("DELETE", "/reservations/x")
+            assert isinstance(ticket, int)
+            ledger.stop()
+            await until(lambda: not b.ledger.journal.connected)
+            unpark([b])
+            assert ticket not in b.answers  # not answered while the ledger is away
+            b.link.held_writes = False
+            ledger.start()
+            assert await b.answer(ticket) == (200, {"status": "ok"})
+            await settled([a, b])
+            assert a.loads() == b.loads() == {1: (0, 0, 0), 2: (0, 0, 0)}
+            assert not ledger.client().hexists("sp:{t}:res", "x")
+
+    run(main)
+
+
+def test_a_written_through_free_unanswered_through_a_long_outage_answers_503_never_404(
+        ledger: LedgerServer) -> None:
+    async def main() -> None:
+        async with replicas(2, ledger.url) as (a, b):
+            await _two_workers(a)
+            await settled([a, b])
+            await park([b], via=a)
+            await a.ok("POST", "/reservations", {**PROMPT, "worker_id": 2, "reservation_id": "x"}, status=201)
+            await until(lambda: ledger.client().hexists("sp:{t}:res", "x"))
+            b.link.held_writes = True
+            ticket = b.send("DELETE", "/reservations/x")
+            ledger.stop()
+            assert isinstance(ticket, int)
+            status, body = await b.answer(ticket)  # the grace (0.3 s) ends while the ledger is away
+            assert (status, body["error"]) == (503, "ledger unavailable: reservation x may be booked on another replica")
+            unpark([b])
+            b.link.held_writes = False
+            ledger.start()
+            await settled([a, b])  # the free still went: the booking is gone everywhere
+            assert a.loads() == b.loads() == {1: (0, 0, 0), 2: (0, 0, 0)}
+
+    run(main)
+
+
+def test_an_early_free_after_the_ledger_came_back_empty_refuses_the_booking_given_back(
+        ledger: LedgerServer) -> None:
+    """A booking given back after a reset carried its replica's view of the old feed, which is
+    ahead of the new one: an early free of it in the new feed did not refuse it, answered 404
+    after the grace and left it counted."""
+    async def main() -> None:
+        async with replicas(2, ledger.url, ledger=LedgerSettings(free_grace_secs=3.0)) as (a, b):
+            await _two_workers(a)
+            await settled([a, b])
+            for i in range(20):  # the old feed runs well ahead of the new one's first entries
+                await b.ok("POST", "/reservations", {**PROMPT, "worker_id": 1, "reservation_id": f"old{i}"},
+                           status=201)
+                await b.ok("DELETE", f"/reservations/old{i}")
+            await b.ok("POST", "/reservations", {**PROMPT, "worker_id": 2, "reservation_id": "x"}, status=201)
+            await settled([a, b])
+            b.link.held_writes = True  # B gives x back only after A's free of it
+            ledger.wipe()
+            ledger.start()
+            await until(lambda: a.synced() and a.ledger.n < 10 and a.loads()[2] == (0, 0, 0))
+            ticket = a.send("DELETE", "/reservations/x")  # A no longer holds x: written through
+            assert isinstance(ticket, int)
+            await until(lambda: ledger.client().zscore("sp:{t}:tomb", "x") is not None)
+            b.link.held_writes = False
+            assert await a.answer(ticket) == (200, {"status": "ok"})
+            await settled([a, b])
+            assert a.loads() == b.loads() == {1: (0, 0, 0), 2: (0, 0, 0)}
+            assert not ledger.client().hexists("sp:{t}:res", "x")
+
+    run(main)
+
+
+def test_an_early_free_remembered_by_the_ledger_answers_503_when_it_goes_away(ledger: LedgerServer) -> None:
+    """Whether the booking of a remembered early free came is unknown while the ledger is away:
+    503 (retry), not 404; its booking, arriving after, is still refused."""
+    async def main() -> None:
+        async with replicas(2, ledger.url, ledger=LedgerSettings(free_grace_secs=3.0)) as (a, b):
+            await _two_workers(a)
+            await settled([a, b])
+            a.link.held_writes = True  # A's booking of x reaches the ledger only after B's free
+            await a.ok("POST", "/reservations", {**PROMPT, "worker_id": 2, "reservation_id": "x"}, status=201)
+            ticket = b.send("DELETE", "/reservations/x")
+            assert isinstance(ticket, int)
+            await until(lambda: ledger.client().zscore("sp:{t}:tomb", "x") is not None)
+            ledger.stop()
+            status, body = await b.answer(ticket)
+            assert (status, body["error"]) == (503, "ledger unavailable: reservation x may be booked on another replica")
+            ledger.start()
+            a.link.held_writes = False
+            await settled([a, b])
+            assert a.loads() == b.loads() == {1: (0, 0, 0), 2: (0, 0, 0)}
+
+    run(main)
+
+
 def test_a_batch_written_twice_is_counted_once(ledger: LedgerServer) -> None:
     async def main() -> None:
         async with replicas(2, ledger.url) as (a, b):

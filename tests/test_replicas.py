@@ -458,20 +458,34 @@ def test_processes_share_the_pickers_port_too(ledger: LedgerServer) -> None:
         assert proc.wait(20) == 0
 
 
-def test_replicas_whose_shared_settings_differ_are_named(ledger: LedgerServer) -> None:
-    """Replicas on one ledger with different leases or limits drifted apart silently;
-    each now names the other in a warning (and counts it), while equal ones say nothing."""
+def test_a_replica_whose_shared_state_settings_differ_refuses_to_join_and_others_are_named(
+        ledger: LedgerServer) -> None:
+    """Replicas on one ledger with different leases or catalog limits drifted apart (one aged out
+    or refused what another kept): such a replica now refuses to join, at start, with one line
+    naming the settings. A difference only in a replica's own answers joins, named and counted."""
     a = Server("--ledger", ledger.url)
-    b = Server("--ledger", ledger.url)
-    c = Server("--ledger", ledger.url, "--active-request-expiry-secs", "60", "--max-reservations-per-key", "10")
+    b = Server("--ledger", ledger.url, "--max-reservations-per-key", "10", "--router-policy", "ttft")
+    c = None
     try:
-        wait_for(lambda: any('"ledger_settings_differ"' in line for line in c.logs), 20, c.logs)
-        warning = json.loads(next(line for line in c.logs if '"ledger_settings_differ"' in line))
-        assert warning["differ"] == ["lease_ms", "max_reservations_per_key"]
+        for joined in (a, b):  # registered: a replica connects only once admitted
+            wait_for(lambda s=joined: any('"ledger_connected"' in line for line in s.logs), 20, joined.logs)
+        c = Server("--ledger", ledger.url, "--active-request-expiry-secs", "60", "--max-workers-per-key", "8")
+        assert c.proc.wait(20) == 1
+        errors = [line for line in c.logs if line.startswith("selection-proto: error:")]
+        assert len(errors) == 1, c.logs
+        assert re.fullmatch(r"selection-proto: error: refusing to join ledger scope default: settings differ "
+                            r"from replica \S+: lease_ms=60000 \(theirs \d+\), max_workers_per_key=8 "
+                            r"\(theirs \d+\)\n", errors[0]), errors[0]
+        # b differs only in what it answers itself: it joined, and each names the other
+        wait_for(lambda: any('"ledger_settings_differ"' in line for line in b.logs), 20, b.logs)
+        warning = json.loads(next(line for line in b.logs if '"ledger_settings_differ"' in line))
+        assert warning["differ"] == ["max_reservations_per_key", "router_policy"]
         wait_for(lambda: any('"ledger_settings_differ"' in line for line in a.logs), 20, a.logs)
-        assert 'selection_proto_ledger_events_total{event="settings_differ"} 2.0' in call(c, "GET", "/metrics")[1]
-        # a and b agree: each warned only of c
-        assert sum('"ledger_settings_differ"' in line for line in b.logs) <= 1
+        assert 'selection_proto_ledger_events_total{event="settings_differ"} 1.0' in call(a, "GET", "/metrics")[1]
+        # the refused replica left nothing behind: the two that joined still share one catalog
+        assert call(a, "POST", "/workers", {**WORKER, "worker_id": 1})[0] == 201
+        wait_for(lambda: len(call(b, "GET", "/workers")[1]) == 1)
     finally:
         for server in (a, b, c):
-            server.stop()
+            if server is not None:
+                server.stop()

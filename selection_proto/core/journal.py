@@ -28,11 +28,16 @@ from .pool import Key
 from .tracker import Booking
 from .types import WorkerRequest
 
-__all__ = ["LEDGER_DOWN", "OUTBOX_FULL", "Journal", "LedgerOp", "LedgerSettings"]
+__all__ = ["LEDGER_DOWN", "OUTBOX_FULL", "Journal", "LedgerOp", "LedgerSettings", "may_be_booked"]
 
 LEDGER_DOWN: Final = "ledger unavailable"
 OUTBOX_FULL: Final = "ledger outbox full"
 RECENT_ENDS: Final = 65_536  # ended bookings a replica remembers (the ledger keeps as many)
+
+
+def may_be_booked(rid: str) -> str:
+    """Why a free of an id this replica does not hold is not answered while the ledger is away."""
+    return f"{LEDGER_DOWN}: reservation {rid} may be booked on another replica"
 
 
 @attrs.frozen(kw_only=True)
@@ -167,7 +172,7 @@ class Journal:
         another replica's journal: it remembers the free, which refuses that booking (200), or
         answers 404 after the grace."""
         if not self.connected:  # another replica may hold it: "not found" would be a guess
-            raise NotReady(f"{LEDGER_DOWN}: reservation {rid} may be booked on another replica")
+            raise NotReady(may_be_booked(rid))
         self.through.add(rid)
         self._push(LedgerOp(FREE, rid), sync=True)
 

@@ -20,7 +20,7 @@ from .catalog import Catalog
 from .codec import from_json
 from .deferred import Deferred
 from .errors import NotFound, SelectionError
-from .journal import LEDGER_DOWN, Journal, LedgerOp, LedgerSettings
+from .journal import LEDGER_DOWN, Journal, LedgerOp, LedgerSettings, may_be_booked
 from .ledger_wire import (
     ADD,
     DELETED,
@@ -196,7 +196,10 @@ class Ledger:
             if hold.grace is not None and hold.grace <= now:
                 del self._frees[rid]
                 hold.grace = None
-                self._settle(hold, now)
+                if hold.outstanding:  # written through before an outage, and unanswered since
+                    self._answer(hold, error_response(503, may_be_booked(rid)))
+                else:
+                    self._settle(hold, now)
 
     # -- the transport's inputs --------------------------------------------------------------------
 
@@ -219,15 +222,31 @@ class Ledger:
                 if closed:
                     journal.ops.remove(op)
                     self._retract(op.ident, now)
+        # A written-through free the ledger has not answered yet: its booking may be held on
+        # another replica, so it is no 404. It waits for the ledger's word across the reconnect
+        # (its op stays queued), at most `free_grace_secs`, then answers 503: retry.
+        through = {op.hold: op.ident for op in journal.ops
+                   if op.kind == FREE and not op.owner and op.hold is not None}
+        remembered = {hold.ticket: rid for rid, hold in self._frees.items()}
+        self._frees.clear()
         for hold in list(self._holds.values()):
-            if closed and hold.retry_after is None and not _is_free(hold):
+            rid = through.get(hold.ticket)
+            if rid is not None and not hold.freed:
+                if hold.grace is None:
+                    hold.grace = now + self.settings.free_grace_secs
+                self._frees[rid] = hold
+            elif closed and hold.retry_after is None and not _is_free(hold):
                 self._answer(hold, error_response(503, LEDGER_DOWN))
+            elif hold.ticket in remembered and not hold.freed:
+                # The ledger remembered the free (`tombstoned`); whether its booking came
+                # meanwhile is unknown until the ledger is back.
+                self._answer(hold, error_response(503, may_be_booked(remembered[hold.ticket])))
             else:
                 hold.outstanding, hold.retry_after, hold.grace = 0, None, None
                 self._settle(hold, now)
-        self._frees.clear()
         for op in journal.ops:
-            op.hold = None
+            if op.hold not in through:
+                op.hold = None
 
     def results(self, ops: list[LedgerOp], replies: list[Reply], now: float) -> None:
         """The ledger's reply to one write of `ops`."""
@@ -252,6 +271,9 @@ class Ledger:
             if hold is None:
                 continue
             hold.outstanding -= 1
+            if op.kind == FREE and hold.grace is not None and self._frees.get(op.ident) is hold:
+                del self._frees[op.ident]  # the wait across an outage ends with the ledger's word
+                hold.grace = None
             if word == "conflict":
                 hold.retry_after = reply.n
             elif op.kind == FREE and word == "ok":
@@ -452,6 +474,12 @@ class Ledger:
         queued = {op.ident for op in journal.ops if op.kind == ADD}
         pending = list(journal.ops)
         journal.ops.clear()
+        # Every booking given back or still queued was made before the new feed's first entry:
+        # its view of the old feed would put it after an early free's fence in the new one.
+        self.n = 0
+        for op in pending:
+            if op.kind == ADD:
+                op.view = 0
         for record in sorted(self._catalog.values(), key=lambda r: r.worker_id):
             self._give(record)
         for key, pool in sorted(self._pools.items()):

@@ -27,7 +27,7 @@ from ..core.metrics import LEDGER_EVENTS, LEDGER_FEED_LAG, LEDGER_FLUSH
 from ..core.service import SelectionService
 from .logs import log
 
-__all__ = ["LedgerLink", "open_client", "registry_peers"]
+__all__ = ["LedgerLink", "SettingsRefused", "open_client", "registry_peers"]
 
 BACKOFF_START: Final = 0.05
 BACKOFF_MAX: Final = 1.0  # well under the free grace: a booking held by an outage still lands in it
@@ -229,6 +229,7 @@ class LedgerLink:
         self.service = service
         self.ledger = ledger
         self.url = url
+        self.scope = scope
         self.keys = [f"sp:{{{scope}}}:{name}" for name in _KEYS]
         self.feed = self.keys[9]
         self.lease_ms = max(1, int(lease_secs * 1000)) if math.isfinite(lease_secs) else 1 << 50
@@ -245,12 +246,17 @@ class LedgerLink:
         self.parked = False  # the reader is waiting for held_reads to clear
         self.writing = False  # a batch is on its way: taken from the journal, not yet answered
         settings = service.settings
-        # What replicas sharing this ledger must agree on: it is in every registry record, and a
-        # replica whose differ is named in a warning (they would drift apart silently).
-        self.shared = {"lease_ms": self.lease_ms, "feed_max": feed_max, **{name: getattr(settings, name) for name in (
-            "kv_events", "track_active_blocks", "max_keys", "max_workers_per_key", "max_dp_size",
-            "max_reservations_per_key", "max_tombstones")}}
+        # Settings the shared state depends on (docs/REPLICATION.md): replicas that differ in
+        # them would drift apart (a booking aged out on one, a worker refused by one's limits), so
+        # a replica whose differ from a live one's refuses to join.
+        self.binding = {"lease_ms": self.lease_ms, **{name: getattr(settings, name) for name in (
+            "track_active_blocks", "max_keys", "max_workers_per_key", "max_dp_size", "max_tombstones")}}
+        # Settings that change only this replica's own answers: a difference is named and counted.
+        self.shared = {**self.binding, "feed_max": feed_max, **{name: getattr(settings, name) for name in (
+            "kv_events", "max_reservations_per_key", "router_policy")}}
         self.differing: set[bytes] = set()  # replicas already warned about
+        self.joined = False  # admitted by the registry once: later reconnects are not checked again
+        self.refused: str | None = None  # why this replica refused to join, when it did
 
     def poke(self) -> None:
         """Something may be queued for the ledger: let the writer look."""
@@ -277,12 +283,17 @@ class LedgerLink:
             started = self.clock()
             try:
                 await self._session()
+            except SettingsRefused as exc:
+                self.refused = str(exc)
+                log("error", "ledger_settings_refused", detail=self.refused)
+                raise
             except Exception as exc:  # noqa: BLE001 - every failure of the ledger is a reconnect
                 failures = 1 if self.clock() - started > 10 * BACKOFF_MAX else failures + 1
                 # The first failure of an outage is a warning; its retries are debug lines.
                 log("warning" if failures == 1 else "debug", "ledger_unavailable", url=_redacted(self.url),
                     detail=_reason(exc), retry_in_secs=delay)
             self.ledger.connected(False, self.clock())
+            self.ledger.tick(self.clock())  # a free held across the outage answers 503 after its grace
             await self._changed()
             if self.clock() - started > 10 * BACKOFF_MAX:
                 delay = BACKOFF_START  # it was up a while: this is a new outage
@@ -293,6 +304,8 @@ class LedgerLink:
         writer, reader = _Client(self.url), _Client(self.url, SOCKET_TIMEOUT_SECS + READ_BLOCK_MS / 1000)
         try:
             await self._init(writer)
+            if not self.joined:
+                await self._join(writer)
             self.ledger.connected(True, self.clock())
             log("info", "ledger_connected", url=_redacted(self.url), origin=self.ledger.origin)
             async with anyio.create_task_group() as tg:
@@ -369,12 +382,30 @@ class LedgerLink:
         self.ledger.results(ops, replies, self.clock())
         await self._changed()
 
+    def _record(self) -> str:
+        binding = json.dumps(self.binding, sort_keys=True, separators=(",", ":"))
+        return json.dumps({"url": self.advertise, "seen": time.time(), "settings": self.shared, "binding": binding})
+
+    async def _join(self, writer: _Client) -> None:
+        """Register, unless a live replica of the scope differs in a setting the shared state
+        depends on: then refuse, naming them (`SettingsRefused`)."""
+        record = self._record()
+        found = await writer.script("join", self.keys, [self.ledger.origin, record, json.loads(record)["binding"],
+                                                        time.time(), REPLICA_FRESH_SECS])
+        if found:
+            theirs = json.loads(found[1])
+            differ = ", ".join(f"{name}={self.binding.get(name)!r} (theirs {theirs.get(name)!r})"
+                               for name in sorted(self.binding.keys() | theirs.keys())
+                               if self.binding.get(name) != theirs.get(name))
+            raise SettingsRefused(f"refusing to join ledger scope {self.scope}: "
+                                  f"settings differ from replica {found[0].decode('utf-8', 'replace')}: {differ}")
+        self.joined = True
+
     async def _register(self, writer: _Client) -> None:
         """Say where this replica answers (for a starting peer's /dump) and with which shared
         settings; warn of a replica whose differ; forget long-gone ones."""
         registry, now = self.keys[11], time.time()
-        record = json.dumps({"url": self.advertise, "seen": now, "settings": self.shared})
-        await writer.call("hset", registry, self.ledger.origin, record)
+        await writer.call("hset", registry, self.ledger.origin, self._record())
         entries = await writer.call("hgetall", registry)
         gone = [origin for origin, seen in _registered(entries) if now - seen > REPLICA_FORGET_SECS]
         if gone:
@@ -426,6 +457,10 @@ class LedgerLink:
                 await self._changed()
 
 
+class SettingsRefused(RuntimeError):
+    """A live replica of the scope differs in a setting the shared state depends on."""
+
+
 def _registered(entries: dict[bytes, bytes]) -> list[tuple[bytes, float]]:
     """(origin, last seen) of each readable registry entry; an entry that does not read is old."""
     out = []
@@ -469,7 +504,24 @@ def _on_asyncio() -> bool:
     return True
 
 
-_SCRIPTS: Final = {"init": INIT, "batch": BATCH, "reap": REAP, "snapshot": SNAPSHOT}
+# ARGV: origin, registry record, its `binding` string, now (s), freshness (s). Atomic, so that of
+# two replicas starting at once with different settings the second is refused.
+JOIN: Final = """
+local entries = redis.call('HGETALL', KEYS[12])
+for i = 1, #entries, 2 do
+  if entries[i] ~= ARGV[1] then
+    local ok, record = pcall(cjson.decode, entries[i + 1])
+    if ok and type(record) == 'table' and type(record.binding) == 'string' and type(record.seen) == 'number'
+        and tonumber(ARGV[4]) - record.seen <= tonumber(ARGV[5]) and record.binding ~= ARGV[3] then
+      return {entries[i], record.binding}
+    end
+  end
+end
+redis.call('HSET', KEYS[12], ARGV[1], ARGV[2])
+return {}
+"""
+
+_SCRIPTS: Final = {"init": INIT, "batch": BATCH, "reap": REAP, "snapshot": SNAPSHOT, "join": JOIN}
 
 
 class _Client:

@@ -28,7 +28,7 @@ from ..core.service import SelectionService
 from ..core.wire import Response, error_response
 from .accepting import accept_forever, connection_budget
 from .config import LedgerOptions, ServerConfig, advertised_url
-from .ledger import LedgerLink
+from .ledger import LedgerLink, SettingsRefused
 from .logs import log, log_internal_error
 from .peers import recover_from_peers
 from .process import ProcessMetrics
@@ -434,7 +434,7 @@ async def serve(service: SelectionService, config: ServerConfig,
                                             on_change=server.pump)
             server.ledger_link.advertise = advertised_url(config.host, port, config.tls is not None,
                                                           options.advertise_url)
-            tg.start_soon(_join_ledger, service, server.ledger_link, options)
+            tg.start_soon(_join_ledger, service, server.ledger_link, options, tg.cancel_scope)
         await server.pump()  # subscriptions of workers restored before the start
         forced = False
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -467,12 +467,15 @@ async def serve(service: SelectionService, config: ServerConfig,
         tg.cancel_scope.cancel()
     if forced:
         raise RuntimeError("a second signal arrived during the graceful shutdown")
+    if server.ledger_link is not None and server.ledger_link.refused is not None:
+        raise RuntimeError(server.ledger_link.refused)  # fail closed: drift is worse than no replica
     if server.snapshots is not None:
         server.snapshots.final()
     log("info", "stopped")
 
 
-async def _join_ledger(service: SelectionService, link: LedgerLink, options: LedgerOptions) -> None:
+async def _join_ledger(service: SelectionService, link: LedgerLink, options: LedgerOptions,
+                       serving: anyio.CancelScope) -> None:
     """Fill the index from a peer (while `/ready` says `index: warming`), then follow the ledger.
     Nothing can change the catalog meanwhile: catalog writes wait for the ledger."""
     ledger = link.ledger
@@ -482,7 +485,10 @@ async def _join_ledger(service: SelectionService, link: LedgerLink, options: Led
             await recover_from_peers(service, options.warm_from, options.warm_timeout_secs)
         finally:
             ledger.warming = ledger.journal.muted = False
-    await link.run()
+    try:
+        await link.run()
+    except SettingsRefused:
+        serving.cancel()  # `serve` ends and names the settings (link.refused)
 
 
 async def _drain(server: _Server, service: SelectionService, config: ServerConfig,
