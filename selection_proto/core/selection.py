@@ -40,7 +40,7 @@ from .errors import (
     ShapeError,
     TooManyRequests,
 )
-from .hashing import signed
+from .hashing import SignedHashes
 from .index import Rank
 from .journal import Journal
 from .limits import Limits
@@ -347,7 +347,8 @@ class Selector(Admission, Plans, PrefillReading):
             cached_tokens=chosen.cached, block_size=bs, overlap=overlap,
             effective_prefill_tokens=max(0, prompt.isl - chosen.cached),
             potential_decode_blocks=chosen.decode_blocks + partial,
-            sequence_hashes=None if booked is None else signed(booked.blocks or prompt.seqs),
+            sequence_hashes=None if booked is None else SignedHashes(
+                booked.blocks or prompt.seqs, prompt.encoded_seqs if reuse or not booked.blocks else None),
             isl_tokens=None if booked is None else prompt.isl,
             track_prefill_tokens=None if booked is None else track, worker_load=worker_load, decision=decision(
                 chosen, scored, prompt.isl, self._settings.router_policy) if self._settings.explain_header else None)

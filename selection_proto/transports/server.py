@@ -198,11 +198,16 @@ class _Server(PushStreams):
                 await anyio.sleep(0)
 
     async def pump(self, wake_timer: bool = True) -> None:
-        """Run the work the core deferred until answers were written (callers pump after writing),
-        then deliver the core's outputs: answers of queued selections to their connections,
+        """Deliver the core's outputs: answers of queued selections to their connections,
         subscription changes to the subscriber, closes to their WebSocket sessions, internal
-        errors to the log. A failure delivering one output is confined to it."""
-        await self.settle()
+        errors to the log. A failure delivering one output is confined to it. While the core has
+        work deferred until answers were written (callers pump after writing), the timer runs it
+        a piece at a time and then delivers: reading outputs would run it at once (deferred.py),
+        and the caller goes on with its connection meanwhile (a huge booking's pieces take
+        seconds)."""
+        if self.service.deferred:
+            self.wake.set()
+            return
         while (out := self.service.next_output()) is not None:
             try:
                 await self._deliver(out)
@@ -254,8 +259,9 @@ class _Server(PushStreams):
                     pass
 
     async def timer(self) -> None:
-        """Tick the core at its next deadline (booking expiry, queue timeout); report the
-        process's own figures about once a second."""
+        """Tick the core at its next deadline (booking expiry, queue timeout), and run the work
+        it deferred as soon as there is some (`pump` wakes it); report the process's own
+        figures about once a second."""
         process = ProcessMetrics(self.service)
         reported = -1.0
         while True:
