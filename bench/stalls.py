@@ -8,7 +8,10 @@ another connection sends, over and over, one of the heaviest requests a client m
         [--seconds 5] [--bookings 100000] [--workers 100000] [--blocks 200000]
 
 Each scenario starts its own `selection-proto serve --kv-events push` and prepares its state
-first (bookings through pipelined `POST /reservations`, workers through `--restore`).
+first (bookings through pipelined `POST /reservations`, workers through `--restore`). Besides
+the round trips, `cpu` is the CPU time the server's main thread spent while a probe waited (read
+from /proc, 10 ms ticks): the stall itself, which other processes on a busy machine do not
+inflate; `load` is the 1-minute load average after the scenario.
 """
 
 from __future__ import annotations
@@ -68,6 +71,14 @@ class Conn:
 
 
 WATCH = False  # --watch: the server runs under bench/loop_watch.py, whose reports are printed
+SERVER_PID = 0  # the last server started: its main thread's CPU time is read around each probe
+
+
+def loop_cpu_seconds(pid: int) -> float:
+    """CPU time the process's main thread (its event loop) has used (tests/test_hardening.py)."""
+    with open(f"/proc/{pid}/task/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def start(args: list[str]) -> tuple[subprocess.Popen[str], int]:
@@ -76,6 +87,8 @@ def start(args: list[str]) -> tuple[subprocess.Popen[str], int]:
                              "--max-state-bytes", str(64 * 1024**3), *args],
                             stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
+    global SERVER_PID
+    SERVER_PID = proc.pid
     record = json.loads(proc.stderr.readline())
     def drain() -> None:
         for line in proc.stderr:  # type: ignore[union-attr]
@@ -108,18 +121,22 @@ def measure(port: int, heavy: Callable[[Conn], None], seconds: float) -> dict[st
     probe = Conn(port)
     time.sleep(0.2)
     deadline = time.monotonic() + seconds
+    cpu: list[float] = []  # the server loop's CPU time while each probe waited: what a busy machine does not inflate
     while time.monotonic() < deadline:
-        t = time.perf_counter()
+        used, t = loop_cpu_seconds(SERVER_PID), time.perf_counter()
         status, _ = probe.call("GET", "/health")
         assert status == 200
         probes.append(time.perf_counter() - t)
+        cpu.append(loop_cpu_seconds(SERVER_PID) - used)
         time.sleep(0.002)
     stop.set()
     thread.join()
     probes.sort()
+    cpu.sort()
     return {"heavy_requests": len(heavy_times), "heavy_median_ms": 1000 * statistics.median(heavy_times),
             "health_probes": len(probes), "health_p50_ms": 1000 * probes[len(probes) // 2],
-            "health_p99_ms": 1000 * probes[int(len(probes) * 0.99)], "health_max_ms": 1000 * probes[-1]}
+            "health_p99_ms": 1000 * probes[int(len(probes) * 0.99)], "health_max_ms": 1000 * probes[-1],
+            "loop_cpu_p99_ms": 1000 * cpu[int(len(cpu) * 0.99)], "loop_cpu_max_ms": 1000 * cpu[-1]}
 
 
 def upgrade(conn: Conn, target: str) -> None:
@@ -522,11 +539,13 @@ def main() -> None:
     opts = parser.parse_args()
     global WATCH
     WATCH = opts.watch
-    print(f"{'scenario':<16} {'heavy n':>7} {'heavy ms':>9} {'probes':>7} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7}")
+    print(f"{'scenario':<16} {'heavy n':>7} {'heavy ms':>9} {'probes':>7} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7}"
+          f" {'cpu p99':>7} {'cpu max':>7}  load")
     for name in opts.scenarios.split(","):
         r = SCENARIOS[name](opts)
         print(f"{name:<16} {r['heavy_requests']:>7.0f} {r['heavy_median_ms']:>9.1f} {r['health_probes']:>7.0f} "
               f"{r['health_p50_ms']:>7.1f} {r['health_p99_ms']:>7.1f} {r['health_max_ms']:>7.1f}"
+              f" {r['loop_cpu_p99_ms']:>7.0f} {r['loop_cpu_max_ms']:>7.0f}  {os.getloadavg()[0]:.1f}"
               + (f"   (DELETE alone: {r['delete_median_ms']:.1f} ms)" if "delete_median_ms" in r else ""),
               flush=True)
 
