@@ -379,7 +379,7 @@ def test_hostile_worker_speeds_and_eagle_flags_are_refused_and_the_server_answer
 def test_a_huge_openai_body_through_the_picker_leaves_health_its_turn() -> None:
     """The picker parsed, tokenized and hashed a body on the event loop (a 2 MiB text
     completion held `/health` 1.8-2.5 s, a 220,000-message chat 4-5 s); now in a worker thread, as
-    HTTP bodies are. (Booking a million blocks, at block size 1, is still loop work: not here.)"""
+    HTTP bodies are. (A million-block booking: `test_a_million_block_booking_and_its_free_leave_health_its_turn`.)"""
     import grpc
     from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
     from test_ext_proc import body, completion, headers
