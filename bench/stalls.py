@@ -167,20 +167,28 @@ def scenario_ws_events(opts: argparse.Namespace) -> dict[str, float]:
     proc, port = start([])
     try:
         Conn(port).call("POST", "/workers", json.dumps(worker(1)).encode())
+
+        def messages(base: int) -> tuple[bytes, bytes]:
+            events = [{"event_id": base + i, "data": {"stored": {"parent_hash": None, "blocks": [
+                {"block_hash": base + i, "tokens_hash": base + i}]}}} for i in range(60_000)]
+            removed = [{"event_id": base + 60_000 + k, "data": {"removed": {"block_hashes": [
+                base + i for i in range(k * 100, k * 100 + 100)]}}} for k in range(600)]
+            return (ws_frame(json.dumps(events, separators=(",", ":")).encode()),
+                    ws_frame(json.dumps(removed).encode()))
+
+        # Built before the probes start (as book_1m_*'s bodies): not in the prober's process meanwhile.
+        built = [messages(n * 100_000) for n in range(1, 2 * int(opts.seconds) + 3)]
         counter = iter(range(1, 1 << 40))
 
         def heavy(conn: Conn) -> None:
             upgrade(conn, "/kv_events?worker_id=1&ack=true")
-            base = next(counter) * 100_000
-            events = [{"event_id": base + i, "data": {"stored": {"parent_hash": None, "blocks": [
-                {"block_hash": base + i, "tokens_hash": base + i}]}}} for i in range(60_000)]
-            conn.sock.sendall(ws_frame(json.dumps(events, separators=(",", ":")).encode()))
+            n = next(counter)
+            stored, removed = built[n - 1] if n <= len(built) else messages(n * 100_000)
+            conn.sock.sendall(stored)
             while b"ack" not in conn.buf:
                 conn.buf += conn._recv()
             conn.buf = b""
-            removed = [{"event_id": base + 60_000 + k, "data": {"removed": {"block_hashes": [
-                base + i for i in range(k * 100, k * 100 + 100)]}}} for k in range(600)]
-            conn.sock.sendall(ws_frame(json.dumps(removed).encode()))
+            conn.sock.sendall(removed)
             while b"ack" not in conn.buf:
                 conn.buf += conn._recv()
             conn.buf = b""
