@@ -113,7 +113,8 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
     `ttft`: the cost is the predicted time to first token, in seconds: the prefill booked on the
     rank and not complete, then this prompt's own prefill after what the rank holds cached (its
     attention over that context growing with it), both slowed by the drag of the rank's decoding
-    requests; plus the pressure of the blocks its running requests hold and, when its KV blocks
+    requests, each request ahead and this one also costing the pool's learned per-request overhead
+    (speed.py); plus the pressure of the blocks its running requests hold and, when its KV blocks
     would not hold this request beside them, the time for the overflow to drain. From bookings,
     completions, frees and KV events alone: no clock."""
     o = req.router_config_override or NO_OVERRIDE
@@ -147,11 +148,12 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
     learned = state.speeds if ttft or state.speeds.shadow is None else state.speeds.shadow
     speeds, unknown, pressure = learned.of, worker_speed(None, None), KV_PRESSURE * bs
     left, count_left = learned.left, COUNT_WHAT_IS_LEFT
+    overhead = learned.overhead  # prefill tokens every request costs whatever it holds (0: not learned)
     # The constants as locals: this loop runs once per candidate of every selection.
     drag_full, overflow_tokens = DECODE_DRAG, OVERFLOW_WEIGHT * bs
     per_context, reuse_credit = 1.0 / ATTENTION_CONTEXT_TOKENS, REUSE_CREDIT
     # The prefill work of the whole prompt, on every rank that has none of it cached.
-    uncached_work = isl * (1.0 + (0 + isl * 0.5) * per_context) if isl > 0 else 0.0
+    uncached_work = (isl * (1.0 + (0 + isl * 0.5) * per_context) if isl > 0 else 0.0) + overhead
     for r in candidates:
         load = loads[r]
         d = device.get(r, 0)
@@ -189,7 +191,9 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
             continue
         per_token, kv_blocks = speeds.get(r[0], unknown)
         queued = left(r, active_prefill, now) if count_left and active_prefill else active_prefill
-        work = new_prefill * (1.0 + (cached + new_prefill * 0.5) * per_context) if cached else uncached_work
+        if overhead:
+            queued += overhead * load.prefilling
+        work = new_prefill * (1.0 + (cached + new_prefill * 0.5) * per_context) + overhead if cached else uncached_work
         if kv_blocks:
             drag = 1.0 + (drag_full if decode_blocks >= kv_blocks else drag_full * decode_blocks / kv_blocks)
             wait = queued * drag + pressure * decode_blocks
@@ -218,7 +222,8 @@ def queue_secs(state: Pool, c: Scored) -> float:
     on its rank (the rest is the pressure of its KV blocks), as `score` predicts it: a plan
     compares where the prefill runs, while the blocks land on the decode worker either way."""
     per_token, kv_blocks = state.speeds.of.get(c.rank[0], worker_speed(None, None))
-    active = state.tracker.loads[c.rank].prefill_tokens
+    load = state.tracker.loads[c.rank]
+    active = load.prefill_tokens + state.speeds.overhead * load.prefilling
     if not kv_blocks:
         return active * per_token
     drag = 1.0 + (DECODE_DRAG if c.decode_blocks >= kv_blocks else DECODE_DRAG * c.decode_blocks / kv_blocks)

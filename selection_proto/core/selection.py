@@ -406,7 +406,8 @@ class Selector(Admission, Plans, PrefillReading):
         if self._settings.track_active_blocks and decode_blocks:
             blocks = list(prompt.seqs) if reuse else [self._rng.getrandbits(64) for _ in prompt.seqs]
         prefill = max(0, prompt.isl - cached) if track_prefill else 0
-        pool.speeds.observe(rank, pool.tracker.loads[rank].prefill_tokens, now)
+        load = pool.tracker.loads[rank]
+        pool.speeds.observe(rank, load.prefill_tokens, now, load.prefilling)
         booking = pool.tracker.book(rid, rank, blocks, prefill, expected_output_tokens, now,
                                     defer=self._deferred.add if not self._dispatching else None)
         pool.watch[rank].booked(booking, len(prompt.blocks), prompt.isl, cached, pool.block_size, now)
@@ -517,11 +518,12 @@ class Selector(Admission, Plans, PrefillReading):
                 self.journal.free_unknown(rid)  # its booking may be on its way from a replica
             raise
         booked = pool.tracker.bookings[rid]
-        pool.speeds.observe(booked.rank, pool.tracker.loads[booked.rank].prefill_tokens, now)
+        load = pool.tracker.loads[booked.rank]
+        pool.speeds.observe(booked.rank, load.prefill_tokens, now, load.prefilling)
         if not booked.prefill_done:
             pool.speeds.stopped(booked.rank, booked.prefill_tokens)
             if not free:
-                pool.speeds.completed(booked.rank[0], booked.prefill_tokens)
+                pool.speeds.completed(booked.rank, booked.prefill_tokens)
         # The blocks a huge booking leaves are uncounted after the answer, unless queued
         # selections are about to run (they must see them gone).
         defer = self._deferred.add if not pool.queue and not self._dispatching else None

@@ -40,10 +40,11 @@ class DuplicateReservation(Conflict):
 
 
 class RankLoad:
-    __slots__ = ("prefill_tokens", "requests", "unique", "weights", "extra", "changes")
+    __slots__ = ("prefill_tokens", "prefilling", "requests", "unique", "weights", "extra", "changes")
 
     def __init__(self) -> None:
         self.prefill_tokens = 0
+        self.prefilling = 0  # bookings whose prefill has not ended (a fully cached one included)
         self.requests = 0
         self.unique: dict[int, int] = {}  # booked prompt block -> how many bookings hold it
         self.weights: dict[int, float] = {}  # the prompt blocks that do not weigh 1
@@ -144,6 +145,7 @@ class Tracker:
         self.budget.bookings += 1
         self.budget.booked_blocks += len(blocks) if blocks else 0
         load.requests += 1
+        load.prefilling += 1
         load.prefill_tokens += prefill_tokens
         if blocks:
             _in_pieces(_count, load, blocks, defer)
@@ -159,7 +161,9 @@ class Tracker:
         booking = self.get(rid)
         if not booking.prefill_done:
             booking.prefill_done = True
-            self.loads[booking.rank].prefill_tokens -= booking.prefill_tokens
+            load = self.loads[booking.rank]
+            load.prefill_tokens -= booking.prefill_tokens
+            load.prefilling -= 1
         return booking
 
     def add_output_block(self, rid: str, decay_fraction: float | None) -> None:
@@ -196,6 +200,7 @@ class Tracker:
         load.requests -= 1
         if not booking.prefill_done:
             load.prefill_tokens -= booking.prefill_tokens
+            load.prefilling -= 1
         if booking.output_weight:
             load.extra -= booking.output_weight
         if booking.blocks:
