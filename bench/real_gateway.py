@@ -178,7 +178,7 @@ def run_once(policy: str, workload: tuple[int, int, float], engines: list[VllmEn
     before = [e.metrics() for e in engines]
     skew = Skew(engines)
     skew.start()
-    result = folder / f"result-{policy}.json"
+    result = folder / f"result-{policy.replace('/', '_')}.json"
     result.unlink(missing_ok=True)
     requests = max(prefixes, int(rate * args.seconds))
     command = [vllm_python(), "-c", CLIENT, "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}",

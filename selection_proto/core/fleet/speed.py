@@ -14,7 +14,10 @@ is learned as `overhead`, in prefill tokens (so that only ratios enter, as for t
 prefill end on a rank is a sample of (its prefill tokens, the rank-seconds with some prefill
 pending since the previous end there), and a least-squares line through the pool's samples,
 older ones weighing less, gives seconds per request over seconds per token (docs/ROUTING.md, "A
-fixed time per request").
+fixed time per request"). Each booking then adds that fixed time to its rank's `backlog`, which
+drains as time passes: a burst of requests on one engine costs their fixed times however much
+of their prompts it holds (their prefill ends are read at once when there is nothing new to
+store, so pending bookings alone would not show it).
 
 `left` reads how far a rank's running prefill has got at its worker's learned rate (tokens a
 rank-second, absolute): measured, and not used by the cost (docs/ROUTING.md, round three)."""
@@ -68,10 +71,10 @@ class Fit:
         self.tt = self.tt * m + tokens * tokens
         self.ts = self.ts * m + tokens * secs
 
-    def overhead(self) -> float | None:
-        """`fixed / per_token` (prefill tokens a request costs beyond its own), within 0 and
-        `MOST_OVERHEAD_TOKENS`; None while there is nothing to read: too few samples, prompts too
-        alike to tell the two apart, or times that do not grow with the tokens."""
+    def line(self) -> tuple[float, float] | None:
+        """(fixed, per_token) seconds, the fixed time within 0 and `MOST_OVERHEAD_TOKENS` tokens'
+        time; None while there is nothing to read: too few samples, prompts too alike to tell
+        the two apart, or times that do not grow with the tokens."""
         if self.samples < OVERHEAD_AFTER:
             return None
         mean_t, mean_s = self.t / self.n, self.s / self.n
@@ -80,7 +83,7 @@ class Fit:
         if var <= (0.05 * mean_t) ** 2 or cov <= 0.0:
             return None
         per_token = cov / var
-        return min(MOST_OVERHEAD_TOKENS, max(0.0, (mean_s - per_token * mean_t) / per_token))
+        return min(MOST_OVERHEAD_TOKENS * per_token, max(0.0, mean_s - per_token * mean_t)), per_token
 
 
 class Speeds:
@@ -89,7 +92,7 @@ class Speeds:
     then); `observe`, `stopped` and `completed` are fed by the bookings when `learn` is on."""
 
     __slots__ = ("of", "learn", "shadow", "overhead", "_declared", "_busy", "_done", "_since", "_unread",
-                 "_started", "_rate", "_pending", "_fit")
+                 "_started", "_rate", "_pending", "_fit", "_fixed", "_per_token", "_backlog")
 
     def __init__(self, learn: bool, shadow: Speeds | None = None) -> None:
         self.of: dict[int, tuple[float, int]] = {}
@@ -109,6 +112,9 @@ class Speeds:
         self.overhead = 0.0
         self._pending: dict[Rank, float] = {}  # rank -> seconds with prefill pending since its last end
         self._fit = Fit()
+        self._fixed = 0.0  # learned seconds a request costs whatever it holds (0: not learned)
+        self._per_token = 0.0  # learned seconds a prefill token costs
+        self._backlog: dict[Rank, tuple[float, float]] = {}  # rank -> (fixed seconds ahead, as of when)
 
     def set(self, worker_id: int, prefill_tokens_per_sec: float | None, total_kv_blocks: int | None) -> None:
         """The worker joined or its record changed."""
@@ -135,6 +141,7 @@ class Speeds:
             del self._since[rank]
             self._started.pop(rank, None)
             self._pending.pop(rank, None)
+            self._backlog.pop(rank, None)
 
     def observe(self, rank: Rank, booked_prefill: int, now: float, pending: int = 0) -> None:
         """Called before the rank's booked prefill changes, with what it was until `now`: its
@@ -152,6 +159,23 @@ class Speeds:
         self._since[rank] = now
         if booked_prefill <= 0:
             self._started[rank] = (now, 0)
+
+    def booked(self, rank: Rank, now: float) -> None:
+        """A request was booked on the rank: its fixed time joins the rank's backlog."""
+        if self.shadow is not None:
+            self.shadow.booked(rank, now)
+        if self._fixed > 0.0:
+            ahead = self._backlog.get(rank)
+            left = ahead[0] - (now - ahead[1]) if ahead is not None else 0.0
+            self._backlog[rank] = ((left if left > 0.0 else 0.0) + self._fixed, now)
+
+    def backlog(self, rank: Rank, now: float) -> float:
+        """The fixed time of the rank's recent bookings not yet drained by `now`, in prefill tokens."""
+        ahead = self._backlog.get(rank)
+        if ahead is None:
+            return 0.0
+        left = ahead[0] - (now - ahead[1])
+        return left / self._per_token if left > 0.0 else 0.0
 
     def stopped(self, rank: Rank, prefill_tokens: int) -> None:
         """A booking's prefill tokens stopped counting on the rank (completed, or freed before)."""
@@ -178,9 +202,10 @@ class Speeds:
         if not self.learn:
             return
         self._fit.add(max(prefill_tokens, 0), self._pending.pop(rank, 0.0))
-        overhead = self._fit.overhead()
-        if overhead is not None:
-            self.overhead = overhead
+        line = self._fit.line()
+        if line is not None:
+            self._fixed, self._per_token = line
+            self.overhead = self._fixed / self._per_token
         if prefill_tokens <= 0:
             return
         worker_id = rank[0]

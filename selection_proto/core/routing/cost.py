@@ -113,8 +113,8 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
     `ttft`: the cost is the predicted time to first token, in seconds: the prefill booked on the
     rank and not complete, then this prompt's own prefill after what the rank holds cached (its
     attention over that context growing with it), both slowed by the drag of the rank's decoding
-    requests, each request ahead and this one also costing the pool's learned per-request overhead
-    (speed.py); plus the pressure of the blocks its running requests hold and, when its KV blocks
+    requests; with a learned per-request overhead (speed.py), this request's and what is left of
+    the rank's recent requests' (its backlog); plus the pressure of the blocks its running requests hold and, when its KV blocks
     would not hold this request beside them, the time for the overflow to drain. From bookings,
     completions, frees and KV events alone: no clock."""
     o = req.router_config_override or NO_OVERRIDE
@@ -149,6 +149,7 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
     speeds, unknown, pressure = learned.of, worker_speed(None, None), KV_PRESSURE * bs
     left, count_left = learned.left, COUNT_WHAT_IS_LEFT
     overhead = learned.overhead  # prefill tokens every request costs whatever it holds (0: not learned)
+    backlog = learned.backlog
     # The constants as locals: this loop runs once per candidate of every selection.
     drag_full, overflow_tokens = DECODE_DRAG, OVERFLOW_WEIGHT * bs
     per_context, reuse_credit = 1.0 / ATTENTION_CONTEXT_TOKENS, REUSE_CREDIT
@@ -192,7 +193,7 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
         per_token, kv_blocks = speeds.get(r[0], unknown)
         queued = left(r, active_prefill, now) if count_left and active_prefill else active_prefill
         if overhead:
-            queued += overhead * load.prefilling
+            queued += backlog(r, now)
         work = new_prefill * (1.0 + (cached + new_prefill * 0.5) * per_context) + overhead if cached else uncached_work
         if kv_blocks:
             drag = 1.0 + (drag_full if decode_blocks >= kv_blocks else drag_full * decode_blocks / kv_blocks)
@@ -222,8 +223,7 @@ def queue_secs(state: Pool, c: Scored) -> float:
     on its rank (the rest is the pressure of its KV blocks), as `score` predicts it: a plan
     compares where the prefill runs, while the blocks land on the decode worker either way."""
     per_token, kv_blocks = state.speeds.of.get(c.rank[0], worker_speed(None, None))
-    load = state.tracker.loads[c.rank]
-    active = load.prefill_tokens + state.speeds.overhead * load.prefilling
+    active = state.tracker.loads[c.rank].prefill_tokens
     if not kv_blocks:
         return active * per_token
     drag = 1.0 + (DECODE_DRAG if c.decode_blocks >= kv_blocks else DECODE_DRAG * c.decode_blocks / kv_blocks)

@@ -408,6 +408,7 @@ class Selector(Admission, Plans, PrefillReading):
         prefill = max(0, prompt.isl - cached) if track_prefill else 0
         load = pool.tracker.loads[rank]
         pool.speeds.observe(rank, load.prefill_tokens, now, load.prefilling)
+        pool.speeds.booked(rank, now)
         booking = pool.tracker.book(rid, rank, blocks, prefill, expected_output_tokens, now,
                                     defer=self._deferred.add if not self._dispatching else None)
         pool.watch[rank].booked(booking, len(prompt.blocks), prompt.isl, cached, pool.block_size, now)
