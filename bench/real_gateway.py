@@ -155,13 +155,15 @@ def run_once(policy: str, workload: tuple[int, int, float], engines: list[VllmEn
         if name != "default":
             serve += ["--router-policy", name]
         # `ttft@/path`: the picker of another checkout (the code before a change, side by side).
-        saved = os.environ.get("PYTHONPATH")
-        if tree:
+        saved, here = os.environ.get("PYTHONPATH"), os.getcwd()
+        if tree:  # `-m selection_proto` looks in the current folder first
             os.environ["PYTHONPATH"] = tree
+            os.chdir(tree)
         try:
             gateway = Gateway(*serve, *args.serve_arg, mode="subscribe",
                               records=[e.worker(i) for i, e in enumerate(engines, 1)])
         finally:
+            os.chdir(here)
             if saved is None:
                 os.environ.pop("PYTHONPATH", None)
             else:

@@ -6,6 +6,7 @@ each rank's recent bookings."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from conftest import Client, stored, worker
@@ -134,3 +135,39 @@ def test_the_backlog_drains_with_time_and_a_worker_that_leaves_is_forgotten() ->
     assert speeds.backlog((1, 0), 100.03) == pytest.approx(5000)
     speeds.forget(1)
     assert speeds.backlog((1, 0), 100.03) == 0.0
+
+
+def test_simulated_engines_pay_a_fixed_time_per_prompt_and_the_router_learns_it() -> None:
+    """`simulate --request-fixed-ms`: each prompt costs its engine that much more in the iteration
+    that ends its prefill, and a `ttft` service in the loop reads it back as prefill tokens
+    (here 20 ms at 10,000 tokens a second: 200), from the prefill ends alone."""
+    import json
+
+    import selection_proto.sim.routers as routers_module
+    from selection_proto.core.base.settings import Settings
+    from selection_proto.sim import EngineModel, FleetConfig, parse_trace, simulate
+
+    exact = EngineModel(prefill_fixed_ms=0, attention_ms=0, decode_ms=0, decode_full_ms=0,
+                        prefill_tokens_per_sec=10_000.0, request_fixed_ms=20.0)
+    assert exact.iteration_ms([(100, 0), (50, 0)], 0, 0.0, ends=1) == pytest.approx(35.0)
+    assert exact.iteration_ms([(100, 0)], 0, 0.0) == pytest.approx(10.0)
+    # Prompts of one to eight blocks of 64 tokens, nothing shared, one at a time (200 ms apart).
+    lines = [json.dumps({"timestamp": i * 200, "input_length": 64 * (1 + i % 8), "output_length": 2,
+                         "hash_ids": [100 * i + k for k in range(1 + i % 8)]}).encode() for i in range(200)]
+    services: list[Any] = []
+
+    class Kept(routers_module.SelectionService):  # type: ignore[misc,valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            services.append(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(routers_module, "SelectionService", Kept)
+        (run,) = simulate(lambda: parse_trace(lines, "t", 64), FleetConfig(engines=2, kv_blocks=400, model=exact,
+                                                                          speedup=1.0, trace_block_size=64),
+                          [("ttft", Settings(kv_events="push", router_policy="ttft"))])
+    assert run.requests == 200 and run.failed == 0
+    text = services[0].metrics_text(now=1e6)
+    (learned,) = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith("selection_proto_learned_request_overhead_tokens{")]
+    assert learned == pytest.approx(200, rel=0.1), learned

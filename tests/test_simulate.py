@@ -146,6 +146,7 @@ def test_a_missing_or_corrupt_file_and_bad_flags_exit_2(tmp_path: Path) -> None:
                         (("--engines", "0"), "--engines: must be at least 1"),
                         (("--engines", "100000"), "--engines: must be at most 1024"),
                         (("--kv-blocks", "0"), "--kv-blocks: must be at least 1"),
+                        (("--request-fixed-ms", "-1"), "--request-fixed-ms: must be at least 0"),
                         (("--trace-block-size", "1000000000000"), "--trace-block-size: must be at most 1048576"),
                         (("--prefill-tokens-per-sec", "1e-300"), "--prefill-tokens-per-sec: must be at least 1"),
                         (("--report", str(tmp_path)), f"{tmp_path}: is a folder; name a file to write"),
