@@ -217,13 +217,66 @@ def run_once(policy: str, workload: tuple[int, int, float], engines: list[VllmEn
                for a, b in zip(after, before, strict=True))
     data = json.loads(result.read_text())
     ttfts = sorted(t * 1000 for t in data.get("ttfts", []) if t)
-    out = {"policy": policy, "mean": data["mean_ttft_ms"], "p50": data["median_ttft_ms"], "p99": data["p99_ttft_ms"],
+    def mean(name: str) -> float:
+        total = sum(metric(a, f"{name}_sum") - metric(b, f"{name}_sum") for a, b in zip(after, before, strict=True))
+        count = sum(metric(a, f"{name}_count") - metric(b, f"{name}_count") for a, b in zip(after, before, strict=True))
+        return total / count * 1000 if count else 0.0
+
+    out = {"engine_ttft": mean("vllm:time_to_first_token_seconds"), "queue": mean("vllm:request_queue_time_seconds"),
+           "prefill": mean("vllm:request_prefill_time_seconds"),
+           "engine_p99": histogram_p99(after, before, "vllm:time_to_first_token_seconds") * 1000,
+           "policy": policy, "mean": data["mean_ttft_ms"], "p50": data["median_ttft_ms"], "p99": data["p99_ttft_ms"],
            "hit": hits / queries if queries else 0.0, "done": data["completed"], "requests": requests,
            "skew": skew.skew(), "load": load, "max": ttfts[-1] if ttfts else 0.0}
     if picker:
         out["learned"] = " ".join(line for line in picker.splitlines()
                                   if line.startswith(("selection_proto_worker_learned", "selection_proto_learned_request_overhead")))
     return out
+
+
+def histogram_p99(after: list[str], before: list[str], name: str) -> float:
+    """The upper bound of the bucket holding the 99th percentile of a histogram's new samples, both
+    engines together (seconds)."""
+    def buckets(texts: list[str]) -> dict[float, float]:
+        out: dict[float, float] = {}
+        for text in texts:
+            for le, value in re.findall(rf'^{re.escape(name)}_bucket{{[^}}]*le="([^"]+)"[^}}]*}} (\S+)$', text, re.M):
+                out[float(le)] = out.get(float(le), 0.0) + float(value)
+        return out
+    new, old = buckets(after), buckets(before)
+    counts = sorted((le, n - old.get(le, 0.0)) for le, n in new.items())
+    total = counts[-1][1] if counts else 0.0
+    return next((le for le, n in counts if n >= 0.99 * total), float("inf")) if total else 0.0
+
+
+def stream_ttft(engine: VllmEngine, prompt: list[int]) -> float:
+    """Seconds to the first streamed byte of a one-token completion of `prompt`, straight to the engine."""
+    conn = http.client.HTTPConnection("127.0.0.1", engine.http_port, timeout=120)
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 1, "stream": True}).encode()
+    started = time.perf_counter()
+    conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
+    response = conn.getresponse()
+    response.read1(1)
+    first = time.perf_counter() - started
+    response.read()
+    conn.close()
+    return first
+
+
+def probe(engine: VllmEngine, tokens: int) -> str:
+    """What one engine spends on a prompt of `tokens` tokens uncached, and on it again (cached),
+    one at a time: the medians of five of each."""
+    import random
+
+    rng = random.Random(7)
+    cold, warm = [], []
+    for _ in range(5):
+        prompt = [rng.randrange(2, 1024) for _ in range(tokens)]
+        cold.append(stream_ttft(engine, prompt))
+        warm.append(stream_ttft(engine, prompt))
+    c, w = statistics.median(cold), statistics.median(warm)
+    return (f"probe, {tokens} tokens one at a time straight to an engine: uncached {c * 1000:.1f} ms, cached "
+            f"{w * 1000:.1f} ms (prefill {(c - w) * 1000 / tokens:.3f} ms a token; load {os.getloadavg()[0]:.1f})")
 
 
 def parse_workload(text: str) -> tuple[int, int, float]:
@@ -258,6 +311,8 @@ def main() -> None:
         for engine in engines:
             engine.healthy_or_retried()
         print(f"model {model.name}: engines up in {', '.join(f'{e.starts[-1]:.0f} s' for e in engines)}", flush=True)
+        for prefix_len in sorted({w[0] for w in workloads}):
+            print(probe(engines[0], prefix_len + args.suffix), flush=True)
         for workload in workloads:
             rows = []
             for round_ in range(args.rounds):
@@ -267,7 +322,8 @@ def main() -> None:
                     print(f"{workload[0]}x{workload[1]}@{workload[2]:g} round {round_ + 1} {policy:8s} "
                           f"mean {row['mean']:7.1f}  p50 {row['p50']:7.1f}  p99 {row['p99']:7.1f}  max {row['max']:7.1f} ms"
                           f"  hit {row['hit']:.3f}  skew {row['skew']:.2f}  done {row['done']}/{row['requests']}"
-                          f"  load {row['load']:.2f}  {row.get('learned', '')}", flush=True)
+                          f"  load {row['load']:.2f}\n    engine: ttft {row['engine_ttft']:.1f} (p99 <= {row['engine_p99']:.0f})"
+                          f"  queue {row['queue']:.1f}  prefill {row['prefill']:.1f} ms  {row.get('learned', '')}", flush=True)
             print(f"\n| {workload[0]} x {workload[1]} at {workload[2]:g}/s | mean (ms) | p50 | p99 | hit rate | load |")
             print("|---|---|---|---|---|---|")
             for policy in args.policies.split(","):
@@ -276,8 +332,6 @@ def main() -> None:
                     " / ".join(f"{r[k]:.0f}" if k != "hit" else f"{r[k]:.3f}" for r in mine) if k != "load" else
                     " / ".join(f"{r[k]:.1f}" for r in mine) for k in ("mean", "p50", "p99", "hit", "load")) + " |")
             print(flush=True)
-            print("medians:", {p: statistics.median(r["p99"] for r in rows if r["policy"] == p)
-                               for p in args.policies.split(",")})
     finally:
         for engine in engines:
             engine.kill()

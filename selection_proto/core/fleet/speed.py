@@ -56,11 +56,11 @@ class Fit:
     """A least-squares line `secs = fixed + per_token * tokens` through weighted samples, each older
     one weighing `OVERHEAD_MEMORY` times less: its running sums, O(1) a sample."""
 
-    __slots__ = ("samples", "n", "t", "s", "tt", "ts")
+    __slots__ = ("samples", "n", "t", "s", "tt", "ts", "ss")
 
     def __init__(self) -> None:
         self.samples = 0
-        self.n = self.t = self.s = self.tt = self.ts = 0.0
+        self.n = self.t = self.s = self.tt = self.ts = self.ss = 0.0
 
     def add(self, tokens: float, secs: float) -> None:
         m = OVERHEAD_MEMORY
@@ -70,11 +70,13 @@ class Fit:
         self.s = self.s * m + secs
         self.tt = self.tt * m + tokens * tokens
         self.ts = self.ts * m + tokens * secs
+        self.ss = self.ss * m + secs * secs
 
     def line(self) -> tuple[float, float] | None:
         """(fixed, per_token) seconds, the fixed time within 0 and `MOST_OVERHEAD_TOKENS` tokens'
-        time; None while there is nothing to read: too few samples, prompts too alike to tell
-        the two apart, or times that do not grow with the tokens."""
+        time, and 0 unless it stands out of the noise (twice its standard error: long prompts
+        make it an extrapolation); None while there is nothing to read: too few samples, prompts
+        too alike to tell the two apart, or times that do not grow with the tokens."""
         if self.samples < OVERHEAD_AFTER:
             return None
         mean_t, mean_s = self.t / self.n, self.s / self.n
@@ -83,7 +85,11 @@ class Fit:
         if var <= (0.05 * mean_t) ** 2 or cov <= 0.0:
             return None
         per_token = cov / var
-        return min(MOST_OVERHEAD_TOKENS * per_token, max(0.0, mean_s - per_token * mean_t)), per_token
+        fixed = mean_s - per_token * mean_t
+        residual = max(0.0, self.ss / self.n - mean_s * mean_s - cov * per_token)
+        if fixed * fixed <= 4.0 * residual / self.n * (1.0 + mean_t * mean_t / var):
+            fixed = 0.0
+        return min(MOST_OVERHEAD_TOKENS * per_token, max(0.0, fixed)), per_token
 
 
 class Speeds:
