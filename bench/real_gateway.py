@@ -52,7 +52,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from engines.vllm import VllmEngine, vllm_python  # noqa: E402
-from gateway import ENVOY_YAML, Gateway, envoy_binary, free_port  # noqa: E402
+from gateway import ENVOY_YAML, Gateway, access_log_config, envoy_binary, free_port  # noqa: E402
 
 # `vllm bench serve` without the `vllm` script (see the module's docstring).
 CLIENT = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
@@ -77,13 +77,14 @@ def metric(text: str, name: str) -> float:
 class RoundRobin:
     """deploy/envoy/envoy.yaml without the picker: its `engines` cluster a static round robin."""
 
-    def __init__(self, engines: list[VllmEngine], folder: Path) -> None:
+    def __init__(self, engines: list[VllmEngine], folder: Path, access_log: Path) -> None:
         config = yaml.safe_load(Path(ENVOY_YAML).read_text())
         self.port, self.admin = free_port(), free_port()
         listener = config["static_resources"]["listeners"][0]
         listener["address"]["socket_address"].update(address="127.0.0.1", port_value=self.port)
         manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
         manager["http_filters"] = [f for f in manager["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
+        manager["access_log"] = access_log_config(str(access_log))
         cluster = config["static_resources"]["clusters"][0]
         for key in ("original_dst_lb_config",):
             cluster.pop(key)
@@ -146,8 +147,10 @@ def run_once(policy: str, workload: tuple[int, int, float], engines: list[VllmEn
         assert status == 200, answer
     gateway: Gateway | None = None
     rr: RoundRobin | None = None
+    log = folder / f"access-{policy.replace('/', '_')}.log"
+    log.unlink(missing_ok=True)
     if policy == "rr":
-        rr = RoundRobin(engines, folder)
+        rr = RoundRobin(engines, folder, log)
         port = rr.port
     else:
         serve = ["--tokenizer", f"tiny={model}"]
@@ -160,7 +163,7 @@ def run_once(policy: str, workload: tuple[int, int, float], engines: list[VllmEn
             os.environ["PYTHONPATH"] = tree
             os.chdir(tree)
         try:
-            gateway = Gateway(*serve, *args.serve_arg, mode="subscribe",
+            gateway = Gateway(*serve, *args.serve_arg, mode="subscribe", access_log=str(log),
                               records=[e.worker(i) for i, e in enumerate(engines, 1)])
         finally:
             os.chdir(here)
@@ -182,7 +185,7 @@ def run_once(policy: str, workload: tuple[int, int, float], engines: list[VllmEn
     skew.start()
     result = folder / f"result-{policy.replace('/', '_')}.json"
     result.unlink(missing_ok=True)
-    requests = max(prefixes, int(rate * args.seconds))
+    requests = prefixes * max(1, int(rate * args.seconds) // prefixes)  # the client sends whole rounds of prefixes
     command = [vllm_python(), "-c", CLIENT, "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}",
                "--model", "tiny", "--tokenizer", str(model), "--dataset-name", "prefix_repetition",
                "--prefix-repetition-prefix-len", str(prefix_len), "--prefix-repetition-suffix-len", str(args.suffix),
@@ -217,12 +220,17 @@ def run_once(policy: str, workload: tuple[int, int, float], engines: list[VllmEn
                for a, b in zip(after, before, strict=True))
     data = json.loads(result.read_text())
     ttfts = sorted(t * 1000 for t in data.get("ttfts", []) if t)
+    hops = [line.split() for line in log.read_text().splitlines()[-requests:]] if log.exists() else []
+    decide = sorted(float(h[0]) for h in hops if h and h[0] != "-")
+
     def mean(name: str) -> float:
         total = sum(metric(a, f"{name}_sum") - metric(b, f"{name}_sum") for a, b in zip(after, before, strict=True))
         count = sum(metric(a, f"{name}_count") - metric(b, f"{name}_count") for a, b in zip(after, before, strict=True))
         return total / count * 1000 if count else 0.0
 
-    out = {"engine_ttft": mean("vllm:time_to_first_token_seconds"), "queue": mean("vllm:request_queue_time_seconds"),
+    out = {"decide_p50": decide[len(decide) // 2] if decide else 0.0,
+           "decide_p99": decide[min(len(decide) - 1, int(len(decide) * 0.99))] if decide else 0.0,
+           "decide_max": decide[-1] if decide else 0.0, "engine_ttft": mean("vllm:time_to_first_token_seconds"), "queue": mean("vllm:request_queue_time_seconds"),
            "prefill": mean("vllm:request_prefill_time_seconds"),
            "engine_p99": histogram_p99(after, before, "vllm:time_to_first_token_seconds") * 1000,
            "policy": policy, "mean": data["mean_ttft_ms"], "p50": data["median_ttft_ms"], "p99": data["p99_ttft_ms"],
@@ -323,7 +331,9 @@ def main() -> None:
                           f"mean {row['mean']:7.1f}  p50 {row['p50']:7.1f}  p99 {row['p99']:7.1f}  max {row['max']:7.1f} ms"
                           f"  hit {row['hit']:.3f}  skew {row['skew']:.2f}  done {row['done']}/{row['requests']}"
                           f"  load {row['load']:.2f}\n    engine: ttft {row['engine_ttft']:.1f} (p99 <= {row['engine_p99']:.0f})"
-                          f"  queue {row['queue']:.1f}  prefill {row['prefill']:.1f} ms  {row.get('learned', '')}", flush=True)
+                          f"  queue {row['queue']:.1f}  prefill {row['prefill']:.1f} ms; Envoy, whole request to upstream:"
+                          f" p50 {row['decide_p50']:.0f} p99 {row['decide_p99']:.0f} max {row['decide_max']:.0f} ms"
+                          f"  {row.get('learned', '')}", flush=True)
             print(f"\n| {workload[0]} x {workload[1]} at {workload[2]:g}/s | mean (ms) | p50 | p99 | hit rate | load |")
             print("|---|---|---|---|---|---|")
             for policy in args.policies.split(","):
