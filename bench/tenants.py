@@ -25,7 +25,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TRACE = os.path.join(HERE, "..", "..", "shared", "traces", "conversation_trace.jsonl.gz")
 SHAPES = {"short, 10x a's rate, 1/6 of the span": (10, 1 / 6), "long, 4x a's rate, 1/2 of the span": (4, 1 / 2)}
 SETTINGS = {"fifo": dict(queue_threshold=1.0, fairness=False), "fair": dict(queue_threshold=1.0),
-            "burst": dict(queue_threshold=1.0, fairness_burst_tokens=1 << 20)}
+            "burst": dict(queue_threshold=1.0, fairness_burst_tokens=1 << 20),
+            "share1": dict(queue_threshold=1.0, fairness_burst_tokens=1 << 20, fairness_kv_share=1.0),
+            "share15": dict(queue_threshold=1.0, fairness_burst_tokens=1 << 20, fairness_kv_share=1.5)}
 
 
 def tenant_lines(path: str, skip: int, count: int, copies: int, window: float, burst: bool = True) -> list[bytes]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Set
 from typing import Final, NamedTuple
 
 from .prompt import PromptHashes
@@ -148,6 +148,10 @@ class FlowQueue:
         """(requests, uncached tokens) waiting in a class (`kind="class"`) or fairness ID."""
         count = self._counts.get((kind, name))
         return (count[0], count[1]) if count is not None else (0, 0)
+
+    def fairness_ids(self) -> Iterator[str]:
+        """The fairness IDs with a request waiting (over every tier and class)."""
+        return (name for kind, name in self._counts if kind == "fairness")
 
     def lanes(self) -> list[tuple[int, str, int, int, int]]:
         """(priority tier, class, queued requests, their uncached tokens, fairness IDs waiting) of
@@ -268,13 +272,16 @@ class FlowQueue:
     def next_expiry(self) -> float | None:
         return min((e.expires_at for e in self._tickets.values()), default=None)
 
-    def next(self, now: float, passed_over: set[int]) -> QueuedSelection | None:
-        """The entry that runs next, skipping `passed_over` (their candidates are busy); None when
-        every entry is passed over. Visits each flow once."""
+    def next(self, now: float, passed_over: set[int], held_back: Set[str] = frozenset()) -> QueuedSelection | None:
+        """The entry that runs next, skipping `passed_over` (their candidates are busy) and the
+        fairness IDs `held_back` (over their share of what is in flight); None when every entry is
+        skipped. Visits each flow once."""
         best: tuple[float, ...] | None = None
         chosen = None
         for (tier, _), cls in self._classes.items():
-            for flow in cls.flows.values():
+            for fid, flow in cls.flows.items():
+                if fid in held_back:
+                    continue
                 head = next((e for e in flow.entries if e.ticket not in passed_over), None)
                 if head is None:
                     continue

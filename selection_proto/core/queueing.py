@@ -100,6 +100,32 @@ class Admission:
         limit = self._catalog[rank[0]].request.max_num_batched_tokens or 0
         return pool.tracker.loads[rank].prefill_tokens > threshold * limit
 
+    def _holder(self, req: SelectRequest) -> str | None:
+        """The fairness ID a booking of `req` counts for, when `fairness_kv_share` is on."""
+        s = self._settings
+        return self._lane(req).fairness_id if s.fairness_kv_share is not None and s.queueing and s.fairness else None
+
+    def _over_kv_share(self, pool: Pool, req: SelectRequest, isl: int) -> bool:
+        """`fairness_kv_share`: while another fairness ID has a booking in flight or a request
+        waiting in the key, a request waits when the prompts its fairness ID has in flight, its
+        own `isl` included, would pass that multiple of an equal share of the key's KV cache (the ranks'
+        `total_kv_blocks`). A fairness ID with nothing in flight always runs one: a prompt larger
+        than a share must run some time. Visits the fairness IDs in flight and waiting."""
+        holder = self._holder(req)
+        if holder is None:
+            return False
+        held = pool.tracker.held
+        mine = held.get(holder, 0)
+        if not mine:
+            return False
+        present = len(held) + sum(1 for fid in pool.queue.fairness_ids() if fid not in held and fid != holder)
+        if present < 2:
+            return False
+        blocks = sum(self._catalog[r[0]].request.total_kv_blocks or 0 for r in pool.ranks())
+        share = self._settings.fairness_kv_share
+        assert share is not None
+        return bool(blocks) and (mine + isl) * present > share * blocks * pool.block_size
+
     def policy_class(self, name: str | None) -> FlowClass:
         """The class a request names; an unknown or absent name is the default (the first)."""
         classes = parse_classes(self._settings.flow_classes)
@@ -241,15 +267,20 @@ class Admission:
 
     def dispatch(self, pool: Pool | None, now: float) -> None:
         """Run queued requests, next first (admission.py), while one has a candidate that is not
-        busy; one whose candidates are all busy is passed over until the next look."""
+        busy; one whose candidates are all busy is passed over until the next look, and so is a
+        fairness ID over its share of the KV in flight (`fairness_kv_share`)."""
         if pool is None or not pool.queue or self._dispatching:
             return
         self._dispatching = True
         passed_over: set[int] = set()
+        held_back: set[str] = set()  # over their share of the KV in flight: for this look, as it only grows
         try:
-            while (entry := pool.queue.next(now, passed_over)) is not None:
+            while (entry := pool.queue.next(now, passed_over, held_back)) is not None:
                 if all(self._busy(pool, r) for r in pool.ranks()):
                     break  # every rank is busy: no entry can run, whatever its candidates
+                if self._over_kv_share(pool, entry.req, entry.prompt.isl):
+                    held_back.add(entry.lane.fairness_id)
+                    continue
                 try:
                     sel = self._retry(pool, entry, now)
                     if sel is None:

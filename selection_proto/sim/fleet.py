@@ -162,6 +162,7 @@ def _run(name: str, setting: Setup, arrivals: Iterable[tuple[float, TraceRequest
 
     def dispatch(req: SimRequest, engine: int, now: float) -> None:
         req.engine = engine
+        req.dispatched = now
         target = engines[engine]
         target.waiting.append(req)
         if target.busy_until is None:
