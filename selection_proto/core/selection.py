@@ -411,7 +411,7 @@ class Selector(Admission, Plans, PrefillReading):
         pool.speeds.observe(rank, pool.tracker.loads[rank].prefill_tokens, now)
         booking = pool.tracker.book(rid, rank, blocks, prefill, expected_output_tokens, now,
                                     defer=self._deferred.add if not self._dispatching else None,
-                                    holder=None if holder is None else (holder, prompt.isl))
+                                    holder=None if holder is None else (holder, max(1, prompt.isl - cached)))
         pool.watch[rank].booked(booking, len(prompt.blocks), prompt.isl, cached, pool.block_size, now)
         self._metrics.booking(pool.key, "booked")
         if self.journal is not None:
