@@ -153,6 +153,18 @@ class FlowQueue:
         """The fairness IDs with a request waiting (over every tier and class)."""
         return (name for kind, name in self._counts if kind == "fairness")
 
+    def ahead(self, fairness_id: str) -> bool:
+        """Whether `fairness_id` waits and was served no less than every other flow waiting in its
+        classes (its virtual time is the highest): it is owed nothing. Visits those classes' flows."""
+        waiting = False
+        for cls in self._classes.values():
+            flow = cls.flows.get(fairness_id)
+            if flow is not None:
+                waiting = True
+                if any(other.vtime > flow.vtime for fid, other in cls.flows.items() if fid != fairness_id):
+                    return False
+        return waiting
+
     def lanes(self) -> list[tuple[int, str, int, int, int]]:
         """(priority tier, class, queued requests, their uncached tokens, fairness IDs waiting) of
         each class of each tier with a request waiting, highest tier first."""

@@ -100,17 +100,27 @@ class Admission:
         limit = self._catalog[rank[0]].request.max_num_batched_tokens or 0
         return pool.tracker.loads[rank].prefill_tokens > threshold * limit
 
+    def _uncached(self, sel: Selection) -> int:
+        """What a selection's work costs in flow control: its uncached tokens on the candidate
+        that has the most of its prompt cached (at least 1)."""
+        pool = sel.pool
+        cached = max((cached_tokens(r, sel.found, pool.block_size, self._settings) for r in sel.candidates), default=0)
+        return max(1, sel.prompt.isl - cached)
+
     def _holder(self, req: SelectRequest) -> str | None:
         """The fairness ID a booking of `req` counts for, when `fairness_kv_share` is on."""
         s = self._settings
         return self._lane(req).fairness_id if s.fairness_kv_share is not None and s.queueing and s.fairness else None
 
-    def _over_kv_share(self, pool: Pool, req: SelectRequest, isl: int) -> bool:
-        """`fairness_kv_share`: while another fairness ID has a booking in flight or a request
-        waiting in the key, a request waits when the prompts its fairness ID has in flight, its
-        own `isl` included, would pass that multiple of an equal share of the key's KV cache (the ranks'
-        `total_kv_blocks`). A fairness ID with nothing in flight always runs one: a prompt larger
-        than a share must run some time. Visits the fairness IDs in flight and waiting."""
+    def _over_kv_share(self, pool: Pool, req: SelectRequest, uncached: int) -> bool:
+        """`fairness_kv_share`: a request waits when its fairness ID has requests waiting, was
+        served the most of those waiting in its class (it is owed nothing), another fairness ID
+        has a booking in flight or a request waiting, and the uncached tokens its fairness ID has
+        in flight with its own `uncached` would pass that multiple of an equal share of the key's KV
+        cache (the ranks' `total_kv_blocks`). The KV a heavy tenant's requests hold while they
+        decode is then left for the others' arrivals: the router cannot take it back once sent.
+        A fairness ID with nothing in flight always runs one (a prompt larger than a share must
+        run some time). Visits the fairness IDs in flight and the flows waiting."""
         holder = self._holder(req)
         if holder is None:
             return False
@@ -119,12 +129,12 @@ class Admission:
         if not mine:
             return False
         present = len(held) + sum(1 for fid in pool.queue.fairness_ids() if fid not in held and fid != holder)
-        if present < 2:
+        if present < 2 or not pool.queue.ahead(holder):
             return False
         blocks = sum(self._catalog[r[0]].request.total_kv_blocks or 0 for r in pool.ranks())
         share = self._settings.fairness_kv_share
         assert share is not None
-        return bool(blocks) and (mine + isl) * present > share * blocks * pool.block_size
+        return bool(blocks) and (mine + uncached) * present > share * blocks * pool.block_size
 
     def policy_class(self, name: str | None) -> FlowClass:
         """The class a request names; an unknown or absent name is the default (the first)."""
@@ -187,7 +197,7 @@ class Admission:
         cls = self.policy_class(req.policy_class)
         lane = self._lane(req)
         cached = max((cached_tokens(r, sel.found, pool.block_size, s) for r in sel.candidates), default=0)
-        cost = max(1, sel.prompt.isl - cached)
+        cost = self._uncached(sel)
         busy_now = f"every candidate for {pool.label} is busy"
         if req.do_not_queue:
             raise self._refuse(pool, lane, "do_not_queue", f"do_not_queue: {busy_now}", self._drain_secs(pool, sel.candidates, 0))
@@ -278,7 +288,7 @@ class Admission:
             while (entry := pool.queue.next(now, passed_over, held_back)) is not None:
                 if all(self._busy(pool, r) for r in pool.ranks()):
                     break  # every rank is busy: no entry can run, whatever its candidates
-                if self._over_kv_share(pool, entry.req, entry.prompt.isl):
+                if self._over_kv_share(pool, entry.req, entry.cost):
                     held_back.add(entry.lane.fairness_id)
                     continue
                 try:

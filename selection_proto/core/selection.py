@@ -123,7 +123,9 @@ class Selector(Admission, Plans, PrefillReading):
         try:
             sel = self._prepare(req, reserve, now)
             if self._settings.queue_threshold is not None and req.allowed_worker_ids is None:
-                if all(self._busy(sel.pool, r) for r in sel.candidates) or self._over_kv_share(sel.pool, req, sel.prompt.isl):
+                if all(self._busy(sel.pool, r) for r in sel.candidates) or (
+                        self._settings.fairness_kv_share is not None
+                        and self._over_kv_share(sel.pool, req, self._uncached(sel))):
                     return self._enqueue(sel, now)
                 if req.deadline_ms is not None and (late := self._in_time(sel, now, now + req.deadline_ms / 1000.0)):
                     lane = self._lane(req)
