@@ -153,17 +153,26 @@ class FlowQueue:
         """The fairness IDs with a request waiting (over every tier and class)."""
         return (name for kind, name in self._counts if kind == "fairness")
 
-    def ahead(self, fairness_id: str) -> bool:
-        """Whether `fairness_id` waits and was served no less than every other flow waiting in its
-        classes (its virtual time is the highest): it is owed nothing. Visits those classes' flows."""
-        waiting = False
-        for cls in self._classes.values():
-            flow = cls.flows.get(fairness_id)
-            if flow is not None:
-                waiting = True
-                if any(other.vtime > flow.vtime for fid, other in cls.flows.items() if fid != fairness_id):
-                    return False
-        return waiting
+    def ahead(self, lane: Lane) -> bool:
+        """Whether a request in `lane` is owed nothing: its fairness ID's flow in the lane's class
+        (where it would begin, if it waits nowhere there) is at or past every other flow waiting
+        in the class, in virtual time; so too when no other waits there. Visits the class's flows."""
+        cls = self._classes.get((lane.tier, lane.policy_class))
+        if cls is None:
+            return True
+        fid = lane.fairness_id
+        flow = cls.flows.get(fid)
+        vtime = flow.vtime if flow is not None else self._start(cls, fid)
+        return all(other.vtime <= vtime for name, other in cls.flows.items() if name != fid)
+
+    def _start(self, cls: _Class, fairness_id: str) -> float:
+        """Where a flow of `fairness_id` that starts waiting in `cls` begins: at the class's clock;
+        with a burst allowance, up to that far before it, but never before where its own use left
+        it (a light fairness ID's burst runs ahead of those waiting all along, a heavy one that
+        empties now and then gains nothing)."""
+        if not self._burst:
+            return cls.clock
+        return max(cls.idle.get(fairness_id, -math.inf), cls.clock - self._burst)
 
     def lanes(self) -> list[tuple[int, str, int, int, int]]:
         """(priority tier, class, queued requests, their uncached tokens, fairness IDs waiting) of
@@ -192,11 +201,8 @@ class FlowQueue:
             self._tier_classes[tier] = self._tier_classes.get(tier, 0) + 1
         flow = cls.flows.get(fid)
         if flow is None:
-            # It begins at the clock; with a burst allowance, up to that far before it, but never
-            # before where its own use left it: a light fairness ID's burst runs ahead of those
-            # waiting all along, a heavy one that empties now and then gains nothing.
-            start = max(cls.idle.pop(fid, -math.inf), cls.clock - self._burst) if self._burst else cls.clock
-            flow = cls.flows[fid] = _Flow(start)
+            flow = cls.flows[fid] = _Flow(self._start(cls, fid))
+            cls.idle.pop(fid, None)
         bisect.insort(flow.entries, entry, key=_run_order)
         flow.tokens += entry.cost
         self._tickets[entry.ticket] = entry

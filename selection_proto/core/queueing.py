@@ -113,11 +113,11 @@ class Admission:
         return self._lane(req).fairness_id if s.fairness_kv_share is not None and s.queueing and s.fairness else None
 
     def _over_kv_share(self, pool: Pool, req: SelectRequest, uncached: int) -> bool:
-        """`fairness_kv_share`: a request waits when its fairness ID has requests waiting, was
-        served the most of those waiting in its class (it is owed nothing), another fairness ID
-        has a booking in flight or a request waiting, and the uncached tokens its fairness ID has
-        in flight with its own `uncached` would pass that multiple of an equal share of the key's KV
-        cache (the ranks' `total_kv_blocks`). The KV a heavy tenant's requests hold while they
+        """`fairness_kv_share`: a request waits when its fairness ID is owed nothing in the queue
+        (served at least as much as every other waiting in its class: `FlowQueue.ahead`), another
+        fairness ID has a booking in flight or a request waiting, and the uncached tokens its
+        fairness ID has in flight with its own `uncached` would pass that multiple of an equal
+        share of the key's KV cache (the ranks' `total_kv_blocks`). The KV a heavy tenant's requests hold while they
         decode is then left for the others' arrivals: the router cannot take it back once sent.
         A fairness ID with nothing in flight always runs one (a prompt larger than a share must
         run some time). Visits the fairness IDs in flight and the flows waiting."""
@@ -129,7 +129,7 @@ class Admission:
         if not mine:
             return False
         present = len(held) + sum(1 for fid in pool.queue.fairness_ids() if fid not in held and fid != holder)
-        if present < 2 or not pool.queue.ahead(holder):
+        if present < 2 or not pool.queue.ahead(self._lane(req)):
             return False
         blocks = sum(self._catalog[r[0]].request.total_kv_blocks or 0 for r in pool.ranks())
         share = self._settings.fairness_kv_share
@@ -197,7 +197,7 @@ class Admission:
         cls = self.policy_class(req.policy_class)
         lane = self._lane(req)
         cached = max((cached_tokens(r, sel.found, pool.block_size, s) for r in sel.candidates), default=0)
-        cost = self._uncached(sel)
+        cost = max(1, sel.prompt.isl - cached)
         busy_now = f"every candidate for {pool.label} is busy"
         if req.do_not_queue:
             raise self._refuse(pool, lane, "do_not_queue", f"do_not_queue: {busy_now}", self._drain_secs(pool, sel.candidates, 0))
