@@ -583,6 +583,44 @@ def test_a_light_tenants_burst_runs_ahead_of_a_backlog_with_a_burst_allowance(ma
         assert b_share >= 0.75 * 55 * CAPACITY  # A's 20% aside, the fleet serves B
     assert worst[8 * PROMPT] <= 2 * PROMPT / SPEED < 2.5 <= worst[None], worst
 
+def test_a_heavy_tenant_is_held_to_its_share_of_the_kv_in_flight(make_client: Callable[..., Client]) -> None:
+    """`fairness_kv_share=1`, two workers of 64 blocks of 4 tokens (512 tokens of KV), no rank
+    ever busy: while `a` has a request in flight, `b` may hold 256 uncached tokens, and its next
+    requests wait (without the setting they run); `a`'s own still run past its share, as the queue
+    owes it (`b` was served more); once `a`'s bookings end, `b`'s last waiting request runs."""
+    rng = random.Random(3)
+
+    def ask(c: Client, rid: str, fid: str, tokens: int) -> Any:
+        body = {"model_name": "m", "reservation_id": rid, "fairness_id": fid,
+                "token_ids": [rng.randrange(1 << 20) for _ in range(tokens)]}
+        return c.service.handle("POST", "/select_and_reserve", "", [("content-type", "application/json")],
+                                json.dumps(body).encode(), now=c.now)
+
+    def ready(c: Client) -> list[tuple[int, int]]:
+        return [(out.ticket, out.response.status) for out in iter(c.service.next_output, None)
+                if isinstance(out, SelectionReady)]
+
+    for share in (None, 1.0):
+        c = make_client(queue_threshold=1.0, fairness_kv_share=share)
+        for wid in (1, 2):
+            c.ok("POST", "/workers", worker(wid, max_num_batched_tokens=10_000, total_kv_blocks=64), status=201)
+        assert ask(c, "a1", "a", 40).status == 200
+        assert ask(c, "b1", "b", 100).status == 200 and ask(c, "b2", "b", 100).status == 200
+        b3, b4 = ask(c, "b3", "b", 100), ask(c, "b4", "b", 100)  # 300 of b's in flight: over 512 / 2
+        if share is None:
+            assert b3.status == b4.status == 200
+            continue
+        assert isinstance(b3, Pending) and isinstance(b4, Pending) and ready(c) == []
+        c.ok("DELETE", "/reservations/b1")
+        assert ready(c) == [(b3.ticket, 200)]  # 200 of b's in flight again: b4 still waits
+        assert ask(c, "a2", "a", 300).status == 200  # a over its share too, but owed by the queue
+        c.ok("DELETE", "/reservations/a1")
+        assert ready(c) == []  # a still in flight
+        c.ok("DELETE", "/reservations/a2")
+        assert ready(c) == [(b4.ticket, 200)]  # b alone: no share to keep
+        assert c.service._selector._pools[("m", "default")].tracker.held == {"b": 300}
+
+
 def test_a_new_priority_each_time_leaves_no_memory_behind() -> None:
     """200,000 requests, each with a priority of its own, queued and run one after another: the
     queue kept a tier clock per value ever seen (+16 MiB); now what it holds follows what waits."""
