@@ -20,6 +20,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from selection_proto import Pending, SelectionReady
 from selection_proto.core.admission import FlowQueue, Lane, QueuedSelection
 from selection_proto.core.flow_classes import parse_classes
+from selection_proto.core.service import SelectionService
+from selection_proto.core.settings import Settings
 
 SPEED = 512.0  # prefill tokens a second of every worker
 PROMPT = 512
@@ -619,6 +621,69 @@ def test_a_heavy_tenant_is_held_to_its_share_of_the_kv_in_flight(make_client: Ca
         c.ok("DELETE", "/reservations/a2")
         assert ready(c) == [(b4.ticket, 200)]  # b alone: no share to keep
         assert c.service._selector._pools[("m", "default")].tracker.held == {"b": 300}
+
+
+class KvShareMachine(RuleBasedStateMachine):
+    """The service with `fairness_kv_share`, ranks never busy: bookings by three fairness IDs come
+    and go (freed, expired, their worker gone). What each fairness ID holds is what its live
+    bookings hold, and a fairness ID alone in a key is never held back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = Client(SelectionService(Settings(kv_events="push", queue_threshold=1.0, fairness_kv_share=1.0,
+                                                  fairness_burst_tokens=64, active_request_expiry_secs=50.0),
+                                         random.Random(0)))
+        for wid in (1, 2):
+            self.c.ok("POST", "/workers", worker(wid, max_num_batched_tokens=1 << 20, total_kv_blocks=16), status=201)
+        self.count = 0
+
+    def pool(self) -> Any:
+        return self.c.service._selector._pools.get(("m", "default"))
+
+    def drain(self) -> None:
+        for _ in iter(self.c.service.next_output, None):
+            pass
+
+    @rule(fid=st.sampled_from("abc"), tokens=st.integers(1, 80), later=st.floats(0, 20))
+    def ask(self, fid: str, tokens: int, later: float) -> None:
+        self.c.now += later
+        self.count += 1
+        body = {"model_name": "m", "reservation_id": f"r{self.count}", "fairness_id": fid,
+                "token_ids": [self.count * 1000 + i for i in range(tokens)]}
+        self.c.service.handle("POST", "/select_and_reserve", "", [("content-type", "application/json")],
+                              json.dumps(body).encode(), now=self.c.now)
+        self.c.service.tick(self.c.now)
+        self.drain()
+
+    @precondition(lambda self: self.pool() is not None and self.pool().tracker.bookings)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.pool().tracker.bookings)))
+        self.c.ok("DELETE", f"/reservations/{rid}")
+        self.drain()
+
+    @rule(wid=st.sampled_from((1, 2)))
+    def worker_comes_back(self, wid: int) -> None:  # its bookings go with it
+        self.c.ok("DELETE", f"/workers/{wid}")
+        self.c.ok("POST", "/workers", worker(wid, max_num_batched_tokens=1 << 20, total_kv_blocks=16), status=201)
+        self.drain()
+
+    @invariant()
+    def held_is_what_live_bookings_hold(self) -> None:
+        pool = self.pool()
+        if pool is None:
+            return
+        expected: dict[str, int] = {}
+        for booking in pool.tracker.bookings.values():
+            assert booking.holder is not None
+            expected[booking.holder[0]] = expected.get(booking.holder[0], 0) + booking.holder[1]
+        assert pool.tracker.held == expected
+        if len(set(expected) | set(pool.queue.fairness_ids())) < 2:
+            assert len(pool.queue) == 0
+
+
+KvShareMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+test_what_a_fairness_id_holds_follows_its_bookings = KvShareMachine.TestCase
 
 
 def test_a_new_priority_each_time_leaves_no_memory_behind() -> None:
