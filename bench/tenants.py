@@ -103,7 +103,7 @@ def main() -> None:
         for skip, shape, lines, alone_lines, engines, load in cases(args):
             seen: dict[str, list[SimRequest]] = {"burst": [], "share": []}
             run(lines, engines, load * len(lines) / len(alone_lines), ["burst", "share"],
-                lambda name, req, seen=seen: seen[name].append(req))  # type: ignore[misc]
+                lambda name, req, seen=seen: seen[name].append(req))
             print(f"| {skip}+{args.requests} | {shape} | {engines} | {load} | {explain(seen['burst'])} "
                   f"| {explain(seen['share'])} |", flush=True)
         return
