@@ -19,7 +19,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from selection_proto.core.settings import Settings
+from selection_proto.core.base.settings import Settings
 from selection_proto.sim import FleetConfig, parse_trace, simulate
 from selection_proto.sim.engine import SimRequest
 
