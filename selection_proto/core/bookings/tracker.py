@@ -91,7 +91,7 @@ class Booking:
         self.plan = False  # one leg of a prefill/decode plan booked here (pd.py): its expiry is an orphan's
         # The prompt's block hashes while the end of its prefill is read from events (prefill_ends.py).
         self.awaits: list[int] | None = None
-        # (fairness ID, prompt tokens) it counts in `Tracker.held`, with `fairness_kv_share` only.
+        # (fairness ID, uncached prompt tokens) it counts in `Tracker.held` (`fairness_kv_share` only).
         self.holder: tuple[str, int] | None = None
 
 
@@ -107,7 +107,7 @@ class Tracker:
         self.limit = limit
         self.label = label  # "model=<m> tenant=<t>"
         self.budget = budget if budget is not None else StateBudget(1 << 62)
-        # Fairness ID -> prompt tokens of its bookings in flight (those booked with a holder); only
+        # Fairness ID -> uncached prompt tokens of its bookings in flight (booked with a holder); only
         # IDs holding some are kept, so it is bounded by the bookings.
         self.held: dict[str, int] = {}
 
@@ -142,7 +142,7 @@ class Tracker:
         """`checked=False`: a mirrored booking, which the ledger already took (only the id is
         checked, by the caller). `defer`: where the counting of a booking of over `PIECE_BLOCKS`
         blocks goes, in pieces (no answer of the call that books reads it). `holder`: the fairness
-        ID and prompt tokens it counts in `held` until it ends."""
+        ID and uncached prompt tokens it counts in `held` until it ends."""
         if checked:
             self.check_can_book(rid)
         load = self.loads[rank]

@@ -14,7 +14,9 @@ the order). At the door, in this order, a request that would queue is refused at
    hold, its own prefill and the batch it shares, ends after the deadline.
 
 A request with a deadline that need not wait runs only on a candidate predicted in time, or is
-refused; so does a waiting one when it is dispatched (docs/FLOW_CONTROL.md).
+refused; so does a waiting one when it is dispatched (docs/FLOW_CONTROL.md). With
+`fairness_kv_share`, a request also waits, though a rank is free, while its fairness ID holds more
+than its share of the KV in flight and is owed nothing by the queue.
 
 A request that waits ends at the smaller of its class's queue timeout (503) and its deadline
 (`overload_status_code`, with `Retry-After`)."""
@@ -117,8 +119,9 @@ class Admission:
         (served at least as much as every other waiting in its class: `FlowQueue.ahead`), another
         fairness ID has a booking in flight or a request waiting, and the uncached tokens its
         fairness ID has in flight with its own `uncached` would pass that multiple of an equal
-        share of the key's KV cache (the ranks' `total_kv_blocks`). The KV a heavy tenant's requests hold while they
-        decode is then left for the others' arrivals: the router cannot take it back once sent.
+        share of the key's KV cache (the ranks' `total_kv_blocks`). The KV a heavy tenant's
+        requests would hold while they decode is then left for the others' arrivals: the router
+        cannot take it back once sent.
         A fairness ID with nothing in flight always runs one (a prompt larger than a share must
         run some time). Visits the fairness IDs in flight and the flows waiting."""
         holder = self._holder(req)
