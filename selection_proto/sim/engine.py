@@ -166,7 +166,7 @@ WHOLE, PREFILL_FOR_OTHER, DECODE_SENT = range(3)
 class SimRequest:
     __slots__ = ("rid", "arrival", "isl", "osl", "seqs", "locals", "full", "engine", "cached", "left",
                  "context", "started", "first_token", "private", "blocks_held", "tenant", "flow",
-                 "stage", "decode_engine", "sent_blocks", "sent_private")
+                 "stage", "decode_engine", "sent_blocks", "sent_private", "dispatched")
 
     def __init__(self, rid: str, arrival: float, trace: TraceRequest, block_size: int,
                  local_hashes: list[int]) -> None:
@@ -180,6 +180,7 @@ class SimRequest:
         self.seqs = array("Q", sequence_hashes(local_hashes))
         self.full = trace.input_length // block_size  # cacheable blocks: the full ones
         self.engine = -1
+        self.dispatched = -1.0  # sent to its engine (after any wait in the router's queue)
         self.cached = 0  # prompt tokens the engine had cached
         self.left = 0  # prompt tokens still to prefill
         self.context = 0  # tokens before the next chunk
