@@ -192,6 +192,18 @@ def assert_its_turn(seconds: list[float], idle: list[float], p99: float | None, 
     assert seconds[-1] < worst + 3 * idle[-1], (seconds[-5:], idle[-5:])
 
 
+def assert_loop_turn(seconds: list[float], cpu: list[float], idle: list[float], p99: float | None,
+                     worst: float) -> None:
+    """`health_waits`' figures under the goals: the loop's CPU time while a probe waited, however
+    busy the machine is; the round trips as `assert_its_turn` has them when the machine is quiet
+    (on a loaded one they count the other processes' turns too)."""
+    if p99 is not None:
+        assert cpu[min(len(cpu) - 1, int(len(cpu) * 0.99))] < p99, (cpu[-5:], seconds[-5:])
+    assert cpu[-1] < worst, (cpu[-5:], seconds[-5:])
+    if os.getloadavg()[0] < (os.cpu_count() or 1):
+        assert_its_turn(seconds, idle, p99, worst)
+
+
 def store_blocks(server: Server, count: int, per_request: int = 50_000) -> None:
     """`count` single-block stored events for worker 1, each its own prefix (the costliest dump)."""
     for first in range(0, count, per_request):
@@ -247,10 +259,10 @@ def test_a_huge_select_beside_huge_bookings_leaves_health_its_turn() -> None:
 
         selector = threading.Thread(target=select)
         selector.start()
-        seconds = health_latencies(server, selector)
+        seconds, cpu = health_waits(server, selector)
         selector.join()
         assert len(answers) == 3 and answers[0]["worker_id"] == 1
-        assert_its_turn(seconds, idle, 0.1, 0.25)
+        assert_loop_turn(seconds, cpu, idle, 0.1, 0.25)
         assert_healthy(server)
     finally:
         server.stop()
@@ -462,12 +474,13 @@ print("booked", flush=True)
 """
 
 
-@pytest.mark.parametrize(("mode", "worst"), [("push", 0.25), ("approximate", 0.5)])
+@pytest.mark.parametrize(("mode", "worst"), [("push", 0.15), ("approximate", 0.5)])
 def test_a_million_block_booking_and_its_free_leave_health_its_turn(mode: str, worst: float) -> None:
     """A prompt of 1,048,576 tokens booked on a worker of block size 1 and freed, then another, by
     another process: /health waited for all of a booking's deferred pieces (0.4-3.4 s), and its
-    answer's million hashes were built on the loop. Now one piece at most: in approximate mode a
-    piece in which the index's tables grow past a million entries still takes 0.1-0.25 s
+    answer's million hashes were built on the loop (push: 0.22-0.33 s of loop CPU per probe at
+    worst, approximate 1.0 s and more; now 0.03-0.06 s and 0.24-0.28 s). Approximate mode's
+    remaining cost is a piece in which the index's tables grow past a million entries
     (docs/INVARIANTS.md, "Round three"), hence its own bound."""
     server = Server("--max-state-bytes", str(8 << 30), mode=mode)
     try:
@@ -482,11 +495,7 @@ def test_a_million_block_booking_and_its_free_leave_health_its_turn(mode: str, w
         watcher.join()
         assert booker.returncode == 0 and booker.stdout.read() == "booked\n"
         assert len(seconds) >= 20, seconds  # /health was served all along
-        # The loop's CPU time while a probe waited, however busy the machine is (the wall time
-        # counts other processes' turns too: checked against idle when the machine is quiet).
-        assert cpu[-1] < worst, (cpu[-5:], seconds[-5:])
-        if os.getloadavg()[0] < (os.cpu_count() or 1):
-            assert_its_turn(seconds, idle, None, worst)
+        assert_loop_turn(seconds, cpu, idle, None, worst)
         assert json.loads(get(server, "/loads")[1])[0]["loads"][0]["potential_decode_blocks"] == 0
         assert server.proc.poll() is None
     finally:
