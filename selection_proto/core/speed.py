@@ -9,7 +9,8 @@ equal" and what was measured, which damps the noise between engines that are in 
 A declared speed always wins; only the ratios between workers matter to the cost.
 
 `left` reads how far a rank's running prefill has got at its worker's learned rate (tokens a
-rank-second, absolute): measured, and not used by the cost (docs/ROUTING.md, round three)."""
+rank-second, absolute) since the rank's last prefill ended: what `router_policy=ttft` counts as
+the rank's queue (docs/ROUTING.md, "How close to the oracle")."""
 
 from __future__ import annotations
 
@@ -52,9 +53,9 @@ class Speeds:
         self._done: dict[int, int] = {}  # worker -> prefill tokens completed
         self._since: dict[Rank, float] = {}  # rank -> when its booked prefill last changed
         self._unread = 0  # tokens completed since the speeds were last worked out
-        # Rank -> (when its booked prefill last went from none to some, tokens that stopped
-        # counting on it since): how far its running prefill has got (`left`).
-        self._started: dict[Rank, tuple[float, int]] = {}
+        # Rank -> when its running prefill began: its booked prefill last went from none to some,
+        # or a prefill on it last ended (`left`).
+        self._started: dict[Rank, float] = {}
         self._rate: dict[int, float] = {}  # worker -> prefill tokens a rank-second, once learned
 
     def set(self, worker_id: int, prefill_tokens_per_sec: float | None, total_kv_blocks: int | None) -> None:
@@ -93,23 +94,24 @@ class Speeds:
             self._busy[rank[0]] = self._busy.get(rank[0], 0.0) + (now - since)
         self._since[rank] = now
         if booked_prefill <= 0:
-            self._started[rank] = (now, 0)
+            self._started[rank] = now
 
     def stopped(self, rank: Rank, prefill_tokens: int) -> None:
-        """A booking's prefill tokens stopped counting on the rank (completed, or freed before)."""
-        started = self._started.get(rank)
-        if started is not None and prefill_tokens > 0:
-            self._started[rank] = (started[0], started[1] + prefill_tokens)
+        """A booking's prefill tokens stopped counting on the rank (completed, or freed before),
+        at the `now` of the `observe` just before: the engine's next prefill begins there."""
+        if prefill_tokens > 0 and rank in self._started:
+            self._started[rank] = self._since[rank]
 
     def left(self, rank: Rank, booked_prefill: int, now: float) -> float:
         """The rank's booked prefill still to run: what was booked, less what its engine has
-        done at the worker's learned rate since it began, beyond the tokens that stopped counting
-        (all of it until a rate is learned)."""
+        done at the worker's learned rate since its last prefill ended (or since it had none),
+        so that an error in the rate never outlives the next prefill's end (all of it until a
+        rate is learned)."""
         rate = self._rate.get(rank[0])
         started = self._started.get(rank)
         if rate is None or started is None or booked_prefill <= 0:
             return booked_prefill
-        done = rate * (now - started[0]) - started[1]
+        done = rate * (now - started)
         return booked_prefill - done if done < booked_prefill else 0.0
 
     def completed(self, worker_id: int, prefill_tokens: int) -> None:
