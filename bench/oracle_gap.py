@@ -38,8 +38,12 @@ from selection_proto.core.hashing import signed  # noqa: E402
 from selection_proto.core.responses import Pending  # noqa: E402
 from selection_proto.core.settings import Settings  # noqa: E402
 from selection_proto.core.types import SelectAndReserveRequest  # noqa: E402
-from selection_proto.sim import FleetConfig, parse_trace, simulate  # noqa: E402
-from selection_proto.sim import routers  # noqa: E402
+from selection_proto.sim import (  # noqa: E402
+    FleetConfig,
+    parse_trace,
+    routers,  # noqa: E402
+    simulate,
+)
 from selection_proto.sim.command import _lines  # noqa: E402
 from selection_proto.sim.engine import Engine, SimRequest  # noqa: E402
 
@@ -220,12 +224,12 @@ def main() -> int:
             tw.append(t["ttft"] - t["own"])
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
-    cov = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / n
+    cov = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / n
     sx = math.sqrt(sum((x - mx) ** 2 for x in xs) / n)
     sy = math.sqrt(sum((y - my) ** 2 for y in ys) / n)
     print(f"booked queue {mx:.0f} tokens on average, true {my:.0f}; corr {cov / (sx * sy) if sx and sy else 0:.3f}")
     mw, mt = sum(ws) / n, sum(tw) / n
-    cov = sum((x - mw) * (y - mt) for x, y in zip(ws, tw)) / n
+    cov = sum((x - mw) * (y - mt) for x, y in zip(ws, tw, strict=True)) / n
     sx = math.sqrt(sum((x - mw) ** 2 for x in ws) / n)
     sy = math.sqrt(sum((y - mt) ** 2 for y in tw) / n)
     print(f"predicted wait {mw:.3f} s on average, true {mt:.3f}; corr {cov / (sx * sy) if sx and sy else 0:.3f}")

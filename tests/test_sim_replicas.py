@@ -147,3 +147,25 @@ def test_the_command_runs_each_count_shared_and_alone_with_a_replicas_column(tmp
         done = subprocess.run([sys.executable, "-m", "selection_proto", "simulate", str(source), *args],
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
+
+
+def test_shared_replicas_drawing_from_one_generator_are_the_lone_service_under_ttft() -> None:
+    """With `router_policy=ttft` each replica's cost also reads what it learned of the engines'
+    speeds, how far each rank's running prefill has got, and which prefills a prompt with nothing
+    new to store waits behind (docs/ROUTING.md, "Replicas"): the ledger's bookings and prefill ends
+    teach every replica the same, so that with one random generator shared replicas are the lone
+    service to the last digit (with a generator each, they differ only by their tie-breaks)."""
+    from test_simulate import TRACE
+
+    def conversation() -> Any:
+        return parse_trace(TRACE.read_bytes().splitlines() if TRACE.suffix != ".gz" else
+                           __import__("gzip").decompress(TRACE.read_bytes()).splitlines(),
+                           str(TRACE), 512, limit=600, kv_blocks=1000)
+
+    settings = Settings(kv_events="push", router_policy="ttft")
+    config = FleetConfig(engines=8, load=0.8, prefill_complete=False)
+    lone, shared = (run.to_json() for run in simulate(conversation, config, [
+        ("core", settings), ("core", ReplicaSetup(settings=settings, replicas=4, one_generator=True))]))
+    assert shared.pop("replicas")["replicas"] == 4
+    assert lone["requests"] == 600 and lone["failed"] == 0
+    assert shared == lone

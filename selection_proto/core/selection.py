@@ -517,11 +517,11 @@ class Selector(Admission, Plans, PrefillReading):
                 self.journal.free_unknown(rid)  # its booking may be on its way from a replica
             raise
         booked = pool.tracker.bookings[rid]
-        pool.speeds.observe(booked.rank, pool.tracker.loads[booked.rank].prefill_tokens, now)
-        if not booked.prefill_done:
-            pool.speeds.stopped(booked.rank, booked.prefill_tokens)
-            if not free:
-                pool.speeds.completed(booked.rank[0], booked.prefill_tokens)
+        if booked.prefill_done:
+            pool.speeds.observe(booked.rank, pool.tracker.loads[booked.rank].prefill_tokens, now)
+        else:
+            pool.speeds.ended(booked.rank, pool.tracker.loads[booked.rank].prefill_tokens, booked.prefill_tokens,
+                              now, completed=not free)
         # The blocks a huge booking leaves are uncounted after the answer, unless queued
         # selections are about to run (they must see them gone).
         defer = self._deferred.add if not pool.queue and not self._dispatching else None

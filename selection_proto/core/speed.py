@@ -102,15 +102,31 @@ class Speeds:
         if prefill_tokens > 0 and rank in self._started:
             self._started[rank] = self._since[rank]
 
+    def ended(self, rank: Rank, booked_prefill: int, prefill_tokens: int, now: float, completed: bool) -> None:
+        """A booking's prefill of `prefill_tokens` stopped counting on the rank at `now`, which had
+        `booked_prefill` booked until then: `completed` (its prefill ran: the speed learns from
+        it), or freed before."""
+        self.observe(rank, booked_prefill, now)
+        self.stopped(rank, prefill_tokens)
+        if completed:
+            self.completed(rank[0], prefill_tokens)
+
     def left(self, rank: Rank, booked_prefill: int, now: float) -> float:
         """The rank's booked prefill still to run: what was booked, less what its engine has
         done at the worker's learned rate since its last prefill ended (or since it had none),
         so that an error in the rate never outlives the next prefill's end (all of it until a
         rate is learned)."""
-        rate = self._rate.get(rank[0])
         started = self._started.get(rank)
-        if rate is None or started is None or booked_prefill <= 0:
+        if started is None or booked_prefill <= 0:
             return booked_prefill
+        # The rate as of now (not as of the last time the speeds were worked out): replicas that
+        # hear the same completions in another order read the same.
+        # Its open interval too: the busy time as of now, whenever it was last written down.
+        done_tokens = self._done.get(rank[0], 0)
+        busy = self._busy.get(rank[0], 0.0) + now - self._since.get(rank, now)
+        if done_tokens < LEARN_AFTER_TOKENS or busy <= 0.0:
+            return booked_prefill
+        rate = done_tokens / busy
         done = rate * (now - started)
         return booked_prefill - done if done < booked_prefill else 0.0
 

@@ -63,6 +63,11 @@ class ReplicaSetup:
     replicas: int
     shared: bool = True
     ledger_delay_secs: float = 0.0
+    # Every replica draws its random choices from one generator, in the order the calls come: a
+    # shared run with no delay is then the lone service to the last digit, which tells the
+    # random tie-breaks apart from state a replica keeps that the ledger does not carry
+    # (docs/ROUTING.md, "Replicas"). Off, replica i is seeded with the run's seed + i.
+    one_generator: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {"replicas": self.replicas, "shared": self.shared, "ledger_delay_secs": self.ledger_delay_secs}
@@ -72,7 +77,8 @@ class Router:
     """Where a request goes: the core (booking, completing and freeing as a client does), or a
     baseline that books nothing."""
 
-    def __init__(self, name: str, settings: Settings | None, config: FleetConfig, seed: int | None = None) -> None:
+    def __init__(self, name: str, settings: Settings | None, config: FleetConfig, seed: int | None = None,
+                 rng: random.Random | None = None) -> None:
         self.name = name
         seed = config.seed if seed is None else seed
         self.rng = random.Random(seed)
@@ -82,7 +88,7 @@ class Router:
         self.fleet: list[Engine] = []  # the engines, which least-loaded and the oracle read
         self.events_failed = 0  # engine events the core refused (none, when the engines are right)
         if settings is not None:
-            self.service = SelectionService(settings, random.Random(seed))
+            self.service = SelectionService(settings, rng if rng is not None else random.Random(seed))
             # Each engine's record says its prefill speed, as a real one would: what deadline
             # admission reads. A mixed fleet (`engine_speeds`) is not told: its speeds are learned.
             speed = None if config.engine_speeds else config.model.tokens_per_sec
@@ -161,7 +167,8 @@ class Replicas(Router):
         super().__init__(name, None, config)
         self.setup = setup
         # Replica 0 is seeded as a lone service is: one replica is today's run, exactly.
-        self.replicas = [Router(f"{name}/{i}", setup.settings, config, seed=config.seed + i)
+        one = random.Random(config.seed) if setup.one_generator else None
+        self.replicas = [Router(f"{name}/{i}", setup.settings, config, seed=config.seed + i, rng=one)
                          for i in range(setup.replicas)]
         self.service = self.replicas[0].service  # what `_run` reads: the core is in the loop
         self.booked: dict[str, int] = {}  # reservation id -> its replica
