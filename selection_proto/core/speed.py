@@ -40,7 +40,7 @@ class Speeds:
     """One pool's workers: `of` is what the cost reads (worker -> `worker_speed`, learned ones
     scaled); `observe`, `stopped` and `completed` are fed by the bookings when `learn` is on."""
 
-    __slots__ = ("of", "learn", "shadow", "_declared", "_busy", "_done", "_since", "_unread", "_started", "_rate")
+    __slots__ = ("of", "learn", "shadow", "_declared", "_busy", "_done", "_since", "_unread", "_started")
 
     def __init__(self, learn: bool, shadow: Speeds | None = None) -> None:
         self.of: dict[int, tuple[float, int]] = {}
@@ -56,7 +56,6 @@ class Speeds:
         # Rank -> when its running prefill began: its booked prefill last went from none to some,
         # or a prefill on it last ended (`left`).
         self._started: dict[Rank, float] = {}
-        self._rate: dict[int, float] = {}  # worker -> prefill tokens a rank-second, once learned
 
     def set(self, worker_id: int, prefill_tokens_per_sec: float | None, total_kv_blocks: int | None) -> None:
         """The worker joined or its record changed."""
@@ -78,7 +77,6 @@ class Speeds:
         self._declared.discard(worker_id)
         self._busy.pop(worker_id, None)
         self._done.pop(worker_id, None)
-        self._rate.pop(worker_id, None)
         for rank in [r for r in self._since if r[0] == worker_id]:
             del self._since[rank]
             self._started.pop(rank, None)
@@ -143,8 +141,6 @@ class Speeds:
         if self._done[worker_id] < LEARN_AFTER_TOKENS or self._unread * 16 < LEARN_AFTER_TOKENS * len(self._done):
             return
         self._unread = 0
-        self._rate = {w: done / self._busy[w] for w, done in self._done.items()
-                      if done >= LEARN_AFTER_TOKENS and self._busy.get(w, 0.0) > 0.0}
         base = worker_speed(None, None)[0]
         for worker, slower in self._slowness().items():
             if worker in self.of and worker not in self._declared:
