@@ -118,9 +118,14 @@ def test_the_simulated_ledger_answers_as_the_script_and_refuses_what_it_does_not
     assert ledger.write("a", [LedgerOp(FREE, "r1", b"a")])[0] == [Reply("ok", 3)]
     assert ledger.write("a", [LedgerOp(FREE, "r1", b"a")]) == ([Reply("gone", 0)], [])  # a retried free
     assert ledger.write("a", [LedgerOp(PREFILL, "r1", owner=b"a")]) == ([Reply("missing", 0)], [])
-    for op in (LedgerOp(FREE, "never"), LedgerOp(ADD, "r1", b"", b"rk"), LedgerOp(ADD, "s", b"", b"rk", count=0)):
+    for op in (LedgerOp(FREE, "never"), LedgerOp(ADD, "r1", b"", b"rk")):
         with pytest.raises(UnmodelledOp):
             ledger.write("a", [op])
+    # Strict admission: a booking that names how many it saw on the rank (one so far, r1's) is
+    # refused when there are more, with the feed position to catch up to; taken when it is right.
+    assert ledger.write("b", [LedgerOp(ADD, "s", b"", b"rk", count=0)]) == ([Reply("conflict", 3)], [])
+    assert ledger.write("b", [LedgerOp(ADD, "s", b"", b"rk", count=1)])[0] == [Reply("ok", 4)]
+    assert ledger.write("a", [LedgerOp(ADD, "t", b"", b"other", count=0)])[0] == [Reply("ok", 5)]
 
 
 def test_the_command_runs_each_count_shared_and_alone_with_a_replicas_column(tmp_path: Path) -> None:
@@ -169,3 +174,44 @@ def test_shared_replicas_drawing_from_one_generator_are_the_lone_service_under_t
     assert shared.pop("replicas")["replicas"] == 4
     assert lone["requests"] == 600 and lone["failed"] == 0
     assert shared == lone
+
+
+def test_strict_admission_spreads_a_burst_that_advisory_replicas_herd() -> None:
+    """Eight requests of one prefix in the same millisecond, each to another replica, with a 1 ms
+    ledger (docs/REPLICATION.md, "Strict admission"): advisory, every replica books on a view
+    without the others' bookings and all pick the engine that holds the prefix; strict, the
+    ledger refuses all but one booking a rank, and the others select again once they have seen
+    it. With no delay, strict books as advisory does: no conflict, the same run."""
+    prefix = [json.dumps({"timestamp": 0, "input_length": 8 * 512, "output_length": 20,
+                          "hash_ids": list(range(8))}).encode()]
+    burst = [json.dumps({"timestamp": 1000, "input_length": 16 * 512, "output_length": 200,
+                         "hash_ids": list(range(8)) + [100 + 8 * i + j for j in range(8)]}).encode() for i in range(8)]
+
+    def bursty() -> Any:
+        return parse_trace(prefix + burst, "burst", 512)
+
+    config = FleetConfig(engines=4, kv_blocks=100, speedup=1.0)
+    made: list[Any] = []
+    init = routers_module.Replicas.__init__
+
+    def remember(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(routers_module.Replicas, "__init__", remember)
+        runs = simulate(bursty, config, [
+            ("burst", ReplicaSetup(settings=BASE, replicas=8, ledger_delay_secs=delay, admission=admission))
+            for delay in (0.0, 0.001) for admission in ("advisory", "strict")])
+    conflicts = [sum(float(line.rsplit(" ", 1)[1]) for r in replicas.replicas
+                     for line in r.service.metrics_text(now=100.0).splitlines()
+                     if line.startswith('selection_proto_ledger_events_total{event="conflict"}'))
+                 for replicas in made]
+    assert conflicts[0] == conflicts[1] == conflicts[2] == 0 and conflicts[3] > 0
+    plain, strict_plain, herded, strict = (run.to_json() for run in runs)
+    assert all(run["failed"] == 0 and run["requests"] == 9 for run in (plain, herded, strict))
+    assert strict_plain.pop("replicas")["admission"] == "strict"
+    assert "admission" not in plain.pop("replicas")
+    assert strict_plain == plain
+    assert strict["ttft"]["mean"] < 0.8 * herded["ttft"]["mean"]
+    assert strict["busy_max_mean"] < herded["busy_max_mean"]
