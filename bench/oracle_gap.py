@@ -33,11 +33,11 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from routing import TRACE, synthetic_trace  # noqa: E402
 
-import selection_proto.core.cost as cost  # noqa: E402
-from selection_proto.core.hashing import signed  # noqa: E402
-from selection_proto.core.responses import Pending  # noqa: E402
-from selection_proto.core.settings import Settings  # noqa: E402
-from selection_proto.core.types import SelectAndReserveRequest  # noqa: E402
+import selection_proto.core.routing.cost as cost  # noqa: E402
+from selection_proto.core.base.hashing import signed  # noqa: E402
+from selection_proto.core.base.responses import Pending  # noqa: E402
+from selection_proto.core.base.settings import Settings  # noqa: E402
+from selection_proto.core.base.types import SelectAndReserveRequest  # noqa: E402
 from selection_proto.sim import (  # noqa: E402
     FleetConfig,
     parse_trace,

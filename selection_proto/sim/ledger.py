@@ -12,8 +12,8 @@ waiting bookings and the reaper are the real ledger's; an op that would need the
 
 from __future__ import annotations
 
-from ..core.journal import LedgerOp
-from ..core.ledger_wire import ADD, FREE, PREFILL, PROGRESS, WORKER, Reply
+from ..core.fleet.journal import LedgerOp
+from ..core.fleet.ledger_wire import ADD, FREE, PREFILL, PROGRESS, WORKER, Reply
 
 __all__ = ["FeedLedger", "UnmodelledOp"]
 
