@@ -11,7 +11,7 @@ truth (the simulator's engines, forked and run ahead):
 - `kv`: whether the engine would have to wait for KV room to admit it.
 
     python bench/oracle_gap.py [--skip 0] [--requests 2000] [--load 0.8] [--engines 8] [--silent]
-        [--speeds 1.0,0.5] [--trace high]
+        [--speeds 1.0,0.5] [--trace high] [--whole] [--dump ROWS.jsonl]
 
 The regret of a request is its true first-token time on our engine less on the oracle's (both
 as the oracle predicts them, from the same state); summed over the run it says which belief lost
@@ -103,7 +103,7 @@ def main() -> int:
     parser.add_argument("--silent", action="store_true")
     parser.add_argument("--speeds", default="")
     parser.add_argument("--trace", default="conversation")
-    parser.add_argument("--left", action="store_true", help="count a running prefill by what is left of it")
+    parser.add_argument("--whole", action="store_true", help="count a running prefill whole until it ends")
     parser.add_argument("--dump", default=None, help="every request's rows, as JSON lines")
     args = parser.parse_args()
     path = TRACE
@@ -112,7 +112,7 @@ def main() -> int:
         synthetic_trace(path, args.requests)
     speeds = tuple(float(s) for s in args.speeds.split(",") if s)
     config = FleetConfig(engines=args.engines, load=args.load, prefill_complete=not args.silent, engine_speeds=speeds)
-    cost.COUNT_WHAT_IS_LEFT = args.left
+    cost.COUNT_WHAT_IS_LEFT = not args.whole
     rows: list[dict[str, Any]] = []
     original = routers.Router.choose
     rng = random.Random(0)
@@ -218,7 +218,7 @@ def main() -> int:
     for r in rows:
         for w, b in r["believed"].items():
             t = r["true"][w]
-            xs.append(r["left"][w] if args.left else b[3] - (r["isl"] - b[2]))
+            xs.append(b[3] - (r["isl"] - b[2]) if args.whole else r["left"][w])
             ys.append(t["queue"])
             ws.append(b[0])
             tw.append(t["ttft"] - t["own"])
