@@ -144,9 +144,18 @@ def test_the_command_runs_each_count_shared_and_alone_with_a_replicas_column(tmp
     assert [s.get("replicas") for s in settings] == [
         None, {"replicas": 2, "shared": True, "ledger_delay_secs": 0.0},
         {"replicas": 2, "shared": False, "ledger_delay_secs": 0.0}]
+    done = subprocess.run([sys.executable, "-m", "selection_proto", "simulate", str(source), "--engines", "4",
+                           "--kv-blocks", "100", "--replicas", "2", "--admission", "strict", "--ledger-delay", "0.001",
+                           "--no-baselines", "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[2].split()[:6] == ["2", "replicas", "shared", "strict", "2", "shared"]
+    assert [s.get("replicas") for s in json.loads(out.read_text())["settings"]] == [
+        {"replicas": 2, "shared": True, "ledger_delay_secs": 0.001, "admission": "strict"},
+        {"replicas": 2, "shared": False, "ledger_delay_secs": 0.001}]
     for args, message in ((["--replicas", "0"], "--replicas: each count from 1 to 64"),
                           (["--replicas", "two"], "--replicas: expected counts such as 1,2,4,8"),
                           (["--ledger-delay", "0.1"], "--ledger-delay: only with --replicas"),
+                          (["--admission", "strict"], "--admission: only with --replicas"),
                           (["--replicas", "2", "--ledger-delay", "-1"], "--ledger-delay: must be a number"),
                           (["--replicas", "2", "--pd", "1:3"], "--replicas: runs aggregated fleets only")):
         done = subprocess.run([sys.executable, "-m", "selection_proto", "simulate", str(source), *args],
