@@ -354,8 +354,9 @@ class Ledger:
         if kind in (FREE, EXPIRE, PREFILL) and not booking.prefill_done:
             # Another replica's booking: its prefill's end teaches this replica's speeds as the
             # owner's (docs/ROUTING.md, "Replicas"), so that every replica's cost reads the same.
-            pool.speeds.ended(booking.rank, pool.tracker.loads[booking.rank].prefill_tokens, booking.prefill_tokens,
-                              now, completed=kind == PREFILL)
+            load = pool.tracker.loads[booking.rank]
+            pool.speeds.ended(booking.rank, load.prefill_tokens, load.prefilling, booking.prefill_tokens, now,
+                              completed=kind == PREFILL)
         if kind == FREE or kind == EXPIRE:
             pool.free(rid, now)
             self._selector._end_followers(pool, now)
@@ -402,7 +403,9 @@ class Ledger:
         if pool is None or rank not in pool.tracker.loads or self._pool_of(rid) is not None:
             self._count("dropped")  # a rank this catalog does not have (yet), or a known id
             return
-        pool.speeds.observe(rank, pool.tracker.loads[rank].prefill_tokens, now)
+        load = pool.tracker.loads[rank]
+        pool.speeds.observe(rank, load.prefill_tokens, now, load.prefilling)
+        pool.speeds.booked(rank, now)  # its fixed time joins the rank's backlog, as on its owner
         booking = pool.tracker.book(rid, rank, record.blocks, record.prefill_tokens,
                                     record.expected_output_tokens, now, checked=False)
         booking.owner = owner

@@ -71,8 +71,9 @@ class PrefillReading:
         if booking.prefill_done:  # its client told another replica first, and the ledger brought it
             pool.prefill_ends.ended(booking)
             return
-        pool.speeds.ended(booking.rank, pool.tracker.loads[booking.rank].prefill_tokens, booking.prefill_tokens,
-                          now, completed=True)
+        load = pool.tracker.loads[booking.rank]
+        pool.speeds.ended(booking.rank, load.prefill_tokens, load.prefilling, booking.prefill_tokens, now,
+                          completed=True)
         pool.tracker.prefill_complete(booking.rid)
         pool.prefill_ends.ended(booking)
         if self.journal is not None:
