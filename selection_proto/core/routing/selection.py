@@ -526,11 +526,11 @@ class Selector(Admission, Plans, PrefillReading):
             raise
         booked = pool.tracker.bookings[rid]
         load = pool.tracker.loads[booked.rank]
-        pool.speeds.observe(booked.rank, load.prefill_tokens, now, load.prefilling)
-        if not booked.prefill_done:
-            pool.speeds.stopped(booked.rank, booked.prefill_tokens)
-            if not free:
-                pool.speeds.completed(booked.rank, booked.prefill_tokens)
+        if booked.prefill_done:
+            pool.speeds.observe(booked.rank, load.prefill_tokens, now, load.prefilling)
+        else:
+            pool.speeds.ended(booked.rank, load.prefill_tokens, load.prefilling, booked.prefill_tokens, now,
+                              completed=not free)
         # The blocks a huge booking leaves are uncounted after the answer, unless queued
         # selections are about to run (they must see them gone).
         defer = self._deferred.add if not pool.queue and not self._dispatching else None
