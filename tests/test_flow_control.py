@@ -613,6 +613,11 @@ def test_a_heavy_tenant_is_held_to_its_share_of_the_kv_in_flight(make_client: Ca
             assert b3.status == b4.status == 200
             continue
         assert isinstance(b3, Pending) and isinstance(b4, Pending) and ready(c) == []
+        refused = c.service.handle("POST", "/select", "", [("content-type", "application/json")],
+                                   json.dumps({"model_name": "m", "fairness_id": "b", "do_not_queue": True,
+                                               "token_ids": list(range(100))}).encode(), now=c.now)
+        assert (refused.status, json.loads(refused.body)) == (
+            429, {"error": "do_not_queue: fairness_id 'b' holds its share of the KV in flight for model=m tenant=default"})
         c.ok("DELETE", "/reservations/b1")
         assert ready(c) == [(b3.ticket, 200)]  # 200 of b's in flight again: b4 still waits
         assert ask(c, "a2", "a", 300).status == 200  # a over its share too, but owed by the queue

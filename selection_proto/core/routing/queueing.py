@@ -195,13 +195,16 @@ class Admission:
         sel.candidates = kept
         return None
 
-    def _enqueue(self, sel: Selection, now: float) -> Pending:
+    def _enqueue(self, sel: Selection, now: float, held: bool) -> Pending:
+        """Queue `sel`: every candidate is busy, or (`held`) its fairness ID holds its share of the
+        KV in flight; either is the text of a refusal at the door."""
         s, pool, req = self._settings, sel.pool, sel.req
         cls = self.policy_class(req.policy_class)
         lane = self._lane(req)
         cached = max((cached_tokens(r, sel.found, pool.block_size, s) for r in sel.candidates), default=0)
         cost = max(1, sel.prompt.isl - cached)
-        busy_now = f"every candidate for {pool.label} is busy"
+        busy_now = (f"fairness_id {lane.fairness_id!r} holds its share of the KV in flight for {pool.label}" if held
+                    else f"every candidate for {pool.label} is busy")
         if req.do_not_queue:
             raise self._refuse(pool, lane, "do_not_queue", f"do_not_queue: {busy_now}", self._drain_secs(pool, sel.candidates, 0))
         if lane.tier < 0 and s.shed_sheddable:

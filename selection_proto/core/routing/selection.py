@@ -123,10 +123,10 @@ class Selector(Admission, Plans, PrefillReading):
         try:
             sel = self._prepare(req, reserve, now)
             if self._settings.queue_threshold is not None and req.allowed_worker_ids is None:
-                if all(self._busy(sel.pool, r) for r in sel.candidates) or (
-                        self._settings.fairness_kv_share is not None
-                        and self._over_kv_share(sel.pool, req, self._uncached(sel))):
-                    return self._enqueue(sel, now)
+                busy = all(self._busy(sel.pool, r) for r in sel.candidates)
+                if busy or (self._settings.fairness_kv_share is not None
+                            and self._over_kv_share(sel.pool, req, self._uncached(sel))):
+                    return self._enqueue(sel, now, held=not busy)
                 if req.deadline_ms is not None and (late := self._in_time(sel, now, now + req.deadline_ms / 1000.0)):
                     lane = self._lane(req)
                     raise self._refuse(sel.pool, lane, "deadline", late.message, late.retry_after)
