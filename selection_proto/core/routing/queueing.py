@@ -248,10 +248,10 @@ class Admission:
         order = order_key(s.queue_policy, max(0.0, req.priority_jump or 0.0), now - pool.epoch, sel.prompt.isl, cached)
         if shed is not None:  # every check passed: only now is anything changed
             pool.queue.remove(shed)
-            held, _ = pool.queue.queued("fairness", shed.lane.fairness_id)
+            pending, _ = pool.queue.queued("fairness", shed.lane.fairness_id)
             self._resolve(pool, shed, TooManyRequests(
                 f"queue is full for {pool.label}: shed for a fairness ID within its share (fairness ID "
-                f"{shed.lane.fairness_id!r} held {held + 1} of {s.queue_max_pending} requests pending)",
+                f"{shed.lane.fairness_id!r} held {pending + 1} of {s.queue_max_pending} requests pending)",
                 s.overload_status_code, self._drain_secs(pool, pool.ranks(), pool.queue.work_ahead(shed.lane))),
                 "shed", now)
         ticket = self._tickets.issue(pool.key)
