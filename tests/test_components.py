@@ -188,6 +188,7 @@ def test_the_quick_structure_look_answers_as_the_full_passes(value: object, sepa
     nesting)."""
     for depth in (0, 40, 70):  # nested in arrays: 64 openers is where the quick look gives up
         raw = ("[" * depth + json.dumps(value, separators=separators) + "]" * depth).encode()
+        assert jsonio._structure_hints_quick(raw) == jsonio._structure_hints_full(raw)
         assert jsonio.structure_hints(raw) == jsonio._structure_hints_full(raw)
 
 
@@ -195,10 +196,11 @@ def test_the_quick_structure_look_on_request_bodies() -> None:
     body = json.dumps({"model_name": "m", "token_ids": list(range(20000))}).encode()
     assert jsonio.structure_hints(body) == (False, False)
     assert jsonio.structure_hints(body.replace(b"[0,", b"[true,")) == (False, True)
-    assert jsonio.structure_hints(b'{"t": "f", "x": [[[]]]}') == (False, False)
-    assert jsonio.structure_hints(b"[" * 65 + b"]" * 65) == (True, False)
-    many = json.dumps({f"k{i}": "v" for i in range(40)} | {"z": False}).encode()  # past the quick look
-    assert jsonio.structure_hints(many) == (False, True)
+    for look in (jsonio._structure_hints_quick, jsonio.structure_hints):  # small ones get the full passes
+        assert look(b'{"t": "f", "x": [[[]]]}') == (False, False)
+        assert look(b"[" * 65 + b"]" * 65) == (True, False)
+        many = json.dumps({f"k{i}": "v" for i in range(40)} | {"z": False}).encode()  # past the quick look
+        assert look(many) == (False, True)
 
 
 @pytest.mark.parametrize("text", [
