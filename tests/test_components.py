@@ -410,6 +410,36 @@ def test_the_quick_read_of_a_store_is_the_typed_read(inner: dict[str, Any]) -> N
                                     parent_hash=fast[0], blocks=fast[1])] == typed
 
 
+_HEAD_VALUES = st.one_of(_U64S, st.sampled_from([2**64 - 1, 2**32 - 1, 2**32, -0.0]), st.just("cleared"))
+
+
+@given(st.one_of(st.fixed_dictionaries({"data": st.just("cleared")}, optional={
+    "event_id": _HEAD_VALUES, "dp_rank": _HEAD_VALUES, "other": _HEAD_VALUES}),
+    st.dictionaries(st.sampled_from(["event_id", "dp_rank", "data"]), _HEAD_VALUES)))
+@example({"event_id": 2**64, "data": "cleared"})
+@example({"event_id": 2**64 - 1, "dp_rank": 2**32, "data": "cleared"})
+@example({"event_id": True, "dp_rank": 1.0, "data": "cleared"})
+def test_the_quick_read_of_an_events_head_is_the_typed_read(event: dict[str, Any]) -> None:
+    """An event's `event_id` and `dp_rank` are read without a typed object where they are the
+    usual u64 and u32 (or null); the event, or the error and its text, is the typed path's."""
+    from selection_proto.core import events
+    from selection_proto.core.errors import SelectionError
+
+    def read() -> list[events.KvEvent] | str:
+        try:
+            return events.decode_json_events(event)
+        except SelectionError as exc:
+            return exc.message
+
+    quick = read()
+    original = events._head_fast
+    events._head_fast = lambda obj: None  # type: ignore[assignment]
+    try:
+        assert quick == read()
+    finally:
+        events._head_fast = original
+
+
 def test_a_prompt_hashed_and_counted_ahead_selects_exactly_as_one_hashed_on_the_spot(monkeypatch: pytest.MonkeyPatch) -> None:
     """`ahead.prepare_ahead` hashes a huge prompt, and counts its new blocks on
     each booked rank, in a worker thread; the answers are the same, a rank changed since is
