@@ -15,7 +15,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from selection_proto import SelectionService, Settings, WorkerRequest  # noqa: E402
-from selection_proto.core.types import SelectAndReserveRequest  # noqa: E402
+from selection_proto.core.base.types import SelectAndReserveRequest  # noqa: E402
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ import gzip
 import json
 import os
 
-from selection_proto.core.settings import Settings
+from selection_proto.core.base.settings import Settings
 from selection_proto.sim import EngineModel, FleetConfig, parse_trace, simulate
 
 HERE = os.path.dirname(os.path.abspath(__file__))

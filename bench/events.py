@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import msgpack  # noqa: E402
 
 from selection_proto import SelectionService, Settings, WorkerRequest  # noqa: E402
-from selection_proto.core.events import decode_json_events  # noqa: E402
+from selection_proto.core.cache.events import decode_json_events  # noqa: E402
 
 N = 4000
 REFERENCE = """

@@ -14,7 +14,7 @@ import random
 import time
 
 from selection_proto import SelectionService, Settings
-from selection_proto.core import jsonio
+from selection_proto.core.base import jsonio
 
 
 def main() -> None:

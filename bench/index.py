@@ -22,7 +22,7 @@ ROOT = os.path.dirname(HERE)
 OURS = """
 import json, resource, sys, time
 sys.path.insert(0, %(root)r)
-from selection_proto.core.index import DeviceTree
+from selection_proto.core.cache.index import DeviceTree
 mode, total = sys.argv[1], int(sys.argv[2])
 # "wide": hashes spread over 64 bits, as real ones are (a Python int of 61+ bits takes 48 bytes)
 spread = (lambda h: (h * 0x9E3779B97F4A7C15) & (2**64 - 1)) if mode == "wide" else (lambda h: h)

@@ -1,4 +1,4 @@
-"""What learning each engine's prefill speed (core/speed.py) is worth to `router_policy=ttft`:
+"""What learning each engine's prefill speed (core/fleet/speed.py) is worth to `router_policy=ttft`:
 each case run with `ttft` as it is and with learning turned off, each as mean and p99 TTFT against
 `router_policy=dynamo` in the same run (Dynamo's cost, in process).
 
@@ -15,7 +15,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from selection_proto.cli import main as cli_main  # noqa: E402
-from selection_proto.core import speed  # noqa: E402
+from selection_proto.core.fleet import speed  # noqa: E402
 
 TRACE = os.path.join(os.path.dirname(os.path.dirname(HERE)), "shared", "traces", "conversation_trace.jsonl.gz")
 CASES = ["--load 0.8", "--load 0.8 --engine-speeds 1,0.5", "--load 0.8 --engines 16 --engine-speeds 1,0.5",

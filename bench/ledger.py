@@ -33,8 +33,8 @@ from ledger_server import LedgerServer  # noqa: E402
 from replicas import WORKER, replicas, settled  # noqa: E402
 
 from selection_proto import SelectionService, Settings  # noqa: E402
-from selection_proto.core.journal import LedgerSettings  # noqa: E402
-from selection_proto.core.responses import Pending  # noqa: E402
+from selection_proto.core.base.responses import Pending  # noqa: E402
+from selection_proto.core.fleet.journal import LedgerSettings  # noqa: E402
 
 PROMPT = {"model_name": "m", "token_ids": list(range(1024))}
 HEADERS = [("content-type", "application/json")]

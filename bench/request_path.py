@@ -32,8 +32,8 @@ from workload import BLOCK_SIZE, WORKERS, prompts  # noqa: E402
 
 from selection_proto import SelectionService, SelectRequest, Settings, WorkerRequest  # noqa: E402
 from selection_proto.adapters.http import HttpConnection  # noqa: E402
-from selection_proto.core import jsonio  # noqa: E402
-from selection_proto.core.codec import ShapeContext, from_json  # noqa: E402
+from selection_proto.core.base import jsonio  # noqa: E402
+from selection_proto.core.base.codec import ShapeContext, from_json  # noqa: E402
 
 HEADERS = [("host", "127.0.0.1"), ("content-type", "application/json")]
 

@@ -27,9 +27,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from routing import TRACE, free_port, synthetic_trace, wait_for  # noqa: E402
 
-import selection_proto.core.cost as cost  # noqa: E402
-import selection_proto.core.selection as selection  # noqa: E402
-from selection_proto.core.settings import Settings  # noqa: E402
+import selection_proto.core.routing.cost as cost  # noqa: E402
+import selection_proto.core.routing.selection as selection  # noqa: E402
+from selection_proto.core.base.settings import Settings  # noqa: E402
 from selection_proto.sim import FleetConfig, parse_trace, simulate  # noqa: E402
 from selection_proto.sim.command import _lines  # noqa: E402
 from selection_proto.sim.fleet import SettingRun  # noqa: E402

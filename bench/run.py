@@ -24,8 +24,8 @@ from selection_proto import (  # noqa: E402
     Settings,
     WorkerRequest,
 )
-from selection_proto.core.hashing import block_hashes, sequence_hashes  # noqa: E402
-from selection_proto.core.index import DeviceTree  # noqa: E402
+from selection_proto.core.base.hashing import block_hashes, sequence_hashes  # noqa: E402
+from selection_proto.core.cache.index import DeviceTree  # noqa: E402
 
 
 def ours() -> dict[str, tuple[float, float]]:

@@ -17,7 +17,7 @@ ROOT = os.path.dirname(HERE)
 
 CHILD = """
 import gzip, json, resource, sys, time
-from selection_proto.core.settings import Settings
+from selection_proto.core.base.settings import Settings
 from selection_proto.sim import FleetConfig, parse_trace, simulate
 path, limit = sys.argv[1], int(sys.argv[2])
 def trace():

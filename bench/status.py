@@ -19,10 +19,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from selection_proto import SelectionService, Settings, WorkerRequest  # noqa: E402
-from selection_proto.core.handler import status_event, status_fleet  # noqa: E402
-from selection_proto.core.hashing import block_hashes  # noqa: E402
+from selection_proto.core.base.hashing import block_hashes  # noqa: E402
+from selection_proto.core.base.types import SelectAndReserveRequest  # noqa: E402
 from selection_proto.core.status import View  # noqa: E402
-from selection_proto.core.types import SelectAndReserveRequest  # noqa: E402
+from selection_proto.core.status_answers import status_event, status_fleet  # noqa: E402
 
 BLOCK_SIZE = 16
 

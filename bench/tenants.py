@@ -18,7 +18,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from selection_proto.core.settings import Settings
+from selection_proto.core.base.settings import Settings
 from selection_proto.sim import FleetConfig, parse_trace, simulate
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from selection_proto import Pending, SelectionReady, SelectionService, Settings
-from selection_proto.core import jsonio
+from selection_proto.core.base import jsonio
 
 WORKERS = st.integers(1, 4)
 TOKENS = st.lists(st.integers(0, 3), min_size=0, max_size=24)

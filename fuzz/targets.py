@@ -16,10 +16,10 @@ from selection_proto.adapters.grpc import CallEnded, GrpcServer, Message
 from selection_proto.adapters.http import HttpConnection
 from selection_proto.adapters.jsonl import JsonRpcSession
 from selection_proto.adapters.ws import PushSession, server_handshake
-from selection_proto.core.engine import InvalidBatch, decode_batch
-from selection_proto.core.errors import SelectionError, StreamError
-from selection_proto.core.journal import LedgerSettings
-from selection_proto.core.ledger_wire import (
+from selection_proto.core.base.errors import SelectionError, StreamError
+from selection_proto.core.cache.engine import InvalidBatch, decode_batch
+from selection_proto.core.fleet.journal import LedgerSettings
+from selection_proto.core.fleet.ledger_wire import (
     KINDS,
     AddRecord,
     LedgerWireError,

@@ -34,9 +34,9 @@ from .config import (
     transport_value,
     warn_unknown_env,
 )
-from .core.routes import MAX_BODY
+from .core.base.routes import MAX_BODY
+from .core.base.settings import Settings
 from .core.service import SelectionService
-from .core.settings import Settings
 from .transports.supervisor import PROCESS_INDEX, SUPERVISOR
 
 if TYPE_CHECKING:
@@ -263,8 +263,8 @@ def _service_and_backend(args: argparse.Namespace, env: Mapping[str, str]) -> tu
 
 
 def _restore(service: SelectionService, path: str, flag: str) -> None:
-    from .core import jsonio
-    from .core.errors import SelectionError
+    from .core.base import jsonio
+    from .core.base.errors import SelectionError
 
     try:
         with open(path, "rb") as fh:
@@ -467,7 +467,7 @@ def _ledger(args: argparse.Namespace, env: Mapping[str, str], service: Selection
     scope = transport_value(args, env, "ledger_scope", TRANSPORT["ledger_scope"], str)
     if not scope or len(scope) > 128 or any(c in scope for c in "{}") or not scope.isprintable():
         raise UsageError(f"--ledger-scope: expected 1-128 printable characters without braces, not {scope!r}")
-    from .core.journal import LedgerSettings
+    from .core.fleet.journal import LedgerSettings
 
     origin = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
     from .transports.config import LedgerOptions

@@ -12,7 +12,7 @@ from typing import Any, Final
 
 import attrs
 
-from .core.settings import Settings
+from .core.base.settings import Settings
 
 __all__ = ["DYNAMO_ENV", "DYNAMO_FLAGS", "SETTING_FIELDS", "TRANSPORT", "UsageError", "config_file", "env_name", "ext_proc_options", "flag_name", "settings_with",
            "flag_on", "kind_of", "print_config", "settings_from", "transport_value", "warn_unknown_env"]

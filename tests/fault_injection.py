@@ -16,7 +16,7 @@ from selection_proto.adapters.ext_proc import ExtProcStream
 from selection_proto.adapters.http import HttpConnection
 from selection_proto.adapters.jsonl import JsonRpcSession
 from selection_proto.adapters.ws import PushSession
-from selection_proto.core.selection import Selector
+from selection_proto.core.routing.selection import Selector
 from selection_proto.core.service import SelectionService
 from selection_proto.transports.subscriber import Subscriptions
 

@@ -13,9 +13,9 @@ from typing import Any
 import anyio
 
 from selection_proto import SelectionService, Settings
-from selection_proto.core.journal import LedgerSettings
-from selection_proto.core.outputs import SelectionReady
-from selection_proto.core.responses import Pending
+from selection_proto.core.base.outputs import SelectionReady
+from selection_proto.core.base.responses import Pending
+from selection_proto.core.fleet.journal import LedgerSettings
 from selection_proto.transports.ledger import LedgerLink
 
 WORKER = {"model_name": "m", "endpoint": "http://w", "block_size": 4}

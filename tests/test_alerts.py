@@ -21,9 +21,9 @@ import yaml
 from test_http import Server, api_call
 from test_subscriptions import free_port
 
-from selection_proto.core.metrics import FAMILIES
+from selection_proto.core.base.metrics import FAMILIES
+from selection_proto.core.fleet.verdict import SEVERITY, SEVERITY_ORDER, STATES
 from selection_proto.core.status_page import PAGE
-from selection_proto.core.verdict import SEVERITY, SEVERITY_ORDER, STATES
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "deploy" / "prometheus"

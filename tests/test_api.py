@@ -491,7 +491,7 @@ def test_restore_replays_a_dump_and_validates_first(client: Client) -> None:
 def test_openapi_documents_every_route_method_status_and_member(client: Client) -> None:
     from openapi_spec_validator import validate
 
-    from selection_proto.core.routes import ROUTES
+    from selection_proto.core.base.routes import ROUTES
 
     doc = client.ok("GET", "/openapi.json")
     validate(doc)  # a valid OpenAPI 3.1 document (a nullable enum once made it invalid)

@@ -12,15 +12,15 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from selection_proto import WorkerRequest
-from selection_proto.core import jsonio
-from selection_proto.core.admission import FlowQueue, Lane, QueuedSelection, order_key
-from selection_proto.core.budget import BLOCK_BYTES, InsufficientStorage, StateBudget
-from selection_proto.core.catalog import LIFECYCLE, RECONCILE, Catalog
-from selection_proto.core.freshness import GAP, RESTART, REWIND, RankFreshness
-from selection_proto.core.prompt import PromptHashes
-from selection_proto.core.routes import ROUTES, allowed_methods, match, route_of
-from selection_proto.core.tracker import Tracker
-from selection_proto.core.types import SelectRequest, WorkerCatalogRecord
+from selection_proto.core.base import jsonio
+from selection_proto.core.base.budget import BLOCK_BYTES, InsufficientStorage, StateBudget
+from selection_proto.core.base.routes import ROUTES, allowed_methods, match, route_of
+from selection_proto.core.base.types import SelectRequest, WorkerCatalogRecord
+from selection_proto.core.bookings.prompt import PromptHashes
+from selection_proto.core.bookings.tracker import Tracker
+from selection_proto.core.cache.freshness import GAP, RESTART, REWIND, RankFreshness
+from selection_proto.core.fleet.admission import FlowQueue, Lane, QueuedSelection, order_key
+from selection_proto.core.fleet.catalog import LIFECYCLE, RECONCILE, Catalog
 
 
 def record(wid: int, model: str = "m", lifecycle: str = "schedulable") -> WorkerCatalogRecord:
@@ -221,10 +221,10 @@ def test_stream_table_moves_sources_and_their_ranks() -> None:
     loss marks what it fed `loss_pending`; `ended` forgets without a loss and tells the transport."""
     from collections import deque
 
-    from selection_proto.core.outputs import CloseEventStream, SubscribeKvEvents, UnsubscribeKvEvents
-    from selection_proto.core.pool import Pool
-    from selection_proto.core.settings import Settings
-    from selection_proto.core.streams import STREAM, Streams
+    from selection_proto.core.base.outputs import CloseEventStream, SubscribeKvEvents, UnsubscribeKvEvents
+    from selection_proto.core.base.settings import Settings
+    from selection_proto.core.fleet.pool import Pool
+    from selection_proto.core.intake.streams import STREAM, Streams
 
     key = ("m", "t")
     pool = Pool(key, 4, 0.0, Settings(), StateBudget(1 << 40))
@@ -262,7 +262,7 @@ def test_stream_table_moves_sources_and_their_ranks() -> None:
 
 
 def test_tickets_are_global_and_end_once() -> None:
-    from selection_proto.core.admission import Tickets
+    from selection_proto.core.fleet.admission import Tickets
 
     tickets = Tickets()
     first, second = tickets.issue(("m", "t")), tickets.issue(None)
@@ -276,10 +276,10 @@ def test_cost_prefers_cache_then_load_and_rounds_half_up() -> None:
     tokens round half up; temperature 0 picks the minimum (ties: fewer cached blocks)."""
     import random
 
-    from selection_proto.core.cost import cached_tokens, choose, estimates, score
-    from selection_proto.core.hashing import block_hashes
-    from selection_proto.core.pool import Pool
-    from selection_proto.core.settings import Settings
+    from selection_proto.core.base.hashing import block_hashes
+    from selection_proto.core.base.settings import Settings
+    from selection_proto.core.fleet.pool import Pool
+    from selection_proto.core.routing.cost import cached_tokens, choose, estimates, score
 
     settings = Settings(host_cache_hit_weight=0.5)
     pool = Pool(("m", "t"), 4, 0.0, settings, StateBudget(1 << 40))
@@ -305,10 +305,10 @@ def test_cost_prefers_cache_then_load_and_rounds_half_up() -> None:
 
 
 def test_limits_refuse_and_count_under_their_label() -> None:
-    from selection_proto.core.errors import BadRequest, Conflict
-    from selection_proto.core.limits import Limits
-    from selection_proto.core.metrics import LIMIT_REJECTIONS, Metrics
-    from selection_proto.core.settings import Settings
+    from selection_proto.core.base.errors import BadRequest, Conflict
+    from selection_proto.core.base.metrics import LIMIT_REJECTIONS, Metrics
+    from selection_proto.core.base.settings import Settings
+    from selection_proto.core.fleet.limits import Limits
 
     metrics = Metrics()
     budget = StateBudget(0)
@@ -330,8 +330,8 @@ def test_limits_refuse_and_count_under_their_label() -> None:
 def test_a_slice_ends_at_its_event_or_block_budget() -> None:
     """`slice_end`: a large message is applied in slices bounded by events and by blocks (a remove
     of a hundred hashes is a hundred lookups), and a slice always makes progress."""
-    from selection_proto.core.events import KvEvent
-    from selection_proto.core.streams import slice_end
+    from selection_proto.core.cache.events import KvEvent
+    from selection_proto.core.intake.streams import slice_end
 
     removes = [KvEvent(worker_id=None, dp_rank=None, tier="device", event_id=None, kind="removed", block_hashes=tuple(range(100))) for _ in range(50)]
     assert slice_end(removes, 0, 1024, 250) == 2  # 100 + 100, the third would pass 250
@@ -395,9 +395,9 @@ _STORED = st.one_of(
 def test_the_quick_read_of_a_store_is_the_typed_read(inner: dict[str, Any]) -> None:
     """`POST /kv_events` reads the usual store without a typed object per block; where it cannot,
     the typed path answers. Both must give the same event, and every error stays the typed one's."""
-    from selection_proto.core.errors import SelectionError
-    from selection_proto.core.events import KvEvent, decode_json_events
-    from selection_proto.core.events import _stored_fast as quick
+    from selection_proto.core.base.errors import SelectionError
+    from selection_proto.core.cache.events import KvEvent, decode_json_events
+    from selection_proto.core.cache.events import _stored_fast as quick
 
     event = {"event_id": 1, "data": {"stored": inner}}
     try:
@@ -446,11 +446,11 @@ def test_a_prompt_hashed_and_counted_ahead_selects_exactly_as_one_hashed_on_the_
     counted again, and a body of other tokens never borrows them."""
     import random
 
-    from selection_proto.core import prompt as prompt_module
     from selection_proto.core.ahead import prepare_ahead
-    from selection_proto.core.hashing import block_hashes
+    from selection_proto.core.base.hashing import block_hashes
+    from selection_proto.core.base.settings import Settings
+    from selection_proto.core.bookings import prompt as prompt_module
     from selection_proto.core.service import SelectionService
-    from selection_proto.core.settings import Settings
 
     monkeypatch.setattr(prompt_module, "PREHASH_SLICE_BLOCKS", 3)  # slices cut inside the prompt
     tokens = list(range(40))
@@ -491,8 +491,8 @@ def test_a_prompt_hashed_and_counted_ahead_selects_exactly_as_one_hashed_on_the_
 def test_predictions_expire_per_booking_and_a_rebooked_prefix_moves_with_its_new_booking() -> None:
     """A booking's predicted blocks leave the tree together at its expiry; blocks booked again
     later (a shared prefix) stay until the later booking's expiry; `next_expiry` names each time."""
-    from selection_proto.core.index import DeviceTree
-    from selection_proto.core.predictions import Predictions
+    from selection_proto.core.cache.index import DeviceTree
+    from selection_proto.core.cache.predictions import Predictions
 
     tree, budget = DeviceTree(), StateBudget(1 << 40)
     predictions = Predictions(tree, 10.0, budget)
@@ -528,12 +528,12 @@ def test_deferred_work_is_invisible_to_every_call(steps: list[tuple[str, int]]) 
     import random
     from functools import partial
 
-    from selection_proto.core.errors import SelectionError
-    from selection_proto.core.outputs import SelectionReady
-    from selection_proto.core.responses import Pending
+    from selection_proto.core.base.errors import SelectionError
+    from selection_proto.core.base.outputs import SelectionReady
+    from selection_proto.core.base.responses import Pending
+    from selection_proto.core.base.settings import Settings
+    from selection_proto.core.base.types import OverlapScoresRequest, SelectAndReserveRequest
     from selection_proto.core.service import SelectionService
-    from selection_proto.core.settings import Settings
-    from selection_proto.core.types import OverlapScoresRequest, SelectAndReserveRequest
 
     def fleet() -> SelectionService:
         service = SelectionService(Settings(kv_events="approximate", router_ttl_secs=5.0, queue_threshold=0.5,
@@ -588,7 +588,7 @@ def test_deferred_work_is_invisible_to_every_call(steps: list[tuple[str, int]]) 
 
 
 def test_deferred_work_runs_in_order_once_and_confines_a_failure() -> None:
-    from selection_proto.core.deferred import Deferred
+    from selection_proto.core.base.deferred import Deferred
 
     errors: list[str] = []
     done: list[str] = []
@@ -614,11 +614,11 @@ def test_a_dispatched_selections_predictions_are_in_the_tree_before_the_next_one
     lets run books its predicted blocks at once, so that the next one dispatched sees them."""
     import random
 
-    from selection_proto.core.hashing import block_hashes
-    from selection_proto.core.responses import Pending
+    from selection_proto.core.base.hashing import block_hashes
+    from selection_proto.core.base.responses import Pending
+    from selection_proto.core.base.settings import Settings
+    from selection_proto.core.base.types import SelectAndReserveRequest
     from selection_proto.core.service import SelectionService
-    from selection_proto.core.settings import Settings
-    from selection_proto.core.types import SelectAndReserveRequest
 
     service = SelectionService(Settings(kv_events="approximate", queue_threshold=0.5), random.Random(3))
     service.upsert_worker(WorkerRequest(worker_id=1, model_name="m", block_size=2, endpoint="http://w1",
@@ -637,7 +637,7 @@ def test_a_dispatched_selections_predictions_are_in_the_tree_before_the_next_one
     assert pool.index.device.find(block_hashes(list(range(200, 212)), 2))[0] == {(1, 0): 6}
     # A huge prompt's predictions wait for its answer too, in pieces that a transport runs one
     # at a time with other clients served between them; the next call runs what is left first.
-    from selection_proto.core.tracker import PIECE_BLOCKS
+    from selection_proto.core.bookings.tracker import PIECE_BLOCKS
 
     service.free("queued", now=3.0)
     tokens = list(range(1000, 1000 + 2 * (PIECE_BLOCKS + 1)))

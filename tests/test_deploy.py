@@ -21,7 +21,7 @@ import yaml
 
 from selection_proto import __version__
 from selection_proto.config import SETTING_FIELDS, TRANSPORT, env_name
-from selection_proto.core.routes import ROUTES
+from selection_proto.core.base.routes import ROUTES
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = ROOT / "deploy" / "kubernetes" / "selection-proto.yaml"

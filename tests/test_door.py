@@ -187,7 +187,7 @@ def test_a_frees_body_past_a_few_kib_is_refused_before_it_is_read() -> None:
     loop even for an unknown id (0.8-1.6 s; 2.1-5.4 s with a trailing NaN). What they carry is
     `cached_tokens`: past 16 KiB (declared or received) they are refused 413 with the spec's text
     before the body is read, the booking untouched; 16 KiB of padding is still taken."""
-    from selection_proto.core.routes import SMALL_BODY
+    from selection_proto.core.base.routes import SMALL_BODY
 
     server = Server(mode="approximate")
     try:

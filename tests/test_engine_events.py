@@ -9,7 +9,7 @@ import pytest
 from conftest import Client, worker
 
 from selection_proto import StreamError, block_hashes
-from selection_proto.core.engine import InvalidBatch, decode_batch
+from selection_proto.core.cache.engine import InvalidBatch, decode_batch
 
 SPEC_BATCH = bytes.fromhex(
     "93cb41d954fc40200000" "93" "99ab426c6f636b53746f726564" "92ce075bcd15fe" "c0" "980102030405060708" "04"

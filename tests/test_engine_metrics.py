@@ -19,7 +19,7 @@ from conftest import Client
 from test_http import Server, api_call
 
 from selection_proto import SelectionService, Settings
-from selection_proto.core.engine_metrics import MAX_WORKERS, EngineMetrics, parse
+from selection_proto.core.cache.engine_metrics import MAX_WORKERS, EngineMetrics, parse
 
 VLLM = b"""# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge

@@ -22,8 +22,8 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 
 from selection_proto.adapters.ext_proc import CHUNK_BYTES, DESTINATION, ExtProcStream
 from selection_proto.adapters.openai import ChatTokenizer, OpenAIError, parse_request, text_tokens
+from selection_proto.core.base.settings import Settings
 from selection_proto.core.service import SelectionService
-from selection_proto.core.settings import Settings
 
 JSON = [("content-type", "application/json")]
 
@@ -97,9 +97,9 @@ def test_nothing_is_answered_until_the_body_is_whole_then_headers_then_pieces_in
 def test_under_a_strict_ledger_the_destination_waits_for_the_ledgers_word() -> None:
     """Without a ledger the picker selects by the typed call; under one through `handle`, whose
     answer strict admission holds until the ledger has the booking."""
-    from selection_proto.core.journal import LedgerSettings
-    from selection_proto.core.ledger_wire import LedgerSnapshot, Reply
-    from selection_proto.core.outputs import SelectionReady
+    from selection_proto.core.base.outputs import SelectionReady
+    from selection_proto.core.fleet.journal import LedgerSettings
+    from selection_proto.core.fleet.ledger_wire import LedgerSnapshot, Reply
 
     service = SelectionService(Settings(kv_events="approximate"), random.Random(3))
     mirror = service.share(LedgerSettings(admission="strict"), "me")
@@ -342,7 +342,7 @@ def test_a_models_tokenizer_and_chat_template_give_the_engines_token_ids() -> No
 def test_tokenized_chats_route_to_the_engine_holding_their_blocks() -> None:
     """With the model's tokenizer the picker hashes exactly what the engine reported in its KV
     events (kv_events push), so a chat goes where its prefix is cached."""
-    from selection_proto.core.hashing import block_hashes
+    from selection_proto.core.base.hashing import block_hashes
 
     text, config = small_tokenizer()
     tokenizer = ChatTokenizer(text, config)

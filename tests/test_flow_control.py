@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from selection_proto import Pending, SelectionReady
-from selection_proto.core.admission import FlowQueue, Lane, QueuedSelection
-from selection_proto.core.flow_classes import parse_classes
+from selection_proto.core.base.flow_classes import parse_classes
+from selection_proto.core.fleet.admission import FlowQueue, Lane, QueuedSelection
 
 SPEED = 512.0  # prefill tokens a second of every worker
 PROMPT = 512

@@ -4,7 +4,7 @@ import pytest
 from conftest import load_vectors
 
 from selection_proto import block_hashes, iv, sequence_hashes
-from selection_proto.core.hashing import hash64, multimodal_block_hash
+from selection_proto.core.base.hashing import hash64, multimodal_block_hash
 
 
 def test_every_reference_vector_matches_dynamo() -> None:
@@ -64,7 +64,7 @@ def test_keyed_tracking_hashes_match_dynamos_vector() -> None:
     import random
 
     from selection_proto import SelectAndReserveRequest, SelectionService, Settings, WorkerRequest
-    from selection_proto.core.tracking import KeyedTracking
+    from selection_proto.core.bookings.tracking import KeyedTracking
 
     tracking = KeyedTracking(b"\x5a" * 32, "2026-01")
     vector = [4363769719052127296, 14998523962162619427, 13920914207884994756]
@@ -92,7 +92,7 @@ def test_multimodal_prompt_blocks_match_1_6_1() -> None:
     import random
 
     from selection_proto import SelectAndReserveRequest, SelectionService, Settings, WorkerRequest
-    from selection_proto.core.types import BlockExtraInfo, MmObject, MmRoutingInfo
+    from selection_proto.core.base.types import BlockExtraInfo, MmObject, MmRoutingInfo
 
     service = SelectionService(Settings(kv_events="push"), random.Random(0))
     service.upsert_worker(WorkerRequest(worker_id=1, endpoint="http://w1", block_size=4), now=0.0)

@@ -10,10 +10,10 @@ from conftest import Client, load_vectors, worker
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import selection_proto.core.index as index_module
-from selection_proto.core.events import decode_json_events
-from selection_proto.core.index import DeviceTree, IndexEventError
-from selection_proto.core.tiers import KeyIndex
+import selection_proto.core.cache.index as index_module
+from selection_proto.core.cache.events import decode_json_events
+from selection_proto.core.cache.index import DeviceTree, IndexEventError
+from selection_proto.core.cache.tiers import KeyIndex
 
 
 def _apply(tree: DeviceTree, event: Any) -> bool | str:

@@ -19,7 +19,7 @@ from ledger_server import LedgerServer
 from replicas import WORKER, park, replicas, settled, unpark, until
 
 from selection_proto import SelectionService, Settings
-from selection_proto.core.journal import LedgerSettings
+from selection_proto.core.fleet.journal import LedgerSettings
 
 PROMPT = {"model_name": "m", "token_ids": list(range(16))}
 
@@ -393,7 +393,7 @@ def test_a_booking_made_on_a_worker_the_mirror_lacks_is_dropped_and_counted(ledg
         async with replicas(1, ledger.url) as (a,):
             await _two_workers(a)
             await settled([a])
-            from selection_proto.core.ledger_wire import AddRecord, encode_add, rank_key
+            from selection_proto.core.fleet.ledger_wire import AddRecord, encode_add, rank_key
 
             body = encode_add(AddRecord("m", "default", 9, 0, 4, None, [1, 2]))
             client = ledger.client()

@@ -11,9 +11,10 @@ import msgpack
 import pytest
 
 from selection_proto import SelectionService, Settings
-from selection_proto.core.journal import LedgerSettings
-from selection_proto.core.ledger import Ledger
-from selection_proto.core.ledger_wire import (
+from selection_proto.core.base.outputs import SelectionReady
+from selection_proto.core.base.responses import Pending
+from selection_proto.core.fleet.journal import LedgerSettings
+from selection_proto.core.fleet.ledger_wire import (
     AddRecord,
     LedgerSnapshot,
     LedgerWireError,
@@ -27,8 +28,7 @@ from selection_proto.core.ledger_wire import (
     encode_progress,
     rank_key,
 )
-from selection_proto.core.outputs import SelectionReady
-from selection_proto.core.responses import Pending
+from selection_proto.core.ledger import Ledger
 
 HEADERS = [("content-type", "application/json")]
 PROMPT = {"model_name": "m", "token_ids": list(range(16))}

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from test_http import Server, read_response
 
 from selection_proto import SelectionService, Settings
-from selection_proto.core import jsonio
+from selection_proto.core.base import jsonio
 
 JSON = [("content-type", "application/json")]
 MSGPACK = [("content-type", "application/msgpack")]

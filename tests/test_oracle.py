@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import random
 
-from selection_proto.core.events import KvEvent
+from selection_proto.core.cache.events import KvEvent
 from selection_proto.sim import FleetConfig, parse_trace, simulate
 from selection_proto.sim.engine import Engine, EngineModel, SimRequest, block_hash
 from selection_proto.sim.oracle import fastest, first_token_at

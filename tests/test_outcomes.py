@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from selection_proto import Pending, SelectionService, Settings
-from selection_proto.core.engine_metrics import parse
-from selection_proto.core.hashing import block_hashes
-from selection_proto.core.outcomes import BUCKET_SECS, ERRORS, REASONS, REFUSALS, WINDOW_SECS, Recent
+from selection_proto.core.base.hashing import block_hashes
+from selection_proto.core.cache.engine_metrics import parse
+from selection_proto.core.fleet.outcomes import BUCKET_SECS, ERRORS, REASONS, REFUSALS, WINDOW_SECS, Recent
 
 WORKER = {"model_name": "m", "block_size": 4, "endpoint": "http://e"}
 PROMPT = list(range(12))  # 3 blocks

@@ -8,15 +8,15 @@ import random
 import pytest
 
 from selection_proto import SelectionService, Settings
-from selection_proto.core.errors import BadRequest, Conflict, NotFound, NotReady
-from selection_proto.core.pending import PendingSelection, PendingSelections
-from selection_proto.core.prompt import PromptHashes
-from selection_proto.core.types import (
+from selection_proto.core.base.errors import BadRequest, Conflict, NotFound, NotReady
+from selection_proto.core.base.types import (
     ReservationRequest,
     SelectAndReserveRequest,
     SelectRequest,
     WorkerRequest,
 )
+from selection_proto.core.bookings.prompt import PromptHashes
+from selection_proto.core.fleet.pending import PendingSelection, PendingSelections
 
 KEY = ("m", "default")
 
@@ -185,7 +185,7 @@ def test_metrics_show_pending_selections_and_bindings() -> None:
 
 
 def test_recovering_a_1_6_1_index_checks_it_whole_first() -> None:
-    from selection_proto.core.errors import Unprocessable
+    from selection_proto.core.base.errors import Unprocessable
 
     stored = {"worker_id": 1, "event": {"event_id": 0, "dp_rank": 0, "data": {"stored": {
         "parent_hash": None, "blocks": [{"block_hash": 5, "tokens_hash": 55}]}}}}
@@ -213,8 +213,8 @@ def test_a_predicted_side_index_beside_real_events() -> None:
     """`predicted_ttl_secs` (1.6.1's `DYN_ROUTER_PREDICTED_TTL_SECS`): bookings predict into a side
     tree; a rank's prefix is the larger of the two; the side is not dumped and expires."""
     from selection_proto import OverlapScoresRequest, ReservationRequest
-    from selection_proto.core.events import decode_json_events
-    from selection_proto.core.hashing import block_hashes
+    from selection_proto.core.base.hashing import block_hashes
+    from selection_proto.core.cache.events import decode_json_events
 
     s = SelectionService(Settings(kv_events="push", predicted_ttl_secs=3.0), random.Random(0))
     for wid in (1, 2):
@@ -242,7 +242,7 @@ def test_a_predicted_side_index_beside_real_events() -> None:
 
 
 def test_session_bindings_count_in_the_state_budget() -> None:
-    from selection_proto.core.budget import SESSION_BYTES
+    from selection_proto.core.base.budget import SESSION_BYTES
 
     s = two_workers(session_affinity_ttl_secs=30.0)
     book(s, "a", 1.0, session_id="S")

@@ -19,12 +19,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from selection_proto import SelectionService, Settings
-from selection_proto.core.engine_metrics import EngineSample
-from selection_proto.core.hashing import block_hashes
-from selection_proto.core.pd import can_prefill_locally, decide
-from selection_proto.core.selection import Selector
-from selection_proto.core.tracker import Tracker
-from selection_proto.core.types import PdOptions, WorkerRequest
+from selection_proto.core.base.hashing import block_hashes
+from selection_proto.core.base.types import PdOptions, WorkerRequest
+from selection_proto.core.bookings.tracker import Tracker
+from selection_proto.core.cache.engine_metrics import EngineSample
+from selection_proto.core.routing.pd import can_prefill_locally, decide
+from selection_proto.core.routing.selection import Selector
 from tests.test_http import Server, api_call
 
 JSON = [("content-type", "application/json")]
@@ -728,7 +728,7 @@ def _pd_replica(**ledger: Any) -> tuple[SelectionService, Any]:
 
 
 def test_plan_legs_are_journaled_and_a_full_outbox_between_them_books_neither() -> None:
-    from selection_proto.core.ledger_wire import Reply, decode_add
+    from selection_proto.core.fleet.ledger_wire import Reply, decode_add
     from tests.test_ledger_core import active, answers, send
 
     service, mirror = _pd_replica()
@@ -757,7 +757,7 @@ def test_plan_legs_are_journaled_and_a_full_outbox_between_them_books_neither() 
 
 
 def test_a_strict_conflict_on_one_leg_frees_the_other_and_plans_again() -> None:
-    from selection_proto.core.ledger_wire import Reply
+    from selection_proto.core.fleet.ledger_wire import Reply
     from tests.test_ledger_core import active, answers, send
 
     service, mirror = _pd_replica(admission="strict")

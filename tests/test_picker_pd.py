@@ -29,8 +29,8 @@ from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProces
 from test_http import Server, api_call
 
 from selection_proto.adapters.ext_proc import DESTINATION, PREFILLER, ExtProcStream
+from selection_proto.core.base.settings import Settings
 from selection_proto.core.service import SelectionService
-from selection_proto.core.settings import Settings
 
 DECODE = {"worker_id": 1, "model_name": "m", "block_size": 4, "endpoint": "http://10.0.0.1:8000", "role": "decode"}
 PREFILL = {"worker_id": 3, "model_name": "m", "block_size": 4, "endpoint": "http://10.0.0.3:8100", "role": "prefill"}
@@ -284,9 +284,9 @@ def test_buffered_mode_carries_a_rewritten_body_whole_and_a_local_plan_drops_a_c
 def test_under_a_strict_ledger_a_plan_waits_for_the_ledgers_word_on_both_legs() -> None:
     """Under a ledger the plan goes through `handle`; strict admission holds its answer until the
     ledger has both legs, then the stream routes it as a plan (and its end frees both)."""
-    from selection_proto.core.journal import LedgerSettings
-    from selection_proto.core.ledger_wire import LedgerSnapshot, Reply
-    from selection_proto.core.outputs import SelectionReady
+    from selection_proto.core.base.outputs import SelectionReady
+    from selection_proto.core.fleet.journal import LedgerSettings
+    from selection_proto.core.fleet.ledger_wire import LedgerSnapshot, Reply
 
     service = SelectionService(Settings(kv_events="approximate"), random.Random(3))
     mirror = service.share(LedgerSettings(admission="strict"), "me")

@@ -9,15 +9,15 @@ from typing import Any
 import pytest
 from conftest import Client, stored, worker
 
-from selection_proto.core.cost import (
+from selection_proto.core.base.hashing import block_hashes
+from selection_proto.core.base.settings import Settings
+from selection_proto.core.fleet.speed import DEFAULT_PREFILL_TOKENS_PER_SEC
+from selection_proto.core.routing.cost import (
     ATTENTION_CONTEXT_TOKENS,
     DECODE_DRAG,
     KV_PRESSURE,
     REUSE_CREDIT,
 )
-from selection_proto.core.hashing import block_hashes
-from selection_proto.core.settings import Settings
-from selection_proto.core.speed import DEFAULT_PREFILL_TOKENS_PER_SEC
 
 PROMPT = list(range(64))  # 16 blocks of 4
 
@@ -186,7 +186,7 @@ def test_the_dynamo_policy_and_frees_learn_nothing(make_client: Callable[..., Cl
 def test_what_is_left_of_a_running_prefill() -> None:
     """`Speeds.left` (measured, off in the cost: docs/ROUTING.md): the booked prefill less what the
     worker's learned rate has done since it began, beyond the tokens that stopped counting."""
-    from selection_proto.core.speed import Speeds
+    from selection_proto.core.fleet.speed import Speeds
 
     speeds = Speeds(learn=True)
     for w in (1, 2):

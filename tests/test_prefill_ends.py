@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from selection_proto import SelectionService, Settings
-from selection_proto.core.hashing import block_hashes, sequence_hashes, signed
-from selection_proto.core.outputs import SelectionReady
-from selection_proto.core.pool import Pool
+from selection_proto.core.base.hashing import block_hashes, sequence_hashes, signed
+from selection_proto.core.base.outputs import SelectionReady
+from selection_proto.core.fleet.pool import Pool
 
 PROMPT = list(range(32))  # 8 blocks of 4
 LOCAL = block_hashes(PROMPT, 4)
@@ -309,8 +309,8 @@ TestPrefillEndsMachine = PrefillEndsMachine.TestCase
 def test_a_shared_ledger_hears_the_prefill_an_event_ended() -> None:
     """With replicas (docs/REPLICATION.md), the replica that made the booking reads its end from
     the events and journals it as `prefill_complete` would: the others stop counting it too."""
-    from selection_proto.core.journal import LedgerSettings
-    from selection_proto.core.ledger_wire import LedgerSnapshot
+    from selection_proto.core.fleet.journal import LedgerSettings
+    from selection_proto.core.fleet.ledger_wire import LedgerSnapshot
 
     service = SelectionService(Settings(kv_events="push", router_policy="ttft"), random.Random(0))
     mirror = service.share(LedgerSettings(), "me")
@@ -332,8 +332,8 @@ def test_many_followers_cost_each_booking_a_constant() -> None:
     each would be 1.6e9 steps)."""
     import time
 
-    from selection_proto.core.prefill_ends import PrefillEnds
-    from selection_proto.core.tracker import Booking
+    from selection_proto.core.bookings.prefill_ends import PrefillEnds
+    from selection_proto.core.bookings.tracker import Booking
 
     ends, rank = PrefillEnds(), (1, 0)
     held = [Booking(f"h{i}", rank, None, 100, None, 0.0) for i in range(40_000)]

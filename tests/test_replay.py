@@ -28,9 +28,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from selection_proto import Pending, SelectionReady, SelectionService, Settings  # noqa: E402
-from selection_proto.core.errors import StreamError  # noqa: E402
-from selection_proto.core.outputs import InternalError  # noqa: E402
-from selection_proto.core.wire import Response  # noqa: E402
+from selection_proto.core.base.errors import StreamError  # noqa: E402
+from selection_proto.core.base.outputs import InternalError  # noqa: E402
+from selection_proto.core.base.wire import Response  # noqa: E402
 
 DIGESTS = Path(__file__).with_name("replay_digests.json")
 SEEDS = range(64)

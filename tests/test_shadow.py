@@ -19,8 +19,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from test_outcomes import PROMPT, WORKER, metric
 
 from selection_proto import SelectionService, Settings
-from selection_proto.core.hashing import block_hashes
-from selection_proto.core.outcomes import REASONS
+from selection_proto.core.base.hashing import block_hashes
+from selection_proto.core.fleet.outcomes import REASONS
 
 
 @pytest.mark.parametrize("acting", ["dynamo", "ttft"])

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 import selection_proto.sim.routers as routers_module
-from selection_proto.core.journal import LedgerOp
-from selection_proto.core.ledger_wire import ADD, FREE, PREFILL, Reply
+from selection_proto.core.base.settings import Settings
+from selection_proto.core.fleet.journal import LedgerOp
+from selection_proto.core.fleet.ledger_wire import ADD, FREE, PREFILL, Reply
 from selection_proto.core.service import SelectionService
-from selection_proto.core.settings import Settings
 from selection_proto.sim import FleetConfig, parse_trace, simulate
 from selection_proto.sim.fleet import ReplicaSetup
 from selection_proto.sim.ledger import FeedLedger, UnmodelledOp

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 import selection_proto.sim.routers as routers_module
-from selection_proto.core.settings import Settings
+from selection_proto.core.base.settings import Settings
 from selection_proto.sim import EngineModel, FleetConfig, parse_trace, simulate
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import selection_proto.sim.fleet as fleet_module
 import selection_proto.sim.routers as routers_module
-from selection_proto.core.settings import Settings
+from selection_proto.core.base.settings import Settings
 from selection_proto.sim import EngineModel, FleetConfig, SettingRun, parse_trace, simulate
 from selection_proto.sim.engine import Engine
 from selection_proto.sim.fleet import PdSetup

@@ -19,7 +19,7 @@ from conftest import Client, stored
 from test_http import Server, api_call
 from websockets.sync.client import connect
 
-from selection_proto.core.hashing import block_hashes
+from selection_proto.core.base.hashing import block_hashes
 from selection_proto.transports.status import MAX_VIEWERS
 
 TOKEN = "s3cret-token"

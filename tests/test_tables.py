@@ -8,10 +8,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from selection_proto.core.budget import StateBudget
-from selection_proto.core.pending import PendingSelection, PendingSelections
-from selection_proto.core.prompt import PromptHashes
-from selection_proto.core.sessions import Lease, SessionTable
+from selection_proto.core.base.budget import StateBudget
+from selection_proto.core.bookings.prompt import PromptHashes
+from selection_proto.core.bookings.sessions import Lease, SessionTable
+from selection_proto.core.fleet.pending import PendingSelection, PendingSelections
 
 KEY = ("m", "default")
 IDS = st.sampled_from(["a", "b", "c", "d", "e"])

@@ -14,7 +14,7 @@ from conftest import Client
 from selection_proto import SelectionService, Settings
 from selection_proto.adapters.jsonl import JsonRpcSession
 from selection_proto.adapters.replay import SeqOrder
-from selection_proto.core.outputs import SubscribeKvEvents
+from selection_proto.core.base.outputs import SubscribeKvEvents
 
 BS = 4
 

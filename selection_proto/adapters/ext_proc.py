@@ -41,17 +41,17 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 )
 from envoy.type.v3.http_status_pb2 import HttpStatus
 
-from ..core import jsonio
 from ..core.ahead import hash_ahead
-from ..core.errors import SelectionError, TooManyRequests
+from ..core.base import jsonio
+from ..core.base.errors import SelectionError, TooManyRequests
+from ..core.base.metrics import EXT_PROC_STREAMS
+from ..core.base.responses import Pending, SelectResponse
+from ..core.base.routes import MAX_BODY, ParsedBody
+from ..core.base.wire import Response
+from ..core.fleet.pool import Key, Pool
 from ..core.handler import DECISION_HEADER, select_and_reserve_parsed, select_pd_and_reserve_parsed
-from ..core.metrics import EXT_PROC_STREAMS
-from ..core.pd import PlanResponse
-from ..core.pool import Key, Pool
-from ..core.responses import Pending, SelectResponse
-from ..core.routes import MAX_BODY, ParsedBody
+from ..core.routing.pd import PlanResponse
 from ..core.service import SelectionService
-from ..core.wire import Response
 from .inflight import InFlight
 from .openai import ChatTokenizer, OpenAIError, error_body, parse_request, with_members
 

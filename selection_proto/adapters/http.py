@@ -17,10 +17,10 @@ from typing import Final, NamedTuple
 import h11
 from wsproto import WSConnection
 
-from ..core.errors import SelectionError
-from ..core.metrics import LIMIT_REJECTIONS, REQUEST_DURATION
-from ..core.responses import Pending
-from ..core.routes import (
+from ..core.base.errors import SelectionError
+from ..core.base.metrics import LIMIT_REJECTIONS, REQUEST_DURATION
+from ..core.base.responses import Pending
+from ..core.base.routes import (
     MAX_BODY,
     MSGPACK_TYPES,
     ParsedBody,
@@ -30,9 +30,9 @@ from ..core.routes import (
     media_type,
     route_of,
 )
+from ..core.base.wire import Response, error_response
 from ..core.service import SelectionService
 from ..core.status import View, view_of
-from ..core.wire import Response, error_response
 from .inflight import InFlight
 from .ws import check_handshake, server_handshake
 
@@ -50,7 +50,7 @@ class LargeRequest(NamedTuple):
     """A request whose JSON body is large enough to be parsed away from the event loop (`parse`),
     a `GET /dump`, whose answer the caller produces away from it (`answer_with`), or one that
     reads the service's state while deferred work is pending, which the caller runs a piece at a
-    time first, its other clients served between pieces (core/deferred.py)."""
+    time first, its other clients served between pieces (core/base/deferred.py)."""
 
     method: str
     path: str

@@ -15,13 +15,13 @@ from http import HTTPStatus
 from typing import Any, Final
 from urllib.parse import quote, urlencode
 
-from ..core import jsonio
-from ..core.metrics import JSONRPC_MESSAGES, LIMIT_REJECTIONS
-from ..core.outputs import SelectionReady
-from ..core.responses import Pending
-from ..core.routes import EVENT_QUERY, ROUTES, ParsedBody, path_parameter
+from ..core.base import jsonio
+from ..core.base.metrics import JSONRPC_MESSAGES, LIMIT_REJECTIONS
+from ..core.base.outputs import SelectionReady
+from ..core.base.responses import Pending
+from ..core.base.routes import EVENT_QUERY, ROUTES, ParsedBody, path_parameter
+from ..core.base.wire import Response
 from ..core.service import SelectionService
-from ..core.wire import Response
 
 __all__ = ["MAX_LINE", "METHODS", "JsonRpcSession"]
 

@@ -13,7 +13,7 @@ from array import array
 from collections.abc import Mapping
 from typing import Any, Final
 
-from ..core import jsonio
+from ..core.base import jsonio
 
 __all__ = ["TEXT_TOKEN_BYTES", "ChatTokenizer", "OpenAIError", "RoutingPrompt", "error_body", "parse_request",
            "text_tokens", "with_members"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
-from ..core.engine import InvalidBatch, decode_batch
+from ..core.cache.engine import InvalidBatch, decode_batch
 
 __all__ = ["MAX_HELD", "SeqOrder", "newest_clear", "parse_replay_frames", "replay_holes", "replay_request"]
 

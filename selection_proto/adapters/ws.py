@@ -29,14 +29,14 @@ from wsproto.events import (
 )
 from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
-from ..core import jsonio
-from ..core.engine import EngineBatch
-from ..core.errors import SelectionError, StreamError
-from ..core.metrics import LIMIT_REJECTIONS, WS_CLOSES, WS_MESSAGES
-from ..core.routes import PUSH_QUERY
+from ..core.base import jsonio
+from ..core.base.errors import SelectionError, StreamError
+from ..core.base.metrics import LIMIT_REJECTIONS, WS_CLOSES, WS_MESSAGES
+from ..core.base.routes import PUSH_QUERY
+from ..core.base.wire import parse_query, query_int
+from ..core.cache.engine import EngineBatch
+from ..core.intake.streams import DecodedMessage, decode_or_error, slice_end
 from ..core.service import SelectionService
-from ..core.streams import DecodedMessage, decode_or_error, slice_end
-from ..core.wire import parse_query, query_int
 from .inflight import InFlight
 
 __all__ = ["LARGE_MESSAGE", "MAX_MESSAGE", "SLICE_BLOCKS", "SLICE_EVENTS", "ForwardingClient", "LargeMessage", "PushSession", "SubscriptionSession", "check_handshake", "cut_reason", "server_handshake"]

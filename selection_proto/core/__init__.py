@@ -1,30 +1,23 @@
 """The pure selection state machine: no I/O, no clock reads, no threads, no module-level state.
 
-General layout. `service.SelectionService` is the facade: it keeps the clock (`now` never goes
-back), composes the components below, orders their calls and holds the output events they queue.
-Each concept has one module:
+`service.SelectionService` is the facade: it keeps the clock (`now` never goes back), composes the
+components, orders their calls and holds the output events they queue. The modules stand in wings
+(docs/LAYOUT.md), each importing only itself and the wings below it, bottom to top:
 
-* the bytes face: `routes` (every route in one table), `handler` (`handle`: decode, run, encode),
-  `openapi`, `jsonio` (the JSON readers), `codec` (request shapes), `wire` (responses, queries);
-* the vocabulary: `types` (requests, the worker record), `responses` (answers), `errors` (each
-  carries its status), `outputs` (what the transport drains), `settings`;
-* the catalog side: `catalog` (records, tombstones, the lifecycle and reconcile tables, the
-  metadata rules), `workers` (an upsert or delete moving the pools), `pool` (one key's workers,
-  index, bookings, freshness and queue);
-* the selection side: `selection` (candidates, overload, choice, bookings, dispatch), `prompt`
-  (a request's hashes), `cost` (a candidate's cost, the choice), `admission` (the queue, tickets,
-  how a ticket ends), `tracker` (bookings and loads), `pending` (selections awaiting their
-  booking), `sessions` (session affinity), `pd` (prefill/decode plans: the decider, the pair,
-  both bookings or neither), `readouts` (loads and overlap answers),
-  `index` (the radix trees), `hashing`;
-* the KV-event side: `ingest` (bind and apply, requests applied in steps), `events` (Dynamo
-  JSON), `engine` (engine msgpack), `streams` (event sources, their lifecycle table, message
-  decoding), `freshness` (continuity of ids and seqs), `tally` (what a batch did);
-* `limits` (every limit checked and counted), `budget` (the state budget), `snapshot` (dump and
-  restore), `metrics` (families, recorders, the exposition), `deferred` (work left until the
-  answer is written).
+* `base`: the words every part speaks: errors, JSON (`jsonio`), bytes (`wire`, `codec`), request and
+  answer types, the route table (`routes`), `hashing`, `settings`, `metrics`, the state `budget`;
+* `cache`: the engines' KV caches as the router knows them: KV events decoded (`events`, `engine`),
+  the radix trees (`index`), `tiers`, `freshness`, `predictions`, engine metrics;
+* `bookings`: what the router promised each rank: a prompt's hashes (`prompt`), bookings and loads
+  (`tracker`), `sessions`, prefill ends;
+* `fleet`: the workers (`catalog`) and, per (model, tenant) key, the `pool` tying the rest together;
+  the flow queue (`admission`), speeds, decisions, outcomes, `limits`, the ledger `journal`;
+* `intake`: KV events coming in: `streams`, `ingest`, `snapshot`;
+* `routing`: choosing and booking: `cost`, `queueing`, `selection`, prefill/decode plans (`pd`);
+* `core/` itself: the facade and what spans the rest: `handler` (decode, run, encode), `openapi`,
+  `workers`, `ledger` (the mirror of the others' changes), `readouts`, `status`.
 """
-from .errors import (
+from .base.errors import (
     BadRequest,
     Conflict,
     Internal,
@@ -38,8 +31,8 @@ from .errors import (
     Unprocessable,
     UnsupportedMediaType,
 )
-from .hashing import block_hashes, iv, sequence_hashes
-from .outputs import (
+from .base.hashing import block_hashes, iv, sequence_hashes
+from .base.outputs import (
     CloseEventStream,
     InternalError,
     Notice,
@@ -48,14 +41,14 @@ from .outputs import (
     SubscribeKvEvents,
     UnsubscribeKvEvents,
 )
-from .pd import PlanResponse, Verdict
-from .responses import *  # noqa: F403 - the wire types are the public API
-from .responses import __all__ as _responses_all
+from .base.responses import *  # noqa: F403 - the wire types are the public API
+from .base.responses import __all__ as _responses_all
+from .base.settings import Settings
+from .base.types import *  # noqa: F403
+from .base.types import __all__ as _types_all
+from .base.wire import Response
+from .routing.pd import PlanResponse, Verdict
 from .service import SelectionService
-from .settings import Settings
-from .types import *  # noqa: F403
-from .types import __all__ as _types_all
-from .wire import Response
 
 __all__ = [
     "BadRequest",

@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Final
 
-from . import jsonio
+from .base import jsonio
+from .base.routes import ParsedBody
+from .bookings.prompt import PromptHashes, prehash
+from .bookings.tracker import RankLoad
+from .fleet.pool import Key, Pool
 from .handler import prepare_large_body
-from .pool import Key, Pool
-from .prompt import PromptHashes, prehash
-from .routes import ParsedBody
-from .tracker import RankLoad
 
 __all__ = ["hash_ahead", "prepare_ahead"]
 

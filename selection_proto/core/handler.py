@@ -11,10 +11,9 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import msgpack
 
-from . import jsonio
-from .catalog import frame
-from .codec import FloatForInteger, ShapeContext, from_json
-from .errors import (
+from .base import jsonio
+from .base.codec import FloatForInteger, ShapeContext, from_json
+from .base.errors import (
     BadRequest,
     Internal,
     InvalidJson,
@@ -26,12 +25,9 @@ from .errors import (
     TooManyRequests,
     UnsupportedMediaType,
 )
-from .events import decode_json_events
-from .metrics import IGNORED_VALUES
-from .prompt import prehash
-from .readouts import with_verdict
-from .responses import Pending, SelectResponse
-from .routes import (
+from .base.metrics import IGNORED_VALUES
+from .base.responses import Pending, SelectResponse
+from .base.routes import (
     EVENT_QUERY,
     KEY_QUERY,
     MAX_BODY,
@@ -43,9 +39,7 @@ from .routes import (
     media_type,
     route_of,
 )
-from .selection import SHUTTING_DOWN
-from .status_answers import status_answer, status_events_answer, status_page_answer
-from .types import (
+from .base.types import (
     ObservedCache,
     OutputBlockRequest,
     OverlapScoresRequest,
@@ -58,7 +52,7 @@ from .types import (
     WorkerPatchRequest,
     WorkerRequest,
 )
-from .wire import (
+from .base.wire import (
     Response,
     error_response,
     json_response,
@@ -68,9 +62,15 @@ from .wire import (
     query_int,
     raw_json_response,
 )
+from .bookings.prompt import prehash
+from .cache.events import decode_json_events
+from .fleet.catalog import frame
+from .readouts import with_verdict
+from .routing.selection import SHUTTING_DOWN
+from .status_answers import status_answer, status_events_answer, status_page_answer
 
 if TYPE_CHECKING:
-    from .pd import PlanResponse
+    from .routing.pd import PlanResponse
     from .service_api import Service
 
 __all__ = ["DECISION_HEADER", "handle", "prepare_large_body", "select_and_reserve_parsed", "select_pd_and_reserve_parsed"]

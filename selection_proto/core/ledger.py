@@ -14,14 +14,19 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from . import jsonio
-from .admission import Tickets
-from .catalog import Catalog
-from .codec import from_json
-from .deferred import Deferred
-from .errors import NotFound, SelectionError
-from .journal import LEDGER_DOWN, Journal, LedgerOp, LedgerSettings, may_be_booked
-from .ledger_wire import (
+from .base import jsonio
+from .base.codec import from_json
+from .base.deferred import Deferred
+from .base.errors import NotFound, SelectionError
+from .base.metrics import LEDGER_CONNECTED, LEDGER_EVENTS, LEDGER_OUTBOX, Metrics
+from .base.outputs import OutputEvent, SelectionReady
+from .base.responses import Pending, StatusOk
+from .base.types import WorkerCatalogRecord, WorkerRequest
+from .base.wire import Response, error_response, json_response
+from .fleet.admission import Tickets
+from .fleet.catalog import Catalog
+from .fleet.journal import LEDGER_DOWN, Journal, LedgerOp, LedgerSettings, may_be_booked
+from .fleet.ledger_wire import (
     ADD,
     DELETED,
     EXPIRE,
@@ -42,13 +47,8 @@ from .ledger_wire import (
     entry_number,
     rank_key,
 )
-from .metrics import LEDGER_CONNECTED, LEDGER_EVENTS, LEDGER_OUTBOX, Metrics
-from .outputs import OutputEvent, SelectionReady
-from .pool import Key, Pool
-from .responses import Pending, StatusOk
-from .selection import Selector
-from .types import WorkerCatalogRecord, WorkerRequest
-from .wire import Response, error_response, json_response
+from .fleet.pool import Key, Pool
+from .routing.selection import Selector
 
 __all__ = ["Ledger"]
 

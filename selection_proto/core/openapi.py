@@ -7,8 +7,8 @@ from typing import Any, Final
 import attrs
 
 from .._version import __version__
-from .codec import FACTORY_TYPE
-from .routes import ROUTES
+from .base.codec import FACTORY_TYPE
+from .base.routes import ROUTES
 
 __all__ = ["document"]
 

@@ -8,19 +8,19 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .._version import __version__
-from . import jsonio
-from .budget import StateBudget
-from .cost import cached_tokens, effective_blocks, estimates, tracks_prefill
-from .engine_metrics import EngineMetrics
-from .freshness import RankFreshness
-from .index import LOWER_TIERS
-from .pending import PendingSelections
-from .pool import Key, Pool
-from .prompt import PromptHashes
-from .responses import ModelLoadResponse, OverlapScoresResponse, PotentialLoad
-from .settings import Settings
-from .types import RouterConfigOverride, WorkerCatalogRecord
-from .verdict import STATES, judge, not_schedulable
+from .base import jsonio
+from .base.budget import StateBudget
+from .base.responses import ModelLoadResponse, OverlapScoresResponse, PotentialLoad
+from .base.settings import Settings
+from .base.types import RouterConfigOverride, WorkerCatalogRecord
+from .bookings.prompt import PromptHashes
+from .cache.engine_metrics import EngineMetrics
+from .cache.freshness import RankFreshness
+from .cache.index import LOWER_TIERS
+from .fleet.pending import PendingSelections
+from .fleet.pool import Key, Pool
+from .fleet.verdict import STATES, judge, not_schedulable
+from .routing.cost import cached_tokens, effective_blocks, estimates, tracks_prefill
 
 __all__ = ["gauges", "kv_routing", "loads", "overlap_scores", "potential_loads", "with_verdict"]
 

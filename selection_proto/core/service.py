@@ -18,24 +18,12 @@ from typing import Any, Final
 
 import attrs
 
-from .admission import Tickets
-from .budget import StateBudget
-from .catalog import Catalog
-from .deferred import Deferred
-from .engine_metrics import EngineMetrics, EngineSample
-from .errors import Conflict, NotReady, SelectionError, StreamError
-from .events import KvEvent
-from .handler import handle as handle_request
-from .ingest import Ingest
-from .journal import LedgerSettings
-from .ledger import Ledger
-from .limits import Limits
-from .metrics import Metrics
-from .outputs import InternalError, OutputEvent
-from .pd import PlanResponse
-from .pool import Key, Pool
-from .readouts import gauges, kv_routing, loads, overlap_scores, potential_loads
-from .responses import (
+from .base.budget import StateBudget
+from .base.deferred import Deferred
+from .base.errors import Conflict, NotReady, SelectionError, StreamError
+from .base.metrics import Metrics
+from .base.outputs import InternalError, OutputEvent
+from .base.responses import (
     ApplyReport,
     ModelLoadResponse,
     OverlapScoresResponse,
@@ -46,13 +34,9 @@ from .responses import (
     SelectResponse,
     StatusOk,
 )
-from .routes import ParsedBody
-from .selection import SHUTTING_DOWN, Selector
-from .settings import Settings
-from .snapshot import dump_of, parse_dump, parse_peer_index
-from .streams import DecodedMessage, Streams
-from .tracking import KeyedTracking
-from .types import (
+from .base.routes import ParsedBody
+from .base.settings import Settings
+from .base.types import (
     OverlapScoresRequest,
     PotentialLoadsRequest,
     ReservationRequest,
@@ -63,7 +47,23 @@ from .types import (
     WorkerPatchRequest,
     WorkerRequest,
 )
-from .wire import Response
+from .base.wire import Response
+from .bookings.tracking import KeyedTracking
+from .cache.engine_metrics import EngineMetrics, EngineSample
+from .cache.events import KvEvent
+from .fleet.admission import Tickets
+from .fleet.catalog import Catalog
+from .fleet.journal import LedgerSettings
+from .fleet.limits import Limits
+from .fleet.pool import Key, Pool
+from .handler import handle as handle_request
+from .intake.ingest import Ingest
+from .intake.snapshot import dump_of, parse_dump, parse_peer_index
+from .intake.streams import DecodedMessage, Streams
+from .ledger import Ledger
+from .readouts import gauges, kv_routing, loads, overlap_scores, potential_loads
+from .routing.pd import PlanResponse
+from .routing.selection import SHUTTING_DOWN, Selector
 from .workers import Workers
 
 __all__ = ["SelectionService"]

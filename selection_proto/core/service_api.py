@@ -7,14 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from .catalog import Catalog
-from .engine_metrics import EngineMetrics
-from .events import KvEvent
-from .limits import Limits
-from .metrics import Metrics
-from .pd import PlanResponse
-from .pool import Key, Pool
-from .responses import (
+from .base.metrics import Metrics
+from .base.responses import (
     ApplyReport,
     ModelLoadResponse,
     OverlapScoresResponse,
@@ -24,8 +18,8 @@ from .responses import (
     SelectResponse,
     StatusOk,
 )
-from .settings import Settings
-from .types import (
+from .base.settings import Settings
+from .base.types import (
     OverlapScoresRequest,
     PotentialLoadsRequest,
     ReservationRequest,
@@ -36,6 +30,12 @@ from .types import (
     WorkerPatchRequest,
     WorkerRequest,
 )
+from .cache.engine_metrics import EngineMetrics
+from .cache.events import KvEvent
+from .fleet.catalog import Catalog
+from .fleet.limits import Limits
+from .fleet.pool import Key, Pool
+from .routing.pd import PlanResponse
 
 __all__ = ["Service"]
 

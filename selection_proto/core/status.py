@@ -14,19 +14,19 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Final, NamedTuple
 
 from .._version import __version__
-from . import jsonio
-from .cost import explain
-from .decisions import Decision
-from .engine_metrics import EngineMetrics
-from .errors import BadRequest
-from .outcomes import REASONS
-from .pool import RECENT_DECISIONS, Key, Pool
+from .base import jsonio
+from .base.errors import BadRequest
+from .base.routes import STATUS_QUERY
+from .base.settings import Settings
+from .base.types import WorkerCatalogRecord
+from .base.wire import parse_query, query_int
+from .cache.engine_metrics import EngineMetrics
+from .fleet.decisions import Decision
+from .fleet.outcomes import REASONS
+from .fleet.pool import RECENT_DECISIONS, Key, Pool
+from .fleet.verdict import ORDER, SEVERITY, SEVERITY_ORDER
 from .readouts import kv_routing
-from .routes import STATUS_QUERY
-from .settings import Settings
-from .types import WorkerCatalogRecord
-from .verdict import ORDER, SEVERITY, SEVERITY_ORDER
-from .wire import parse_query, query_int
+from .routing.cost import explain
 
 __all__ = ["MAX_FILTER_CHARS", "MAX_KEY_ROWS", "MAX_LANES", "MAX_REASONS", "MAX_WORKER_ROWS", "RETRY_MS",
            "Fleet", "View", "event", "fleet", "snapshot", "view_of"]

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .base.wire import Response, json_response
 from .status import Fleet, View, event, fleet, snapshot, view_of
-from .wire import Response, json_response
 
 if TYPE_CHECKING:
-    from .routes import ParsedBody
+    from .base.routes import ParsedBody
     from .service_api import Service
 
     Body = bytes | ParsedBody

@@ -8,9 +8,15 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from . import jsonio
-from .budget import StateBudget
-from .catalog import (
+from .base import jsonio
+from .base.budget import StateBudget
+from .base.errors import BadRequest, NotReady
+from .base.metrics import Metrics
+from .base.outputs import Notice, OutputEvent
+from .base.settings import Settings
+from .base.types import WorkerCatalogRecord, WorkerRequest
+from .cache.index import Rank
+from .fleet.catalog import (
     RECONCILE,
     TOPOLOGY_PREFIX,
     Catalog,
@@ -20,16 +26,10 @@ from .catalog import (
     event_endpoints,
     missing_metadata,
 )
-from .errors import BadRequest, NotReady
-from .index import Rank
-from .limits import Limits
-from .metrics import Metrics
-from .outputs import Notice, OutputEvent
-from .pool import Key, Pool, key_label
-from .selection import Selector
-from .settings import Settings
-from .streams import Streams
-from .types import WorkerCatalogRecord, WorkerRequest
+from .fleet.limits import Limits
+from .fleet.pool import Key, Pool, key_label
+from .intake.streams import Streams
+from .routing.selection import Selector
 
 __all__ = ["Workers"]
 

@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 
 from ..config import UsageError, settings_with
-from ..core.settings import Settings
+from ..core.base.settings import Settings
 from .engine import EngineModel, FleetConfig
 from .fleet import BASELINES, DECIDERS, ORACLE, PdSetup, ReplicaSetup, Setup, simulate
 from .report import document, html_report, summary, table

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from ..core.events import KvEvent
-from ..core.hashing import sequence_hashes
+from ..core.base.hashing import sequence_hashes
+from ..core.cache.events import KvEvent
 
 if TYPE_CHECKING:
     from .trace import TraceRequest

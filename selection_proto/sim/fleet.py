@@ -27,9 +27,9 @@ from typing import Any
 
 import attrs
 
-from ..core.events import KvEvent
-from ..core.responses import Pending, SelectResponse
-from ..core.settings import Settings
+from ..core.base.responses import Pending, SelectResponse
+from ..core.base.settings import Settings
+from ..core.cache.events import KvEvent
 from .engine import DECODE_SENT, Engine, FleetConfig, SimRequest
 from .routers import BASELINES, DECIDERS, ORACLE, PdRouter, PdSetup, Replicas, ReplicaSetup, Router
 from .service import ServiceRouter

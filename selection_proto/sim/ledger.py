@@ -11,8 +11,8 @@ real ledger's; an op that would need them raises `UnmodelledOp` rather than answ
 
 from __future__ import annotations
 
-from ..core.journal import LedgerOp
-from ..core.ledger_wire import ADD, FREE, PREFILL, PROGRESS, WORKER, Reply
+from ..core.fleet.journal import LedgerOp
+from ..core.fleet.ledger_wire import ADD, FREE, PREFILL, PROGRESS, WORKER, Reply
 
 __all__ = ["FeedLedger", "UnmodelledOp"]
 

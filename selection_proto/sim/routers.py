@@ -13,17 +13,17 @@ from typing import Any
 
 import attrs
 
-from ..core.errors import NotFound, SelectionError
-from ..core.events import KvEvent
-from ..core.hashing import signed
-from ..core.journal import LedgerSettings
+from ..core.base.errors import NotFound, SelectionError
+from ..core.base.hashing import signed
+from ..core.base.outputs import SelectionReady
+from ..core.base.responses import Pending
+from ..core.base.settings import Settings
+from ..core.base.types import PdOptions, SelectAndReserveRequest, SelectPdAndReserveRequest, WorkerRequest
+from ..core.cache.events import KvEvent
+from ..core.fleet.journal import LedgerSettings
+from ..core.fleet.ledger_wire import LedgerSnapshot
 from ..core.ledger import Ledger
-from ..core.ledger_wire import LedgerSnapshot
-from ..core.outputs import SelectionReady
-from ..core.responses import Pending
 from ..core.service import SelectionService
-from ..core.settings import Settings
-from ..core.types import PdOptions, SelectAndReserveRequest, SelectPdAndReserveRequest, WorkerRequest
 from .engine import PREFILL_FOR_OTHER, Engine, FleetConfig, SimRequest, block_hash
 from .ledger import FeedLedger
 from .oracle import fastest

@@ -22,9 +22,9 @@ from urllib.parse import urlsplit
 
 import msgpack
 
-from ..core.events import KvEvent
-from ..core.hashing import block_hashes, signed
-from ..core.outputs import SelectionReady
+from ..core.base.hashing import block_hashes, signed
+from ..core.base.outputs import SelectionReady
+from ..core.cache.events import KvEvent
 from .engine import FleetConfig, SimRequest
 
 __all__ = ["ServiceRouter"]

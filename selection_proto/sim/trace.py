@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import IO, NamedTuple
 
-from ..core import jsonio
+from ..core.base import jsonio
 
 __all__ = ["MAX_LINE_BYTES", "MAX_TOKENS", "TraceError", "TraceRequest", "parse_trace", "read_lines"]
 

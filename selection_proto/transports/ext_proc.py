@@ -18,7 +18,7 @@ import anyio.abc
 from anyio.streams.tls import TLSStream
 
 from ..adapters.grpc import CallEnded, CallReset, CallStarted, GrpcServer, Message, Status, WindowOpened
-from ..core.metrics import INTERNAL_ERRORS, LIMIT_REJECTIONS
+from ..core.base.metrics import INTERNAL_ERRORS, LIMIT_REJECTIONS
 from .accepting import Throttled, accept_forever
 from .ext_proc_calls import (
     CHECK_PATH,

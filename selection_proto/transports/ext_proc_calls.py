@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Final, Protocol
 import anyio
 
 from ..adapters.grpc import Status
-from ..core.metrics import LIMIT_REJECTIONS
+from ..core.base.metrics import LIMIT_REJECTIONS
 
 if TYPE_CHECKING:
     from ..adapters.ext_proc import ExtProcStream
     from ..adapters.inflight import InFlight
     from ..adapters.openai import ChatTokenizer
+    from ..core.base.wire import Response
     from ..core.service import SelectionService
-    from ..core.wire import Response
     from .config import ServerConfig
 
 __all__ = ["CHECK_PATH", "HEALTH_NAMES", "INLINE_BODY_BYTES", "PROCESS_PATH", "SERVICE_NAME", "Handler", "HealthHandler",
@@ -166,7 +166,7 @@ class ProcessHandler(Handler):
         return self._wait if stream.pending_ticket is not None else None
 
     async def _prepare_off_loop(self, body: bytes) -> None:
-        from ..core.routes import ParsedBody
+        from ..core.base.routes import ParsedBody
 
         picker, stream = self.picker, self.stream
         server = picker.server

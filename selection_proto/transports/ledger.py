@@ -21,9 +21,9 @@ from typing import Any, Final
 
 import anyio
 
+from ..core.base.metrics import LEDGER_EVENTS, LEDGER_FEED_LAG, LEDGER_FLUSH
+from ..core.fleet.ledger_wire import LedgerWireError, decode_replies, decode_snapshot
 from ..core.ledger import Ledger
-from ..core.ledger_wire import LedgerWireError, decode_replies, decode_snapshot
-from ..core.metrics import LEDGER_EVENTS, LEDGER_FEED_LAG, LEDGER_FLUSH
 from ..core.service import SelectionService
 from .ledger_scripts import SCRIPTS
 from .logs import log

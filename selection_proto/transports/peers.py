@@ -10,8 +10,8 @@ from collections.abc import Sequence
 import anyio
 
 from ..adapters.fetch import FetchError
-from ..core import jsonio
-from ..core.errors import SelectionError
+from ..core.base import jsonio
+from ..core.base.errors import SelectionError
 from ..core.service import SelectionService
 from .logs import log
 from .pump import http_get

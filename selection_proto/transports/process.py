@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import time
 
-from ..core.metrics import PROCESS_CPU, PROCESS_FDS, PROCESS_MEMORY, PROCESS_START
+from ..core.base.metrics import PROCESS_CPU, PROCESS_FDS, PROCESS_MEMORY, PROCESS_START
 from ..core.service import SelectionService
 
 __all__ = ["ProcessMetrics"]

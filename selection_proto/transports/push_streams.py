@@ -16,9 +16,9 @@ import anyio.abc
 from ..adapters.http import HttpConnection
 from ..adapters.inflight import InFlight
 from ..adapters.ws import PushSession
-from ..core.metrics import CONNECTIONS
+from ..core.base.metrics import CONNECTIONS
+from ..core.intake.streams import decode_or_error
 from ..core.service import SelectionService
-from ..core.streams import decode_or_error
 from .config import ServerConfig
 from .pump import flush, receive
 

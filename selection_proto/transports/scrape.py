@@ -1,6 +1,6 @@
 """Engines' own metrics (docs/VERDICT.md): every `interval` seconds each schedulable worker's
 `metrics_endpoint` is fetched (a few at once, each within `TIMEOUT` seconds and `MAX_BYTES`), read in
-a worker thread (`core.engine_metrics.parse`) and handed to the service, which shows it in `/loads`.
+a worker thread (`core.cache.engine_metrics.parse`) and handed to the service, which shows it in `/loads`.
 A slow or silent engine costs its own scrape, never the event loop."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 import anyio
 
 from ..adapters.fetch import FetchError
-from ..core.engine_metrics import parse
+from ..core.cache.engine_metrics import parse
 from ..core.service import SelectionService
 from .pump import http_get
 

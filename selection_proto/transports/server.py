@@ -21,11 +21,11 @@ from ..adapters.http import HttpConnection
 from ..adapters.inflight import InFlight
 from ..adapters.ws import PushSession
 from ..core.ahead import prepare_ahead
-from ..core.metrics import CONNECTIONS, INTERNAL_ERRORS, LIMIT_REJECTIONS
-from ..core.outputs import CloseEventStream, InternalError, Notice, OutputEvent, SelectionReady
-from ..core.routes import media_type
+from ..core.base.metrics import CONNECTIONS, INTERNAL_ERRORS, LIMIT_REJECTIONS
+from ..core.base.outputs import CloseEventStream, InternalError, Notice, OutputEvent, SelectionReady
+from ..core.base.routes import media_type
+from ..core.base.wire import Response, error_response
 from ..core.service import SelectionService
-from ..core.wire import Response, error_response
 from .accepting import accept_forever, connection_budget
 from .config import LedgerOptions, ServerConfig, advertised_url
 from .ledger import LedgerLink, SettingsRefused

@@ -16,10 +16,10 @@ from collections.abc import Callable
 import anyio
 
 from ..adapters.http import LargeRequest
-from ..core import jsonio
-from ..core.metrics import SNAPSHOT_LAST_SUCCESS, SNAPSHOTS
+from ..core.base import jsonio
+from ..core.base.metrics import SNAPSHOT_LAST_SUCCESS, SNAPSHOTS
+from ..core.base.wire import Response, error_response
 from ..core.service import SelectionService
-from ..core.wire import Response, error_response
 from .logs import log
 
 __all__ = ["Snapshots", "dump_in_child", "fork_child", "write_snapshot"]

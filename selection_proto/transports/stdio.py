@@ -13,8 +13,8 @@ import anyio.from_thread
 import anyio.lowlevel
 
 from ..adapters.jsonl import JsonRpcSession
-from ..core.metrics import CONNECTIONS
-from ..core.outputs import InternalError, Notice, SelectionReady
+from ..core.base.metrics import CONNECTIONS
+from ..core.base.outputs import InternalError, Notice, SelectionReady
 from ..core.service import SelectionService
 from .logs import log, log_internal_error
 from .subscriber import Subscriptions
@@ -66,7 +66,7 @@ async def serve_stdio(service: SelectionService) -> None:
                     done.set()
             if not service.deferred:
                 return
-            service.deferred.run()  # what the answers just written left for later (core/deferred.py)
+            service.deferred.run()  # what the answers just written left for later (core/base/deferred.py)
 
     async def read() -> None:
         token = anyio.lowlevel.current_token()

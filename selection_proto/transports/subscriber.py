@@ -13,8 +13,8 @@ import anyio.abc
 
 from ..adapters.replay import SeqOrder, parse_replay_frames
 from ..adapters.ws import SubscriptionSession
-from ..core.metrics import KV_REPLAYS, SUBSCRIPTION_FAILURES
-from ..core.outputs import OutputEvent, SubscribeKvEvents, UnsubscribeKvEvents
+from ..core.base.metrics import KV_REPLAYS, SUBSCRIPTION_FAILURES
+from ..core.base.outputs import OutputEvent, SubscribeKvEvents, UnsubscribeKvEvents
 from ..core.service import SelectionService
 from .logs import log
 from .pump import flush, receive

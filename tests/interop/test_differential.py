@@ -7,7 +7,7 @@ import random
 from typing import Any
 
 from selection_proto import block_hashes
-from selection_proto.core.index import DeviceTree, IndexEventError
+from selection_proto.core.cache.index import DeviceTree, IndexEventError
 
 from .conftest import run_reference
 

@@ -1,0 +1,1 @@
+"""The workers and, per (model, tenant) key, the pool that ties its cache, bookings, flow queue, speeds, decisions, outcomes and verdicts together; the limits read against them; this replica's journal for the ledger."""

@@ -1,0 +1,1 @@
+"""KV events coming in: streams and their lifecycle, a batch applied, snapshots."""
