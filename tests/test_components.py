@@ -422,8 +422,8 @@ _HEAD_VALUES = st.one_of(_U64S, st.sampled_from([2**64 - 1, 2**32 - 1, 2**32, -0
 def test_the_quick_read_of_an_events_head_is_the_typed_read(event: dict[str, Any]) -> None:
     """An event's `event_id` and `dp_rank` are read without a typed object where they are the
     usual u64 and u32 (or null); the event, or the error and its text, is the typed path's."""
-    from selection_proto.core import events
-    from selection_proto.core.errors import SelectionError
+    from selection_proto.core.base.errors import SelectionError
+    from selection_proto.core.cache import events
 
     def read() -> list[events.KvEvent] | str:
         try:
