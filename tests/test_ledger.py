@@ -742,3 +742,37 @@ def test_an_id_booked_again_before_its_free_reached_the_ledger_waits_and_then_co
             assert a.loads() == b.loads() == {1: (0, 0, 0), 2: (0, 0, 0)}
 
     run(main)
+
+
+def test_an_id_booked_again_during_an_outage_waits_for_the_ledger(ledger: LedgerServer) -> None:
+    """x is booked and freed; the ledger goes away; A books x again. Answered at once (it was,
+    in open mode), A's booking reached the ledger after the reconnect, behind B's free of x sent
+    after that answer: B answered 404 and the booking stayed until its lease (the soak's
+    kept_but_404, docs/REPLICATION.md). A refuses it 503 while away; once back, the same
+    booking is answered and a free on B frees it."""
+    async def main() -> None:
+        async with replicas(2, ledger.url) as (a, b):
+            await _two_workers(a)
+            await settled([a, b])
+            booking = {**PROMPT, "worker_id": 2, "reservation_id": "x"}
+            await a.ok("POST", "/reservations", booking, status=201)
+            await a.ok("DELETE", "/reservations/x")
+            await settled([a, b])
+            ledger.stop()
+            await until(lambda: not a.ledger.journal.connected and not b.ledger.journal.connected)
+            a.link.held_writes = True  # what A queues stays queued after the ledger is back
+            assert await a.call("POST", "/reservations", booking) == (503, {
+                "error": "ledger unavailable: reservation x was booked lately; book it again once the ledger is back"})
+            ledger.start()
+            await until(lambda: b.ledger.journal.connected)
+            assert await b.call("DELETE", "/reservations/x") == (404, {"error": "reservation x not found"})
+            a.link.held_writes = False
+            await settled([a, b])
+            assert a.loads() == b.loads() == {1: (0, 0, 0), 2: (0, 0, 0)}
+            await until(lambda: a.ledger.journal.connected)
+            await a.ok("POST", "/reservations", booking, status=201)
+            await b.ok("DELETE", "/reservations/x")
+            await settled([a, b])
+            assert a.loads() == b.loads() == {1: (0, 0, 0), 2: (0, 0, 0)}
+
+    run(main)

@@ -28,7 +28,7 @@ from .ledger_wire import (
 )
 from .pool import Key
 
-__all__ = ["LEDGER_DOWN", "OUTBOX_FULL", "Journal", "LedgerOp", "LedgerSettings", "may_be_booked"]
+__all__ = ["LEDGER_DOWN", "OUTBOX_FULL", "Journal", "LedgerOp", "LedgerSettings", "booked_again", "may_be_booked"]
 
 LEDGER_DOWN: Final = "ledger unavailable"
 OUTBOX_FULL: Final = "ledger outbox full"
@@ -38,6 +38,11 @@ RECENT_ENDS: Final = 65_536  # ended bookings a replica remembers (the ledger ke
 def may_be_booked(rid: str) -> str:
     """Why a free of an id this replica does not hold is not answered while the ledger is away."""
     return f"{LEDGER_DOWN}: reservation {rid} may be booked on another replica"
+
+
+def booked_again(rid: str) -> str:
+    """Why a booking of an id used again is refused while the ledger is away."""
+    return f"{LEDGER_DOWN}: reservation {rid} was booked lately; book it again once the ledger is back"
 
 
 @attrs.frozen(kw_only=True)
@@ -99,10 +104,16 @@ class Journal:
         # is a retry and answers 404, as in one process.
         self.ended: dict[str, int] = {}
 
-    def check_booking(self) -> None:
-        """Refuse a booking the ledger cannot take (closed mode while away, or a full outbox)."""
+    def check_booking(self, rid: str, again: bool = False) -> None:
+        """Refuse a booking the ledger cannot take (closed mode while away, or a full outbox), and
+        while away one of an id used again (`again`: another replica's booking of it is held
+        here; or its end was seen lately). Answered at once, its booking would reach the ledger
+        after the reconnect, maybe after a free of it sent to another replica after that answer:
+        the ledger would find the id ended, answer that free 404 and keep the booking."""
         if not self.connected and self.settings.failure == "closed":
             raise NotReady(LEDGER_DOWN)
+        if not self.connected and (again or rid in self.ended):
+            raise NotReady(booked_again(rid))
         if len(self.ops) >= self.settings.outbox_max:
             raise NotReady(OUTBOX_FULL)
 

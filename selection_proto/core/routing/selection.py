@@ -391,8 +391,10 @@ class Selector(Admission, Plans, PrefillReading):
         `predict`: the prompt's blocks are predicted cached on the rank now (else `_predict`)."""
         self.expire(pool, now)
         if self.journal is not None and getattr(pool.tracker.bookings.get(rid), "owner", None) is not None:
-            self.journal.check_booking()  # another replica's booking of the id, its free maybe on its
-            pool.free(rid, now)  # way: the ledger keeps this one waiting behind it (REPLICATION.md)
+            # Another replica's booking of the id, its free maybe on its way: the ledger keeps
+            # this one waiting behind it (docs/REPLICATION.md).
+            self.journal.check_booking(rid, again=True)
+            pool.free(rid, now)
         try:
             self._limits.reservations(pool, rid)
         except DuplicateReservation as exc:
@@ -401,7 +403,7 @@ class Selector(Admission, Plans, PrefillReading):
             raise
         self._limits.state_budget(f"booking {rid}")
         if self.journal is not None:
-            self.journal.check_booking()
+            self.journal.check_booking(rid)
         blocks: list[int] | None = None
         if self._settings.track_active_blocks and decode_blocks:
             blocks = list(prompt.seqs) if reuse else [self._rng.getrandbits(64) for _ in prompt.seqs]
