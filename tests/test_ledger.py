@@ -776,3 +776,31 @@ def test_an_id_booked_again_during_an_outage_waits_for_the_ledger(ledger: Ledger
             assert a.loads() == b.loads() == {1: (0, 0, 0), 2: (0, 0, 0)}
 
     run(main)
+
+
+def test_an_id_booked_again_unanswered_when_the_ledger_goes_is_undone_503(ledger: LedgerServer) -> None:
+    """The same race from a booking of an id used again that waits for the ledger's word when the
+    connection drops: answered 201 at the drop (its add still queued), B's free of x after the
+    reconnect answered 404 and the booking stayed. It is undone and answered 503."""
+    async def main() -> None:
+        async with replicas(2, ledger.url) as (a, b):
+            await _two_workers(a)
+            await settled([a, b])
+            booking = {**PROMPT, "worker_id": 2, "reservation_id": "x"}
+            await a.ok("POST", "/reservations", booking, status=201)
+            await a.ok("DELETE", "/reservations/x")
+            await settled([a, b])
+            a.link.held_writes = True
+            ticket = a.send("POST", "/reservations", booking)
+            assert isinstance(ticket, int)  # waits for the ledger: the id was used before
+            ledger.stop()
+            assert await a.answer(ticket) == (503, {
+                "error": "ledger unavailable: reservation x was booked lately; book it again once the ledger is back"})
+            ledger.start()
+            await until(lambda: b.ledger.journal.connected)
+            assert await b.call("DELETE", "/reservations/x") == (404, {"error": "reservation x not found"})
+            a.link.held_writes = False
+            await settled([a, b])
+            assert a.loads() == b.loads() == {1: (0, 0, 0), 2: (0, 0, 0)}
+
+    run(main)

@@ -64,12 +64,13 @@ class LedgerOp:
     entry this replica had applied when it made it (an early free fenced after it may refuse it;
     one fenced before it cannot). `owner`: for prefill and progress, the replica that made the
     booking (a free names it in its body): an op never touches another booking of the same id.
-    `hold`: the ticket whose answer waits."""
+    `hold`: the ticket whose answer waits. `again`: a booking of an id used again (answered once
+    the ledger has it)."""
 
-    __slots__ = ("kind", "ident", "body", "rank_key", "count", "view", "owner", "hold")
+    __slots__ = ("kind", "ident", "body", "rank_key", "count", "view", "owner", "hold", "again")
 
     def __init__(self, kind: str, ident: str, body: bytes = b"", rank_key: bytes = b"",
-                 count: int | None = None, view: int = 0, owner: bytes = b"") -> None:
+                 count: int | None = None, view: int = 0, owner: bytes = b"", again: bool = False) -> None:
         self.kind = kind
         self.ident = ident
         self.body = body
@@ -77,6 +78,7 @@ class LedgerOp:
         self.count = count
         self.view = view
         self.owner = owner
+        self.again = again
         self.hold: int | None = None
 
 
@@ -141,7 +143,8 @@ class Journal:
         # An id used again after its booking ended is answered once the ledger has the booking:
         # a free of it sent after that answer, to any replica, then finds it there (not `gone`).
         reused = self.ended.pop(booking.rid, None) is not None and self.connected
-        self._push(LedgerOp(ADD, booking.rid, encode_add(record), rk, seen, self.seen), sync=strict or reused)
+        self._push(LedgerOp(ADD, booking.rid, encode_add(record), rk, seen, self.seen, again=reused),
+                   sync=strict or reused)
 
     def prefilled(self, booking: Booking) -> None:
         self._push(LedgerOp(PREFILL, booking.rid, owner=self._owner(booking)))
