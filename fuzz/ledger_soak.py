@@ -1,13 +1,18 @@
 """A soak of replicas sharing a ledger, with faults (docs/REPLICATION.md):
 
-    python fuzz/ledger_soak.py [--seconds 60] [--replicas 3] [--clients 16]
+    python fuzz/ledger_soak.py [--seconds 60] [--replicas 3] [--clients 16] [--faults both|ledger|replicas]
+                               [--reuse 0.5] [--lease 15] [--seed 0] [--no-faults]
 
 Real `selection-proto serve --ledger` processes on one real redis-server (AOF `always`). Clients
 book, complete prefill and free on random replicas; a fault thread SIGKILLs and restarts a
 replica, or the ledger, every couple of seconds. Then the faults stop, every client frees what
 it still holds (on any replica that answers), and every replica must show every load at zero,
 with the ledger holding no booking, within a lease (`--lease`): a killed replica's unwritten
-frees (at most one write of its journal, docs/REPLICATION.md) end with their lease."""
+frees (at most one write of its journal, docs/REPLICATION.md) end with their lease.
+
+A held booking whose first free answers 404 is freed again 2 s later, on a random replica: a 200
+then says the booking had been kept, so the 404 was wrong (`kept_but_404`, each printed with the
+faults before it). With `--faults ledger` no booking can be lost, so every one is a bug."""
 
 from __future__ import annotations
 
@@ -121,6 +126,7 @@ def main() -> int:
     kept: list[dict[str, Any]] = []
     faults_at: list[tuple[float, str]] = []  # when each fault began, and what it was
     reusable: dict[int, list[str]] = {}  # client -> ids it freed, to book again (docs/REPLICATION.md)
+    reused: set[str] = set()  # ids booked more than once
 
     def client(index: int) -> None:
         local = random.Random(index)
@@ -155,6 +161,7 @@ def main() -> int:
                     if old and local.random() < args.reuse:  # an id used again after its free
                         rid = old.pop(local.randrange(len(old)))
                         counts["reused_ids"] += 1
+                        reused.add(rid)
                     else:
                         rid = f"c{index}-{n}"
                         n += 1
@@ -211,8 +218,8 @@ def main() -> int:
                     time.sleep(0.3)
             if status == 200:
                 before = [(round(at - when, 2), kind) for when, kind in faults_at if when <= at][-2:]
-                kept.append({"id": rid, "faults_before": before, "answered_404_on": answered_on,
-                             "freed_on": port})
+                kept.append({"id": rid, "reused": rid in reused, "faults_before": before,
+                             "answered_404_on": answered_on, "freed_on": port})
             checked += 1
 
     checker = threading.Thread(target=check)
