@@ -159,6 +159,9 @@ SETTING_HELP: Final[Mapping[str, str]] = {
     "fairness_max_queued_tokens": "queued uncached tokens at most per fairness ID and key (429 past it)",
     "fairness_burst_tokens": "a fairness ID that starts waiting again, having used less than its share, may run "
                              "up to this many uncached tokens ahead of those waiting all along (docs/FLOW_CONTROL.md)",
+    "fairness_kv_share": "while another fairness ID has a request in flight or waiting, a fairness ID's requests "
+                         "wait once the prompts it has in flight hold more than this times its equal share of the "
+                         "key's KV cache (docs/FLOW_CONTROL.md)",
     "priority_promote_secs": "a queued selection climbs one priority tier per this many seconds waited",
     "shed_sheddable": "refuse at once (429) a selection with priority < 0 that would queue",
     "overload_status_code": "the status of refusals that say 'not now' (429, or Dynamo's 529)",

@@ -39,6 +39,19 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+# Per request: ms from the whole request in to the upstream request out (the picker's decision,
+# with its queueing), ms from the upstream's first byte to the client's, the destination.
+ACCESS_LOG_FORMAT = ("%COMMON_DURATION(DS_RX_END:US_TX_BEG:ms)% %COMMON_DURATION(US_RX_BEG:DS_TX_BEG:ms)% "
+                     "%UPSTREAM_HOST%\n")
+
+
+def access_log_config(path: str) -> list[dict[str, Any]]:
+    """An HTTP connection manager's `access_log`: `ACCESS_LOG_FORMAT` lines to `path`."""
+    return [{"name": "envoy.access_loggers.file", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+        "path": path, "log_format": {"text_format_source": {"inline_string": ACCESS_LOG_FORMAT}}}}]
+
+
 class Engine:
     """A fake OpenAI engine: `POST /v1/completions` and `/v1/chat/completions` answer JSON, or SSE
     in `chunks` events `delay` seconds apart when the body says `"stream": true`."""
@@ -120,8 +133,10 @@ class Gateway:
     def __init__(self, *serve_args: str, engines: int = 2, block_size: int = 4, chunks: int = 4,
                  delay: float = 0.02, first_delay: float = 0.0, mode: str = "approximate",
                  worker: dict[str, Any] | None = None, body_mode: str = "FULL_DUPLEX_STREAMED",
-                 subset: list[str] | None = None, records: list[dict[str, Any]] | None = None) -> None:
-        """`records`: register these workers (real engines) instead of starting fake ones."""
+                 subset: list[str] | None = None, records: list[dict[str, Any]] | None = None,
+                 access_log: str | None = None) -> None:
+        """`records`: register these workers (real engines) instead of starting fake ones;
+        `access_log`: Envoy writes `ACCESS_LOG_FORMAT` there for each request."""
         self.server = Server("--ext-proc-port", "0", *serve_args, mode=mode)
         self.ext_proc_port = int(self.server.ext_proc_url(30).rsplit(":", 1)[1])
         # Each engine on its own loopback address, as pods have theirs (the subset hint matches IPs).
@@ -146,6 +161,8 @@ class Gateway:
             "socket_address"]["port_value"] = self.ext_proc_port
         config["admin"]["address"]["socket_address"]["port_value"] = admin
         manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        if access_log is not None:
+            manager["access_log"] = access_log_config(access_log)
         ext_proc = manager["http_filters"][0]["typed_config"]
         ext_proc["processing_mode"]["request_body_mode"] = body_mode
         if subset is not None:  # a filter before the picker sets the hint, as a gateway would

@@ -19,7 +19,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from selection_proto import Pending, SelectionReady
 from selection_proto.core.base.flow_classes import parse_classes
+from selection_proto.core.base.settings import Settings
 from selection_proto.core.fleet.admission import FlowQueue, Lane, QueuedSelection
+from selection_proto.core.service import SelectionService
 
 SPEED = 512.0  # prefill tokens a second of every worker
 PROMPT = 512
@@ -582,6 +584,107 @@ def test_a_light_tenants_burst_runs_ahead_of_a_backlog_with_a_burst_allowance(ma
         b_share = sum(1 for r in fleet.done if r["tenant"] == "b" and "dispatched" in r and 5 <= r["dispatched"] < 60)
         assert b_share >= 0.75 * 55 * CAPACITY  # A's 20% aside, the fleet serves B
     assert worst[8 * PROMPT] <= 2 * PROMPT / SPEED < 2.5 <= worst[None], worst
+
+def test_a_heavy_tenant_is_held_to_its_share_of_the_kv_in_flight(make_client: Callable[..., Client]) -> None:
+    """`fairness_kv_share=1`, two workers of 64 blocks of 4 tokens (512 tokens of KV), no rank
+    ever busy: while `a` has a request in flight, `b` may hold 256 uncached tokens, and its next
+    requests wait (without the setting they run); `a`'s own still run past its share, as the queue
+    owes it (`b` was served more); once `a`'s bookings end, `b`'s last waiting request runs."""
+    rng = random.Random(3)
+
+    def ask(c: Client, rid: str, fid: str, tokens: int) -> Any:
+        body = {"model_name": "m", "reservation_id": rid, "fairness_id": fid,
+                "token_ids": [rng.randrange(1 << 20) for _ in range(tokens)]}
+        return c.service.handle("POST", "/select_and_reserve", "", [("content-type", "application/json")],
+                                json.dumps(body).encode(), now=c.now)
+
+    def ready(c: Client) -> list[tuple[int, int]]:
+        return [(out.ticket, out.response.status) for out in iter(c.service.next_output, None)
+                if isinstance(out, SelectionReady)]
+
+    for share in (None, 1.0):
+        c = make_client(queue_threshold=1.0, fairness_kv_share=share)
+        for wid in (1, 2):
+            c.ok("POST", "/workers", worker(wid, max_num_batched_tokens=10_000, total_kv_blocks=64), status=201)
+        assert ask(c, "a1", "a", 40).status == 200
+        assert ask(c, "b1", "b", 100).status == 200 and ask(c, "b2", "b", 100).status == 200
+        b3, b4 = ask(c, "b3", "b", 100), ask(c, "b4", "b", 100)  # 300 of b's in flight: over 512 / 2
+        if share is None:
+            assert b3.status == b4.status == 200
+            continue
+        assert isinstance(b3, Pending) and isinstance(b4, Pending) and ready(c) == []
+        c.ok("DELETE", "/reservations/b1")
+        assert ready(c) == [(b3.ticket, 200)]  # 200 of b's in flight again: b4 still waits
+        assert ask(c, "a2", "a", 300).status == 200  # a over its share too, but owed by the queue
+        c.ok("DELETE", "/reservations/a1")
+        assert ready(c) == []  # a still in flight
+        c.ok("DELETE", "/reservations/a2")
+        assert ready(c) == [(b4.ticket, 200)]  # b alone: no share to keep
+        assert c.service._selector._pools[("m", "default")].tracker.held == {"b": 300}
+
+
+class KvShareMachine(RuleBasedStateMachine):
+    """The service with `fairness_kv_share`, ranks never busy: bookings by three fairness IDs come
+    and go (freed, expired, their worker gone). What each fairness ID holds is what its live
+    bookings hold, and a fairness ID alone in a key is never held back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = Client(SelectionService(Settings(kv_events="push", queue_threshold=1.0, fairness_kv_share=1.0,
+                                                  fairness_burst_tokens=64, active_request_expiry_secs=50.0),
+                                         random.Random(0)))
+        for wid in (1, 2):
+            self.c.ok("POST", "/workers", worker(wid, max_num_batched_tokens=1 << 20, total_kv_blocks=16), status=201)
+        self.count = 0
+
+    def pool(self) -> Any:
+        return self.c.service._selector._pools.get(("m", "default"))
+
+    def drain(self) -> None:
+        for _ in iter(self.c.service.next_output, None):
+            pass
+
+    @rule(fid=st.sampled_from("abc"), tokens=st.integers(1, 80), later=st.floats(0, 20))
+    def ask(self, fid: str, tokens: int, later: float) -> None:
+        self.c.now += later
+        self.count += 1
+        body = {"model_name": "m", "reservation_id": f"r{self.count}", "fairness_id": fid,
+                "token_ids": [self.count * 1000 + i for i in range(tokens)]}
+        self.c.service.handle("POST", "/select_and_reserve", "", [("content-type", "application/json")],
+                              json.dumps(body).encode(), now=self.c.now)
+        self.c.service.tick(self.c.now)
+        self.drain()
+
+    @precondition(lambda self: self.pool() is not None and self.pool().tracker.bookings)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.pool().tracker.bookings)))
+        self.c.ok("DELETE", f"/reservations/{rid}")
+        self.drain()
+
+    @rule(wid=st.sampled_from((1, 2)))
+    def worker_comes_back(self, wid: int) -> None:  # its bookings go with it
+        self.c.ok("DELETE", f"/workers/{wid}")
+        self.c.ok("POST", "/workers", worker(wid, max_num_batched_tokens=1 << 20, total_kv_blocks=16), status=201)
+        self.drain()
+
+    @invariant()
+    def held_is_what_live_bookings_hold(self) -> None:
+        pool = self.pool()
+        if pool is None:
+            return
+        expected: dict[str, int] = {}
+        for booking in pool.tracker.bookings.values():
+            assert booking.holder is not None
+            expected[booking.holder[0]] = expected.get(booking.holder[0], 0) + booking.holder[1]
+        assert pool.tracker.held == expected
+        if len(set(expected) | set(pool.queue.fairness_ids())) < 2:
+            assert len(pool.queue) == 0
+
+
+KvShareMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+test_what_a_fairness_id_holds_follows_its_bookings = KvShareMachine.TestCase
+
 
 def test_a_new_priority_each_time_leaves_no_memory_behind() -> None:
     """200,000 requests, each with a priority of its own, queued and run one after another: the

@@ -194,7 +194,7 @@ def test_what_is_left_of_a_running_prefill() -> None:
         speeds.observe((w, 0), 0, 0.0)  # 20,000 tokens booked at 0 and completed at 2 s: 10,000 a second
         speeds.observe((w, 0), 20_000, 2.0)
         speeds.stopped((w, 0), 20_000)
-        speeds.completed(w, 20_000)
+        speeds.completed((w, 0), 20_000)
     speeds.observe((1, 0), 0, 10.0)  # 30,000 booked from 10 s
     assert speeds.left((1, 0), 30_000, 11.0) == 20_000
     speeds.observe((1, 0), 30_000, 11.0)

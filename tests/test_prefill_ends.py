@@ -281,6 +281,8 @@ class PrefillEndsMachine(RuleBasedStateMachine):
         for rank, load in pool.tracker.loads.items():
             assert load.prefill_tokens == sum(b.prefill_tokens for b in pool.tracker.bookings.values()
                                               if b.rank == rank and not b.prefill_done)
+            assert load.prefilling == sum(1 for b in pool.tracker.bookings.values()
+                                          if b.rank == rank and not b.prefill_done)
 
     @invariant()
     def a_booking_waits_only_while_its_prompt_is_not_held(self) -> None:

@@ -16,6 +16,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 
 import selection_proto.sim.routers as routers_module
@@ -146,6 +147,7 @@ def test_a_missing_or_corrupt_file_and_bad_flags_exit_2(tmp_path: Path) -> None:
                         (("--engines", "0"), "--engines: must be at least 1"),
                         (("--engines", "100000"), "--engines: must be at most 1024"),
                         (("--kv-blocks", "0"), "--kv-blocks: must be at least 1"),
+                        (("--request-fixed-ms", "-1"), "--request-fixed-ms: must be at least 0"),
                         (("--trace-block-size", "1000000000000"), "--trace-block-size: must be at most 1048576"),
                         (("--prefill-tokens-per-sec", "1e-300"), "--prefill-tokens-per-sec: must be at least 1"),
                         (("--report", str(tmp_path)), f"{tmp_path}: is a folder; name a file to write"),
@@ -511,3 +513,46 @@ def test_the_oracle_beside_ours_and_dynamos(tmp_path: Path) -> None:
     done = run(str(trace_file()), "--requests", "200", "--engines", "2", "--no-baselines", "--compare", "oracle")
     assert done.returncode == 0, done.stderr
     assert [line.split()[0] for line in done.stdout.splitlines()[2:4]] == ["default", "oracle"]
+
+
+def _tenants_lines(count: int, copies: int, window: float) -> tuple[list[bytes], list[bytes]]:
+    """(both tenants, `a` alone): `a` the trace's first `count` requests as they are; `b` the
+    middle `window` of them copied `copies` times within it, each copy on blocks of its own."""
+    with gzip.open(trace_file(), "rb") as raw:
+        records = [json.loads(line) for _, line in zip(range(count), raw, strict=False)]
+    first, last = records[0]["timestamp"], records[-1]["timestamp"]
+    start = first + (last - first) * (0.5 - window / 2)
+    stop = start + (last - first) * window
+    middle = [r for r in records if start <= r["timestamp"] < stop]
+    burst = [dict(r, tenant="b", timestamp=start + (n + copy / (copies + 1)) * (stop - start) / len(middle),
+                  hash_ids=[h + (copy << 40) for h in r["hash_ids"]])
+             for copy in range(1, copies + 1) for n, r in enumerate(middle)]
+    alone = [dict(r, tenant="a") for r in records]
+    both = sorted(alone + burst, key=lambda r: r["timestamp"])
+    return [json.dumps(r).encode() for r in both], [json.dumps(r).encode() for r in alone]
+
+
+def test_a_light_tenant_keeps_its_ttft_beside_a_burst_held_to_its_share_of_the_kv() -> None:
+    """docs/FLOW_CONTROL.md: `a` a slice of the Mooncake trace at 20% of 4 engines; `b` copies of
+    its middle half at 4x its rate. With fairness and a burst allowance only, `b`'s requests, once
+    sent, fill the engines' KV cache while they decode and `a`'s wait for it: `a`'s TTFT p99 was
+    1.8x its own alone. Holding `b` to its share of the KV in flight (`fairness_kv_share=1`) keeps
+    it within 1.5x, and `b` loses nothing by it. `a` alone runs exactly the same with it."""
+    both, alone = _tenants_lines(1500, 4, 0.5)
+    before = Settings(kv_events="push", queue_threshold=1.0, fairness_burst_tokens=1 << 20)
+    recommended = attrs.evolve(before, fairness_kv_share=1.0)
+
+    def runs(lines: list[bytes], load: float) -> dict[str, Any]:
+        found = simulate(lambda: parse_trace(lines, "tenants", 512), FleetConfig(engines=4, load=load),
+                         [("before", before), ("recommended", recommended)])
+        return {r.name: r for r in found}
+
+    solo = runs(alone, 0.2)
+    assert solo["before"].tenants == solo["recommended"].tenants and solo["before"].ttft == solo["recommended"].ttft
+    a_alone = solo["recommended"].tenants["a"]["ttft"]["p99"]
+    shared = runs(both, 0.2 * len(both) / len(alone))  # `a` at 20%, `b` on top
+    ratio = {name: run.tenants["a"]["ttft"]["p99"] / a_alone for name, run in shared.items()}
+    assert ratio["recommended"] <= 1.5 < ratio["before"], ratio
+    assert shared["recommended"].tenants["a"]["failed"] == 0
+    b_before, b_now = shared["before"].tenants["b"], shared["recommended"].tenants["b"]
+    assert b_now["failed"] <= b_before["failed"] and b_now["ttft"]["mean"] <= b_before["ttft"]["mean"]

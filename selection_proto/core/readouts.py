@@ -69,8 +69,11 @@ def gauges(records: Iterable[WorkerCatalogRecord], pools: Mapping[Key, Pool], bu
     prefill: Samples = {}
     decode: Samples = {}
     learned: Samples = {}
+    overheads: Samples = {}
     for key, pool in pools.items():
         sessions[key] = float(len(pool.sessions))
+        if pool.speeds.learn:
+            overheads[key] = pool.speeds.overhead
         for worker_id, speed in pool.speeds.learned().items():
             learned[(*key, str(worker_id))] = speed
         for rank in pool.ranks():  # bounded by the worker and dp-size limits
@@ -105,6 +108,7 @@ def gauges(records: Iterable[WorkerCatalogRecord], pools: Mapping[Key, Pool], bu
         "selection_proto_rank_prefill_tokens": prefill,
         "selection_proto_rank_decode_blocks": decode,
         "selection_proto_worker_learned_speed": learned,
+        "selection_proto_learned_request_overhead_tokens": overheads,
     }
 
 

@@ -33,6 +33,7 @@ _MODEL_FLAGS = (
     ("decode_full_ms", float, "a decode step on a full KV cache (ms)"),
     ("max_batched_tokens", int, "new tokens an iteration prefills at most"),
     ("max_running", int, "requests an engine runs at once at most"),
+    ("request_fixed_ms", float, "fixed cost of every prompt, in the iteration that ends its prefill (ms)"),
 )
 
 
@@ -222,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     if not 1e-6 <= args.link_gbps <= 1e6:
         raise UsageError("--link-gbps: must be a number from 0.000001 to 1000000")
     for name, low in (("engines", 1), ("kv_blocks", 1), ("trace_block_size", 1), ("skip", 0), ("max_batched_tokens", 1),
-                      ("max_running", 1)):
+                      ("max_running", 1), ("request_fixed_ms", 0)):
         if getattr(args, name) < low:
             raise UsageError(f"--{name.replace('_', '-')}: must be at least {low}")
     if args.requests is not None and args.requests < 1:

@@ -43,6 +43,8 @@ class EngineModel:
       + new_tokens / prefill_tokens_per_sec * 1000
       + attention_ms * new_tokens * (context + new_tokens / 2) / 1e6   (attention over the context)
       + decode_ms + (decode_full_ms - decode_ms) * kv_used              (when any request decodes)
+      + request_fixed_ms * prompts whose prefill ends in it               (sampling, detokenizing,
+                                                                          the HTTP hops: 0 here)
 
     The defaults are fitted to Dynamo's mocker polynomials (prefill 1k tokens ≈ 32 ms, 8k ≈ 169 ms;
     a decode step 5.7 ms on an empty cache, 34 ms on a full one). Where they depart: the attention
@@ -63,6 +65,9 @@ class EngineModel:
     max_batched_tokens: int = 8192
     max_running: int = 256
     mocker: bool = False
+    # What a real engine spends on every request whatever its prompt (vLLM on the CPU: 10-20 ms):
+    # a cached prompt does not save it (docs/ROUTING.md, "A fixed time per request").
+    request_fixed_ms: float = 0.0
 
     @property
     def tokens_per_sec(self) -> float:
@@ -70,16 +75,18 @@ class EngineModel:
         and attention costs (the mocker's linear term)."""
         return 1000.0 / 1.518344e-02 if self.mocker else self.prefill_tokens_per_sec
 
-    def iteration_ms(self, prefill: list[tuple[int, int]], decoding: int, kv_used: float) -> float:
-        """`prefill`: (new tokens, context before them) of each chunk this iteration."""
+    def iteration_ms(self, prefill: list[tuple[int, int]], decoding: int, kv_used: float, ends: int = 0) -> float:
+        """`prefill`: (new tokens, context before them) of each chunk this iteration; `ends`: how
+        many of them end their prompt's prefill."""
+        fixed = self.request_fixed_ms * ends
         if self.mocker:
             new = sum(tokens for tokens, _ in prefill)
             ms = 4.209989e-07 * new * new + 1.518344e-02 * new + 16.50142 if new else 0.0
             if decoding:
                 used = min(1.0, kv_used)
                 ms += max(1.0, -25.74 * used * used + 54.01 * used + 5.74)
-            return ms
-        ms = 0.0
+            return ms + fixed
+        ms = fixed
         if prefill:
             ms += self.prefill_fixed_ms
             for tokens, context in prefill:
@@ -99,15 +106,16 @@ class EngineModel:
         prefill_iteration = self.iteration_ms([(self.max_batched_tokens, 0)], 1, 0.8) / 1000.0
         decode_iteration = self.iteration_ms([], 1, 0.8) / 1000.0
         per_token = prefill_iteration / self.max_batched_tokens
-        prefill_bound = 1.0 / (max(isl, 1.0) * per_token)
+        per_request = self.request_fixed_ms / 1000.0
+        prefill_bound = 1.0 / (max(isl, 1.0) * per_token + per_request)
         concurrent = kv_blocks / max(blocks, 1.0)
 
         def kv_bound(rate: float) -> float:
             if decode_iteration == 0:  # decoding costs nothing: a request holds its blocks for its prefill
-                return concurrent / (isl * per_token)
-            prefilling = min(1.0, rate * isl * per_token)  # the share of time in prefill iterations
+                return concurrent / (isl * per_token + per_request)
+            prefilling = min(1.0, rate * (isl * per_token + per_request))  # the share of time in prefill iterations
             iterations = prefilling / prefill_iteration + (1.0 - prefilling) / decode_iteration
-            return concurrent / (osl / iterations + isl * per_token)
+            return concurrent / (osl / iterations + isl * per_token + per_request)
 
         low, high = 0.0, prefill_bound
         for _ in range(50):
@@ -158,7 +166,7 @@ WHOLE, PREFILL_FOR_OTHER, DECODE_SENT = range(3)
 class SimRequest:
     __slots__ = ("rid", "arrival", "isl", "osl", "seqs", "locals", "full", "engine", "cached", "left",
                  "context", "started", "first_token", "private", "blocks_held", "tenant", "flow",
-                 "stage", "decode_engine", "sent_blocks", "sent_private")
+                 "stage", "decode_engine", "sent_blocks", "sent_private", "dispatched")
 
     def __init__(self, rid: str, arrival: float, trace: TraceRequest, block_size: int,
                  local_hashes: list[int]) -> None:
@@ -172,6 +180,7 @@ class SimRequest:
         self.seqs = array("Q", sequence_hashes(local_hashes))
         self.full = trace.input_length // block_size  # cacheable blocks: the full ones
         self.engine = -1
+        self.dispatched = -1.0  # sent to its engine (after any wait in the router's queue)
         self.cached = 0  # prompt tokens the engine had cached
         self.left = 0  # prompt tokens still to prefill
         self.context = 0  # tokens before the next chunk
@@ -343,7 +352,8 @@ class Engine:
             self.busy_until = None
             return None
         ms = self.model.iteration_ms([(take, req.context) for req, take in chunks], len(self.decoding),
-                                     self.used() / self.capacity) / self.speed
+                                     self.used() / self.capacity,
+                                     sum(1 for req, take in chunks if take == req.left)) / self.speed
         self.last_prefill = chunks
         self.busy_until = now + ms / 1000.0
         return self.busy_until

@@ -94,7 +94,7 @@ Setup = Settings | PdSetup | ReplicaSetup | str | None
 
 
 def _run(name: str, setting: Setup, arrivals: Iterable[tuple[float, TraceRequest]],
-         end: float, config: FleetConfig) -> SettingRun:
+         end: float, config: FleetConfig, watch: Callable[[str, SimRequest], None] | None = None) -> SettingRun:
     settings = setting.settings if isinstance(setting, PdSetup | ReplicaSetup) else \
         setting if isinstance(setting, Settings) else None
     router: Router | ServiceRouter
@@ -162,6 +162,7 @@ def _run(name: str, setting: Setup, arrivals: Iterable[tuple[float, TraceRequest
 
     def dispatch(req: SimRequest, engine: int, now: float) -> None:
         req.engine = engine
+        req.dispatched = now
         target = engines[engine]
         target.waiting.append(req)
         if target.busy_until is None:
@@ -220,6 +221,8 @@ def _run(name: str, setting: Setup, arrivals: Iterable[tuple[float, TraceRequest
             engine = engines[payload]
             first, done = engine.finish(now)
             for req in first:
+                if watch is not None:
+                    watch(name, req)
                 ttft.append(req.first_token - req.arrival)
                 waits.append(req.started - req.arrival)
                 _, mine, waited = tenant(req)
@@ -317,11 +320,14 @@ def _changed(settings: Settings) -> dict[str, Any]:
 
 
 def simulate(trace: Callable[[], Iterable[TraceRequest]], config: FleetConfig,
-             settings: list[tuple[str, Setup]]) -> list[SettingRun]:
+             settings: list[tuple[str, Setup]],
+             watch: Callable[[str, SimRequest], None] | None = None) -> list[SettingRun]:
     """Replay `trace()` (called once for its totals and once per setting: a stream, never held
     whole) through a fleet for each named setting: `Settings` for the core in process, a
     `PdSetup` for its plans, a `ReplicaSetup` for replicas of it, a URL for a running service (`ServiceRouter`), None for a baseline of
-    `BASELINES` or the `ORACLE`."""
+    `BASELINES` or the `ORACLE`. `watch(setting name, request)`: called at each first token, with
+    when the request arrived, was sent to its engine, started there and got its first token, and
+    the prompt tokens its engine had cached (what bench/tenants.py --explain reads)."""
     first = last = None
     count = isl = osl = blocks = 0
     for req in trace():
@@ -347,4 +353,4 @@ def simulate(trace: Callable[[], Iterable[TraceRequest]], config: FleetConfig,
         for req in trace():
             yield (req.arrival - first) * scale, req
 
-    return [_run(name, s, arrivals(), end, config) for name, s in settings]
+    return [_run(name, s, arrivals(), end, config, watch) for name, s in settings]

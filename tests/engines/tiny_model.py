@@ -1,6 +1,7 @@
 """A tiny Llama for real vLLM engines on the CPU, built from nothing (no model hub is reachable):
 random weights (seeded), a byte-level BPE tokenizer trained here on a few sentences, and a chat
-template. Run with the vLLM virtualenv's Python: `python tiny_model.py DIR`.
+template. Run with the vLLM virtualenv's Python: `python tiny_model.py DIR [HIDDEN LAYERS]` (a
+larger model of the same shape: bench/real_gateway.py sizes it so that prefill dominates).
 
 The model's answers are noise; what the tests need from it is a real engine's KV cache: real
 block hashes, evictions and `cached_tokens` counts."""
@@ -26,7 +27,7 @@ CORPUS = [
 ]
 
 
-def build(folder: Path) -> None:
+def build(folder: Path, hidden_size: int = 128, layers: int = 2) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -47,11 +48,13 @@ def build(folder: Path) -> None:
         "model_max_length": 2048, "chat_template": CHAT_TEMPLATE,
     }))
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+    heads = max(4, hidden_size // 32)  # heads of 32 dimensions, two queries to a KV head
+    config = LlamaConfig(vocab_size=1024, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads // 2,
+                         max_position_embeddings=2048,
                          bos_token_id=0, eos_token_id=1, torch_dtype="float32")
     LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
 
 
 if __name__ == "__main__":
-    build(Path(sys.argv[1]))
+    build(Path(sys.argv[1]), *map(int, sys.argv[2:4]))

@@ -191,6 +191,10 @@ FAMILIES: Final[Mapping[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]
         "gauge", "router_policy=ttft: a worker's prefill speed against its pool's mean as learned (2: twice as "
         "fast); workers whose record declares prefill_tokens_per_sec are not learned.",
         _WORKER_LABELS, ()),
+    "selection_proto_learned_request_overhead_tokens": (
+        "gauge", "router_policy=ttft: the time an engine spends on every request whatever it holds, in its "
+        "pool's prefill tokens, as learned from prefill ends (0 until learned).",
+        ("model_name", "tenant_id"), ()),
     KV_REPLAYS: ("counter", "Engine replays: requests, batches recovered, lost and passed over (before "
                              "the engine's newest clear), replays that failed.",
                  ("result",), ()),

@@ -59,6 +59,7 @@ class Settings:
     fairness_max_queued: int | None = None  # queued requests at most per fairness ID (per key)
     fairness_max_queued_tokens: int | None = None  # and their uncached tokens
     fairness_burst_tokens: int | None = None  # a light fairness ID's burst may run this many uncached tokens ahead
+    fairness_kv_share: float | None = None  # with others present, a fairness ID holds at most this x its share of KV
     priority_promote_secs: float | None = None  # a queued request climbs one tier per this many seconds
     shed_sheddable: bool = True  # a request with priority < 0 that would queue is refused at once
     overload_status_code: int = 429  # the status of backpressure refusals; 529 is Dynamo's
@@ -120,7 +121,7 @@ class Settings:
             if value is not None:
                 _check(name, _is_number(value) and value >= 0, "must be a finite number >= 0")
         for name in ("queue_threshold", "active_decode_blocks_threshold",
-                     "active_prefill_tokens_threshold_frac"):
+                     "active_prefill_tokens_threshold_frac", "fairness_kv_share"):
             value = getattr(self, name)
             if value is not None:
                 _check(name, _is_number(value) and value > 0, "must be greater than 0")

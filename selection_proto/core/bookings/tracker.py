@@ -40,10 +40,11 @@ class DuplicateReservation(Conflict):
 
 
 class RankLoad:
-    __slots__ = ("prefill_tokens", "requests", "unique", "weights", "extra", "changes")
+    __slots__ = ("prefill_tokens", "prefilling", "requests", "unique", "weights", "extra", "changes")
 
     def __init__(self) -> None:
         self.prefill_tokens = 0
+        self.prefilling = 0  # bookings whose prefill has not ended (a fully cached one included)
         self.requests = 0
         self.unique: dict[int, int] = {}  # booked prompt block -> how many bookings hold it
         self.weights: dict[int, float] = {}  # the prompt blocks that do not weigh 1
@@ -69,7 +70,7 @@ class RankLoad:
 class Booking:
     __slots__ = ("rid", "rank", "blocks", "prefill_tokens", "prefill_done", "expected_output_tokens",
                  "booked_at", "outputs", "output_weight", "lease", "owner",
-                 "outputs_by", "predicted_cached", "prompt_tokens", "plan", "awaits")
+                 "outputs_by", "predicted_cached", "prompt_tokens", "plan", "awaits", "holder")
 
     def __init__(self, rid: str, rank: Rank, blocks: list[int] | None, prefill_tokens: int,
                  expected_output_tokens: int | None, booked_at: float) -> None:
@@ -91,13 +92,15 @@ class Booking:
         self.plan = False  # one leg of a prefill/decode plan booked here (pd.py): its expiry is an orphan's
         # The prompt's block hashes while the end of its prefill is read from events (prefill_ends.py).
         self.awaits: list[int] | None = None
+        # (fairness ID, uncached prompt tokens) it counts in `Tracker.held` (`fairness_kv_share` only).
+        self.holder: tuple[str, int] | None = None
 
 
 class Tracker:
     """One key's bookings. Ids are unique per key; insertion order is booking-time order because
     the service never lets `now` go backwards, so expiry pops from the front."""
 
-    __slots__ = ("bookings", "loads", "limit", "label", "budget")
+    __slots__ = ("bookings", "loads", "limit", "label", "budget", "held")
 
     def __init__(self, limit: int, label: str, budget: StateBudget | None = None) -> None:
         self.bookings: dict[str, Booking] = {}
@@ -105,6 +108,9 @@ class Tracker:
         self.limit = limit
         self.label = label  # "model=<m> tenant=<t>"
         self.budget = budget if budget is not None else StateBudget(1 << 62)
+        # Fairness ID -> uncached prompt tokens of its bookings in flight (booked with a holder); only
+        # IDs holding some are kept, so it is bounded by the bookings.
+        self.held: dict[str, int] = {}
 
     def add_rank(self, rank: Rank) -> None:
         self.loads.setdefault(rank, RankLoad())
@@ -118,6 +124,7 @@ class Tracker:
         budget = self.budget
         for booking in dropped:
             del self.bookings[booking.rid]
+            self._release(booking)
             budget.bookings -= 1
             budget.booked_blocks -= len(booking.blocks) if booking.blocks else 0
         return dropped
@@ -132,10 +139,11 @@ class Tracker:
 
     def book(self, rid: str, rank: Rank, blocks: list[int] | None, prefill_tokens: int,
              expected_output_tokens: int | None, now: float, checked: bool = True,
-             defer: Defer | None = None) -> Booking:
+             defer: Defer | None = None, holder: tuple[str, int] | None = None) -> Booking:
         """`checked=False`: a mirrored booking, which the ledger already took (only the id is
         checked, by the caller). `defer`: where the counting of a booking of over `PIECE_BLOCKS`
-        blocks goes, in pieces (no answer of the call that books reads it)."""
+        blocks goes, in pieces (no answer of the call that books reads it). `holder`: the fairness
+        ID and uncached prompt tokens it counts in `held` until it ends."""
         if checked:
             self.check_can_book(rid)
         load = self.loads[rank]
@@ -144,10 +152,24 @@ class Tracker:
         self.budget.bookings += 1
         self.budget.booked_blocks += len(blocks) if blocks else 0
         load.requests += 1
+        load.prefilling += 1
         load.prefill_tokens += prefill_tokens
         if blocks:
             _in_pieces(_count, load, blocks, defer)
+        if holder is not None:
+            booking.holder = holder
+            self.held[holder[0]] = self.held.get(holder[0], 0) + holder[1]
         return booking
+
+    def _release(self, booking: Booking) -> None:
+        """A booking that ends stops counting in `held`."""
+        if booking.holder is not None:
+            fairness_id, tokens = booking.holder
+            left = self.held[fairness_id] - tokens
+            if left:
+                self.held[fairness_id] = left
+            else:
+                del self.held[fairness_id]
 
     def get(self, rid: str) -> Booking:
         booking = self.bookings.get(rid)
@@ -159,7 +181,9 @@ class Tracker:
         booking = self.get(rid)
         if not booking.prefill_done:
             booking.prefill_done = True
-            self.loads[booking.rank].prefill_tokens -= booking.prefill_tokens
+            load = self.loads[booking.rank]
+            load.prefill_tokens -= booking.prefill_tokens
+            load.prefilling -= 1
         return booking
 
     def add_output_block(self, rid: str, decay_fraction: float | None) -> None:
@@ -192,10 +216,12 @@ class Tracker:
             raise NotFound(f"reservation {rid} not found")
         self.budget.bookings -= 1
         self.budget.booked_blocks -= len(booking.blocks) if booking.blocks else 0
+        self._release(booking)
         load = self.loads[booking.rank]
         load.requests -= 1
         if not booking.prefill_done:
             load.prefill_tokens -= booking.prefill_tokens
+            load.prefilling -= 1
         if booking.output_weight:
             load.extra -= booking.output_weight
         if booking.blocks:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Set
 from typing import Final, NamedTuple
 
 from ..base.types import SelectRequest
@@ -149,6 +149,31 @@ class FlowQueue:
         count = self._counts.get((kind, name))
         return (count[0], count[1]) if count is not None else (0, 0)
 
+    def fairness_ids(self) -> Iterator[str]:
+        """The fairness IDs with a request waiting (over every tier and class)."""
+        return (name for kind, name in self._counts if kind == "fairness")
+
+    def ahead(self, lane: Lane) -> bool:
+        """Whether a request in `lane` is owed nothing: its fairness ID's flow in the lane's class
+        (where it would begin, if it waits nowhere there) is at or past every other flow waiting
+        in the class, in virtual time; so too when no other waits there. Visits the class's flows."""
+        cls = self._classes.get((lane.tier, lane.policy_class))
+        if cls is None:
+            return True
+        fid = lane.fairness_id
+        flow = cls.flows.get(fid)
+        vtime = flow.vtime if flow is not None else self._start(cls, fid)
+        return all(other.vtime <= vtime for name, other in cls.flows.items() if name != fid)
+
+    def _start(self, cls: _Class, fairness_id: str) -> float:
+        """Where a flow of `fairness_id` that starts waiting in `cls` begins: at the class's clock;
+        with a burst allowance, up to that far before it, but never before where its own use left
+        it (a light fairness ID's burst runs ahead of those waiting all along, a heavy one that
+        empties now and then gains nothing)."""
+        if not self._burst:
+            return cls.clock
+        return max(cls.idle.get(fairness_id, -math.inf), cls.clock - self._burst)
+
     def lanes(self) -> list[tuple[int, str, int, int, int]]:
         """(priority tier, class, queued requests, their uncached tokens, fairness IDs waiting) of
         each class of each tier with a request waiting, highest tier first."""
@@ -176,11 +201,8 @@ class FlowQueue:
             self._tier_classes[tier] = self._tier_classes.get(tier, 0) + 1
         flow = cls.flows.get(fid)
         if flow is None:
-            # It begins at the clock; with a burst allowance, up to that far before it, but never
-            # before where its own use left it: a light fairness ID's burst runs ahead of those
-            # waiting all along, a heavy one that empties now and then gains nothing.
-            start = max(cls.idle.pop(fid, -math.inf), cls.clock - self._burst) if self._burst else cls.clock
-            flow = cls.flows[fid] = _Flow(start)
+            flow = cls.flows[fid] = _Flow(self._start(cls, fid))
+            cls.idle.pop(fid, None)
         bisect.insort(flow.entries, entry, key=_run_order)
         flow.tokens += entry.cost
         self._tickets[entry.ticket] = entry
@@ -268,13 +290,16 @@ class FlowQueue:
     def next_expiry(self) -> float | None:
         return min((e.expires_at for e in self._tickets.values()), default=None)
 
-    def next(self, now: float, passed_over: set[int]) -> QueuedSelection | None:
-        """The entry that runs next, skipping `passed_over` (their candidates are busy); None when
-        every entry is passed over. Visits each flow once."""
+    def next(self, now: float, passed_over: set[int], held_back: Set[str] = frozenset()) -> QueuedSelection | None:
+        """The entry that runs next, skipping `passed_over` (their candidates are busy) and the
+        fairness IDs `held_back` (over their share of what is in flight); None when every entry is
+        skipped. Visits each flow once."""
         best: tuple[float, ...] | None = None
         chosen = None
         for (tier, _), cls in self._classes.items():
-            for flow in cls.flows.values():
+            for fid, flow in cls.flows.items():
+                if fid in held_back:
+                    continue
                 head = next((e for e in flow.entries if e.ticket not in passed_over), None)
                 if head is None:
                     continue

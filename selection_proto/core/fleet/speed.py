@@ -8,6 +8,17 @@ the mean of the workers learned so far, to the power 0.5: halfway, in log terms,
 equal" and what was measured, which damps the noise between engines that are in fact equal.
 A declared speed always wins; only the ratios between workers matter to the cost.
 
+A worker also spends a fixed time on every request, whatever its prompt (scheduling, sampling,
+the HTTP and gateway hops: 10-20 ms on vLLM on the CPU), which a cached prompt does not save. It
+is learned as `overhead`, in prefill tokens (so that only ratios enter, as for the speeds): each
+prefill end on a rank is a sample of (its prefill tokens, the rank-seconds with some prefill
+pending since the previous end there), and a least-squares line through the pool's samples,
+older ones weighing less, gives seconds per request over seconds per token (docs/ROUTING.md, "A
+fixed time per request"). Each booking then adds that fixed time to its rank's `backlog`, which
+drains as time passes: a burst of requests on one engine costs their fixed times however much
+of their prompts it holds (their prefill ends are read at once when there is nothing new to
+store, so pending bookings alone would not show it).
+
 `left` reads how far a rank's running prefill has got at its worker's learned rate (tokens a
 rank-second, absolute): measured, and not used by the cost (docs/ROUTING.md, round three)."""
 
@@ -17,7 +28,7 @@ from typing import Final
 
 from ..cache.index import Rank
 
-__all__ = ["DEFAULT_PREFILL_TOKENS_PER_SEC", "Speeds", "worker_speed"]
+__all__ = ["DEFAULT_PREFILL_TOKENS_PER_SEC", "Fit", "Speeds", "worker_speed"]
 
 # A worker's prefill speed when its record does not give one (only the ratios between workers
 # matter then: every term of the cost is divided by it).
@@ -28,6 +39,12 @@ LEARN_AFTER_TOKENS: Final = 20_000
 DAMPING: Final = 0.5
 # A learned worker is read at most this many times slower (or faster) than the fleet's mean.
 MOST_APART: Final = 4.0
+# Prefill ends a pool must have seen before its per-request overhead is read.
+OVERHEAD_AFTER: Final = 64
+# Each sample's weight is multiplied by this at every later one: the last ~1,000 prefill ends count.
+OVERHEAD_MEMORY: Final = 1.0 - 1.0 / 1024
+# The overhead is read as at most this many prefill tokens a request.
+MOST_OVERHEAD_TOKENS: Final = 4096.0
 
 
 def worker_speed(prefill_tokens_per_sec: float | None, total_kv_blocks: int | None) -> tuple[float, int]:
@@ -35,11 +52,53 @@ def worker_speed(prefill_tokens_per_sec: float | None, total_kv_blocks: int | No
     return 1.0 / (prefill_tokens_per_sec or DEFAULT_PREFILL_TOKENS_PER_SEC), total_kv_blocks or 0
 
 
+class Fit:
+    """A least-squares line `secs = fixed + per_token * tokens` through weighted samples, each older
+    one weighing `OVERHEAD_MEMORY` times less: its running sums, O(1) a sample."""
+
+    __slots__ = ("samples", "n", "t", "s", "tt", "ts", "ss")
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.n = self.t = self.s = self.tt = self.ts = self.ss = 0.0
+
+    def add(self, tokens: float, secs: float) -> None:
+        m = OVERHEAD_MEMORY
+        self.samples += 1
+        self.n = self.n * m + 1.0
+        self.t = self.t * m + tokens
+        self.s = self.s * m + secs
+        self.tt = self.tt * m + tokens * tokens
+        self.ts = self.ts * m + tokens * secs
+        self.ss = self.ss * m + secs * secs
+
+    def line(self) -> tuple[float, float] | None:
+        """(fixed, per_token) seconds, the fixed time within 0 and `MOST_OVERHEAD_TOKENS` tokens'
+        time, and 0 unless it stands out of the noise (twice its standard error: long prompts
+        make it an extrapolation); None while there is nothing to read: too few samples, prompts
+        too alike to tell the two apart, or times that do not grow with the tokens."""
+        if self.samples < OVERHEAD_AFTER:
+            return None
+        mean_t, mean_s = self.t / self.n, self.s / self.n
+        var = self.tt / self.n - mean_t * mean_t
+        cov = self.ts / self.n - mean_t * mean_s
+        if var <= (0.05 * mean_t) ** 2 or cov <= 0.0:
+            return None
+        per_token = cov / var
+        fixed = mean_s - per_token * mean_t
+        residual = max(0.0, self.ss / self.n - mean_s * mean_s - cov * per_token)
+        if fixed * fixed <= 4.0 * residual / self.n * (1.0 + mean_t * mean_t / var):
+            fixed = 0.0
+        return min(MOST_OVERHEAD_TOKENS * per_token, max(0.0, fixed)), per_token
+
+
 class Speeds:
     """One pool's workers: `of` is what the cost reads (worker -> `worker_speed`, learned ones
-    scaled); `observe`, `stopped` and `completed` are fed by the bookings when `learn` is on."""
+    scaled), and `overhead` (prefill tokens each request costs beyond its own, learned: 0 until
+    then); `observe`, `stopped` and `completed` are fed by the bookings when `learn` is on."""
 
-    __slots__ = ("of", "learn", "shadow", "_declared", "_busy", "_done", "_since", "_unread", "_started", "_rate")
+    __slots__ = ("of", "learn", "shadow", "overhead", "_declared", "_busy", "_done", "_since", "_unread",
+                 "_started", "_rate", "_pending", "_fit", "_fixed", "_per_token", "_backlog")
 
     def __init__(self, learn: bool, shadow: Speeds | None = None) -> None:
         self.of: dict[int, tuple[float, int]] = {}
@@ -56,6 +115,12 @@ class Speeds:
         # counting on it since): how far its running prefill has got (`left`).
         self._started: dict[Rank, tuple[float, int]] = {}
         self._rate: dict[int, float] = {}  # worker -> prefill tokens a rank-second, once learned
+        self.overhead = 0.0
+        self._pending: dict[Rank, float] = {}  # rank -> seconds with prefill pending since its last end
+        self._fit = Fit()
+        self._fixed = 0.0  # learned seconds a request costs whatever it holds (0: not learned)
+        self._per_token = 0.0  # learned seconds a prefill token costs
+        self._backlog: dict[Rank, tuple[float, float]] = {}  # rank -> (fixed seconds ahead, as of when)
 
     def set(self, worker_id: int, prefill_tokens_per_sec: float | None, total_kv_blocks: int | None) -> None:
         """The worker joined or its record changed."""
@@ -81,19 +146,42 @@ class Speeds:
         for rank in [r for r in self._since if r[0] == worker_id]:
             del self._since[rank]
             self._started.pop(rank, None)
+            self._pending.pop(rank, None)
+            self._backlog.pop(rank, None)
 
-    def observe(self, rank: Rank, booked_prefill: int, now: float) -> None:
-        """Called before the rank's booked prefill changes, with what it was until `now`."""
+    def observe(self, rank: Rank, booked_prefill: int, now: float, pending: int = 0) -> None:
+        """Called before the rank's booked prefill changes, with what it was until `now`: its
+        tokens, and `pending`, its bookings whose prefill had not ended (a cached one has none)."""
         if self.shadow is not None:
-            self.shadow.observe(rank, booked_prefill, now)
+            self.shadow.observe(rank, booked_prefill, now, pending)
         if not self.learn:
             return
         since = self._since.get(rank)
-        if since is not None and booked_prefill > 0 and now > since:
-            self._busy[rank[0]] = self._busy.get(rank[0], 0.0) + (now - since)
+        if since is not None and now > since:
+            if booked_prefill > 0:
+                self._busy[rank[0]] = self._busy.get(rank[0], 0.0) + (now - since)
+            if pending > 0:
+                self._pending[rank] = self._pending.get(rank, 0.0) + (now - since)
         self._since[rank] = now
         if booked_prefill <= 0:
             self._started[rank] = (now, 0)
+
+    def booked(self, rank: Rank, now: float) -> None:
+        """A request was booked on the rank: its fixed time joins the rank's backlog."""
+        if self.shadow is not None:
+            self.shadow.booked(rank, now)
+        if self._fixed > 0.0:
+            ahead = self._backlog.get(rank)
+            left = ahead[0] - (now - ahead[1]) if ahead is not None else 0.0
+            self._backlog[rank] = ((left if left > 0.0 else 0.0) + self._fixed, now)
+
+    def backlog(self, rank: Rank, now: float) -> float:
+        """The fixed time of the rank's recent bookings not yet drained by `now`, in prefill tokens."""
+        ahead = self._backlog.get(rank)
+        if ahead is None:
+            return 0.0
+        left = ahead[0] - (now - ahead[1])
+        return left / self._per_token if left > 0.0 else 0.0
 
     def stopped(self, rank: Rank, prefill_tokens: int) -> None:
         """A booking's prefill tokens stopped counting on the rank (completed, or freed before)."""
@@ -112,12 +200,21 @@ class Speeds:
         done = rate * (now - started[0]) - started[1]
         return booked_prefill - done if done < booked_prefill else 0.0
 
-    def completed(self, worker_id: int, prefill_tokens: int) -> None:
-        """A booking on the worker finished its prefill: the learned speeds move."""
+    def completed(self, rank: Rank, prefill_tokens: int) -> None:
+        """A booking on the rank finished its prefill (observed just before): the learned speeds
+        and overhead move."""
         if self.shadow is not None:
-            self.shadow.completed(worker_id, prefill_tokens)
-        if not self.learn or prefill_tokens <= 0:
+            self.shadow.completed(rank, prefill_tokens)
+        if not self.learn:
             return
+        self._fit.add(max(prefill_tokens, 0), self._pending.pop(rank, 0.0))
+        line = self._fit.line()
+        if line is not None:
+            self._fixed, self._per_token = line
+            self.overhead = self._fixed / self._per_token
+        if prefill_tokens <= 0:
+            return
+        worker_id = rank[0]
         self._done[worker_id] = self._done.get(worker_id, 0) + prefill_tokens
         self._unread += prefill_tokens
         # Working the speeds out is one pass over the workers: in a large pool, once for every

