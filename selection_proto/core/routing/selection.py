@@ -395,10 +395,8 @@ class Selector(Admission, Plans, PrefillReading):
         `holder`: the fairness ID whose in-flight prompts it counts in (`fairness_kv_share`)."""
         self.expire(pool, now)
         if self.journal is not None and getattr(pool.tracker.bookings.get(rid), "owner", None) is not None:
-            # Another replica's booking of the id, its free maybe on its way: the ledger keeps
-            # this one waiting behind it (docs/REPLICATION.md).
-            self.journal.check_booking(rid, again=True)
-            pool.free(rid, now)
+            self.journal.check_booking(rid, again=True)  # another replica's booking of the id, its free
+            pool.free(rid, now)  # maybe on its way: the ledger keeps this one behind it (REPLICATION.md)
         try:
             self._limits.reservations(pool, rid)
         except DuplicateReservation as exc:
