@@ -804,3 +804,38 @@ def test_an_id_booked_again_unanswered_when_the_ledger_goes_is_undone_503(ledger
             assert a.loads() == b.loads() == {1: (0, 0, 0), 2: (0, 0, 0)}
 
     run(main)
+
+
+def test_an_id_whose_end_came_with_a_snapshot_is_booked_again_once_the_ledger_has_it(
+        ledger: LedgerServer) -> None:
+    """B loads a snapshot (as after a reconnect) that no longer holds A's booking of x: B drops its
+    copy. Booked again on B, x used to count as a new id, answered at once; a free of it sent to
+    A after that answer reached the ledger before B's booking, found x ended and answered 404,
+    and the booking stayed until its lease. B now knows x ended: its booking waits for the
+    ledger, so a free sent after its answer finds it."""
+    async def main() -> None:
+        async with replicas(2, ledger.url) as (a, b):
+            await _two_workers(a)
+            await settled([a, b])
+            booking = {**PROMPT, "worker_id": 2, "reservation_id": "x"}
+            await a.ok("POST", "/reservations", booking, status=201)
+            await settled([a, b])
+            await park([b], via=a)  # B will not read x's end from the feed
+            await a.ok("DELETE", "/reservations/x")
+            await until(lambda: not ledger.client().hexists("sp:{t}:res", "x"))
+            b.ledger.needs_snapshot = True
+            b.link.wake.set()
+            await until(lambda: not b.ledger.needs_snapshot)
+            unpark([b])
+            assert b.loads()[2] == (0, 0, 0)
+            b.link.held_writes = True  # B's booking is not in the ledger yet
+            ticket = b.send("POST", "/reservations", booking)
+            assert isinstance(ticket, int), ticket  # not answered before the ledger has it
+            assert await a.call("DELETE", "/reservations/x") == (404, {"error": "reservation x not found"})
+            b.link.held_writes = False
+            assert (await b.answer(ticket))[0] == 201
+            await a.ok("DELETE", "/reservations/x")  # sent after the answer: it finds the booking
+            await settled([a, b])
+            assert a.loads() == b.loads() == {1: (0, 0, 0), 2: (0, 0, 0)}
+
+    run(main)
