@@ -839,3 +839,33 @@ def test_an_id_whose_end_came_with_a_snapshot_is_booked_again_once_the_ledger_ha
             assert a.loads() == b.loads() == {1: (0, 0, 0), 2: (0, 0, 0)}
 
     run(main)
+
+
+def test_an_id_whose_whole_life_a_snapshot_skipped_is_booked_again_once_the_ledger_has_it(
+        ledger: LedgerServer) -> None:
+    """As above, for a replica that never saw x: booked and freed on A while B's reader was away,
+    then B loads a snapshot. The snapshot brings the ids that ended since B's place in the feed."""
+    async def main() -> None:
+        async with replicas(2, ledger.url) as (a, b):
+            await _two_workers(a)
+            await settled([a, b])
+            booking = {**PROMPT, "worker_id": 2, "reservation_id": "x"}
+            await park([b], via=a)
+            await a.ok("POST", "/reservations", booking, status=201)
+            await a.ok("DELETE", "/reservations/x")
+            await until(lambda: not ledger.client().hexists("sp:{t}:res", "x"))
+            b.ledger.needs_snapshot = True
+            b.link.wake.set()
+            await until(lambda: not b.ledger.needs_snapshot)
+            unpark([b])
+            b.link.held_writes = True
+            ticket = b.send("POST", "/reservations", booking)
+            assert isinstance(ticket, int), ticket  # not answered before the ledger has it
+            assert await a.call("DELETE", "/reservations/x") == (404, {"error": "reservation x not found"})
+            b.link.held_writes = False
+            assert (await b.answer(ticket))[0] == 201
+            await a.ok("DELETE", "/reservations/x")
+            await settled([a, b])
+            assert a.loads() == b.loads() == {1: (0, 0, 0), 2: (0, 0, 0)}
+
+    run(main)

@@ -455,9 +455,11 @@ class Ledger:
             gone = [rid for rid in pool.tracker.bookings if rid not in snap.bookings and rid not in queued]
             for rid in gone:
                 pool.free(rid, now)
-                # Ended, unseen in the feed: booked here again, it waits for the ledger, or a free
-                # sent elsewhere after its answer could reach the ledger first and answer 404.
                 journal.end(rid, snap.n)
+        # Ended, unseen in the feed: booked here again, each waits for the ledger, or a free sent
+        # elsewhere after its answer could reach the ledger first, find it ended and answer 404.
+        for rid, n in snap.ended.items():
+            journal.end(rid, n)
         for rid, body in snap.bookings.items():
             try:
                 if rid in queued:
