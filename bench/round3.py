@@ -4,7 +4,8 @@ behaviours, with the variants that were measured before deciding them:
 
 - `round 2`: ttft without reading a prefill's end from the engine's events;
 - `+ttl 1 s`: the blocks of in-flight prefills visible to the next selection (`predicted_ttl_secs=1`);
-- `+left`: a rank's running prefill counted by what is left of it (`cost.COUNT_WHAT_IS_LEFT`).
+- `whole`: a rank's running prefill counted whole until it ends, as before it was counted by what
+  is left of it (`cost.COUNT_WHAT_IS_LEFT` off).
 
     python bench/round3.py [--reference-python .venv-reference/bin/python] [--requests 2000] [--quick]
 
@@ -38,7 +39,7 @@ TTFT = Settings(kv_events="push", router_policy="ttft")
 
 
 def run_one(trace: Callable[[], Iterator[Any]], config: FleetConfig, name: str, setting: Settings | str | None,
-            left: bool = False, round2: bool = False) -> SettingRun:
+            left: bool = True, round2: bool = False) -> SettingRun:
     cost.COUNT_WHAT_IS_LEFT = left
     reads = selection.Selector._reads_prefill_ends
     if round2:
@@ -46,7 +47,7 @@ def run_one(trace: Callable[[], Iterator[Any]], config: FleetConfig, name: str, 
     try:
         (result,) = simulate(trace, config, [(name, setting)])
     finally:
-        cost.COUNT_WHAT_IS_LEFT = False
+        cost.COUNT_WHAT_IS_LEFT = True
         selection.Selector._reads_prefill_ends = reads  # type: ignore[method-assign]
     return result
 
@@ -78,7 +79,7 @@ def main() -> int:
     if args.quick:
         cases = cases[:1] + cases[4:5] + cases[-4:-3] + cases[-1:]
     print("| trace | slice | load | engines | clients | speeds | oracle mean | Dynamo mean / p99 | ttft mean / p99 "
-          "| ttft / oracle | ttft / Dynamo: mean, p99 | round 2 / oracle | +ttl 1 s / oracle | +left / oracle |")
+          "| ttft / oracle | ttft / Dynamo: mean, p99 | round 2 / oracle | +ttl 1 s / oracle | whole / oracle |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     try:
         for name, skip, load, engines, told, speeds in cases:
@@ -92,16 +93,16 @@ def main() -> int:
             oracle = run_one(trace, config, "oracle", None)
             dynamo = run_one(trace, config, "dynamo", url or Settings(kv_events="push"))
             ttft = run_one(trace, config, "ttft", TTFT)
-            round2 = run_one(trace, config, "ttft", TTFT, round2=True)
+            round2 = run_one(trace, config, "ttft", TTFT, left=False, round2=True)
             ttl = run_one(trace, config, "ttl", Settings(kv_events="push", router_policy="ttft", predicted_ttl_secs=1.0))
-            left = run_one(trace, config, "left", TTFT, left=True)
+            whole = run_one(trace, config, "whole", TTFT, left=False)
             o, d, t = oracle.ttft, dynamo.ttft, ttft.ttft
             print(f"| {name} | {skip}-{skip + args.requests} | {load} | {engines} | "
                   f"{'report' if told else 'silent'} | {','.join(map(str, speeds)) or '-'} | {o['mean']:.3f} "
                   f"| {d['mean']:.3f} / {d['p99']:.3f} | {t['mean']:.3f} / {t['p99']:.3f} | {t['mean'] / o['mean']:.2f}x "
                   f"| {t['mean'] / d['mean']:.2f}x, {t['p99'] / d['p99']:.2f}x "
                   f"| {round2.ttft['mean'] / o['mean']:.2f}x | {ttl.ttft['mean'] / o['mean']:.2f}x "
-                  f"| {left.ttft['mean'] / o['mean']:.2f}x |", flush=True)
+                  f"| {whole.ttft['mean'] / o['mean']:.2f}x |", flush=True)
     finally:
         if reference is not None:
             reference.terminate()

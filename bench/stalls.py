@@ -8,7 +8,10 @@ another connection sends, over and over, one of the heaviest requests a client m
         [--seconds 5] [--bookings 100000] [--workers 100000] [--blocks 200000]
 
 Each scenario starts its own `selection-proto serve --kv-events push` and prepares its state
-first (bookings through pipelined `POST /reservations`, workers through `--restore`).
+first (bookings through pipelined `POST /reservations`, workers through `--restore`). Besides
+the round trips, `cpu` is the CPU time the server's main thread spent while a probe waited (read
+from /proc, 10 ms ticks): the stall itself, which other processes on a busy machine do not
+inflate; `load` is the 1-minute load average after the scenario.
 """
 
 from __future__ import annotations
@@ -67,13 +70,32 @@ class Conn:
         return self.read()
 
 
+WATCH = False  # --watch: the server runs under bench/loop_watch.py, whose reports are printed
+SERVER_PID = 0  # the last server started: its main thread's CPU time is read around each probe
+
+
+def loop_cpu_seconds(pid: int) -> float:
+    """CPU time the process's main thread (its event loop) has used (tests/test_hardening.py)."""
+    with open(f"/proc/{pid}/task/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def start(args: list[str]) -> tuple[subprocess.Popen[str], int]:
-    proc = subprocess.Popen([sys.executable, "-m", "selection_proto", "serve", "--port", "0", "--kv-events", "push",
+    runner = [os.path.join(HERE, "loop_watch.py")] if WATCH else ["-m", "selection_proto"]
+    proc = subprocess.Popen([sys.executable, *runner, "serve", "--port", "0", "--kv-events", "push",
                              "--max-state-bytes", str(64 * 1024**3), *args],
                             stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
+    global SERVER_PID
+    SERVER_PID = proc.pid
     record = json.loads(proc.stderr.readline())
-    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # type: ignore[union-attr]
+    def drain() -> None:
+        for line in proc.stderr:  # type: ignore[union-attr]
+            if WATCH and not line.startswith("{"):
+                print(line, end="", file=sys.stderr)
+
+    threading.Thread(target=drain, daemon=True).start()
     return proc, int(record["url"].rsplit(":", 1)[1])
 
 
@@ -99,18 +121,22 @@ def measure(port: int, heavy: Callable[[Conn], None], seconds: float) -> dict[st
     probe = Conn(port)
     time.sleep(0.2)
     deadline = time.monotonic() + seconds
+    cpu: list[float] = []  # the server loop's CPU time while each probe waited: what a busy machine does not inflate
     while time.monotonic() < deadline:
-        t = time.perf_counter()
+        used, t = loop_cpu_seconds(SERVER_PID), time.perf_counter()
         status, _ = probe.call("GET", "/health")
         assert status == 200
         probes.append(time.perf_counter() - t)
+        cpu.append(loop_cpu_seconds(SERVER_PID) - used)
         time.sleep(0.002)
     stop.set()
     thread.join()
     probes.sort()
+    cpu.sort()
     return {"heavy_requests": len(heavy_times), "heavy_median_ms": 1000 * statistics.median(heavy_times),
             "health_probes": len(probes), "health_p50_ms": 1000 * probes[len(probes) // 2],
-            "health_p99_ms": 1000 * probes[int(len(probes) * 0.99)], "health_max_ms": 1000 * probes[-1]}
+            "health_p99_ms": 1000 * probes[int(len(probes) * 0.99)], "health_max_ms": 1000 * probes[-1],
+            "loop_cpu_p99_ms": 1000 * cpu[int(len(cpu) * 0.99)], "loop_cpu_max_ms": 1000 * cpu[-1]}
 
 
 def upgrade(conn: Conn, target: str) -> None:
@@ -141,20 +167,28 @@ def scenario_ws_events(opts: argparse.Namespace) -> dict[str, float]:
     proc, port = start([])
     try:
         Conn(port).call("POST", "/workers", json.dumps(worker(1)).encode())
+
+        def messages(base: int) -> tuple[bytes, bytes]:
+            events = [{"event_id": base + i, "data": {"stored": {"parent_hash": None, "blocks": [
+                {"block_hash": base + i, "tokens_hash": base + i}]}}} for i in range(60_000)]
+            removed = [{"event_id": base + 60_000 + k, "data": {"removed": {"block_hashes": [
+                base + i for i in range(k * 100, k * 100 + 100)]}}} for k in range(600)]
+            return (ws_frame(json.dumps(events, separators=(",", ":")).encode()),
+                    ws_frame(json.dumps(removed).encode()))
+
+        # Built before the probes start (as book_1m_*'s bodies): not in the prober's process meanwhile.
+        built = [messages(n * 100_000) for n in range(1, 2 * int(opts.seconds) + 3)]
         counter = iter(range(1, 1 << 40))
 
         def heavy(conn: Conn) -> None:
             upgrade(conn, "/kv_events?worker_id=1&ack=true")
-            base = next(counter) * 100_000
-            events = [{"event_id": base + i, "data": {"stored": {"parent_hash": None, "blocks": [
-                {"block_hash": base + i, "tokens_hash": base + i}]}}} for i in range(60_000)]
-            conn.sock.sendall(ws_frame(json.dumps(events, separators=(",", ":")).encode()))
+            n = next(counter)
+            stored, removed = built[n - 1] if n <= len(built) else messages(n * 100_000)
+            conn.sock.sendall(stored)
             while b"ack" not in conn.buf:
                 conn.buf += conn._recv()
             conn.buf = b""
-            removed = [{"event_id": base + 60_000 + k, "data": {"removed": {"block_hashes": [
-                base + i for i in range(k * 100, k * 100 + 100)]}}} for k in range(600)]
-            conn.sock.sendall(ws_frame(json.dumps(removed).encode()))
+            conn.sock.sendall(removed)
             while b"ack" not in conn.buf:
                 conn.buf += conn._recv()
             conn.buf = b""
@@ -447,13 +481,17 @@ def _book_million(mode: str) -> Callable[[argparse.Namespace], dict[str, float]]
         proc, port = start(["--kv-events", mode])
         try:
             Conn(port).call("POST", "/workers", json.dumps(worker(1, block_size=1)).encode())
+            # Built before the probes start: encoding 1,048,576 ids holds this process's GIL for
+            # 0.1-0.5 s, which the /health prober's thread would count against the server.
+            bodies = [json.dumps({"model_name": "m", "token_ids": list(range(n, n + 1_048_576)),
+                                  "reservation_id": f"r{n}"}, separators=(",", ":")).encode()
+                      for n in range(1, int(opts.seconds) + 3)]
             count = [0]
 
             def heavy(conn: Conn) -> None:
                 count[0] += 1
-                rid = f"r{count[0]}"
-                body = json.dumps({"model_name": "m", "token_ids": list(range(count[0], count[0] + 1_048_576)),
-                                   "reservation_id": rid}, separators=(",", ":")).encode()
+                n = (count[0] - 1) % len(bodies) + 1  # (a body used again was freed before)
+                rid, body = f"r{n}", bodies[n - 1]
                 status, answer = conn.call("POST", "/select_and_reserve", body)
                 assert status == 200, answer[:200]
                 time.sleep(0.5)
@@ -513,12 +551,17 @@ def main() -> None:
     parser.add_argument("--bookings", type=int, default=100_000)
     parser.add_argument("--workers", type=int, default=100_000)
     parser.add_argument("--blocks", type=int, default=200_000)
+    parser.add_argument("--watch", action="store_true", help="print where the server's loop is held (bench/loop_watch.py)")
     opts = parser.parse_args()
-    print(f"{'scenario':<16} {'heavy n':>7} {'heavy ms':>9} {'probes':>7} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7}")
+    global WATCH
+    WATCH = opts.watch
+    print(f"{'scenario':<16} {'heavy n':>7} {'heavy ms':>9} {'probes':>7} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7}"
+          f" {'cpu p99':>7} {'cpu max':>7}  load")
     for name in opts.scenarios.split(","):
         r = SCENARIOS[name](opts)
         print(f"{name:<16} {r['heavy_requests']:>7.0f} {r['heavy_median_ms']:>9.1f} {r['health_probes']:>7.0f} "
               f"{r['health_p50_ms']:>7.1f} {r['health_p99_ms']:>7.1f} {r['health_max_ms']:>7.1f}"
+              f" {r['loop_cpu_p99_ms']:>7.0f} {r['loop_cpu_max_ms']:>7.0f}  {os.getloadavg()[0]:.1f}"
               + (f"   (DELETE alone: {r['delete_median_ms']:.1f} ms)" if "delete_median_ms" in r else ""),
               flush=True)
 

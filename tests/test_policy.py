@@ -184,8 +184,9 @@ def test_the_dynamo_policy_and_frees_learn_nothing(make_client: Callable[..., Cl
 
 
 def test_what_is_left_of_a_running_prefill() -> None:
-    """`Speeds.left` (measured, off in the cost: docs/ROUTING.md): the booked prefill less what the
-    worker's learned rate has done since it began, beyond the tokens that stopped counting."""
+    """`Speeds.left` (docs/ROUTING.md, "How close to the oracle"): the booked prefill less what the
+    worker's learned rate has done since the rank's last prefill ended (or since it had none), so
+    that a rate read too high never empties a rank that has been busy for long."""
     from selection_proto.core.fleet.speed import Speeds
 
     speeds = Speeds(learn=True)
@@ -196,9 +197,37 @@ def test_what_is_left_of_a_running_prefill() -> None:
         speeds.stopped((w, 0), 20_000)
         speeds.completed((w, 0), 20_000)
     speeds.observe((1, 0), 0, 10.0)  # 30,000 booked from 10 s
-    assert speeds.left((1, 0), 30_000, 11.0) == 20_000
-    speeds.observe((1, 0), 30_000, 11.0)
-    speeds.stopped((1, 0), 5_000)  # a booking of 5,000 completed: 25,000 still booked, 5,000 of it done
-    assert speeds.left((1, 0), 25_000, 11.0) == 20_000
-    assert speeds.left((1, 0), 25_000, 14.0) == 0.0
+    # The rate as of now: 20,000 tokens over 2 s busy before and 1 s since.
+    assert speeds.left((1, 0), 30_000, 11.0) == pytest.approx(30_000 - 20_000 / 3)
+    speeds.observe((1, 0), 30_000, 13.0)
+    speeds.stopped((1, 0), 5_000)  # a booking of 5,000 ends at 13 s: the next prefill begins there
+    assert speeds.left((1, 0), 25_000, 13.0) == 25_000  # (counted from 10 s, it would read less)
+    assert speeds.left((1, 0), 25_000, 14.0) == pytest.approx(25_000 - 20_000 / 6)
+    assert speeds.left((1, 0), 1_000, 14.0) == 0.0
     assert Speeds(learn=True).left((1, 0), 7, 99.0) == 7  # no rate learned: as booked
+
+
+def test_ttft_counts_what_is_left_of_a_running_prefill(make_client: Callable[..., Client]) -> None:
+    """The queue a rank's booked prefill makes shrinks as its engine works through it (at the
+    rate learned from completions), and counts from the last prefill's end, not from before it."""
+    c = make_client(router_policy="ttft")
+    for wid in (1, 2):
+        c.ok("POST", "/workers", worker(wid), status=201)
+    for n in range(3):  # both learn 10,000 tokens a second
+        _run(c, 1, f"a{n}", 10_000, 1.0)
+        _run(c, 2, f"b{n}", 10_000, 1.0)
+    for rid in ("x", "y"):  # 20,000 tokens booked on worker 1
+        c.ok("POST", "/reservations", {"model_name": "m", "token_ids": list(range(10_000)),
+                                       "worker_id": 1, "reservation_id": rid}, status=201)
+    booked = _explained(c)[1]["predicted_wait_secs"]
+    c.now += 0.5  # half of the first prompt done: 15,000 tokens still to run
+    half = _explained(c)[1]["predicted_wait_secs"]
+    assert half < booked
+    # About 5,000 of 20,000 done (the rate as of now counts this half second busy too), and the
+    # rest of the wait is the KV pressure.
+    assert 0.15 < (booked - half) / booked <= 5_000 / 20_000
+    c.now += 1.5  # the engine was slower than learned: the first ends at 2 s, not 1 s
+    c.ok("POST", "/reservations/x/prefill_complete")
+    # The second begins now: all 10,000 of its tokens still to run (counted from 0 s at the
+    # learned rate, the rank would read as idle).
+    assert _explained(c)[1]["predicted_wait_secs"] > 0.5 * booked

@@ -118,9 +118,14 @@ def test_the_simulated_ledger_answers_as_the_script_and_refuses_what_it_does_not
     assert ledger.write("a", [LedgerOp(FREE, "r1", b"a")])[0] == [Reply("ok", 3)]
     assert ledger.write("a", [LedgerOp(FREE, "r1", b"a")]) == ([Reply("gone", 0)], [])  # a retried free
     assert ledger.write("a", [LedgerOp(PREFILL, "r1", owner=b"a")]) == ([Reply("missing", 0)], [])
-    for op in (LedgerOp(FREE, "never"), LedgerOp(ADD, "r1", b"", b"rk"), LedgerOp(ADD, "s", b"", b"rk", count=0)):
+    for op in (LedgerOp(FREE, "never"), LedgerOp(ADD, "r1", b"", b"rk")):
         with pytest.raises(UnmodelledOp):
             ledger.write("a", [op])
+    # Strict admission: a booking that names how many it saw on the rank (one so far, r1's) is
+    # refused when there are more, with the feed position to catch up to; taken when it is right.
+    assert ledger.write("b", [LedgerOp(ADD, "s", b"", b"rk", count=0)]) == ([Reply("conflict", 3)], [])
+    assert ledger.write("b", [LedgerOp(ADD, "s", b"", b"rk", count=1)])[0] == [Reply("ok", 4)]
+    assert ledger.write("a", [LedgerOp(ADD, "t", b"", b"other", count=0)])[0] == [Reply("ok", 5)]
 
 
 def test_the_command_runs_each_count_shared_and_alone_with_a_replicas_column(tmp_path: Path) -> None:
@@ -139,11 +144,83 @@ def test_the_command_runs_each_count_shared_and_alone_with_a_replicas_column(tmp
     assert [s.get("replicas") for s in settings] == [
         None, {"replicas": 2, "shared": True, "ledger_delay_secs": 0.0},
         {"replicas": 2, "shared": False, "ledger_delay_secs": 0.0}]
+    done = subprocess.run([sys.executable, "-m", "selection_proto", "simulate", str(source), "--engines", "4",
+                           "--kv-blocks", "100", "--replicas", "2", "--admission", "strict", "--ledger-delay", "0.001",
+                           "--no-baselines", "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[2].split()[:6] == ["2", "replicas", "shared", "strict", "2", "shared"]
+    assert [s.get("replicas") for s in json.loads(out.read_text())["settings"]] == [
+        {"replicas": 2, "shared": True, "ledger_delay_secs": 0.001, "admission": "strict"},
+        {"replicas": 2, "shared": False, "ledger_delay_secs": 0.001}]
     for args, message in ((["--replicas", "0"], "--replicas: each count from 1 to 64"),
                           (["--replicas", "two"], "--replicas: expected counts such as 1,2,4,8"),
                           (["--ledger-delay", "0.1"], "--ledger-delay: only with --replicas"),
+                          (["--admission", "strict"], "--admission: only with --replicas"),
                           (["--replicas", "2", "--ledger-delay", "-1"], "--ledger-delay: must be a number"),
                           (["--replicas", "2", "--pd", "1:3"], "--replicas: runs aggregated fleets only")):
         done = subprocess.run([sys.executable, "-m", "selection_proto", "simulate", str(source), *args],
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
+
+
+def test_shared_replicas_drawing_from_one_generator_are_the_lone_service_under_ttft() -> None:
+    """With `router_policy=ttft` each replica's cost also reads what it learned of the engines'
+    speeds, how far each rank's running prefill has got, and which prefills a prompt with nothing
+    new to store waits behind (docs/ROUTING.md, "Replicas"): the ledger's bookings and prefill ends
+    teach every replica the same, so that with one random generator shared replicas are the lone
+    service to the last digit (with a generator each, they differ only by their tie-breaks)."""
+    from test_simulate import TRACE
+
+    def conversation() -> Any:
+        return parse_trace(TRACE.read_bytes().splitlines() if TRACE.suffix != ".gz" else
+                           __import__("gzip").decompress(TRACE.read_bytes()).splitlines(),
+                           str(TRACE), 512, limit=600, kv_blocks=1000)
+
+    settings = Settings(kv_events="push", router_policy="ttft")
+    config = FleetConfig(engines=8, load=0.8, prefill_complete=False)
+    lone, shared = (run.to_json() for run in simulate(conversation, config, [
+        ("core", settings), ("core", ReplicaSetup(settings=settings, replicas=4, one_generator=True))]))
+    assert shared.pop("replicas")["replicas"] == 4
+    assert lone["requests"] == 600 and lone["failed"] == 0
+    assert shared == lone
+
+
+def test_strict_admission_spreads_a_burst_that_advisory_replicas_herd() -> None:
+    """Eight requests of one prefix in the same millisecond, each to another replica, with a 1 ms
+    ledger (docs/REPLICATION.md, "Strict admission"): advisory, every replica books on a view
+    without the others' bookings and all pick the engine that holds the prefix; strict, the
+    ledger refuses all but one booking a rank, and the others select again once they have seen
+    it. With no delay, strict books as advisory does: no conflict, the same run."""
+    prefix = [json.dumps({"timestamp": 0, "input_length": 8 * 512, "output_length": 20,
+                          "hash_ids": list(range(8))}).encode()]
+    burst = [json.dumps({"timestamp": 1000, "input_length": 16 * 512, "output_length": 200,
+                         "hash_ids": list(range(8)) + [100 + 8 * i + j for j in range(8)]}).encode() for i in range(8)]
+
+    def bursty() -> Any:
+        return parse_trace(prefix + burst, "burst", 512)
+
+    config = FleetConfig(engines=4, kv_blocks=100, speedup=1.0)
+    made: list[Any] = []
+    init = routers_module.Replicas.__init__
+
+    def remember(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(routers_module.Replicas, "__init__", remember)
+        runs = simulate(bursty, config, [
+            ("burst", ReplicaSetup(settings=BASE, replicas=8, ledger_delay_secs=delay, admission=admission))
+            for delay in (0.0, 0.001) for admission in ("advisory", "strict")])
+    conflicts = [sum(float(line.rsplit(" ", 1)[1]) for r in replicas.replicas
+                     for line in r.service.metrics_text(now=100.0).splitlines()
+                     if line.startswith('selection_proto_ledger_events_total{event="conflict"}'))
+                 for replicas in made]
+    assert conflicts[0] == conflicts[1] == conflicts[2] == 0 and conflicts[3] > 0
+    plain, strict_plain, herded, strict = (run.to_json() for run in runs)
+    assert all(run["failed"] == 0 and run["requests"] == 9 for run in (plain, herded, strict))
+    assert strict_plain.pop("replicas")["admission"] == "strict"
+    assert "admission" not in plain.pop("replicas")
+    assert strict_plain == plain
+    assert strict["ttft"]["mean"] < 0.8 * herded["ttft"]["mean"]
+    assert strict["busy_max_mean"] < herded["busy_max_mean"]

@@ -1,6 +1,7 @@
 """Work done ahead for a huge request, in a worker thread while the event loop serves others: its
 body parsed (`handler.prepare_large_body`), its prompt hashed in each block size the pools use,
-and its new blocks on every booked rank counted.
+its new blocks on every booked rank counted, and for a booking the sequence hashes its answer
+carries encoded.
 
 The state is read here only by single C-level operations (a list of a dict's values, a slice of
 hash lookups), each atomic under the GIL; a count carries its rank's change counter and is used
@@ -12,6 +13,7 @@ from collections.abc import Mapping
 from typing import Final
 
 from .base import jsonio
+from .base.hashing import signed_json
 from .base.routes import ParsedBody
 from .bookings.prompt import PromptHashes, prehash
 from .bookings.tracker import RankLoad
@@ -33,6 +35,9 @@ def prepare_ahead(pools: Mapping[Key, Pool], path: str, raw: bytes, media: str |
     if body is None or body.prehashed is None:
         return body
     _count(listed, body)
+    if path == "/select_and_reserve":  # (the picker's answers are not encoded)
+        for prompt in body.prehashed.by_key.values():
+            prompt.encoded_seqs = signed_json(prompt.seqs)
     return body
 
 

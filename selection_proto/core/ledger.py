@@ -359,12 +359,22 @@ class Ledger:
             return
         if entry.owner and (pool.tracker.bookings[rid].owner or self.origin) != entry.owner:
             return  # about another booking of the id: this replica's booked it again meanwhile
+        booking = pool.tracker.bookings[rid]
+        if kind in (FREE, EXPIRE, PREFILL) and not booking.prefill_done:
+            # Another replica's booking: its prefill's end teaches this replica's speeds as the
+            # owner's (docs/ROUTING.md, "Replicas"), so that every replica's cost reads the same.
+            load = pool.tracker.loads[booking.rank]
+            pool.speeds.ended(booking.rank, load.prefill_tokens, load.prefilling, booking.prefill_tokens, now,
+                              completed=kind == PREFILL)
         if kind == FREE or kind == EXPIRE:
             pool.free(rid, now)
+            self._selector._end_followers(pool, now)
             self._count("expired" if kind == EXPIRE else "freed")
             self._selector.dispatch(pool, now)
         elif kind == PREFILL:
             pool.tracker.prefill_complete(rid)
+            pool.prefill_ends.ended(booking)
+            self._selector._end_followers(pool, now)
             self._selector.dispatch(pool, now)
         elif kind == PROGRESS:
             outputs, decay = decode_progress(entry.body)
@@ -402,9 +412,16 @@ class Ledger:
         if pool is None or rank not in pool.tracker.loads or self._pool_of(rid) is not None:
             self._count("dropped")  # a rank this catalog does not have (yet), or a known id
             return
+        load = pool.tracker.loads[rank]
+        pool.speeds.observe(rank, load.prefill_tokens, now, load.prefilling)
+        pool.speeds.booked(rank, now)  # its fixed time joins the rank's backlog, as on its owner
         booking = pool.tracker.book(rid, rank, record.blocks, record.prefill_tokens,
                                     record.expected_output_tokens, now, checked=False)
         booking.owner = owner
+        if booking.prefill_tokens and self._selector._reads_prefill_ends and pool.fresh[rank].last_event_at is not None:
+            # In its rank's queue of prefills, unwatched (its owner reads its end): a prompt with
+            # nothing new to store booked here after it ends behind it, as on its owner.
+            pool.prefill_ends.booked(booking)
         self.journal.ended.pop(rid, None)
 
     def _progress(self, pool: Pool, rid: str, origin: str, outputs: int, decay: float | None) -> None:

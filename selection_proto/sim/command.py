@@ -76,6 +76,10 @@ def add_parser(sub: Any) -> None:
                               "alone (docs/ROUTING.md, Replicas); 1 is the lone service")
     command.add_argument("--ledger-delay", type=float, default=0.0, metavar="SECS",
                          help="--replicas: seconds a replica's change takes to reach the others through the ledger (0)")
+    command.add_argument("--admission", choices=("advisory", "strict"), default="advisory",
+                         help="--replicas: how shared replicas book, as serve's --admission: strict holds each "
+                              "answer until the ledger confirms no other replica booked the rank meanwhile "
+                              "(docs/REPLICATION.md) (advisory)")
     command.add_argument("--deciders", default=None, metavar="NAME[,NAME...]",
                          help=f"the deciders of the --pd runs, of {', '.join(DECIDERS)} (ttft: the faster "
                               f"predicted path, under router_policy=ttft) (default {','.join(DECIDERS[:4])})")
@@ -148,7 +152,8 @@ def _replica_counts(text: str) -> list[int]:
     return list(dict.fromkeys(counts))
 
 
-def _replica_runs(runs: list[tuple[str, Setup]], counts: list[int], delay: float) -> list[tuple[str, Setup]]:
+def _replica_runs(runs: list[tuple[str, Setup]], counts: list[int], delay: float,
+                  admission: str = "advisory") -> list[tuple[str, Setup]]:
     """Per core setting: the lone service where 1 is asked, then each count shared and alone."""
     out: list[tuple[str, Setup]] = []
     for text, settings in runs:
@@ -161,8 +166,10 @@ def _replica_runs(runs: list[tuple[str, Setup]], counts: list[int], delay: float
                 out.append((text, settings))
                 continue
             for shared in (True, False):
-                out.append((f"{prefix}{count} replicas {'shared' if shared else 'alone'}",
-                            ReplicaSetup(settings=settings, replicas=count, shared=shared, ledger_delay_secs=delay)))
+                strict = " strict" if shared and admission == "strict" else ""
+                out.append((f"{prefix}{count} replicas {'shared' if shared else 'alone'}{strict}",
+                            ReplicaSetup(settings=settings, replicas=count, shared=shared, ledger_delay_secs=delay,
+                                         admission=admission)))
     return out
 
 
@@ -214,6 +221,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--replicas: runs aggregated fleets only; it does not take --pd")
     if args.ledger_delay != 0.0 and args.replicas is None:
         raise UsageError("--ledger-delay: only with --replicas")
+    if args.admission != "advisory" and args.replicas is None:
+        raise UsageError("--admission: only with --replicas")
     if not 0 <= args.ledger_delay <= 3600:
         raise UsageError("--ledger-delay: must be a number of seconds from 0 to 3600")
     if args.pd and ORACLE in args.compare:
@@ -260,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
     if args.pd:
         runs = _pd_runs(runs, prefill_engines, deciders, args.engines)
     if args.replicas is not None:
-        runs = _replica_runs(runs, _replica_counts(args.replicas), args.ledger_delay)
+        runs = _replica_runs(runs, _replica_counts(args.replicas), args.ledger_delay, args.admission)
     for url in args.service:
         if not url.startswith("http://"):
             raise UsageError(f"--service: expected http://HOST:PORT, not {url!r}")

@@ -31,7 +31,17 @@ from ..core.base.responses import Pending, SelectResponse
 from ..core.base.settings import Settings
 from ..core.cache.events import KvEvent
 from .engine import DECODE_SENT, Engine, FleetConfig, SimRequest
-from .routers import BASELINES, DECIDERS, ORACLE, PdRouter, PdSetup, Replicas, ReplicaSetup, Router
+from .routers import (
+    BASELINES,
+    DECIDERS,
+    ORACLE,
+    PdRouter,
+    PdSetup,
+    Replicas,
+    ReplicaSetup,
+    Router,
+    held_worker,
+)
 from .service import ServiceRouter
 from .trace import TraceRequest
 
@@ -63,7 +73,7 @@ class SettingRun:
     tpot: dict[str, float] | None = None
     remote_share: float | None = None
     tpot_cdf: list[tuple[float, float]] = attrs.Factory(list)  # (seconds, fraction), for the report
-    # A `ReplicaSetup` run only: {"replicas", "shared", "ledger_delay_secs"}.
+    # A `ReplicaSetup` run only: {"replicas", "shared", "ledger_delay_secs"}, and "admission" when strict.
     replicas: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -194,8 +204,11 @@ def _run(name: str, setting: Setup, arrivals: Iterable[tuple[float, TraceRequest
         nonlocal failed, live
         for ready in router.ready():
             req = tickets.pop(ready.ticket)
-            if isinstance(ready.result, SelectResponse):
-                dispatch(req, ready.result.worker_id, now)
+            # None: an answer the ledger held (strict admission), said over the wire.
+            worker = ready.result.worker_id if isinstance(ready.result, SelectResponse) else \
+                held_worker(ready.response) if ready.result is None else None
+            if worker is not None:
+                dispatch(req, worker, now)
             else:
                 fail(req)
 

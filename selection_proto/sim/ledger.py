@@ -5,9 +5,10 @@ and appends the accepted changes to one feed, as the `XREAD` entries every repli
 reads. The replicas' cores are the real ones; only the server is modelled.
 
 It models what a simulated fleet does: ids unique, each booking freed by the replica that made it,
-advisory admission (the simulator calls the Python API, which never books strictly), no leases
-(every booking is freed). Early frees, waiting bookings, strict conflicts and the reaper are the
-real ledger's; an op that would need them raises `UnmodelledOp` rather than answer wrongly."""
+advisory or strict admission (a strict booking names how many bookings its replica had seen on the
+rank; any more and it is refused, `conflict`), no leases (every booking is freed). Early frees,
+waiting bookings and the reaper are the real ledger's; an op that would need them raises
+`UnmodelledOp` rather than answer wrongly."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ Entry = tuple[bytes, dict[bytes, bytes]]
 
 
 class UnmodelledOp(RuntimeError):
-    """An op the simulated ledger does not model (an early free, a strict booking, an id reused)."""
+    """An op the simulated ledger does not model (an early free, an id reused)."""
 
 
 class FeedLedger:
@@ -31,6 +32,7 @@ class FeedLedger:
         self.owner: dict[str, str] = {}  # reservation id -> the replica that booked it
         self.gone: set[str] = set()  # ids whose booking ended (a retried free answers `gone`)
         self.workers: set[str] = set()  # worker ids written
+        self.adds: dict[bytes, int] = {}  # rank key -> bookings ever made on it (strict admission's check)
 
     def _emit(self, out: list[Entry], origin: str, kind: str, ident: str, body: bytes, whose: str) -> int:
         self.seq += 1
@@ -52,12 +54,13 @@ class FeedLedger:
         kind, ident = op.kind, op.ident
         owner = self.owner.get(ident)
         if kind == ADD:
-            if op.count is not None:
-                raise UnmodelledOp("a strict booking")
             if owner == origin:
                 return Reply("ok", 0)  # a retried write
             if owner is not None or ident in self.gone:
                 raise UnmodelledOp(f"reservation {ident} booked again")
+            if op.count is not None and self.adds.get(op.rank_key, 0) != op.count:
+                return Reply("conflict", self.seq)  # select again once the feed has reached here
+            self.adds[op.rank_key] = self.adds.get(op.rank_key, 0) + 1
             self.owner[ident] = origin
             return Reply("ok", self._emit(out, origin, ADD, ident, op.body, origin))
         if kind in (PREFILL, PROGRESS):

@@ -60,7 +60,8 @@ def table(runs: Sequence[SettingRun]) -> str:
 def replica_count(run: SettingRun) -> str:
     """How many services routed the run, and whether they shared bookings: `-` for a baseline."""
     if run.replicas is not None:
-        return f"{run.replicas['replicas']} {'shared' if run.replicas['shared'] else 'alone'}"
+        return (f"{run.replicas['replicas']} {'shared' if run.replicas['shared'] else 'alone'}"
+                + (" strict" if run.replicas.get("admission") == "strict" else ""))
     return "-" if run.name in BASELINES or run.name == ORACLE else "1"
 
 

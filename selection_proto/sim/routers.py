@@ -13,12 +13,14 @@ from typing import Any
 
 import attrs
 
+from ..core.base import jsonio
 from ..core.base.errors import NotFound, SelectionError
 from ..core.base.hashing import signed
 from ..core.base.outputs import SelectionReady
 from ..core.base.responses import Pending
 from ..core.base.settings import Settings
 from ..core.base.types import PdOptions, SelectAndReserveRequest, SelectPdAndReserveRequest, WorkerRequest
+from ..core.base.wire import Response
 from ..core.cache.events import KvEvent
 from ..core.fleet.journal import LedgerSettings
 from ..core.fleet.ledger_wire import LedgerSnapshot
@@ -28,7 +30,8 @@ from .engine import PREFILL_FOR_OTHER, Engine, FleetConfig, SimRequest, block_ha
 from .ledger import FeedLedger
 from .oracle import fastest
 
-__all__ = ["BASELINES", "DECIDERS", "ORACLE", "PdRouter", "PdSetup", "ReplicaSetup", "Replicas", "Router"]
+__all__ = ["BASELINES", "DECIDERS", "ORACLE", "PdRouter", "PdSetup", "ReplicaSetup", "Replicas", "Router",
+           "held_worker"]
 
 BASELINES = ("random", "round-robin", "least-loaded")
 ORACLE = "oracle"  # the all-knowing router (oracle.py): `--compare oracle`
@@ -63,16 +66,35 @@ class ReplicaSetup:
     replicas: int
     shared: bool = True
     ledger_delay_secs: float = 0.0
+    # Every replica draws its random choices from one generator, in the order the calls come: a
+    # shared run with no delay is then the lone service to the last digit, which tells the
+    # random tie-breaks apart from state a replica keeps that the ledger does not carry
+    # (docs/ROUTING.md, "Replicas"). Off, replica i is seeded with the run's seed + i.
+    one_generator: bool = False
+    # Shared: "strict" holds each booking's answer until the ledger confirms that no other
+    # replica booked its rank meanwhile, and selects again on a conflict (docs/REPLICATION.md).
+    admission: str = "advisory"
 
     def to_json(self) -> dict[str, Any]:
-        return {"replicas": self.replicas, "shared": self.shared, "ledger_delay_secs": self.ledger_delay_secs}
+        return {"replicas": self.replicas, "shared": self.shared, "ledger_delay_secs": self.ledger_delay_secs,
+                **({"admission": self.admission} if self.shared and self.admission != "advisory" else {})}
+
+
+def held_worker(response: Response) -> int | None:
+    """The worker of a `select_and_reserve` answered over the wire (an answer the ledger held),
+    or None when it was refused."""
+    if response.status != 200:
+        return None
+    worker: int = jsonio.loads(response.body)["worker_id"]
+    return worker
 
 
 class Router:
     """Where a request goes: the core (booking, completing and freeing as a client does), or a
     baseline that books nothing."""
 
-    def __init__(self, name: str, settings: Settings | None, config: FleetConfig, seed: int | None = None) -> None:
+    def __init__(self, name: str, settings: Settings | None, config: FleetConfig, seed: int | None = None,
+                 rng: random.Random | None = None) -> None:
         self.name = name
         seed = config.seed if seed is None else seed
         self.rng = random.Random(seed)
@@ -82,7 +104,7 @@ class Router:
         self.fleet: list[Engine] = []  # the engines, which least-loaded and the oracle read
         self.events_failed = 0  # engine events the core refused (none, when the engines are right)
         if settings is not None:
-            self.service = SelectionService(settings, random.Random(seed))
+            self.service = SelectionService(settings, rng if rng is not None else random.Random(seed))
             # Each engine's record says its prefill speed, as a real one would: what deadline
             # admission reads. A mixed fleet (`engine_speeds`) is not told: its speeds are learned.
             speed = None if config.engine_speeds else config.model.tokens_per_sec
@@ -161,7 +183,8 @@ class Replicas(Router):
         super().__init__(name, None, config)
         self.setup = setup
         # Replica 0 is seeded as a lone service is: one replica is today's run, exactly.
-        self.replicas = [Router(f"{name}/{i}", setup.settings, config, seed=config.seed + i)
+        one = random.Random(config.seed) if setup.one_generator else None
+        self.replicas = [Router(f"{name}/{i}", setup.settings, config, seed=config.seed + i, rng=one)
                          for i in range(setup.replicas)]
         self.service = self.replicas[0].service  # what `_run` reads: the core is in the loop
         self.booked: dict[str, int] = {}  # reservation id -> its replica
@@ -171,10 +194,12 @@ class Replicas(Router):
         self.mirrors: list[Ledger] = []
         # Set by `_run`: call `action(at)` at virtual time `at`, after what is due before it.
         self.later: Callable[[float, Callable[[float], None]], None] = lambda at, action: action(at)
+        self.strict = setup.shared and setup.admission == "strict"
         if self.ledger is not None:
             for i, replica in enumerate(self.replicas):
                 assert replica.service is not None
-                mirror = replica.service.share(LedgerSettings(), f"replica-{i}")
+                mirror = replica.service.share(LedgerSettings(admission="strict" if self.strict else "advisory"),
+                                               f"replica-{i}")
                 mirror.connected(True, 0.0)
                 mirror.load(_EMPTY_LEDGER, 0.0)  # which it gives its catalog, as seeds
                 self.mirrors.append(mirror)
@@ -198,6 +223,10 @@ class Replicas(Router):
                 other.apply(entries, at)
                 if other.needs_snapshot:  # the feed is whole and in order here: a gap is a bug
                     raise RuntimeError(f"simulated replica {other.origin} lost its place in the ledger's feed")
+            # A strict booking that conflicted selects again once the feed has caught up: here.
+            for index, other in enumerate(self.mirrors):
+                if other.journal.ops:
+                    self.share(index, at)
 
         if self.setup.ledger_delay_secs > 0:
             self.later(now + self.setup.ledger_delay_secs, arrive)
@@ -208,13 +237,27 @@ class Replicas(Router):
         index = self.turn
         self.turn = (self.turn + 1) % len(self.replicas)
         self.booked[req.rid] = index
-        answer = self.replicas[index].choose(req, now)
+        answer = self._strict(index, req, now) if self.strict else self.replicas[index].choose(req, now)
         self.share(index, now)
         if isinstance(answer, Pending):
             self.issued += 1
             self.tickets[(index, answer.ticket)] = self.issued
             return Pending(self.issued)
         return answer
+
+    def _strict(self, index: int, req: SimRequest, now: float) -> int | Pending | None:
+        """The booking as a gateway's request makes it (`handle`, where the ledger holds strict
+        answers; the Python API books advisory): a worker, a ticket for the held answer, or None."""
+        service = self.replicas[index].service
+        assert service is not None
+        body = jsonio.dumps({"model_name": "m", "block_hashes": req.locals.tolist(),
+                             "sequence_hashes": list(signed(req.seqs)), "isl_tokens": req.isl,
+                             "reservation_id": req.rid, **req.flow})
+        answer = service.handle("POST", "/select_and_reserve", "", (("content-type", "application/json"),),
+                                body, now=now)
+        if isinstance(answer, Pending):
+            return answer
+        return held_worker(answer)
 
     def prefill_done(self, req: SimRequest, now: float) -> None:
         index = self.booked[req.rid]

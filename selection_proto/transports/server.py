@@ -74,6 +74,7 @@ class _Server(PushStreams):
         self.woken: set[HttpConnection] = set()  # readers cancelled by `pump`, not by a deadline
         self.wake = anyio.Event()
         self.timer_target = float("inf")
+        self.settling: anyio.Event | None = None  # set when the task running deferred work is done
         self.snapshots = Snapshots(service, config.snapshot, config.snapshot_interval_secs) \
             if config.snapshot is not None else None
         self.ws_sessions: dict[int, tuple[PushSession, anyio.abc.ByteStream, anyio.Lock]] = {}
@@ -191,18 +192,34 @@ class _Server(PushStreams):
 
     async def settle(self) -> None:
         """Run the deferred work a piece at a time, other clients served between pieces (a huge
-        booking's are many); a request that comes meanwhile runs the rest first (deferred.py)."""
+        booking's are many); a request that comes meanwhile waits for the rest (deferred.py).
+        One task runs the pieces and the others wait for it: two running them in turns would
+        make a client wait two pieces where one is enough."""
         while self.service.deferred:
-            self.service.deferred.run(limit=1)
-            if self.service.deferred:
-                await anyio.sleep(0)
+            if self.settling is not None:
+                await self.settling.wait()
+                continue
+            self.settling = done = anyio.Event()
+            try:
+                while self.service.deferred:
+                    self.service.deferred.run(limit=1)
+                    if self.service.deferred:
+                        await anyio.sleep(0)
+            finally:
+                self.settling = None
+                done.set()
 
     async def pump(self, wake_timer: bool = True) -> None:
-        """Run the work the core deferred until answers were written (callers pump after writing),
-        then deliver the core's outputs: answers of queued selections to their connections,
+        """Deliver the core's outputs: answers of queued selections to their connections,
         subscription changes to the subscriber, closes to their WebSocket sessions, internal
-        errors to the log. A failure delivering one output is confined to it."""
-        await self.settle()
+        errors to the log. A failure delivering one output is confined to it. While the core has
+        work deferred until answers were written (callers pump after writing), the timer runs it
+        a piece at a time and then delivers: reading outputs would run it at once (deferred.py),
+        and the caller goes on with its connection meanwhile (a huge booking's pieces take
+        seconds)."""
+        if self.service.deferred:
+            self.wake.set()
+            return
         while (out := self.service.next_output()) is not None:
             try:
                 await self._deliver(out)
@@ -254,8 +271,9 @@ class _Server(PushStreams):
                     pass
 
     async def timer(self) -> None:
-        """Tick the core at its next deadline (booking expiry, queue timeout); report the
-        process's own figures about once a second."""
+        """Tick the core at its next deadline (booking expiry, queue timeout), and run the work
+        it deferred as soon as there is some (`pump` wakes it); report the process's own
+        figures about once a second."""
         process = ProcessMetrics(self.service)
         reported = -1.0
         while True:

@@ -13,10 +13,14 @@ from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from functools import lru_cache
 from itertools import chain, repeat
+from typing import Any, overload
 
 from xxhash import xxh3_64_intdigest
 
-__all__ = ["XXH_SEED", "block_hashes", "iv", "pack_tokens", "sequence_hashes", "hash64", "signed"]
+from . import jsonio
+
+__all__ = ["XXH_SEED", "SignedHashes", "block_hashes", "iv", "pack_tokens", "sequence_hashes", "hash64", "signed",
+           "signed_json"]
 
 XXH_SEED = 1337
 U64 = 0xFFFFFFFFFFFFFFFF
@@ -130,6 +134,62 @@ def signed(hashes: Sequence[int]) -> tuple[int, ...]:
         return tuple(array("q", array("Q", hashes).tobytes()))
     except OverflowError:  # already signed, or out of range: value by value
         return tuple(h - (1 << 64) if h >= 1 << 63 else h for h in hashes)
+
+
+# Hashes encoded per step of `signed_json`: each step one short C call, so that a worker thread
+# encoding a million lets the event loop have the GIL between steps (~1 ms each).
+ENCODE_SLICE = 16_384
+
+
+def signed_json(hashes: Sequence[int]) -> bytes:
+    """`hashes` as the JSON array of i64 an answer carries, encoded a slice at a time (for a
+    worker thread: the GIL is let go between slices)."""
+    parts = [jsonio.dumps(list(signed(hashes[start:start + ENCODE_SLICE])))[1:-1]
+             for start in range(0, len(hashes), ENCODE_SLICE)]
+    return b"[" + b",".join(parts) + b"]"
+
+
+class SignedHashes(Sequence[int]):
+    """A booking's hashes as the i64 the wire carries them as, converted only when read: an answer
+    of a million-block booking would otherwise build a million ints on the event loop. `encoded`:
+    their JSON array, when a worker thread wrote it ahead (`signed_json`)."""
+
+    __slots__ = ("_hashes", "encoded")
+
+    def __init__(self, hashes: Sequence[int], encoded: bytes | None = None) -> None:
+        self._hashes = hashes  # never changed once booked
+        self.encoded = encoded
+
+    def __len__(self) -> int:
+        return len(self._hashes)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[int, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> int | tuple[int, ...]:
+        if isinstance(index, slice):
+            return signed(self._hashes[index])
+        h = self._hashes[index]
+        return h - (1 << 64) if h >= 1 << 63 else h
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(signed(self._hashes))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Sequence) and not isinstance(other, str | bytes):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"SignedHashes({list(self)!r})"
+
+    def json_value(self) -> Any:
+        """What an answer's JSON carries: the array written ahead, else the values."""
+        return jsonio.fragment(self.encoded) if self.encoded is not None else list(signed(self._hashes))
 
 
 def multimodal_block_hash(window: Sequence[int], mm_hashes: Iterable[int], seed: int) -> int:

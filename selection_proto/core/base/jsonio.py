@@ -24,7 +24,7 @@ try:  # pragma: no cover - exercised by whichever is installed
 except ImportError:  # pragma: no cover
     _orjson = None
 
-__all__ = ["gc_paused", "wide_encoding", "loads_array_stepwise", "parse_large", "LONE_SURROGATE", "MAX_DEPTH", "MAX_INT_DIGITS", "JSONSyntaxError", "dumps", "loads", "loads_exact", "loads_own", "loads_with_hints", "FAST_PARSER"]
+__all__ = ["gc_paused", "wide_encoding", "loads_array_stepwise", "parse_large", "LONE_SURROGATE", "MAX_DEPTH", "MAX_INT_DIGITS", "JSONSyntaxError", "dumps", "fragment", "loads", "loads_exact", "loads_own", "loads_with_hints", "FAST_PARSER"]
 
 FAST_PARSER = _orjson is not None
 
@@ -347,9 +347,17 @@ if _orjson is not None:
         data: bytes = _dumps(value)
         return data
 
+    def fragment(encoded: bytes) -> Any:
+        """JSON encoded already, for `dumps` to copy as it is (a value written ahead elsewhere)."""
+        return _orjson.Fragment(encoded)
+
 else:  # pragma: no cover
     _encoder = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
     def dumps(value: Any) -> bytes:
         """Compact UTF-8 JSON."""
         return _encoder.encode(value).encode("utf-8")
+
+    def fragment(encoded: bytes) -> Any:
+        """The value of JSON encoded already (the standard library copies no raw text)."""
+        return json.loads(encoded)

@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 import attrs
 
+from .hashing import SignedHashes
 from .types import WorkerCatalogRecord
 
 __all__ = [
@@ -154,7 +155,7 @@ class SelectResponse:
     potential_decode_blocks: int
     selection_id: str | None = None
     reservation_id: str | None = None
-    sequence_hashes: tuple[int, ...] | None = None  # a booking's tracked hashes, as i64
+    sequence_hashes: SignedHashes | None = None  # a booking's tracked hashes, as i64
     isl_tokens: int | None = None
     track_prefill_tokens: bool | None = None
     worker_load: dict[str, int] | None = None  # an advisory /select's view of the chosen rank
@@ -170,7 +171,7 @@ class SelectResponse:
             out["selection_id"] = self.selection_id
         if self.reservation_id is not None:
             out["reservation_id"] = self.reservation_id
-            out["sequence_hashes"] = list(self.sequence_hashes or ())
+            out["sequence_hashes"] = self.sequence_hashes.json_value() if self.sequence_hashes is not None else []
             out["isl_tokens"] = self.isl_tokens
             out["track_prefill_tokens"] = self.track_prefill_tokens
         out["model_name"] = self.model_name

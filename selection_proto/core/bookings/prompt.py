@@ -30,7 +30,7 @@ class PromptHashes:
     distinct prefixes, so their count is the block count (a 64-bit collision would already
     confuse the index); hashes a client sent are counted as given, duplicates merged."""
 
-    __slots__ = ("blocks", "isl", "_seqs", "_distinct", "counted", "chained")
+    __slots__ = ("blocks", "isl", "_seqs", "_distinct", "counted", "chained", "encoded_seqs")
 
     def __init__(self, blocks: list[int], seqs: list[int] | None, isl: int, chained: bool | None = None) -> None:
         self.blocks = blocks
@@ -42,6 +42,8 @@ class PromptHashes:
         # `new_blocks` counted ahead (`ahead.prepare_ahead`): id(load) -> (load, its
         # `changes` then, the count); used while the load has not changed since.
         self.counted: dict[int, tuple[RankLoad, int, int]] = {}
+        # The sequence hashes as a booking's answer carries them, encoded ahead (`ahead.prepare_ahead`).
+        self.encoded_seqs: bytes | None = None
 
     @property
     def seqs(self) -> list[int]:

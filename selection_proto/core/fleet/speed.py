@@ -20,7 +20,8 @@ of their prompts it holds (their prefill ends are read at once when there is not
 store, so pending bookings alone would not show it).
 
 `left` reads how far a rank's running prefill has got at its worker's learned rate (tokens a
-rank-second, absolute): measured, and not used by the cost (docs/ROUTING.md, round three)."""
+rank-second, absolute) since the rank's last prefill ended: what `router_policy=ttft` counts as
+the rank's queue (docs/ROUTING.md, "What is left of a running prefill")."""
 
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ class Speeds:
     then); `observe`, `stopped` and `completed` are fed by the bookings when `learn` is on."""
 
     __slots__ = ("of", "learn", "shadow", "overhead", "_declared", "_busy", "_done", "_since", "_unread",
-                 "_started", "_rate", "_pending", "_fit", "_fixed", "_per_token", "_backlog")
+                 "_started", "_pending", "_fit", "_fixed", "_per_token", "_backlog")
 
     def __init__(self, learn: bool, shadow: Speeds | None = None) -> None:
         self.of: dict[int, tuple[float, int]] = {}
@@ -111,10 +112,9 @@ class Speeds:
         self._done: dict[int, int] = {}  # worker -> prefill tokens completed
         self._since: dict[Rank, float] = {}  # rank -> when its booked prefill last changed
         self._unread = 0  # tokens completed since the speeds were last worked out
-        # Rank -> (when its booked prefill last went from none to some, tokens that stopped
-        # counting on it since): how far its running prefill has got (`left`).
-        self._started: dict[Rank, tuple[float, int]] = {}
-        self._rate: dict[int, float] = {}  # worker -> prefill tokens a rank-second, once learned
+        # Rank -> when its running prefill began: its booked prefill last went from none to some,
+        # or a prefill on it last ended (`left`).
+        self._started: dict[Rank, float] = {}
         self.overhead = 0.0
         self._pending: dict[Rank, float] = {}  # rank -> seconds with prefill pending since its last end
         self._fit = Fit()
@@ -142,7 +142,6 @@ class Speeds:
         self._declared.discard(worker_id)
         self._busy.pop(worker_id, None)
         self._done.pop(worker_id, None)
-        self._rate.pop(worker_id, None)
         for rank in [r for r in self._since if r[0] == worker_id]:
             del self._since[rank]
             self._started.pop(rank, None)
@@ -164,7 +163,7 @@ class Speeds:
                 self._pending[rank] = self._pending.get(rank, 0.0) + (now - since)
         self._since[rank] = now
         if booked_prefill <= 0:
-            self._started[rank] = (now, 0)
+            self._started[rank] = now
 
     def booked(self, rank: Rank, now: float) -> None:
         """A request was booked on the rank: its fixed time joins the rank's backlog."""
@@ -184,20 +183,36 @@ class Speeds:
         return left / self._per_token if left > 0.0 else 0.0
 
     def stopped(self, rank: Rank, prefill_tokens: int) -> None:
-        """A booking's prefill tokens stopped counting on the rank (completed, or freed before)."""
-        started = self._started.get(rank)
-        if started is not None and prefill_tokens > 0:
-            self._started[rank] = (started[0], started[1] + prefill_tokens)
+        """A booking's prefill tokens stopped counting on the rank (completed, or freed before),
+        at the `now` of the `observe` just before: the engine's next prefill begins there."""
+        if prefill_tokens > 0 and rank in self._started:
+            self._started[rank] = self._since[rank]
+
+    def ended(self, rank: Rank, booked_prefill: int, pending: int, prefill_tokens: int, now: float,
+              completed: bool) -> None:
+        """A booking's prefill of `prefill_tokens` stopped counting on the rank at `now`, which had
+        `booked_prefill` tokens and `pending` bookings in prefill until then: `completed` (its
+        prefill ran: what was learned moves), or freed before."""
+        self.observe(rank, booked_prefill, now, pending)
+        self.stopped(rank, prefill_tokens)
+        if completed:
+            self.completed(rank, prefill_tokens)
 
     def left(self, rank: Rank, booked_prefill: int, now: float) -> float:
         """The rank's booked prefill still to run: what was booked, less what its engine has
-        done at the worker's learned rate since it began, beyond the tokens that stopped counting
-        (all of it until a rate is learned)."""
-        rate = self._rate.get(rank[0])
+        done at the worker's learned rate since its last prefill ended (or since it had none),
+        so that an error in the rate never outlives the next prefill's end (all of it until a
+        rate is learned)."""
         started = self._started.get(rank)
-        if rate is None or started is None or booked_prefill <= 0:
+        if started is None or booked_prefill <= 0:
             return booked_prefill
-        done = rate * (now - started[0]) - started[1]
+        # The rate as of now, its open interval too (not as of the last time the busy time was
+        # written down): replicas that wrote it down at other moments read the same.
+        done_tokens = self._done.get(rank[0], 0)
+        busy = self._busy.get(rank[0], 0.0) + now - self._since.get(rank, now)
+        if done_tokens < LEARN_AFTER_TOKENS or busy <= 0.0:
+            return booked_prefill
+        done = done_tokens / busy * (now - started)
         return booked_prefill - done if done < booked_prefill else 0.0
 
     def completed(self, rank: Rank, prefill_tokens: int) -> None:
@@ -207,11 +222,16 @@ class Speeds:
             self.shadow.completed(rank, prefill_tokens)
         if not self.learn:
             return
-        self._fit.add(max(prefill_tokens, 0), self._pending.pop(rank, 0.0))
-        line = self._fit.line()
-        if line is not None:
-            self._fixed, self._per_token = line
-            self.overhead = self._fixed / self._per_token
+        secs = self._pending.pop(rank, 0.0)
+        # A prefill that ended the moment the one ahead did (nothing new to store) or its booking
+        # was made took no time of its own to measure: not a sample. Decided from the pool's own
+        # state, so that a replica hearing the end through the ledger decides the same.
+        if secs > 0.0:
+            self._fit.add(max(prefill_tokens, 0), secs)
+            line = self._fit.line()
+            if line is not None:
+                self._fixed, self._per_token = line
+                self.overhead = self._fixed / self._per_token
         if prefill_tokens <= 0:
             return
         worker_id = rank[0]
@@ -222,8 +242,6 @@ class Speeds:
         if self._done[worker_id] < LEARN_AFTER_TOKENS or self._unread * 16 < LEARN_AFTER_TOKENS * len(self._done):
             return
         self._unread = 0
-        self._rate = {w: done / self._busy[w] for w, done in self._done.items()
-                      if done >= LEARN_AFTER_TOKENS and self._busy.get(w, 0.0) > 0.0}
         base = worker_speed(None, None)[0]
         for worker, slower in self._slowness().items():
             if worker in self.of and worker not in self._declared:

@@ -53,28 +53,27 @@ class PrefillReading:
         if blocks and device_blocks is not None and device_blocks < full:
             pool.prefill_ends.watch(booking, blocks)
         elif not pool.prefill_ends.follow(booking):
-            self._end_prefill(pool, booking, now, learn=False)
+            self._end_prefill(pool, booking, now)
 
     def prefills_ended(self, pool: Pool, bookings: list[Booking], now: float) -> None:
         """Their engine stored their prompts (ingest.py): their prefill ended; queued selections
         may run once the events are applied."""
         for booking in bookings:
-            self._end_prefill(pool, booking, now, learn=True)
+            self._end_prefill(pool, booking, now)
         self._end_followers(pool, now)
         if pool.queue:
             self._deferred.add(lambda: self.dispatch(pool if self._pools.get(pool.key) is pool else None, now))
 
-    def _end_prefill(self, pool: Pool, booking: Booking, now: float, learn: bool) -> None:
+    def _end_prefill(self, pool: Pool, booking: Booking, now: float) -> None:
         """What `prefill_complete` does to a booking whose prefill's end was read from events;
-        `learn`: its time teaches the worker's speed (not when it ended at booking)."""
+        its tokens teach the worker's speed, as every prefill's end does, so that a replica that
+        hears of it through the ledger (which says only that it ended) learns the same."""
         if booking.prefill_done:  # its client told another replica first, and the ledger brought it
             pool.prefill_ends.ended(booking)
             return
         load = pool.tracker.loads[booking.rank]
-        pool.speeds.observe(booking.rank, load.prefill_tokens, now, load.prefilling)
-        pool.speeds.stopped(booking.rank, booking.prefill_tokens)
-        if learn:
-            pool.speeds.completed(booking.rank, booking.prefill_tokens)
+        pool.speeds.ended(booking.rank, load.prefill_tokens, load.prefilling, booking.prefill_tokens, now,
+                          completed=True)
         pool.tracker.prefill_complete(booking.rid)
         pool.prefill_ends.ended(booking)
         if self.journal is not None:
@@ -87,4 +86,4 @@ class PrefillReading:
         while ready:
             booking = ready.pop(0)
             if pool.tracker.bookings.get(booking.rid) is booking and not booking.prefill_done:
-                self._end_prefill(pool, booking, now, learn=False)
+                self._end_prefill(pool, booking, now)

@@ -26,7 +26,7 @@ from ..base.errors import (
     ShapeError,
     TooManyRequests,
 )
-from ..base.hashing import signed
+from ..base.hashing import SignedHashes
 from ..base.metrics import Metrics
 from ..base.outputs import Notice, OutputEvent
 from ..base.responses import Excluded, Overlap, Pending, ReservationResponse, SelectResponse
@@ -349,7 +349,8 @@ class Selector(Admission, Plans, PrefillReading):
             cached_tokens=chosen.cached, block_size=bs, overlap=overlap,
             effective_prefill_tokens=max(0, prompt.isl - chosen.cached),
             potential_decode_blocks=chosen.decode_blocks + partial,
-            sequence_hashes=None if booked is None else signed(booked.blocks or prompt.seqs),
+            sequence_hashes=None if booked is None else SignedHashes(
+                booked.blocks or prompt.seqs, prompt.encoded_seqs if reuse or not booked.blocks else None),
             isl_tokens=None if booked is None else prompt.isl,
             track_prefill_tokens=None if booked is None else track, worker_load=worker_load, decision=decision(
                 chosen, scored, prompt.isl, self._settings.router_policy) if self._settings.explain_header else None)
@@ -525,11 +526,11 @@ class Selector(Admission, Plans, PrefillReading):
             raise
         booked = pool.tracker.bookings[rid]
         load = pool.tracker.loads[booked.rank]
-        pool.speeds.observe(booked.rank, load.prefill_tokens, now, load.prefilling)
-        if not booked.prefill_done:
-            pool.speeds.stopped(booked.rank, booked.prefill_tokens)
-            if not free:
-                pool.speeds.completed(booked.rank, booked.prefill_tokens)
+        if booked.prefill_done:
+            pool.speeds.observe(booked.rank, load.prefill_tokens, now, load.prefilling)
+        else:
+            pool.speeds.ended(booked.rank, load.prefill_tokens, load.prefilling, booked.prefill_tokens, now,
+                              completed=not free)
         # The blocks a huge booking leaves are uncounted after the answer, unless queued
         # selections are about to run (they must see them gone).
         defer = self._deferred.add if not pool.queue and not self._dispatching else None
