@@ -3,7 +3,7 @@ another connection sends, over and over, one of the heaviest requests a client m
 (docs/INVARIANTS.md, "No single request stalls everyone"; goal: p99 under 50 ms).
 
     python bench/stalls.py [--scenarios idle,picker_tokenize,picker_chat,select_nan,book_1m_push,book_1m_approx,
-                            ws_events,ws_flood,picker_echo,delete_bookings,ready,select_1m,select_booked,
+                            ws_events,ws_flood,ws_flood_cleared,picker_echo,delete_bookings,ready,select_1m,select_booked,
                             post_events,snapshot,free_bodies,trickle_scrape]
         [--seconds 5] [--bookings 100000] [--workers 100000] [--blocks 200000]
 
@@ -202,6 +202,16 @@ def scenario_ws_events(opts: argparse.Namespace) -> dict[str, float]:
 def scenario_ws_flood(opts: argparse.Namespace) -> dict[str, float]:
     """One stream sending small events, one per message, as fast as the socket takes
     them (a heavy request is 10,000 of them; 300,000 in the run docs/INVARIANTS.md gives)."""
+    return _ws_flood(opts, lambda i: {"event_id": i, "data": {"stored": {
+        "parent_hash": None, "blocks": [{"block_hash": i, "tokens_hash": i}]}}})
+
+
+def scenario_ws_flood_cleared(opts: argparse.Namespace) -> dict[str, float]:
+    """`ws_flood` with `cleared` events: the smallest message, so the most events per byte read."""
+    return _ws_flood(opts, lambda i: {"event_id": i, "data": "cleared"})
+
+
+def _ws_flood(opts: argparse.Namespace, event: Callable[[int], dict[str, Any]]) -> dict[str, float]:
     proc, port = start([])
     try:
         Conn(port).call("POST", "/workers", json.dumps(worker(1)).encode())
@@ -210,9 +220,7 @@ def scenario_ws_flood(opts: argparse.Namespace) -> dict[str, float]:
         def heavy(conn: Conn) -> None:
             upgrade(conn, "/kv_events?worker_id=1")
             first = next(counter) * 10_000 + 1
-            conn.sock.sendall(b"".join(ws_frame(json.dumps({"event_id": i, "data": {"stored": {
-                "parent_hash": None, "blocks": [{"block_hash": i, "tokens_hash": i}]}}}).encode())
-                for i in range(first, first + 10_000)))
+            conn.sock.sendall(b"".join(ws_frame(json.dumps(event(i)).encode()) for i in range(first, first + 10_000)))
 
         return measure(port, heavy, opts.seconds)
     finally:
@@ -529,7 +537,7 @@ def scenario_snapshot(opts: argparse.Namespace) -> dict[str, float]:
 
 
 SCENARIOS = {"picker_tokenize": scenario_picker_tokenize, "picker_chat": scenario_picker_chat, "select_nan": scenario_select_nan, "book_1m_push": scenario_book_1m_push,
-             "book_1m_approx": scenario_book_1m_approx, "ws_events": scenario_ws_events, "ws_flood": scenario_ws_flood, "picker_echo": scenario_picker_echo, "delete_bookings": scenario_delete_bookings,
+             "book_1m_approx": scenario_book_1m_approx, "ws_events": scenario_ws_events, "ws_flood": scenario_ws_flood, "ws_flood_cleared": scenario_ws_flood_cleared, "picker_echo": scenario_picker_echo, "delete_bookings": scenario_delete_bookings,
              "ready": scenario_ready, "select_1m": scenario_select_1m,
              "select_booked": scenario_select_booked, "post_events": scenario_post_events,
              "snapshot": scenario_snapshot, "idle": scenario_idle, "free_bodies": scenario_free_bodies,

@@ -1,13 +1,18 @@
 """A soak of replicas sharing a ledger, with faults (docs/REPLICATION.md):
 
-    python fuzz/ledger_soak.py [--seconds 60] [--replicas 3] [--clients 16]
+    python fuzz/ledger_soak.py [--seconds 60] [--replicas 3] [--clients 16] [--faults both|ledger|replicas]
+                               [--reuse 0.5] [--lease 15] [--seed 0] [--no-faults]
 
 Real `selection-proto serve --ledger` processes on one real redis-server (AOF `always`). Clients
 book, complete prefill and free on random replicas; a fault thread SIGKILLs and restarts a
 replica, or the ledger, every couple of seconds. Then the faults stop, every client frees what
 it still holds (on any replica that answers), and every replica must show every load at zero,
 with the ledger holding no booking, within a lease (`--lease`): a killed replica's unwritten
-frees (at most one write of its journal, docs/REPLICATION.md) end with their lease."""
+frees (at most one write of its journal, docs/REPLICATION.md) end with their lease.
+
+A held booking whose first free answers 404 is freed again 2 s later, on a random replica: a 200
+then says the booking had been kept, so the 404 was wrong (`kept_but_404`, each printed with the
+faults before it). With `--faults ledger` no booking can be lost, so every one is a bug."""
 
 from __future__ import annotations
 
@@ -94,6 +99,10 @@ def main() -> int:
     parser.add_argument("--lease", type=float, default=15.0, help="active_request_expiry_secs")
     parser.add_argument("--no-faults", action="store_true",
                         help="no kills: every booking answered 2xx must be counted exactly, none lost")
+    parser.add_argument("--reuse", type=float, default=0.5, help="share of bookings that reuse a freed id")
+    parser.add_argument("--faults", choices=("both", "ledger", "replicas"), default="both",
+                        help="what the fault thread kills (ledger: no booking may be lost, so every "
+                             "first free of a held booking answered 404 is a wrong answer)")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     folder = Path(tempfile.mkdtemp())
@@ -108,8 +117,16 @@ def main() -> int:
     held: dict[str, None] = {}  # booked and not yet freed, as the clients know
     lock = threading.Lock()
     counts = {"booked": 0, "freed": 0, "prefilled": 0, "errors": 0, "replica_kills": 0, "ledger_kills": 0,
-              "retried_frees": 0, "retry_not_404": 0, "reused_ids": 0}
+              "retried_frees": 0, "retry_not_404": 0, "reused_ids": 0, "first_free_404": 0,
+              "ledger_slow_starts": 0}
+    # Held bookings whose first free answered 404: freed again 2 s later (within the lease), a 200
+    # then says the booking was kept (a wrong 404), a 404 that it was lost (with a killed
+    # replica's journal) or had ended; a 503 or a refused connection is tried again.
+    first_404: list[tuple[str, float]] = []
+    kept: list[dict[str, Any]] = []
+    faults_at: list[tuple[float, str]] = []  # when each fault began, and what it was
     reusable: dict[int, list[str]] = {}  # client -> ids it freed, to book again (docs/REPLICATION.md)
+    reused: set[str] = set()  # ids booked more than once
 
     def client(index: int) -> None:
         local = random.Random(index)
@@ -129,17 +146,22 @@ def main() -> int:
                         if status in (200, 404):
                             with lock:
                                 held.pop(rid, None)
+                                if status == 404:
+                                    first_404.append((rid, time.monotonic(), port))
                             counts["freed"] += 1
-                            reusable.setdefault(index, []).append(rid)
+                            counts["first_free_404"] += status == 404
+                            if status == 200:  # (a 404's id is freed again at the end, not reused)
+                                reusable.setdefault(index, []).append(rid)
                             if status == 200 and local.random() < 0.5:  # a client's retry, anywhere
                                 again, _ = call(local.choice(group).port, "DELETE", f"/reservations/{rid}")
                                 counts["retried_frees"] += 1
                                 counts["retry_not_404"] += again not in (404, 503)
                 else:
                     old = reusable.get(index)
-                    if old and local.random() < 0.5:  # an id used again after its free
+                    if old and local.random() < args.reuse:  # an id used again after its free
                         rid = old.pop(local.randrange(len(old)))
                         counts["reused_ids"] += 1
+                        reused.add(rid)
                     else:
                         rid = f"c{index}-{n}"
                         n += 1
@@ -156,17 +178,52 @@ def main() -> int:
 
     def faults() -> None:
         while not args.no_faults and not stop.wait(rng.uniform(1.0, 3.0)):
-            if rng.random() < 0.7:
+            if args.faults == "replicas" or (args.faults == "both" and rng.random() < 0.7):
                 victim = rng.choice(group)
+                faults_at.append((time.monotonic(), "replica"))
                 victim.kill()
                 counts["replica_kills"] += 1
                 victim.start()
             else:
+                faults_at.append((time.monotonic(), "ledger"))
                 ledger.kill()
                 counts["ledger_kills"] += 1
                 time.sleep(rng.uniform(0.1, 1.0))
-                ledger.start()
+                while True:
+                    try:
+                        ledger.start()
+                        break
+                    except RuntimeError:  # not up within its 10 s on a busy machine: again
+                        counts["ledger_slow_starts"] += 1
+                faults_at.append((time.monotonic(), "ledger_up"))
 
+    checks = random.Random(args.seed + 1)
+
+    def check() -> None:
+        checked = 0
+        while checked < len(first_404) or not stop.is_set():
+            if checked == len(first_404):
+                time.sleep(0.1)
+                continue
+            rid, at, answered_on = first_404[checked]
+            time.sleep(max(0.0, at + 2.0 - time.monotonic()))
+            status, port = None, 0
+            while status not in (200, 404) and time.monotonic() < at + args.lease - 1:
+                port = checks.choice(group).port
+                try:
+                    status = call(port, "DELETE", f"/reservations/{rid}")[0]
+                except (OSError, ValueError, IndexError):
+                    status = None
+                if status not in (200, 404):
+                    time.sleep(0.3)
+            if status == 200:
+                before = [(round(at - when, 2), kind) for when, kind in faults_at if when <= at][-2:]
+                kept.append({"id": rid, "reused": rid in reused, "faults_before": before,
+                             "answered_404_on": answered_on, "freed_on": port})
+            checked += 1
+
+    checker = threading.Thread(target=check)
+    checker.start()
     threads = [threading.Thread(target=client, args=(i,)) for i in range(args.clients)]
     threads.append(threading.Thread(target=faults))
     for thread in threads:
@@ -195,6 +252,8 @@ def main() -> int:
     for thread in finals:
         thread.join(30)
     lost = statuses.count(404)
+    checker.join()
+    counts["kept_but_404"] = len(kept)
     if args.no_faults and (lost or counts["retry_not_404"]):
         print(json.dumps({"result": "failed", "lost_at_end": lost, **counts}))
         return 1
@@ -213,6 +272,8 @@ def main() -> int:
     events = [line for r in group for line in call(r.port, "GET", "/metrics")[1].splitlines()
               if line.startswith("selection_proto_ledger_events_total")]
     print("\n".join(events))
+    for wrong in kept:
+        print(json.dumps({"kept_but_404": wrong}))
     print(json.dumps({"result": "ok", "seconds": args.seconds, "still_held_at_end": len(held),
                       "lost_at_end": lost, "zero_after_secs": round(time.monotonic() - settle_started, 1),
                       **counts}))

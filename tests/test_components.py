@@ -188,6 +188,7 @@ def test_the_quick_structure_look_answers_as_the_full_passes(value: object, sepa
     nesting)."""
     for depth in (0, 40, 70):  # nested in arrays: 64 openers is where the quick look gives up
         raw = ("[" * depth + json.dumps(value, separators=separators) + "]" * depth).encode()
+        assert jsonio._structure_hints_quick(raw) == jsonio._structure_hints_full(raw)
         assert jsonio.structure_hints(raw) == jsonio._structure_hints_full(raw)
 
 
@@ -195,10 +196,11 @@ def test_the_quick_structure_look_on_request_bodies() -> None:
     body = json.dumps({"model_name": "m", "token_ids": list(range(20000))}).encode()
     assert jsonio.structure_hints(body) == (False, False)
     assert jsonio.structure_hints(body.replace(b"[0,", b"[true,")) == (False, True)
-    assert jsonio.structure_hints(b'{"t": "f", "x": [[[]]]}') == (False, False)
-    assert jsonio.structure_hints(b"[" * 65 + b"]" * 65) == (True, False)
-    many = json.dumps({f"k{i}": "v" for i in range(40)} | {"z": False}).encode()  # past the quick look
-    assert jsonio.structure_hints(many) == (False, True)
+    for look in (jsonio._structure_hints_quick, jsonio.structure_hints):  # small ones get the full passes
+        assert look(b'{"t": "f", "x": [[[]]]}') == (False, False)
+        assert look(b"[" * 65 + b"]" * 65) == (True, False)
+        many = json.dumps({f"k{i}": "v" for i in range(40)} | {"z": False}).encode()  # past the quick look
+        assert look(many) == (False, True)
 
 
 @pytest.mark.parametrize("text", [
@@ -406,6 +408,36 @@ def test_the_quick_read_of_a_store_is_the_typed_read(inner: dict[str, Any]) -> N
     fast = quick(inner)
     assert fast is None or [KvEvent(worker_id=None, dp_rank=None, tier="device", event_id=1, kind="stored",
                                     parent_hash=fast[0], blocks=fast[1])] == typed
+
+
+_HEAD_VALUES = st.one_of(_U64S, st.sampled_from([2**64 - 1, 2**32 - 1, 2**32, -0.0]), st.just("cleared"))
+
+
+@given(st.one_of(st.fixed_dictionaries({"data": st.just("cleared")}, optional={
+    "event_id": _HEAD_VALUES, "dp_rank": _HEAD_VALUES, "other": _HEAD_VALUES}),
+    st.dictionaries(st.sampled_from(["event_id", "dp_rank", "data"]), _HEAD_VALUES)))
+@example({"event_id": 2**64, "data": "cleared"})
+@example({"event_id": 2**64 - 1, "dp_rank": 2**32, "data": "cleared"})
+@example({"event_id": True, "dp_rank": 1.0, "data": "cleared"})
+def test_the_quick_read_of_an_events_head_is_the_typed_read(event: dict[str, Any]) -> None:
+    """An event's `event_id` and `dp_rank` are read without a typed object where they are the
+    usual u64 and u32 (or null); the event, or the error and its text, is the typed path's."""
+    from selection_proto.core.base.errors import SelectionError
+    from selection_proto.core.cache import events
+
+    def read() -> list[events.KvEvent] | str:
+        try:
+            return events.decode_json_events(event)
+        except SelectionError as exc:
+            return exc.message
+
+    quick = read()
+    original = events._head_fast
+    events._head_fast = lambda obj: None  # type: ignore[assignment]
+    try:
+        assert quick == read()
+    finally:
+        events._head_fast = original
 
 
 def test_a_prompt_hashed_and_counted_ahead_selects_exactly_as_one_hashed_on_the_spot(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -742,3 +742,130 @@ def test_an_id_booked_again_before_its_free_reached_the_ledger_waits_and_then_co
             assert a.loads() == b.loads() == {1: (0, 0, 0), 2: (0, 0, 0)}
 
     run(main)
+
+
+def test_an_id_booked_again_during_an_outage_waits_for_the_ledger(ledger: LedgerServer) -> None:
+    """x is booked and freed; the ledger goes away; A books x again. Answered at once (it was,
+    in open mode), A's booking reached the ledger after the reconnect, behind B's free of x sent
+    after that answer: B answered 404 and the booking stayed until its lease (the soak's
+    kept_but_404, docs/REPLICATION.md). A refuses it 503 while away; once back, the same
+    booking is answered and a free on B frees it."""
+    async def main() -> None:
+        async with replicas(2, ledger.url) as (a, b):
+            await _two_workers(a)
+            await settled([a, b])
+            booking = {**PROMPT, "worker_id": 2, "reservation_id": "x"}
+            await a.ok("POST", "/reservations", booking, status=201)
+            await a.ok("DELETE", "/reservations/x")
+            await settled([a, b])
+            ledger.stop()
+            await until(lambda: not a.ledger.journal.connected and not b.ledger.journal.connected)
+            a.link.held_writes = True  # what A queues stays queued after the ledger is back
+            assert await a.call("POST", "/reservations", booking) == (503, {
+                "error": "ledger unavailable: reservation x was booked lately; book it again once the ledger is back"})
+            ledger.start()
+            await until(lambda: b.ledger.journal.connected)
+            assert await b.call("DELETE", "/reservations/x") == (404, {"error": "reservation x not found"})
+            a.link.held_writes = False
+            await settled([a, b])
+            assert a.loads() == b.loads() == {1: (0, 0, 0), 2: (0, 0, 0)}
+            await until(lambda: a.ledger.journal.connected)
+            await a.ok("POST", "/reservations", booking, status=201)
+            await b.ok("DELETE", "/reservations/x")
+            await settled([a, b])
+            assert a.loads() == b.loads() == {1: (0, 0, 0), 2: (0, 0, 0)}
+
+    run(main)
+
+
+def test_an_id_booked_again_unanswered_when_the_ledger_goes_is_undone_503(ledger: LedgerServer) -> None:
+    """The same race from a booking of an id used again that waits for the ledger's word when the
+    connection drops: answered 201 at the drop (its add still queued), B's free of x after the
+    reconnect answered 404 and the booking stayed. It is undone and answered 503."""
+    async def main() -> None:
+        async with replicas(2, ledger.url) as (a, b):
+            await _two_workers(a)
+            await settled([a, b])
+            booking = {**PROMPT, "worker_id": 2, "reservation_id": "x"}
+            await a.ok("POST", "/reservations", booking, status=201)
+            await a.ok("DELETE", "/reservations/x")
+            await settled([a, b])
+            a.link.held_writes = True
+            ticket = a.send("POST", "/reservations", booking)
+            assert isinstance(ticket, int)  # waits for the ledger: the id was used before
+            ledger.stop()
+            assert await a.answer(ticket) == (503, {
+                "error": "ledger unavailable: reservation x was booked lately; book it again once the ledger is back"})
+            ledger.start()
+            await until(lambda: b.ledger.journal.connected)
+            assert await b.call("DELETE", "/reservations/x") == (404, {"error": "reservation x not found"})
+            a.link.held_writes = False
+            await settled([a, b])
+            assert a.loads() == b.loads() == {1: (0, 0, 0), 2: (0, 0, 0)}
+
+    run(main)
+
+
+def test_an_id_whose_end_came_with_a_snapshot_is_booked_again_once_the_ledger_has_it(
+        ledger: LedgerServer) -> None:
+    """B loads a snapshot (as after a reconnect) that no longer holds A's booking of x: B drops its
+    copy. Booked again on B, x used to count as a new id, answered at once; a free of it sent to
+    A after that answer reached the ledger before B's booking, found x ended and answered 404,
+    and the booking stayed until its lease. B now knows x ended: its booking waits for the
+    ledger, so a free sent after its answer finds it."""
+    async def main() -> None:
+        async with replicas(2, ledger.url) as (a, b):
+            await _two_workers(a)
+            await settled([a, b])
+            booking = {**PROMPT, "worker_id": 2, "reservation_id": "x"}
+            await a.ok("POST", "/reservations", booking, status=201)
+            await settled([a, b])
+            await park([b], via=a)  # B will not read x's end from the feed
+            await a.ok("DELETE", "/reservations/x")
+            await until(lambda: not ledger.client().hexists("sp:{t}:res", "x"))
+            b.ledger.needs_snapshot = True
+            b.link.wake.set()
+            await until(lambda: not b.ledger.needs_snapshot)
+            unpark([b])
+            assert b.loads()[2] == (0, 0, 0)
+            b.link.held_writes = True  # B's booking is not in the ledger yet
+            ticket = b.send("POST", "/reservations", booking)
+            assert isinstance(ticket, int), ticket  # not answered before the ledger has it
+            assert await a.call("DELETE", "/reservations/x") == (404, {"error": "reservation x not found"})
+            b.link.held_writes = False
+            assert (await b.answer(ticket))[0] == 201
+            await a.ok("DELETE", "/reservations/x")  # sent after the answer: it finds the booking
+            await settled([a, b])
+            assert a.loads() == b.loads() == {1: (0, 0, 0), 2: (0, 0, 0)}
+
+    run(main)
+
+
+def test_an_id_whose_whole_life_a_snapshot_skipped_is_booked_again_once_the_ledger_has_it(
+        ledger: LedgerServer) -> None:
+    """As above, for a replica that never saw x: booked and freed on A while B's reader was away,
+    then B loads a snapshot. The snapshot brings the ids that ended since B's place in the feed."""
+    async def main() -> None:
+        async with replicas(2, ledger.url) as (a, b):
+            await _two_workers(a)
+            await settled([a, b])
+            booking = {**PROMPT, "worker_id": 2, "reservation_id": "x"}
+            await park([b], via=a)
+            await a.ok("POST", "/reservations", booking, status=201)
+            await a.ok("DELETE", "/reservations/x")
+            await until(lambda: not ledger.client().hexists("sp:{t}:res", "x"))
+            b.ledger.needs_snapshot = True
+            b.link.wake.set()
+            await until(lambda: not b.ledger.needs_snapshot)
+            unpark([b])
+            b.link.held_writes = True
+            ticket = b.send("POST", "/reservations", booking)
+            assert isinstance(ticket, int), ticket  # not answered before the ledger has it
+            assert await a.call("DELETE", "/reservations/x") == (404, {"error": "reservation x not found"})
+            b.link.held_writes = False
+            assert (await b.answer(ticket))[0] == 201
+            await a.ok("DELETE", "/reservations/x")
+            await settled([a, b])
+            assert a.loads() == b.loads() == {1: (0, 0, 0), 2: (0, 0, 0)}
+
+    run(main)

@@ -216,12 +216,14 @@ def test_the_codec_reads_what_it_writes_and_refuses_the_rest() -> None:
         decode_entry(b"1-0", {b"n": b"1", b"o": b"o", b"k": b"zap", b"i": b"x", b"b": b""})
     with pytest.raises(LedgerWireError):
         decode_entry(b"1-0", {b"n": b"-1", b"o": b"o", b"k": b"free", b"i": b"x", b"b": b""})
-    snap = decode_snapshot([b"e", None, None, [], [], [], [], [], [b"r", b"a"], [b"r", b"b"]])
-    assert (snap.owners, snap.waiting) == ({"r": "a"}, {"r": "b"})
+    snap = decode_snapshot([b"e", None, None, [], [], [], [], [], [b"r", b"a"], [b"r", b"b"], [b"g", b"7"]])
+    assert (snap.owners, snap.waiting, snap.ended) == ({"r": "a"}, {"r": "b"}, {"g": 7})
     with pytest.raises(LedgerWireError):
-        decode_snapshot([b"e", b"1", b"1-0", [b"odd"], [], [], [], [], [], []])
+        decode_snapshot([b"e", b"1", b"1-0", [b"odd"], [], [], [], [], [], [], []])
     with pytest.raises(LedgerWireError):
-        decode_snapshot([b"e", b"1", b"1-0", [], [], [], [], [], []])  # an older ledger's nine parts
+        decode_snapshot([b"e", b"1", b"1-0", [], [], [], [], [], [], [], [b"g", b"-1"]])
+    with pytest.raises(LedgerWireError):
+        decode_snapshot([b"e", b"1", b"1-0", [], [], [], [], [], [], []])  # an older script's ten parts
 
 
 def test_a_refused_bookings_free_from_the_feed_before_the_reply_still_answers_200() -> None:

@@ -1,4 +1,5 @@
-"""`GET /kv_events` over a real socket with the `websockets` client against the real server."""
+"""`GET /kv_events` over a real socket with the `websockets` client against the real server; and
+`adapters.ws.PushSession` fed directly, for how a read is handled a turn at a time."""
 
 from __future__ import annotations
 
@@ -11,9 +12,14 @@ from typing import Any
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_http import Server, read_response, request
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
+
+from selection_proto import SelectionService, Settings, WorkerRequest
+from selection_proto.adapters.ws import PushSession, server_handshake
 
 B1, B2 = 14643705804678351452, 16777012769546811212
 
@@ -271,3 +277,66 @@ def test_an_invalid_large_message_closes_1007(server: Server) -> None:
             data += chunk
         assert data[0] == 0x88 and int.from_bytes(data[2:4], "big") == 1007
     assert http(server, "GET", "/dump")[1]["events"] == []
+
+
+def push_session(target: str, clock: Any) -> tuple[SelectionService, PushSession]:
+    """A service with worker 1 and a push stream to it, its 101 taken."""
+    import random
+
+    service = SelectionService(Settings(kv_events="push"), random.Random(0))
+    service.upsert_worker(WorkerRequest(worker_id=1, model_name="m", endpoint="e", block_size=4), now=0.0)
+    ws = server_handshake(target, [(b"host", b"x"), (b"upgrade", b"websocket"), (b"connection", b"Upgrade"),
+                                   (b"sec-websocket-version", b"13"),
+                                   (b"sec-websocket-key", b"dGhlIHNhbXBsZSBub25jZQ==")])
+    assert not isinstance(ws, str), ws
+    session = PushSession(service, clock, ws, target, b"")
+    assert session.data_to_send().startswith(b"HTTP/1.1 101")
+    return service, session
+
+
+def masked_text(payload: bytes) -> bytes:
+    assert len(payload) < 126
+    return bytes([0x81, 0x80 | len(payload)]) + b"\0\0\0\0" + payload
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 40), st.lists(st.integers(1, 300), min_size=1, max_size=20), st.integers(1, 6))
+def test_a_read_is_handled_a_turn_at_a_time_and_nothing_is_lost(count: int, cuts: list[int], turn: int) -> None:
+    """Messages are handled until the clock passes the turn's end, the rest on `resume`, in order:
+    each turn handles at most `turn` messages (the clock here moves a tick per read of it, and
+    each message reads it), and the stream ends as one fed whole."""
+    ticks = iter(range(1 << 30))
+
+    def clock() -> float:
+        return float(next(ticks))
+
+    wire = b"".join(masked_text(json.dumps({"event_id": i, "data": {"stored": {"parent_hash": None, "blocks": [
+        {"block_hash": i, "tokens_hash": i}]}}}, separators=(",", ":")).encode()) for i in range(1, count + 1))
+    service, session = push_session("/kv_events?worker_id=1&ack=true", clock)
+    acks: list[int] = []
+
+    def turn_acks() -> list[int]:
+        data = session.data_to_send()
+        return [int(n) for n in re.findall(rb'"ack":(\d+)', data)]
+
+    at = 0
+    for cut in [*cuts, len(wire)]:
+        if at >= len(wire):
+            break
+        session.receive_data(wire[at:at + cut], until=clock() + turn)
+        at += cut
+        while True:
+            handled = turn_acks()
+            assert len(handled) <= turn
+            acks += handled
+            if not session.backlog:
+                break
+            session.resume(until=clock() + turn)
+    assert acks == list(range(1, count + 1))
+    assert not session.closed
+    whole_service, whole = push_session("/kv_events?worker_id=1&ack=true", clock)
+    whole.receive_data(wire)
+    assert not whole.backlog
+    assert whole.data_to_send().count(b'"ack":') == count
+    assert service.handle("GET", "/dump", "", [], b"", now=1.0) == whole_service.handle("GET", "/dump", "", [], b"",
+                                                                                       now=1.0)

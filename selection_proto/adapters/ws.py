@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Final, NamedTuple
 
 import h11
@@ -115,6 +115,13 @@ class _Session:
         self.closed = False
         self.close_code: int | None = None
         self.ping_outstanding = False
+        self._backlog: Iterator[Event] | None = None  # frames received and not yet handled
+
+    @property
+    def backlog(self) -> bool:
+        """Received bytes wait to be handled (`receive_data` stopped at its `until`): call
+        `resume` before reading more."""
+        return self._backlog is not None and not self.closed
 
     def data_to_send(self) -> bytes:
         data = b"".join(self._out)
@@ -162,8 +169,11 @@ class _Session:
             self.close_code = 1006
             self._closed()
 
-    def receive_data(self, data: bytes) -> None:
-        """`b""` means the peer closed the TCP connection."""
+    def receive_data(self, data: bytes, until: float | None = None) -> None:
+        """`b""` means the peer closed the TCP connection. With `until`, frames are handled only
+        until the clock reads past it (a turn of the caller's event loop): the rest wait, parsed
+        as they are handled, for `resume`. A flood of small messages has many per read, and its
+        bytes alone do not bound a turn (docs/INVARIANTS.md)."""
         if self.closed:
             return
         if not data:
@@ -174,10 +184,20 @@ class _Session:
         except (LocalProtocolError, RemoteProtocolError) as exc:
             self.close(1002, f"protocol error: {exc}")
             return
-        for event in self._ws.events():
+        self.resume(until)
+
+    def resume(self, until: float | None = None) -> None:
+        """Handle the frames `receive_data` left (all of them, or until the clock passes `until`)."""
+        events = self._backlog if self._backlog is not None else self._ws.events()
+        self._backlog = None
+        clock = self._clock
+        for event in events:
             if self.closed:
                 return
             self._event(event)
+            if until is not None and clock() >= until:
+                self._backlog = events
+                return
 
     def _event(self, event: Event) -> None:
         if isinstance(event, (TextMessage, BytesMessage)):

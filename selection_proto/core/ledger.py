@@ -25,7 +25,7 @@ from .base.types import WorkerCatalogRecord, WorkerRequest
 from .base.wire import Response, error_response, json_response
 from .fleet.admission import Tickets
 from .fleet.catalog import Catalog
-from .fleet.journal import LEDGER_DOWN, Journal, LedgerOp, LedgerSettings, may_be_booked
+from .fleet.journal import LEDGER_DOWN, Journal, LedgerOp, LedgerSettings, booked_again, may_be_booked
 from .fleet.ledger_wire import (
     ADD,
     DELETED,
@@ -216,6 +216,15 @@ class Ledger:
         self.synced = False
         self.needs_snapshot = True
         closed = self.settings.failure == "closed"
+        for op in list(journal.ops):
+            # A booking of an id used again, still unanswered: answered now, it would reach the
+            # ledger after the reconnect, maybe behind a free of it sent elsewhere after that
+            # answer (`Journal.check_booking`). Undone, and answered as one made while away.
+            hold = self._holds.get(op.hold) if op.kind == ADD and op.again and op.hold is not None else None
+            if hold is not None:
+                journal.ops.remove(op)
+                self._retract(op.ident, now)
+                self._answer(hold, error_response(503, booked_again(op.ident)))
         for op in list(journal.ops):
             if op.kind == ADD and op.count is not None:
                 op.count = None
@@ -463,6 +472,11 @@ class Ledger:
             gone = [rid for rid in pool.tracker.bookings if rid not in snap.bookings and rid not in queued]
             for rid in gone:
                 pool.free(rid, now)
+                journal.end(rid, snap.n)
+        # Ended, unseen in the feed: booked here again, each waits for the ledger, or a free sent
+        # elsewhere after its answer could reach the ledger first, find it ended and answer 404.
+        for rid, n in snap.ended.items():
+            journal.end(rid, n)
         for rid, body in snap.bookings.items():
             try:
                 if rid in queued:

@@ -162,7 +162,7 @@ class LedgerLink:
         next_reap = self.clock()
         while True:
             if ledger.needs_snapshot:
-                raw = await writer.script("snapshot", self.keys, [])
+                raw = await writer.script("snapshot", self.keys, [ledger.n])
                 ledger.load(decode_snapshot(raw), self.clock())
                 self.snapshot_loaded.set()
                 await self._changed()

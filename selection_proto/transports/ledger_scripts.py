@@ -165,6 +165,8 @@ return #due
 """
 
 # The waiting bookings go as their replicas: each keeps its own, which the ledger will start.
+# ARGV: the feed position the replica has applied; the ids ended after it go too (`gone`, with
+# where they ended), which its mirror may never have seen.
 SNAPSHOT: Final = """
 local waiting = {}
 for i, v in ipairs(redis.call('HGETALL', KEYS[16])) do
@@ -173,7 +175,7 @@ end
 return {redis.call('GET', KEYS[8]), redis.call('GET', KEYS[9]), redis.call('GET', KEYS[11]),
         redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2]), redis.call('HGETALL', KEYS[3]),
         redis.call('HGETALL', KEYS[6]), redis.call('HGETALL', KEYS[7]), redis.call('HGETALL', KEYS[13]),
-        waiting}
+        waiting, redis.call('ZRANGEBYSCORE', KEYS[14], '(' .. ARGV[1], '+inf', 'WITHSCORES')}
 """
 
 

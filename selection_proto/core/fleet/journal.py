@@ -28,7 +28,7 @@ from .ledger_wire import (
 )
 from .pool import Key
 
-__all__ = ["LEDGER_DOWN", "OUTBOX_FULL", "Journal", "LedgerOp", "LedgerSettings", "may_be_booked"]
+__all__ = ["LEDGER_DOWN", "OUTBOX_FULL", "Journal", "LedgerOp", "LedgerSettings", "booked_again", "may_be_booked"]
 
 LEDGER_DOWN: Final = "ledger unavailable"
 OUTBOX_FULL: Final = "ledger outbox full"
@@ -38,6 +38,11 @@ RECENT_ENDS: Final = 65_536  # ended bookings a replica remembers (the ledger ke
 def may_be_booked(rid: str) -> str:
     """Why a free of an id this replica does not hold is not answered while the ledger is away."""
     return f"{LEDGER_DOWN}: reservation {rid} may be booked on another replica"
+
+
+def booked_again(rid: str) -> str:
+    """Why a booking of an id used again is refused while the ledger is away."""
+    return f"{LEDGER_DOWN}: reservation {rid} was booked lately; book it again once the ledger is back"
 
 
 @attrs.frozen(kw_only=True)
@@ -59,12 +64,13 @@ class LedgerOp:
     entry this replica had applied when it made it (an early free fenced after it may refuse it;
     one fenced before it cannot). `owner`: for prefill and progress, the replica that made the
     booking (a free names it in its body): an op never touches another booking of the same id.
-    `hold`: the ticket whose answer waits."""
+    `hold`: the ticket whose answer waits. `again`: a booking of an id used again (answered once
+    the ledger has it)."""
 
-    __slots__ = ("kind", "ident", "body", "rank_key", "count", "view", "owner", "hold")
+    __slots__ = ("kind", "ident", "body", "rank_key", "count", "view", "owner", "hold", "again")
 
     def __init__(self, kind: str, ident: str, body: bytes = b"", rank_key: bytes = b"",
-                 count: int | None = None, view: int = 0, owner: bytes = b"") -> None:
+                 count: int | None = None, view: int = 0, owner: bytes = b"", again: bool = False) -> None:
         self.kind = kind
         self.ident = ident
         self.body = body
@@ -72,6 +78,7 @@ class LedgerOp:
         self.count = count
         self.view = view
         self.owner = owner
+        self.again = again
         self.hold: int | None = None
 
 
@@ -99,10 +106,16 @@ class Journal:
         # is a retry and answers 404, as in one process.
         self.ended: dict[str, int] = {}
 
-    def check_booking(self) -> None:
-        """Refuse a booking the ledger cannot take (closed mode while away, or a full outbox)."""
+    def check_booking(self, rid: str, again: bool = False) -> None:
+        """Refuse a booking the ledger cannot take (closed mode while away, or a full outbox), and
+        while away one of an id used again (`again`: another replica's booking of it is held
+        here; or its end was seen lately). Answered at once, its booking would reach the ledger
+        after the reconnect, maybe after a free of it sent to another replica after that answer:
+        the ledger would find the id ended, answer that free 404 and keep the booking."""
         if not self.connected and self.settings.failure == "closed":
             raise NotReady(LEDGER_DOWN)
+        if not self.connected and (again or rid in self.ended):
+            raise NotReady(booked_again(rid))
         if len(self.ops) >= self.settings.outbox_max:
             raise NotReady(OUTBOX_FULL)
 
@@ -130,7 +143,8 @@ class Journal:
         # An id used again after its booking ended is answered once the ledger has the booking:
         # a free of it sent after that answer, to any replica, then finds it there (not `gone`).
         reused = self.ended.pop(booking.rid, None) is not None and self.connected
-        self._push(LedgerOp(ADD, booking.rid, encode_add(record), rk, seen, self.seen), sync=strict or reused)
+        self._push(LedgerOp(ADD, booking.rid, encode_add(record), rk, seen, self.seen, again=reused),
+                   sync=strict or reused)
 
     def prefilled(self, booking: Booking) -> None:
         self._push(LedgerOp(PREFILL, booking.rid, owner=self._owner(booking)))

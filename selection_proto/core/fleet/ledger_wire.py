@@ -79,6 +79,7 @@ class LedgerSnapshot(NamedTuple):
     workers: dict[str, bytes]  # worker id -> record JSON, DELETED + record JSON, or b"" (deleted)
     owners: dict[str, str]  # rid -> the replica that made the booking
     waiting: dict[str, str]  # rid -> the replica whose booking of it waits for the current one to end
+    ended: dict[str, int] = {}  # rid -> where its booking ended, for the ends after the reader's place
 
 
 def rank_key(model_name: str, tenant_id: str, worker_id: int, dp_rank: int) -> bytes:
@@ -201,16 +202,16 @@ def _pairs(raw: Any, what: str) -> dict[bytes, bytes]:
 
 def decode_snapshot(raw: Any) -> LedgerSnapshot:
     """The snapshot script's answer: epoch, seq, last entry id, then the hashes."""
-    if not isinstance(raw, list) or len(raw) != 10:
-        raise LedgerWireError("snapshot: expected 10 parts")
+    if not isinstance(raw, list) or len(raw) != 11:
+        raise LedgerWireError("snapshot: expected 11 parts")
     epoch = _text(raw[0], "snapshot.epoch")
     n = 0 if raw[1] is None else _count(raw[1], "snapshot.seq")
     cursor = b"0-0" if raw[2] is None else raw[2]
     if not isinstance(cursor, bytes):
         raise LedgerWireError("snapshot.last: expected an entry id")
     parts: Sequence[dict[bytes, bytes]] = [_pairs(part, name) for part, name in zip(
-        raw[3:], ("res", "pre", "out", "adds", "workers", "owner", "wait"), strict=True)]
-    res, pre, out, adds, workers, owners, waiting = parts
+        raw[3:], ("res", "pre", "out", "adds", "workers", "owner", "wait", "gone"), strict=True)]
+    res, pre, out, adds, workers, owners, waiting, gone = parts
     return LedgerSnapshot(
         epoch, n, cursor,
         {_text(k, "snapshot.res"): v for k, v in res.items()},
@@ -219,4 +220,5 @@ def decode_snapshot(raw: Any) -> LedgerSnapshot:
         {k: _count(v, "snapshot.adds") for k, v in adds.items()},
         {_text(k, "snapshot.workers"): v for k, v in workers.items()},
         {_text(k, "snapshot.owner"): _text(v, "snapshot.owner") for k, v in owners.items()},
-        {_text(k, "snapshot.wait"): _text(v, "snapshot.wait") for k, v in waiting.items()})
+        {_text(k, "snapshot.wait"): _text(v, "snapshot.wait") for k, v in waiting.items()},
+        {_text(k, "snapshot.gone"): _count(v, "snapshot.gone") for k, v in gone.items()})

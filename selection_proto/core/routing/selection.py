@@ -396,8 +396,8 @@ class Selector(Admission, Plans, PrefillReading):
         `holder`: the fairness ID whose in-flight prompts it counts in (`fairness_kv_share`)."""
         self.expire(pool, now)
         if self.journal is not None and getattr(pool.tracker.bookings.get(rid), "owner", None) is not None:
-            self.journal.check_booking()  # another replica's booking of the id, its free maybe on its
-            pool.free(rid, now)  # way: the ledger keeps this one waiting behind it (REPLICATION.md)
+            self.journal.check_booking(rid, again=True)  # another replica's booking of the id, its free
+            pool.free(rid, now)  # maybe on its way: the ledger keeps this one behind it (REPLICATION.md)
         try:
             self._limits.reservations(pool, rid)
         except DuplicateReservation as exc:
@@ -406,7 +406,7 @@ class Selector(Admission, Plans, PrefillReading):
             raise
         self._limits.state_budget(f"booking {rid}")
         if self.journal is not None:
-            self.journal.check_booking()
+            self.journal.check_booking(rid)
         blocks: list[int] | None = None
         if self._settings.track_active_blocks and decode_blocks:
             blocks = list(prompt.seqs) if reuse else [self._rng.getrandbits(64) for _ in prompt.seqs]
