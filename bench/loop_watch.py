@@ -55,6 +55,5 @@ def watch() -> None:
 
 
 threading.Thread(target=watch, daemon=True).start()
-sys.path.remove(os.path.dirname(os.path.abspath(__file__)))  # bench/queue.py would shadow the stdlib's
 sys.argv = ["selection-proto", *sys.argv[1:]]
 runpy.run_module("selection_proto", run_name="__main__")

@@ -1,7 +1,7 @@
 """The admission queue's cost per free (docs/PERFORMANCE.md, "The admission queue"): two busy
 workers, N selections queued, each free dispatches one onto the freed worker and the rest wait.
 
-    PYTHONPATH=<tree> .venv/bin/python bench/queue.py
+    PYTHONPATH=<tree> .venv/bin/python bench/flow_queue.py
 """
 import json
 import random
