@@ -14,9 +14,15 @@ import anyio.abc
 
 from ..adapters.fetch import Fetch, FetchError
 
-__all__ = ["CHUNK", "Outgoing", "flush", "http_get", "receive"]
+__all__ = ["CHUNK", "TURN_BYTES", "TURN_SECS", "Outgoing", "flush", "http_get", "receive"]
 
 CHUNK = 65536
+# A KV-event stream's turn of the event loop (pushed in, or subscribed to over ws:// or ZMQ): one
+# read of at most TURN_BYTES, its messages handled for at most TURN_SECS (then one more: a turn
+# ends between messages) before the loop's other tasks run. Bytes alone do not bound a turn:
+# 8 KiB is 180 `cleared` events, ~7 ms of work (docs/INVARIANTS.md).
+TURN_BYTES = 8192
+TURN_SECS = 0.002
 
 
 class Outgoing(Protocol):

@@ -20,16 +20,11 @@ from ..core.base.metrics import CONNECTIONS
 from ..core.intake.streams import decode_or_error
 from ..core.service import SelectionService
 from .config import ServerConfig
-from .pump import flush, receive
+from .pump import TURN_BYTES, TURN_SECS, flush, receive
 
 __all__ = ["GONE", "PushStreams"]
 
 GONE: Final = (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
-# A stream's turn of the event loop: one read of at most WS_SLICE bytes, its messages handled for
-# at most WS_TURN_SECS (then one more: a turn ends between messages) before the loop's other tasks
-# run. Bytes alone did not bound a turn: 8 KiB is 180 `cleared` events, ~7 ms of work.
-WS_SLICE: Final = 8192
-WS_TURN_SECS: Final = 0.002
 
 
 class PushStreams:
@@ -69,15 +64,15 @@ class PushStreams:
             while not session.closed:
                 if session.backlog:  # the last turn ran out: others first, then the rest
                     await anyio.sleep(0)
-                    session.resume(self.clock() + WS_TURN_SECS)
+                    session.resume(self.clock() + TURN_SECS)
                     await self._large_messages(session, stream, lock)
-                elif (data := await receive(stream, interval, WS_SLICE)) is None:
+                elif (data := await receive(stream, interval, TURN_BYTES)) is None:
                     if session.ping_outstanding:
                         session.close(1011, "keepalive ping timeout")
                     else:
                         session.ping()
                 else:
-                    session.receive_data(data, self.clock() + WS_TURN_SECS)
+                    session.receive_data(data, self.clock() + TURN_SECS)
                     await self._large_messages(session, stream, lock)
                 await flush(partial(self.send, stream), session, lock)
                 await self.pump()

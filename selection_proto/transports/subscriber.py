@@ -17,7 +17,7 @@ from ..core.base.metrics import KV_REPLAYS, SUBSCRIPTION_FAILURES
 from ..core.base.outputs import OutputEvent, SubscribeKvEvents, UnsubscribeKvEvents
 from ..core.service import SelectionService
 from .logs import log
-from .pump import flush, receive
+from .pump import TURN_BYTES, TURN_SECS, flush, receive
 from .zmq_sub import DISCONNECTED, ZmqHub, fetch_replay
 
 __all__ = ["BACKOFF_MAX", "BACKOFF_START", "Subscriptions", "backoff_delays", "connect"]
@@ -27,10 +27,6 @@ BACKOFF_MAX = 30.0
 STABLE_AFTER = 30.0  # a connection that lasted this long resets the backoff
 CONNECT_TIMEOUT = 10.0
 HANDSHAKE_TIMEOUT = 10.0
-# Bytes of engine batches applied between turns of the loop: ~8 KiB of small events is a few ms
-# of work (as a WebSocket read, transports/server.py); a 10,000-batch replay applied whole held
-# `/health` for seconds.
-APPLY_SLICE_BYTES = 8192
 
 
 async def connect(host: str, port: int, *, tls: bool) -> anyio.abc.ByteStream:
@@ -147,12 +143,16 @@ class Subscriptions:
             async with stream:
                 await flush(stream.send, session)
                 while not session.closed:
-                    # A peer that never completes the handshake is given up on like a refused one.
-                    timeout = float("inf") if session.accepted else HANDSHAKE_TIMEOUT
-                    data = await receive(stream, timeout)
-                    if data is None:
-                        return "handshake", f"no handshake answer within {HANDSHAKE_TIMEOUT:g} s"
-                    session.receive_data(data)
+                    if session.backlog:  # the last turn ran out: others first, then the rest
+                        await anyio.sleep(0)
+                        session.resume(anyio.current_time() + TURN_SECS)
+                    else:
+                        # A peer that never completes the handshake is given up on like a refused one.
+                        timeout = float("inf") if session.accepted else HANDSHAKE_TIMEOUT
+                        data = await receive(stream, timeout, TURN_BYTES)
+                        if data is None:
+                            return "handshake", f"no handshake answer within {HANDSHAKE_TIMEOUT:g} s"
+                        session.receive_data(data, anyio.current_time() + TURN_SECS)
                     await flush(stream.send, session)
                     await self.changed()
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
@@ -180,6 +180,7 @@ class Subscriptions:
                                                     engine_gone=messages == DISCONNECTED)
                     await self.changed()
                     continue
+                until = anyio.current_time() + TURN_SECS  # up to 256 messages came at once
                 for frames in messages:
                     if len(frames) != 3 or len(frames[1]) != 8:  # [topic, 8-byte seq, payload]
                         self.service.stream_dropped(sub.stream, "bad_zmq_frames")
@@ -187,23 +188,23 @@ class Subscriptions:
                     order.live(int.from_bytes(frames[1], "big"), frames[2], sub.replay_endpoint is not None)
                     if order.want is not None and sub.replay_endpoint is not None:
                         await self._replay(sub, sub.replay_endpoint, order, order.want)
-                    await self._apply(sub, order.ready())
+                    until = await self._apply(sub, order.ready(), until)
                 if messages:
                     await self.changed()
         finally:
             self.service.subscription_state(sub.stream, False, now=anyio.current_time())
 
-    async def _apply(self, sub: SubscribeKvEvents, ready: list[tuple[int, bytes]]) -> None:
-        """Batches in order; a long run of them (a replay of thousands) in slices of about
-        `APPLY_SLICE_BYTES`, with the loop's other work between slices."""
-        pending = 0
+    async def _apply(self, sub: SubscribeKvEvents, ready: list[tuple[int, bytes]], until: float) -> float:
+        """Batches in order, the loop's other work run whenever the clock passes `until` (a turn
+        of `TURN_SECS`, as for a WebSocket read; a 10,000-batch replay applied whole held `/health`
+        for seconds); returns the end of the turn now running."""
         for seq, payload in ready:
             self.service.stream_message(sub.stream, payload, seq=seq, now=anyio.current_time())
-            pending += len(payload)
-            if pending >= APPLY_SLICE_BYTES:
-                pending = 0
+            if anyio.current_time() >= until:
                 await self.changed()
                 await anyio.sleep(0)
+                until = anyio.current_time() + TURN_SECS
+        return until
 
     async def _replay(self, sub: SubscribeKvEvents, endpoint: str, order: SeqOrder, start: int) -> None:
         """Fill a gap from the engine's replay socket (docs/DECISIONS.md); live batches wait in the SUB
