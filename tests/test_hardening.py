@@ -329,7 +329,6 @@ def assert_a_flood_leaves_health_its_turn(server: Server, flood: Callable[[], No
     figures = {"share": share, "probes": len(flooded), "flooded p50/p90/max": [at(flooded, 0.5), at(flooded, 0.9),
                flooded[-1]], "in server time p50/p90": [at(in_server_time, 0.5), at(in_server_time, 0.9)],
                "idle p50/p90/max": [at(idle, 0.5), at(idle, 0.9), idle[-1]]}
-    print(figures)
     assert len(flooded) >= 20, figures
     assert at(in_server_time, 0.5) < at(idle, 0.5) + 0.025 * traced, figures
     assert at(in_server_time, 0.9) < at(idle, 0.9) + 0.05 * traced, figures
