@@ -298,9 +298,9 @@ FLOOD_EVENTS = 60_000
 CLEARED_EVENTS = [json.dumps({"event_id": i, "data": "cleared"}).encode() for i in range(1, FLOOD_EVENTS + 1)]
 
 
-def assert_a_flood_leaves_health_its_turn(server: Server, flood: Callable[[], None]) -> None:
-    """`flood` (run in a thread) sends the server `CLEARED_EVENTS` and returns once it has applied
-    them: /health keeps its turn meanwhile, and every event is applied.
+def assert_a_flood_leaves_health_its_turn(server: Server, flood: Callable[[], None], events: int = FLOOD_EVENTS) -> None:
+    """`flood` (run in a thread) sends the server `events` `cleared` events and returns once it has
+    applied them: /health keeps its turn meanwhile, and every event is applied.
 
     Judged against the same probes on the idle server just before and after, with the flood's
     probes counted in the server's own time: their wall time times the share of a CPU the server
@@ -332,10 +332,14 @@ def assert_a_flood_leaves_health_its_turn(server: Server, flood: Callable[[], No
     assert len(flooded) >= 20, figures
     assert at(in_server_time, 0.5) < at(idle, 0.5) + 0.025 * traced, figures
     assert at(in_server_time, 0.9) < at(idle, 0.9) + 0.05 * traced, figures
-    applied = [line for line in get(server, "/metrics")[1].decode().splitlines()
-               if line.startswith("selection_proto_kv_events_total{") and 'kind="cleared",result="ok"' in line]
-    assert [float(line.rsplit(" ", 1)[1]) for line in applied] == [FLOOD_EVENTS], applied
+    assert cleared_applied(server) == [events]
     assert_healthy(server)
+
+
+def cleared_applied(server: Server) -> list[float]:
+    """The `cleared` events the server has applied, as its metric reads (one line per stream kind)."""
+    return [float(line.rsplit(" ", 1)[1]) for line in get(server, "/metrics")[1].decode().splitlines()
+            if line.startswith("selection_proto_kv_events_total{") and 'kind="cleared",result="ok"' in line]
 
 
 def test_a_websocket_event_flood_leaves_other_clients_their_turn() -> None:
@@ -402,6 +406,56 @@ def test_an_engine_flooding_a_websocket_subscription_leaves_other_clients_their_
     finally:
         listener.close()
         server.stop()
+
+
+ZMQ_PUBLISHER = """
+import sys, msgpack, zmq
+pub = zmq.Context().socket(zmq.XPUB)
+pub.setsockopt(zmq.SNDHWM, 0)  # every batch kept for the subscriber: none dropped
+print(pub.bind_to_random_port("tcp://127.0.0.1"), flush=True)
+pub.recv()  # the server's SUB socket has joined
+print("joined", flush=True)
+events, per_batch = int(sys.argv[1]), int(sys.argv[2])
+batch = msgpack.packb([0.0, [["AllBlocksCleared"]] * per_batch, 0])
+sys.stdin.readline()
+for seq in range(1, events // per_batch + 1):
+    pub.send_multipart([b"", seq.to_bytes(8, "big"), batch])
+print("sent", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_an_engine_flooding_a_zmq_subscription_leaves_other_clients_their_turn() -> None:
+    """An engine (another process) publishing batches of 50 `AllBlocksCleared` events as fast as
+    ZMQ takes them. The server's poller hands its loop up to 256 messages at once; they used to be
+    applied whole (or in 8 KiB of payload), now in a push stream's turns (transports/pump.py,
+    TURN_SECS), a turn ending between batches."""
+    pytest.importorskip("zmq")
+    events = 200_000  # cheaper than a WebSocket's: as many would be over in under a second
+    publisher = subprocess.Popen([sys.executable, "-c", ZMQ_PUBLISHER, str(events), "50"],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert publisher.stdin is not None and publisher.stdout is not None
+    server = Server(mode="subscribe")
+    try:
+        endpoint = f"tcp://127.0.0.1:{publisher.stdout.readline().strip()}"
+        assert post(server, "/workers", json.dumps({"worker_id": 1, "model_name": "m", "block_size": 4,
+                                                    "endpoint": "http://w", "kv_events_endpoint": endpoint}).encode())[0] == 201
+        assert publisher.stdout.readline().strip() == "joined"
+
+        def flood() -> None:
+            assert publisher.stdin is not None and publisher.stdout is not None
+            publisher.stdin.write("go\n")
+            publisher.stdin.flush()
+            assert publisher.stdout.readline().strip() == "sent"
+            deadline = time.monotonic() + 120  # however busy the machine
+            while cleared_applied(server) != [events] and time.monotonic() < deadline:
+                time.sleep(0.1)
+
+        assert_a_flood_leaves_health_its_turn(server, flood, events)
+    finally:
+        server.stop()
+        publisher.kill()
+        publisher.wait()
 
 
 def test_stdio_answers_as_fast_with_hundreds_of_zmq_subscriptions() -> None:
