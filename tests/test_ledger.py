@@ -33,6 +33,19 @@ async def _two_workers(r: Any) -> None:
         await r.ok("POST", "/workers", {**WORKER, "worker_id": worker_id}, status=201)
 
 
+X_BOOKING = {**PROMPT, "worker_id": 2, "reservation_id": "x"}
+
+
+async def _x_used_once(a: Any, b: Any) -> None:
+    """Two workers; reservation `x` booked on A and freed, both replicas settled: `x` is an id
+    used before, whose next booking is one the ledger must order."""
+    await _two_workers(a)
+    await settled([a, b])
+    await a.ok("POST", "/reservations", X_BOOKING, status=201)
+    await a.ok("DELETE", "/reservations/x")
+    await settled([a, b])
+
+
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_bookings_and_the_catalog_converge_and_any_replica_frees_any_booking(ledger: LedgerServer,
                                                                               backend: str) -> None:
@@ -752,12 +765,8 @@ def test_an_id_booked_again_during_an_outage_waits_for_the_ledger(ledger: Ledger
     booking is answered and a free on B frees it."""
     async def main() -> None:
         async with replicas(2, ledger.url) as (a, b):
-            await _two_workers(a)
-            await settled([a, b])
-            booking = {**PROMPT, "worker_id": 2, "reservation_id": "x"}
-            await a.ok("POST", "/reservations", booking, status=201)
-            await a.ok("DELETE", "/reservations/x")
-            await settled([a, b])
+            await _x_used_once(a, b)
+            booking = X_BOOKING
             ledger.stop()
             await until(lambda: not a.ledger.journal.connected and not b.ledger.journal.connected)
             a.link.held_writes = True  # what A queues stays queued after the ledger is back
@@ -784,12 +793,8 @@ def test_an_id_booked_again_unanswered_when_the_ledger_goes_is_undone_503(ledger
     reconnect answered 404 and the booking stayed. It is undone and answered 503."""
     async def main() -> None:
         async with replicas(2, ledger.url) as (a, b):
-            await _two_workers(a)
-            await settled([a, b])
-            booking = {**PROMPT, "worker_id": 2, "reservation_id": "x"}
-            await a.ok("POST", "/reservations", booking, status=201)
-            await a.ok("DELETE", "/reservations/x")
-            await settled([a, b])
+            await _x_used_once(a, b)
+            booking = X_BOOKING
             a.link.held_writes = True
             ticket = a.send("POST", "/reservations", booking)
             assert isinstance(ticket, int)  # waits for the ledger: the id was used before
