@@ -62,23 +62,22 @@ def _run_ahead(engine: Engine, req: SimRequest, now: float) -> tuple[float, floa
     return float("inf"), float("inf")
 
 
-def truth(engine: Engine, req: SimRequest, now: float) -> dict[str, float]:
-    """What the engine truly holds for `req` now."""
+def held_prefix(engine: Engine, req: SimRequest) -> int:
+    """How many of `req`'s leading full blocks `engine` holds now."""
     held = 0
     for seq in req.seqs[:req.full]:
-        if seq in engine.active or seq in engine.inactive:
-            held += 1
-        else:
+        if seq not in engine.active and seq not in engine.inactive:
             break
+        held += 1
+    return held
+
+
+def truth(engine: Engine, req: SimRequest, now: float) -> dict[str, float]:
+    """What the engine truly holds for `req` now."""
+    held = held_prefix(engine, req)
     queued = sum(r.left for r in engine.prefilling)
     for r in engine.waiting:
-        match = 0
-        for seq in r.seqs[:r.full]:
-            if seq in engine.active or seq in engine.inactive:
-                match += 1
-            else:
-                break
-        queued += r.isl - min(match * engine.block_size, r.isl - 1)
+        queued += r.isl - min(held_prefix(engine, r) * engine.block_size, r.isl - 1)
     at, admitted = _run_ahead(engine, req, now)
     # Its own prefill alone on the same cache: an idle copy of the engine with no one else.
     alone = engine.fork()
