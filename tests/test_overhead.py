@@ -131,6 +131,10 @@ def test_the_backlog_drains_with_time_and_a_worker_that_leaves_is_forgotten() ->
     assert speeds.backlog((1, 0), 100.0) == pytest.approx(6000)
     assert speeds.backlog((1, 0), 100.03) == pytest.approx(3000)
     assert speeds.backlog((1, 0), 100.07) == 0.0
+    # A prefill still booked there: drained at 100.06, so 10 ms behind, and never more than the
+    # three fixed times written last.
+    assert speeds.backlog((1, 0), 100.07, behind=True) == pytest.approx(1000)
+    assert speeds.backlog((1, 0), 105.0, behind=True) == pytest.approx(6000)
     speeds.booked((1, 0), 100.03)  # joins what is left: 30 ms + 20 ms
     assert speeds.backlog((1, 0), 100.03) == pytest.approx(5000)
     speeds.forget(1)
@@ -171,3 +175,30 @@ def test_simulated_engines_pay_a_fixed_time_per_prompt_and_the_router_learns_it(
     (learned,) = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                   if line.startswith("selection_proto_learned_request_overhead_tokens{")]
     assert learned == pytest.approx(200, rel=0.1), learned
+
+
+def test_an_engine_behind_its_prediction_reads_as_busy_again(make_client: Callable[..., Client]) -> None:
+    """Two requests booked on worker 1, which holds the prompt, have not ended their prefills
+    well after their fixed times drained: the engine is behind (a stall). Read as idle, worker 1
+    would keep taking the prompt's requests; the time since the backlog drained counts as still
+    ahead (up to the backlog as last written), so the next goes to idle worker 2, and once the
+    engine reports both prefills, worker 1 is the cheaper again (docs/ROUTING.md, "An engine
+    behind its prediction")."""
+    c = fleet(make_client)
+    teach(c)
+    local = block_hashes(PROMPT, 4)
+    c.ok("POST", "/kv_events", [stored(1, 1, [(5000 + i, h) for i, h in enumerate(local)])])
+    for n in range(2):  # the prompt and 4 new tokens each: 4 tokens of prefill booked each
+        c.ok("POST", "/reservations", {"model_name": "m", "token_ids": PROMPT + [10**7 + 10 * n + i for i in range(4)],
+                                       "worker_id": 1, "reservation_id": f"s{n}"}, status=201)
+    assert choice(c)[0] == 2  # two fixed times ahead on worker 1 cost more than 400 new tokens on 2
+    c.now += 2 * FIXED + 0.001  # drained 1 ms ago: the prefills may be just ending
+    assert choice(c)[0] == 1
+    c.now += 0.03  # 31 ms later they still have not: the engine is behind
+    chosen, waits = choice(c)
+    assert chosen == 2 and waits[1] > waits[2]
+    c.now += 10.0  # however long it stalls, it reads no busier than just after the bookings
+    assert choice(c)[1][1] == pytest.approx(waits[1])
+    for n in range(2):
+        c.ok("POST", f"/reservations/s{n}/prefill_complete")
+    assert choice(c)[0] == 1

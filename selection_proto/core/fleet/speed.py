@@ -174,13 +174,21 @@ class Speeds:
             left = ahead[0] - (now - ahead[1]) if ahead is not None else 0.0
             self._backlog[rank] = ((left if left > 0.0 else 0.0) + self._fixed, now)
 
-    def backlog(self, rank: Rank, now: float) -> float:
-        """The fixed time of the rank's recent bookings not yet drained by `now`, in prefill tokens."""
+    def backlog(self, rank: Rank, now: float, behind: bool = False) -> float:
+        """The fixed time of the rank's recent bookings not yet drained by `now`, in prefill tokens.
+        `behind`: a prefill booked on the rank has not ended although their fixed times have all
+        drained, so its engine is slower now than learned (a stall, another process on its core):
+        the time since they drained counts as still ahead, up to the backlog as last written,
+        where it would read as idle (docs/ROUTING.md, "An engine behind its prediction")."""
         ahead = self._backlog.get(rank)
         if ahead is None:
             return 0.0
         left = ahead[0] - (now - ahead[1])
-        return left / self._per_token if left > 0.0 else 0.0
+        if left > 0.0:
+            return left / self._per_token
+        if behind:
+            return min(-left, ahead[0]) / self._per_token
+        return 0.0
 
     def stopped(self, rank: Rank, prefill_tokens: int) -> None:
         """A booking's prefill tokens stopped counting on the rank (completed, or freed before),
