@@ -51,8 +51,17 @@ import yaml
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "tests"))
+import gateway as gateway_module  # noqa: E402
 from engines.vllm import VllmEngine, vllm_python  # noqa: E402
 from gateway import ENVOY_YAML, Gateway, access_log_config, envoy_binary, free_port  # noqa: E402
+
+# Each request's line in Envoy's access log: the tests' fields (picker's decision, its response
+# headers hop, the engine chosen), then when it started (wall clock) and, from its first byte in,
+# when the engine's response headers came, the engine's last byte, and Envoy's last byte out:
+# `where_the_tail_went` places each slow request's time with them.
+gateway_module.ACCESS_LOG_FORMAT = gateway_module.ACCESS_LOG_FORMAT.rstrip("\n") + (
+    " %START_TIME(%s.%3f)% %COMMON_DURATION(DS_RX_BEG:US_RX_BEG:ms)% %COMMON_DURATION(DS_RX_BEG:US_RX_END:ms)%"
+    " %COMMON_DURATION(DS_RX_BEG:DS_TX_END:ms)%\n")
 
 # `vllm bench serve` without the `vllm` script (see the module's docstring).
 CLIENT = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
@@ -197,6 +206,7 @@ def run_once(policy: str, workload: tuple[int, int, float], engines: list[VllmEn
            "TOKENIZERS_PARALLELISM": "false"}
     env.pop("VIRTUAL_ENV", None)
     load = os.getloadavg()[0]
+    clock = time.time() - time.perf_counter()  # the client's start times are perf_counter's
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.seconds * 4 + 300, env=env)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -220,6 +230,7 @@ def run_once(policy: str, workload: tuple[int, int, float], engines: list[VllmEn
                for a, b in zip(after, before, strict=True))
     data = json.loads(result.read_text())
     ttfts = sorted(t * 1000 for t in data.get("ttfts", []) if t)
+    tail = where_the_tail_went(data, log, clock) if log.exists() else ""
     hops = [line.split() for line in log.read_text().splitlines()[-requests:]] if log.exists() else []
     decide = sorted(float(h[0]) for h in hops if h and h[0] != "-")
 
@@ -235,11 +246,58 @@ def run_once(policy: str, workload: tuple[int, int, float], engines: list[VllmEn
            "engine_p99": histogram_p99(after, before, "vllm:time_to_first_token_seconds") * 1000,
            "policy": policy, "mean": data["mean_ttft_ms"], "p50": data["median_ttft_ms"], "p99": data["p99_ttft_ms"],
            "hit": hits / queries if queries else 0.0, "done": data["completed"], "requests": requests,
-           "skew": skew.skew(), "load": load, "max": ttfts[-1] if ttfts else 0.0}
+           "skew": skew.skew(), "load": load, "max": ttfts[-1] if ttfts else 0.0, "tail": tail}
     if picker:
         out["learned"] = " ".join(line for line in picker.splitlines()
                                   if line.startswith(("selection_proto_worker_learned", "selection_proto_learned_request_overhead")))
     return out
+
+
+def where_the_tail_went(data: dict[str, Any], log: Path, clock: float) -> str:
+    """Each of the client's requests joined to its line in Envoy's access log (by start time),
+    and for the slowest 5% by TTFT: how many were sent to an engine where another request still
+    waited for its first token while the other engine had none waiting (an engine stalling and
+    still chosen), against all requests; how many got their first token within 1 ms of a request
+    on the other engine (something both share held them: the picker, Envoy, the client, the
+    machine); and where their time went: the engine until its last byte, Envoy and the picker
+    after it, the client after Envoy's last byte (mean ms)."""
+    lines = [line.split() for line in log.read_text().splitlines()]
+    lines = [f for f in lines if len(f) == 7 and "-" not in (f[3], f[5], f[6])]
+    starts, ttfts, latencies = data.get("start_times") or [], data.get("ttfts") or [], data.get("latencies") or []
+    if not lines or not starts:
+        return ""
+    by_start = sorted(lines, key=lambda f: float(f[3]))
+    rows = []  # (start, ttft, latency, engine, engine's last byte, Envoy's last byte), seconds
+    for start, ttft, latency in sorted(zip(starts, ttfts, latencies, strict=True)):
+        wall = start + clock
+        nearest = min(by_start, key=lambda f: abs(float(f[3]) - wall))
+        if abs(float(nearest[3]) - wall) > 0.05:
+            continue
+        by_start.remove(nearest)
+        t0 = float(nearest[3])
+        rows.append((start, ttft, latency, nearest[2], t0 + float(nearest[5]) / 1000 - clock,
+                     t0 + float(nearest[6]) / 1000 - clock))
+    if len(rows) < 50:
+        return f"joined only {len(rows)} requests to the access log"
+    engines = sorted({r[3] for r in rows})
+
+    def stalled_and_chosen(r: tuple[Any, ...]) -> bool:
+        waiting = {e: sum(1 for q in rows if q[3] == e and q[0] < r[0] < q[0] + q[1]) for e in engines}
+        return waiting[r[3]] >= 1 and all(n == 0 for e, n in waiting.items() if e != r[3])
+
+    def shared(r: tuple[Any, ...]) -> bool:
+        return any(q[3] != r[3] and abs(q[0] + q[1] - r[0] - r[1]) < 0.001 for q in rows)
+
+    slow = sorted(rows, key=lambda r: r[1])[-max(1, len(rows) // 20):]
+    n = len(slow)
+    engine = statistics.mean(r[4] - r[0] for r in slow) * 1000
+    proxy = statistics.mean(r[5] - r[4] for r in slow) * 1000
+    client = statistics.mean(r[0] + r[2] - r[5] for r in slow) * 1000
+    return (f"slowest {n} (TTFT {slow[0][1] * 1000:.0f}-{slow[-1][1] * 1000:.0f} ms): to an engine with one waiting"
+            f" and the other none {sum(map(stalled_and_chosen, slow))}/{n} (all requests"
+            f" {sum(map(stalled_and_chosen, rows))}/{len(rows)}); first token within 1 ms of one on the other"
+            f" engine {sum(map(shared, slow))}/{n}; time: engine to its last byte {engine:.0f}, Envoy+picker"
+            f" after {proxy:.0f}, client after Envoy {client:.0f} ms")
 
 
 def histogram_p99(after: list[str], before: list[str], name: str) -> float:
@@ -333,7 +391,7 @@ def main() -> None:
                           f"  load {row['load']:.2f}\n    engine: ttft {row['engine_ttft']:.1f} (p99 <= {row['engine_p99']:.0f})"
                           f"  queue {row['queue']:.1f}  prefill {row['prefill']:.1f} ms; Envoy, whole request to upstream:"
                           f" p50 {row['decide_p50']:.0f} p99 {row['decide_p99']:.0f} max {row['decide_max']:.0f} ms"
-                          f"  {row.get('learned', '')}", flush=True)
+                          f"  {row.get('learned', '')}\n    tail: {row['tail']}", flush=True)
             print(f"\n| {workload[0]} x {workload[1]} at {workload[2]:g}/s | mean (ms) | p50 | p99 | hit rate | load |")
             print("|---|---|---|---|---|---|")
             for policy in args.policies.split(","):
