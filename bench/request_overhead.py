@@ -34,6 +34,8 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--fixed-ms", default="0,15,30")
     parser.add_argument("--load", type=float, default=0.8)
+    parser.add_argument("--stall-ms", type=float, default=0.0, help="each engine stops this long ...")
+    parser.add_argument("--stall-every", type=float, default=0.0, help="... once every so many seconds")
     args = parser.parse_args()
     synthetic = os.path.join(tempfile.mkdtemp(), "synthetic.jsonl")
     synthetic_trace(synthetic, args.requests)
@@ -45,7 +47,8 @@ def main() -> int:
             def trace(path: str = path) -> Iterator[Any]:
                 return parse_trace(_lines(path), path, 512, limit=args.requests, kv_blocks=1000)
 
-            config = FleetConfig(engines=8, load=args.load, model=EngineModel(request_fixed_ms=fixed))
+            config = FleetConfig(engines=8, load=args.load, model=EngineModel(request_fixed_ms=fixed, stall_ms=args.stall_ms,
+                                                                                stall_every_secs=args.stall_every))
             cells = []
             for setting, after in ((Settings(kv_events="push", router_policy="ttft"), learn_after),
                                    (Settings(kv_events="push", router_policy="ttft"), 1 << 62),

@@ -556,3 +556,19 @@ def test_a_light_tenant_keeps_its_ttft_beside_a_burst_held_to_its_share_of_the_k
     assert shared["recommended"].tenants["a"]["failed"] == 0
     b_before, b_now = shared["before"].tenants["b"], shared["recommended"].tenants["b"]
     assert b_now["failed"] <= b_before["failed"] and b_now["ttft"]["mean"] <= b_before["ttft"]["mean"]
+
+
+def test_an_engine_given_stalls_stops_for_them() -> None:
+    """`EngineModel(stall_ms, stall_every_secs)`: an iteration during which a stall point of its
+    engine falls ends `stall_ms` later (docs/ROUTING.md, "An engine behind its prediction"). Each
+    prompt here prefills alone in one iteration of 62 ms, which a stall point every 50 ms always
+    meets: every first token comes 100 ms later; without stalls the engine runs as before."""
+    lines = _trace_lines(20, 0)
+    ttft = {}
+    for stall_ms in (0.0, 100.0):
+        config = FleetConfig(engines=1, kv_blocks=200, speedup=1.0,
+                             model=attrs.evolve(EXACT, stall_ms=stall_ms, stall_every_secs=0.05))
+        (result,) = simulate(lambda: parse_trace(lines, "t", 512), config, [("s", Settings(kv_events="push"))])
+        ttft[stall_ms] = result.ttft["mean"]
+    assert ttft[0.0] == pytest.approx(8 * 512 / EXACT.prefill_tokens_per_sec, rel=1e-6)
+    assert ttft[100.0] == pytest.approx(ttft[0.0] + 0.1, rel=1e-6)

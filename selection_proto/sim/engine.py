@@ -7,6 +7,7 @@ until they are sent) and decodes what another prefilled (it takes the blocks, th
 from __future__ import annotations
 
 import heapq
+import math
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -68,6 +69,12 @@ class EngineModel:
     # What a real engine spends on every request whatever its prompt (vLLM on the CPU: 10-20 ms):
     # a cached prompt does not save it (docs/ROUTING.md, "A fixed time per request").
     request_fixed_ms: float = 0.0
+    # An engine that stalls now and then (another process on its core, a pause of its runtime):
+    # each engine's iterations stop for `stall_ms` once every `stall_every_secs` of time, at a
+    # phase of its own (0: never). What a real engine on shared cores does and the router cannot
+    # be told (docs/ROUTING.md, "An engine behind its prediction").
+    stall_ms: float = 0.0
+    stall_every_secs: float = 0.0
 
     @property
     def tokens_per_sec(self) -> float:
@@ -356,6 +363,11 @@ class Engine:
                                      sum(1 for req, take in chunks if take == req.left)) / self.speed
         self.last_prefill = chunks
         self.busy_until = now + ms / 1000.0
+        every = self.model.stall_every_secs
+        if self.model.stall_ms > 0.0 and every > 0.0:
+            phase = (self.index * 0.6180339887498949) % 1.0 * every  # engines stall at different times
+            if math.floor((self.busy_until - phase) / every) > math.floor((now - phase) / every):
+                self.busy_until += self.model.stall_ms / 1000.0  # a stall point falls in this iteration
         return self.busy_until
 
     def finish(self, now: float) -> tuple[list[SimRequest], list[SimRequest]]:
