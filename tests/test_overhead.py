@@ -131,10 +131,12 @@ def test_the_backlog_drains_with_time_and_a_worker_that_leaves_is_forgotten() ->
     assert speeds.backlog((1, 0), 100.0) == pytest.approx(6000)
     assert speeds.backlog((1, 0), 100.03) == pytest.approx(3000)
     assert speeds.backlog((1, 0), 100.07) == 0.0
-    # A prefill still booked there: drained at 100.06, so 10 ms behind, and never more than the
-    # three fixed times written last.
-    assert speeds.backlog((1, 0), 100.07, behind=True) == pytest.approx(1000)
-    assert speeds.backlog((1, 0), 105.0, behind=True) == pytest.approx(6000)
+    # 500 tokens of prefill still booked there, 5 ms at 10 µs a token and at most 20 ms on a
+    # worker as slow as one may be: due by 100.08, so 5 ms behind at 100.085, and never more
+    # than the three fixed times written last.
+    assert speeds.backlog((1, 0), 100.085, 500) == pytest.approx(500)
+    assert speeds.backlog((1, 0), 100.079, 500) == 0.0
+    assert speeds.backlog((1, 0), 105.0, 500) == pytest.approx(6000)
     speeds.booked((1, 0), 100.03)  # joins what is left: 30 ms + 20 ms
     assert speeds.backlog((1, 0), 100.03) == pytest.approx(5000)
     speeds.forget(1)

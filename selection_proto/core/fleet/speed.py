@@ -174,21 +174,25 @@ class Speeds:
             left = ahead[0] - (now - ahead[1]) if ahead is not None else 0.0
             self._backlog[rank] = ((left if left > 0.0 else 0.0) + self._fixed, now)
 
-    def backlog(self, rank: Rank, now: float, behind: bool = False) -> float:
+    def backlog(self, rank: Rank, now: float, booked_prefill: int = 0) -> float:
         """The fixed time of the rank's recent bookings not yet drained by `now`, in prefill tokens.
-        `behind`: a prefill booked on the rank has not ended although their fixed times have all
-        drained, so its engine is slower now than learned (a stall, another process on its core):
-        the time since they drained counts as still ahead, up to the backlog as last written,
-        where it would read as idle (docs/ROUTING.md, "An engine behind its prediction")."""
+        `booked_prefill`: the rank's booked prefill tokens whose end has not been read. Once the
+        fixed times and those tokens' time (at `MOST_APART` times the learned time a token) have
+        all passed since the last booking and
+        the prefill has still not ended, its engine is slower now than learned (a stall, another
+        process on its core): the time past that counts as still ahead, up to the backlog as last
+        written, where the rank would read as idle (docs/ROUTING.md, "An engine behind its
+        prediction")."""
         ahead = self._backlog.get(rank)
         if ahead is None:
             return 0.0
         left = ahead[0] - (now - ahead[1])
         if left > 0.0:
             return left / self._per_token
-        if behind:
-            return min(-left, ahead[0]) / self._per_token
-        return 0.0
+        # Its prefill's time is read as on a worker as slow as a learned speed may be (`MOST_APART`
+        # times the pool's): a slower worker is not yet behind.
+        behind = -left - booked_prefill * self._per_token * MOST_APART if booked_prefill > 0 else 0.0
+        return min(behind, ahead[0]) / self._per_token if behind > 0.0 else 0.0
 
     def stopped(self, rank: Rank, prefill_tokens: int) -> None:
         """A booking's prefill tokens stopped counting on the rank (completed, or freed before),

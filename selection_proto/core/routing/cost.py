@@ -193,8 +193,8 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
             continue
         per_token, kv_blocks = speeds.get(r[0], unknown)
         queued = left(r, active_prefill, now) if count_left and active_prefill else active_prefill
-        if overhead:  # a prefill still booked once the fixed times drained: the engine is behind
-            queued += backlog(r, now, active_prefill > 0)
+        if overhead:  # with the prefill still booked, an engine behind its prediction reads busy
+            queued += backlog(r, now, active_prefill)
         work = new_prefill * (1.0 + (cached + new_prefill * 0.5) * per_context) + overhead if cached else uncached_work
         if kv_blocks:
             drag = 1.0 + (drag_full if decode_blocks >= kv_blocks else drag_full * decode_blocks / kv_blocks)
