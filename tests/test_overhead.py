@@ -181,8 +181,8 @@ def test_simulated_engines_pay_a_fixed_time_per_prompt_and_the_router_learns_it(
 
 def test_an_engine_behind_its_prediction_reads_as_busy_again(make_client: Callable[..., Client]) -> None:
     """Two requests booked on worker 1, which holds the prompt, have not ended their prefills
-    well after their fixed times drained: the engine is behind (a stall). Read as idle, worker 1
-    would keep taking the prompt's requests; the time since the backlog drained counts as still
+    well after their fixed times and prefill were due: the engine is behind (a stall). Read as
+    idle, worker 1 would keep taking the prompt's requests; the time past due counts as still
     ahead (up to the backlog as last written), so the next goes to idle worker 2, and once the
     engine reports both prefills, worker 1 is the cheaper again (docs/ROUTING.md, "An engine
     behind its prediction")."""
