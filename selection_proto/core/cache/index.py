@@ -9,6 +9,7 @@ table.
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -33,6 +34,10 @@ Block = tuple[int, int]  # (engine hash, local hash)
 TIERS: Final = ("device", "host_pinned", "disk", "external")
 LOWER_TIERS: Final = ("host_pinned", "disk", "external")
 _RUN: Final = 32  # past this many blocks, a run is handled in C rather than block by block
+_TABLE_MAX: Final = 16384  # a longer edge's position table is built a step at a time
+_TABLE_STEP: Final = 16384  # blocks a long edge's position table takes in per search
+_WINDOW: Final = 1024  # blocks searched first from a long edge's end (doubling after)
+_U64_MAX: Final = (1 << 64) - 1
 
 
 class IndexEventError(Exception):
@@ -67,7 +72,7 @@ class _Node(_Packed):
     Being its own packed array, a node is one object for the cyclic collector (two for an inner
     node) and holds no per-block objects."""
 
-    __slots__ = ("full", "part", "children", "parent", "internal", "pos")
+    __slots__ = ("full", "part", "children", "parent", "internal", "pos", "pos_from")
 
     def __new__(cls, blocks: Iterable[int], full: frozenset[Rank], parent: _Node | None) -> _Node:
         return cast("_Node", super().__new__(cls, "Q", blocks))  # typeshed's array.__new__ is not Self
@@ -82,6 +87,7 @@ class _Node(_Packed):
         self.parent = parent
         self.internal = False
         self.pos: dict[int, int] | None = None  # engine hash -> last place; built on first use
+        self.pos_from = 0  # `pos` holds the blocks from here on (a long edge's is built in steps)
 
     @property
     def size(self) -> int:
@@ -116,17 +122,57 @@ class _Node(_Packed):
     def position(self, h: int) -> int | None:
         """Where engine hash `h` sits: its last place on the edge, unless a split moved a copy of
         it to the tail (Dynamo's lookup then names the tail's block). Most stores name the edge's
-        last block; any other question builds the node's position table once."""
+        last block; any other question builds the node's position table once, or, on a long
+        edge, searches its packed bytes and grows the table by a bounded step from the end back:
+        a million entries are never built at once (docs/INVARIANTS.md, "Round three")."""
         pos = self.pos
         if pos is not None:
-            return pos.get(h)
+            p = pos.get(h)
+            if p is not None or not self.pos_from:
+                return p
+            return self._search_back(h, self.pos_from)
         end = (len(self) >> 1) - 1
         if self[2 * end] == h:
             return end
         if end == 0:
             return None
-        pos = self.pos = dict(zip(self[0::2], range(end + 1), strict=True))
-        return pos.get(h)
+        if end < _TABLE_MAX:
+            pos = self.pos = dict(zip(self[0::2], range(end + 1), strict=True))
+            self.pos_from = 0
+            return pos.get(h)
+        return self._search_back(h, end + 1)
+
+    def _search_back(self, h: int, stop: int) -> int | None:
+        """The last place of `h` among blocks [0, stop), searched from `stop` back a doubling
+        window at a time (a hash near the end, as evictions go, is found at once); then the
+        position table takes in up to `_TABLE_STEP` more blocks below what it holds."""
+        found: int | None = None
+        if 0 <= h <= _U64_MAX:  # no packed hash is out of range
+            needle = h.to_bytes(8, sys.byteorder)
+            window = _WINDOW
+            with memoryview(self) as packed, packed.cast("B") as raw:  # released before any resize
+                while stop > 0 and found is None:
+                    start = max(0, stop - window)
+                    chunk = bytes(raw[16 * start : 16 * stop])
+                    at = chunk.rfind(needle)
+                    while at >= 0 and at % 16:  # a local hash's bytes, or a straddle: further back
+                        at = chunk.rfind(needle, 0, at + 7)
+                    if at >= 0:
+                        found = start + at // 16
+                    stop = start
+                    window *= 2
+        pos = self.pos
+        if pos is None:
+            pos = self.pos = {}
+            self.pos_from = len(self) >> 1
+        high = self.pos_from
+        low = max(0, high - _TABLE_STEP)
+        lower = dict(zip(self[2 * low : 2 * high : 2], range(low, high), strict=True))
+        for taken in lower.keys() & pos.keys():  # a later place is already known
+            del lower[taken]
+        pos.update(lower)
+        self.pos_from = low
+        return found
 
 
 class _RankSets:
@@ -260,13 +306,14 @@ class DeviceTree:
         n.full = full
         del n[2 * k :]
         tail = s.engine_hashes()
-        head_pos = n.pos
+        head_pos = n.pos if not n.pos_from else None  # (a partial table is dropped)
         if head_pos is None and not set(tail).isdisjoint(n[0::2]):
             head_pos = dict(zip(n[0::2], range(k), strict=True))
         if head_pos is not None:  # the tail's hashes are the tail's, even where the head repeats one
             for h in tail:
                 head_pos.pop(h, None)
         n.pos = head_pos
+        n.pos_from = 0
         kids = n.children = {s[1]: s}
         n.internal = True
         for r in s.full:
