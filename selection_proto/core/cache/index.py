@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections import deque
 from collections.abc import Iterable, Sequence
-from itertools import chain, repeat
-from operator import itemgetter
+from itertools import chain
 from typing import TYPE_CHECKING, Final, cast
+
+from ..base.shards import LOW_BITS, HashShards
 
 __all__ = [
     "BLOCK_NOT_FOUND",
@@ -220,7 +220,7 @@ class DeviceTree:
     def __init__(self) -> None:
         self.root = _Node((), _NOBODY, None)
         self.root.internal = True
-        self.lookup: dict[Rank, dict[int, _Node]] = {}
+        self.lookup: dict[Rank, HashShards[_Node]] = {}  # a rank may hold millions
         self.sets = _RankSets()
 
     # -- helpers -------------------------------------------------------------------------------
@@ -248,7 +248,9 @@ class DeviceTree:
             n.parent = None
 
     def _point(self, r: Rank, blocks: Sequence[Block], n: _Node) -> None:
-        self.lookup[r].update(zip(map(itemgetter(0), blocks), repeat(n)))  # in C: a prompt may be 1M blocks
+        shards = self.lookup[r].shards  # (inline: this is the hot path)
+        for b in blocks:
+            shards[b[0] & LOW_BITS][b[0]] = n
 
     def _promote(self, n: _Node, r: Rank) -> None:
         if n.part:
@@ -317,30 +319,32 @@ class DeviceTree:
         kids = n.children = {s[1]: s}
         n.internal = True
         for r in s.full:
-            table = self.lookup.setdefault(r, {})
-            for h in tail:
-                table[h] = s
+            self._table(r).set_all(tail, s)
         if s.part:
             for r, c in s.part.items():
-                table = self.lookup.setdefault(r, {})
-                for h in tail[:c]:
-                    table[h] = s
+                self._table(r).set_all(tail[:c], s)
         return kids
 
     # -- operations ----------------------------------------------------------------------------
 
     def ensure(self, r: Rank) -> None:
         if r not in self.lookup:
-            self.lookup[r] = {}
+            self.lookup[r] = HashShards()
+
+    def _table(self, r: Rank) -> HashShards[_Node]:
+        table = self.lookup.get(r)
+        if table is None:
+            table = self.lookup[r] = HashShards()
+        return table
 
     def store(self, r: Rank, parent_hash: int | None, blocks: Sequence[Block]) -> None:
         """Store `blocks` (engine, local) after `parent_hash`; raises IndexEventError without changes."""
-        table = self.lookup.setdefault(r, {})
+        table = self._table(r)
         cur: _Node
         if parent_hash is not None:
             if any(b[0] == parent_hash for b in blocks):
                 raise INVALID_BLOCK_SEQUENCE
-            n = table.get(parent_hash)
+            n = table.shards[parent_hash & LOW_BITS].get(parent_hash)
             if n is None:
                 raise PARENT_NOT_FOUND
             p = n.position(parent_hash)
@@ -409,7 +413,8 @@ class DeviceTree:
 
     def remove(self, r: Rank, hashes: Sequence[int]) -> None:
         """Remove engine hashes; unknown ones are skipped; raises the first error after applying."""
-        table = self.lookup.setdefault(r, {})
+        table = self._table(r)
+        shards = table.shards  # (each hash's own shard, inline: this loop is the hot path)
         err: IndexEventError | None = None
         scrubbed: set[int] = set()
         i = 0
@@ -417,14 +422,14 @@ class DeviceTree:
         while i < total:
             h = hashes[i]
             i += 1
-            n = table.pop(h, None)
+            n = shards[h & LOW_BITS].pop(h, None)
             if n is None:
                 if h not in scrubbed:
                     err = err or BLOCK_NOT_FOUND
                 continue
             p = n.position(h)
             if p is None:
-                table[h] = n
+                shards[h & LOW_BITS][h] = n
                 err = err or BLOCK_NOT_FOUND
                 continue
             cc = n.cutoff(r)
@@ -438,7 +443,7 @@ class DeviceTree:
             elif p < cc:
                 while i < total:
                     g = hashes[i]
-                    if table.get(g) is not n:
+                    if shards[g & LOW_BITS].get(g) is not n:
                         break
                     pg = n.position(g)
                     if pg is None or pg >= cc:
@@ -460,12 +465,12 @@ class DeviceTree:
                     n.part[r] = low
             self._prune(n)
             if len(stale) > _RUN:
-                deque(map(table.pop, stale, repeat(None)), 0)
+                table.discard_all(stale)
                 if i < total:  # only hashes still to come are looked up in it
                     scrubbed.update(stale)
             else:
                 for s in stale:
-                    table.pop(s, None)
+                    shards[s & LOW_BITS].pop(s, None)
                     scrubbed.add(s)
         if err is not None:
             raise err
@@ -475,7 +480,7 @@ class DeviceTree:
         if not table:
             return
         seen: set[int] = set()
-        for n in table.values():
+        for n in table.values_all():
             if id(n) in seen:
                 continue
             seen.add(id(n))
@@ -486,10 +491,10 @@ class DeviceTree:
 
     def size(self, r: Rank) -> int:
         table = self.lookup.get(r)
-        return len(table) if table else 0
+        return len(table) if table is not None else 0
 
     def total_size(self) -> int:
-        return sum(len(t) for t in self.lookup.values())
+        return sum(map(len, self.lookup.values()))
 
     def find(self, q: Sequence[int]) -> tuple[dict[Rank, int], dict[Rank, int | None]]:
         """Contiguous-prefix scores per rank and the engine hash at each rank's last match."""

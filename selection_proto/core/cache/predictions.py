@@ -8,45 +8,20 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from itertools import compress, repeat
-from operator import and_, eq
+from operator import eq
 from typing import Final
 
 from ..base.budget import StateBudget
 from ..base.hashing import sequence_hashes
+from ..base.shards import HashShards
 from .index import DeviceTree, IndexEventError, Rank
 
 __all__ = ["BUCKET", "Predictions"]
 
 BUCKET: Final = 0.1
-_SHARD_BITS: Final = 63  # a block's expiry lives in shard `hash & 63` of its rank's 64
-
-
-class _Expiries(list[dict[int, float]]):
-    """One rank's expiry times, sequence hash -> when it goes, in 64 dicts by the hash's low bits:
-    a table of millions then never rehashes more than a 64th of itself at once, which in one dict
-    took 58-229 ms as it doubled past 1-4 million (docs/INVARIANTS.md, "Round three"). Each
-    operation takes many hashes, run in C."""
-
-    __slots__ = ()
-
-    def __init__(self) -> None:
-        super().__init__({} for _ in range(_SHARD_BITS + 1))
-
-    def _shards(self, hashes: Sequence[int]) -> Iterator[dict[int, float]]:
-        return map(self.__getitem__, map(and_, hashes, repeat(_SHARD_BITS)))
-
-    def set(self, hashes: Sequence[int], when: float) -> None:
-        deque(map(dict.__setitem__, self._shards(hashes), hashes, repeat(when)), 0)
-
-    def due(self, hashes: Sequence[int]) -> Iterator[float | None]:
-        return map(dict.get, self._shards(hashes), hashes)
-
-    def delete(self, hashes: Sequence[int]) -> None:
-        deque(map(dict.__delitem__, self._shards(hashes), hashes), 0)
 
 
 class _Batch:
@@ -71,7 +46,7 @@ class Predictions:
         self.tree = tree
         self._ttl = ttl
         self._budget = budget
-        self._expiry: dict[Rank, _Expiries] = {}  # rank -> sequence hash -> when it goes
+        self._expiry: dict[Rank, HashShards[float]] = {}  # rank -> sequence hash -> when it goes
         self._heap: list[tuple[float, int, Rank, _Batch]] = []  # (when, order, rank, its batch)
         self._order = 0  # ties between batches of one time break by booking order
 
@@ -104,8 +79,8 @@ class Predictions:
             self._budget.index_blocks += tree.size(rank) - before
             due = self._expiry.get(rank)
             if due is None:
-                due = self._expiry[rank] = _Expiries()
-            due.set(hashes, expiry)
+                due = self._expiry[rank] = HashShards()
+            due.set_all(hashes, expiry)
             if start == starts[-1]:
                 self._order += 1
                 heapq.heappush(self._heap, (expiry, self._order, rank, _Batch(chained if seqs is None else seqs)))
@@ -118,14 +93,14 @@ class Predictions:
         if due is None:
             return []
         hashes = batch.hashes[batch.start:] if batch.start else batch.hashes
-        return list(compress(hashes, map(eq, due.due(hashes), repeat(expiry))))
+        return list(compress(hashes, map(eq, due.get_all(hashes), repeat(expiry))))
 
     def _any_live(self, expiry: float, rank: Rank, batch: _Batch) -> bool:
         due = self._expiry.get(rank)
         if due is None:
             return False
         hashes, i, end = batch.hashes, batch.start, len(batch.hashes)
-        while i < end and due[hashes[i] & _SHARD_BITS].get(hashes[i]) != expiry:
+        while i < end and due.get(hashes[i]) != expiry:
             i += 1
         batch.start = i
         return i < end
@@ -145,8 +120,8 @@ class Predictions:
             live = self._live(expiry, rank, batch)
             if live:
                 due = self._expiry[rank]
-                due.delete(live)
-                if not any(due):
+                due.delete_all(live)
+                if not due:
                     del self._expiry[rank]
                 gone.setdefault(rank, []).extend(live)
         tree = self.tree
