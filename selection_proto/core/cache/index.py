@@ -332,7 +332,7 @@ class DeviceTree:
             self.lookup[r] = HashShards()
 
     def _table(self, r: Rank) -> HashShards[_Node]:
-        table = self.lookup.get(r)
+        table = self.lookup.get(r)  # (not setdefault: a HashShards is costlier to make than a dict)
         if table is None:
             table = self.lookup[r] = HashShards()
         return table
@@ -413,8 +413,10 @@ class DeviceTree:
 
     def remove(self, r: Rank, hashes: Sequence[int]) -> None:
         """Remove engine hashes; unknown ones are skipped; raises the first error after applying."""
-        table = self._table(r)
-        shards = table.shards  # (each hash's own shard, inline: this loop is the hot path)
+        table = self.lookup.get(r)
+        if table is None:
+            table = self._table(r)
+        shards, bits = table.shards, LOW_BITS  # (each hash's own shard, inline: the hot path)
         err: IndexEventError | None = None
         scrubbed: set[int] = set()
         i = 0
@@ -422,14 +424,14 @@ class DeviceTree:
         while i < total:
             h = hashes[i]
             i += 1
-            n = shards[h & LOW_BITS].pop(h, None)
+            n = shards[h & bits].pop(h, None)
             if n is None:
                 if h not in scrubbed:
                     err = err or BLOCK_NOT_FOUND
                 continue
             p = n.position(h)
             if p is None:
-                shards[h & LOW_BITS][h] = n
+                shards[h & bits][h] = n
                 err = err or BLOCK_NOT_FOUND
                 continue
             cc = n.cutoff(r)
@@ -443,7 +445,7 @@ class DeviceTree:
             elif p < cc:
                 while i < total:
                     g = hashes[i]
-                    if shards[g & LOW_BITS].get(g) is not n:
+                    if shards[g & bits].get(g) is not n:
                         break
                     pg = n.position(g)
                     if pg is None or pg >= cc:
@@ -470,7 +472,7 @@ class DeviceTree:
                     scrubbed.update(stale)
             else:
                 for s in stale:
-                    shards[s & LOW_BITS].pop(s, None)
+                    shards[s & bits].pop(s, None)
                     scrubbed.add(s)
         if err is not None:
             raise err
