@@ -74,13 +74,13 @@ class HashShards(MutableMapping[int, V]):
         return chain.from_iterable(table.values() for table in self.tables)
 
     def set_all(self, hashes: Iterable[int], value: V) -> None:
-        shards = self.shards  # (a plain loop: faster than mapping dict's slot wrappers in C)
+        shards, bits = self.shards, LOW_BITS  # (a plain loop: faster than mapping dict's slot wrappers)
         for h in hashes:
-            shards[h & LOW_BITS][h] = value
+            shards[h & bits][h] = value
 
     def get_all(self, hashes: Iterable[int]) -> list[V | None]:
-        shards = self.shards
-        return [shards[h & LOW_BITS].get(h) for h in hashes]
+        shards, bits = self.shards, LOW_BITS
+        return [shards[h & bits].get(h) for h in hashes]
 
     def delete_all(self, hashes: Iterable[int]) -> None:
         """Delete these hashes, each of which is there."""

@@ -13,6 +13,7 @@ import sys
 from array import array
 from collections.abc import Iterable, Sequence
 from itertools import chain
+from operator import itemgetter
 from typing import TYPE_CHECKING, Final, cast
 
 from ..base.shards import LOW_BITS, HashShards
@@ -248,9 +249,9 @@ class DeviceTree:
             n.parent = None
 
     def _point(self, r: Rank, blocks: Sequence[Block], n: _Node) -> None:
-        shards = self.lookup[r].shards  # (inline: this is the hot path)
-        for b in blocks:
-            shards[b[0] & LOW_BITS][b[0]] = n
+        shards, bits = self.lookup[r].shards, LOW_BITS  # (inline: this is the hot path)
+        for h in map(itemgetter(0), blocks):
+            shards[h & bits][h] = n
 
     def _promote(self, n: _Node, r: Rank) -> None:
         if n.part:
