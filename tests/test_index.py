@@ -11,6 +11,7 @@ from conftest import Client, load_vectors, worker
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import selection_proto.core.cache.edges as edges_module
 import selection_proto.core.cache.index as index_module
 from selection_proto.core.cache.events import decode_json_events
 from selection_proto.core.cache.index import DeviceTree, IndexEventError
@@ -213,7 +214,7 @@ WHOLE_TABLES = {"_TABLE_MAX": 1 << 30}  # each edge's position table built at on
 
 
 def _with(constants: dict[str, int], work: Any) -> str:
-    with patch.multiple(index_module, **constants):
+    with patch.multiple(edges_module, **constants):
         try:
             work()
             return "ok"

@@ -9,14 +9,13 @@ table.
 
 from __future__ import annotations
 
-import sys
-from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from itertools import chain
 from operator import itemgetter
-from typing import TYPE_CHECKING, Final, cast
+from typing import Final
 
 from ..base.shards import LOW_BITS, HashShards
+from .edges import Block, Node, Rank, RankSets
 
 __all__ = [
     "BLOCK_NOT_FOUND",
@@ -29,16 +28,10 @@ __all__ = [
     "LOWER_TIERS",
 ]
 
-Rank = tuple[int, int]
-Block = tuple[int, int]  # (engine hash, local hash)
 
 TIERS: Final = ("device", "host_pinned", "disk", "external")
 LOWER_TIERS: Final = ("host_pinned", "disk", "external")
 _RUN: Final = 32  # past this many blocks, a run is handled in C rather than block by block
-_TABLE_MAX: Final = 16384  # a longer edge's position table is built a step at a time
-_TABLE_STEP: Final = 16384  # blocks a long edge's position table takes in per search
-_WINDOW: Final = 1024  # blocks searched first from a long edge's end (doubling after)
-_U64_MAX: Final = (1 << 64) - 1
 
 
 class IndexEventError(Exception):
@@ -59,157 +52,6 @@ INVALID_BLOCK_SEQUENCE: Final = IndexEventError(
 )
 
 
-if TYPE_CHECKING:
-    _Packed = array[int]
-else:
-    _Packed = array
-
-
-class _Node(_Packed):
-    """One edge, packed: engine and local hash of each block side by side in one u64 array
-    (`[e0, l0, e1, l1, ...]`), with the ranks that cover all of it (an interned frozenset, shared
-    by most nodes) and those that cover a prefix of it (`part`, usually none).
-
-    Being its own packed array, a node is one object for the cyclic collector (two for an inner
-    node) and holds no per-block objects."""
-
-    __slots__ = ("full", "part", "children", "parent", "internal", "pos", "pos_from")
-
-    def __new__(cls, blocks: Iterable[int], full: frozenset[Rank], parent: _Node | None) -> _Node:
-        return cast("_Node", super().__new__(cls, "Q", blocks))  # typeshed's array.__new__ is not Self
-
-    def __init__(self, blocks: Iterable[int], full: frozenset[Rank], parent: _Node | None) -> None:
-        self.full = full
-        self.part: dict[Rank, int] | None = None
-        self.children: dict[int, _Node] | None = None
-        # A node that no rank covers leaves its parent at once (or unique prefixes, stored and
-        # evicted, would pile up there); every unlink breaks this back-reference, so no garbage
-        # is ever cyclic.
-        self.parent = parent
-        self.internal = False
-        self.pos: dict[int, int] | None = None  # engine hash -> last place; built on first use
-        self.pos_from = 0  # `pos` holds the blocks from here on (a long edge's is built in steps)
-
-    @property
-    def size(self) -> int:
-        return len(self) >> 1
-
-    def local_hashes(self, start: int = 0, stop: int | None = None) -> list[int]:
-        stop = self.size if stop is None else stop
-        return self[2 * start + 1 : 2 * stop : 2].tolist()
-
-    def engine_hashes(self, start: int = 0, stop: int | None = None) -> list[int]:
-        stop = self.size if stop is None else stop
-        return self[2 * start : 2 * stop : 2].tolist()
-
-    def covers(self, r: Rank, i: int) -> bool:
-        if r in self.full:
-            return True
-        part = self.part
-        if not part:
-            return False
-        k = part.get(r)
-        return k is not None and i < k
-
-    def cutoff(self, r: Rank) -> int:
-        if r in self.full:
-            return len(self) >> 1
-        part = self.part
-        return part.get(r, 0) if part else 0
-
-    def live(self) -> bool:
-        return bool(self.full) or bool(self.part)
-
-    def position(self, h: int) -> int | None:
-        """Where engine hash `h` sits: its last place on the edge, unless a split moved a copy of
-        it to the tail (Dynamo's lookup then names the tail's block). Most stores name the edge's
-        last block; any other question builds the node's position table once, or, on a long
-        edge, searches its packed bytes and grows the table by a bounded step from the end back:
-        a million entries are never built at once (docs/INVARIANTS.md, "Round three")."""
-        pos = self.pos
-        if pos is not None:
-            p = pos.get(h)
-            if p is not None or not self.pos_from:
-                return p
-            return self._search_back(h, self.pos_from)
-        end = (len(self) >> 1) - 1
-        if self[2 * end] == h:
-            return end
-        if end == 0:
-            return None
-        if end < _TABLE_MAX:
-            pos = self.pos = dict(zip(self[0::2], range(end + 1), strict=True))
-            self.pos_from = 0
-            return pos.get(h)
-        return self._search_back(h, end + 1)
-
-    def _search_back(self, h: int, stop: int) -> int | None:
-        """The last place of `h` among blocks [0, stop), searched from `stop` back a doubling
-        window at a time (a hash near the end, as evictions go, is found at once); then the
-        position table takes in up to `_TABLE_STEP` more blocks below what it holds."""
-        found: int | None = None
-        if 0 <= h <= _U64_MAX:  # no packed hash is out of range
-            needle = h.to_bytes(8, sys.byteorder)
-            window = _WINDOW
-            with memoryview(self) as packed, packed.cast("B") as raw:  # released before any resize
-                while stop > 0 and found is None:
-                    start = max(0, stop - window)
-                    chunk = bytes(raw[16 * start : 16 * stop])
-                    at = chunk.rfind(needle)
-                    while at >= 0 and at % 16:  # a local hash's bytes, or a straddle: further back
-                        at = chunk.rfind(needle, 0, at + 7)
-                    if at >= 0:
-                        found = start + at // 16
-                    stop = start
-                    window *= 2
-        pos = self.pos
-        if pos is None:
-            pos = self.pos = {}
-            self.pos_from = len(self) >> 1
-        high = self.pos_from
-        low = max(0, high - _TABLE_STEP)
-        lower = dict(zip(self[2 * low : 2 * high : 2], range(low, high), strict=True))
-        for taken in lower.keys() & pos.keys():  # a later place is already known
-            del lower[taken]
-        pos.update(lower)
-        self.pos_from = low
-        return found
-
-
-class _RankSets:
-    """Interned coverage sets: a node holds one of a few shared frozensets instead of its own set.
-    Transitions are cached; the caches are dropped when they grow past a bound (sharing is only an
-    economy, never needed for correctness)."""
-
-    __slots__ = ("added", "removed")
-
-    _BOUND: Final = 4096
-
-    def __init__(self) -> None:
-        self.added: dict[tuple[frozenset[Rank], Rank], frozenset[Rank]] = {}
-        self.removed: dict[tuple[frozenset[Rank], Rank], frozenset[Rank]] = {}
-
-    def add(self, s: frozenset[Rank], r: Rank) -> frozenset[Rank]:
-        if r in s:
-            return s
-        t = self.added.get((s, r))
-        if t is None:
-            if len(self.added) >= self._BOUND:
-                self.added.clear()
-            t = self.added[(s, r)] = s | {r}
-        return t
-
-    def discard(self, s: frozenset[Rank], r: Rank) -> frozenset[Rank]:
-        if r not in s:
-            return s
-        t = self.removed.get((s, r))
-        if t is None:
-            if len(self.removed) >= self._BOUND:
-                self.removed.clear()
-            t = self.removed[(s, r)] = s - {r}
-        return t
-
-
 _NOBODY: Final[frozenset[Rank]] = frozenset()
 
 
@@ -219,18 +61,18 @@ class DeviceTree:
     __slots__ = ("root", "lookup", "sets")
 
     def __init__(self) -> None:
-        self.root = _Node((), _NOBODY, None)
+        self.root = Node((), _NOBODY, None)
         self.root.internal = True
-        self.lookup: dict[Rank, HashShards[_Node]] = {}  # a rank may hold millions
-        self.sets = _RankSets()
+        self.lookup: dict[Rank, HashShards[Node]] = {}  # a rank may hold millions
+        self.sets = RankSets()
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _new_node(self, blocks: Sequence[Block], r: Rank, parent: _Node) -> _Node:
-        return _Node(list(chain.from_iterable(blocks)), self.sets.add(_NOBODY, r), parent)  # sized exactly
+    def _new_node(self, blocks: Sequence[Block], r: Rank, parent: Node) -> Node:
+        return Node(list(chain.from_iterable(blocks)), self.sets.add(_NOBODY, r), parent)  # sized exactly
 
     @staticmethod
-    def _prune(n: _Node) -> None:
+    def _prune(n: Node) -> None:
         """After a rank's cover shrank: a node no rank covers whole loses its subtree (no rank can
         reach it), and a node nobody covers at all leaves its parent."""
         if not n.full and n.children:
@@ -248,17 +90,17 @@ class DeviceTree:
                 del siblings[n[1]]
             n.parent = None
 
-    def _point(self, r: Rank, blocks: Sequence[Block], n: _Node) -> None:
+    def _point(self, r: Rank, blocks: Sequence[Block], n: Node) -> None:
         shards, bits = self.lookup[r].shards, LOW_BITS  # (inline: this is the hot path)
         for h in map(itemgetter(0), blocks):
             shards[h & bits][h] = n
 
-    def _promote(self, n: _Node, r: Rank) -> None:
+    def _promote(self, n: Node, r: Rank) -> None:
         if n.part:
             n.part.pop(r, None)
         n.full = self.sets.add(n.full, r)
 
-    def _cover_prefix(self, n: _Node, r: Rank, k: int) -> None:
+    def _cover_prefix(self, n: Node, r: Rank, k: int) -> None:
         if k == 0:
             return
         if k >= n.size:
@@ -271,7 +113,7 @@ class DeviceTree:
             part = n.part = {}
         part[r] = max(part.get(r, 0), k)
 
-    def _append(self, n: _Node, r: Rank, blocks: Sequence[Block]) -> None:
+    def _append(self, n: Node, r: Rank, blocks: Sequence[Block]) -> None:
         old = n.size
         others = [s for s in n.full if s != r]
         if others:
@@ -288,9 +130,9 @@ class DeviceTree:
             for j, b in enumerate(blocks):
                 pos[b[0]] = old + j
 
-    def _split(self, n: _Node, k: int) -> dict[int, _Node]:
+    def _split(self, n: Node, k: int) -> dict[int, Node]:
         """Cut `n` after `k` blocks; the tail becomes its only child. Returns `n`'s children."""
-        s = _Node(n[2 * k :], n.full, n)
+        s = Node(n[2 * k :], n.full, n)
         s.children = n.children
         if s.children:
             for child in s.children.values():
@@ -332,7 +174,7 @@ class DeviceTree:
         if r not in self.lookup:
             self.lookup[r] = HashShards()
 
-    def _table(self, r: Rank) -> HashShards[_Node]:
+    def _table(self, r: Rank) -> HashShards[Node]:
         table = self.lookup.get(r)  # (not setdefault: a HashShards is costlier to make than a dict)
         if table is None:
             table = self.lookup[r] = HashShards()
@@ -341,7 +183,7 @@ class DeviceTree:
     def store(self, r: Rank, parent_hash: int | None, blocks: Sequence[Block]) -> None:
         """Store `blocks` (engine, local) after `parent_hash`; raises IndexEventError without changes."""
         table = self._table(r)
-        cur: _Node
+        cur: Node
         if parent_hash is not None:
             if any(b[0] == parent_hash for b in blocks):
                 raise INVALID_BLOCK_SEQUENCE
@@ -557,7 +399,7 @@ class DeviceTree:
     def dump(self) -> list[tuple[Rank, int | None, list[Block]]]:
         """Stores that rebuild every reachable answer, breadth first (core.md §7.5)."""
         out: list[tuple[Rank, int | None, list[Block]]] = []
-        queue: list[tuple[_Node, int | None, set[Rank] | None]] = [
+        queue: list[tuple[Node, int | None, set[Rank] | None]] = [
             (c, None, None) for c in (self.root.children or {}).values()
         ]
         head = 0
@@ -579,6 +421,6 @@ class DeviceTree:
         return out
 
 
-def _equal(n: _Node, start: int, blocks: Sequence[Block], count: int) -> bool:
+def _equal(n: Node, start: int, blocks: Sequence[Block], count: int) -> bool:
     """Whether blocks[:count] equal the node's edge from `start`, local and engine hashes alike."""
     return n[2 * start : 2 * (start + count)].tolist() == list(chain.from_iterable(blocks[:count]))
