@@ -179,7 +179,7 @@ def msgpack_body(data: bytes) -> None:
         assert (service.dump(), service.handle("GET", "/loads", "", [], b"", now=1.0).body) == before
 
 
-_EMPTY_SNAPSHOT: Final = [b"e", b"0", None, [], [], [], [], [], [], []]
+_EMPTY_SNAPSHOT: Final = [b"e", b"0", None, [], [], [], [], [], [], [], []]
 
 
 def ledger_feed(data: bytes) -> None:

@@ -513,6 +513,30 @@ def test_predictions_expire_per_booking_and_a_rebooked_prefix_moves_with_its_new
     assert tree.find(first)[0] == {} and budget.index_blocks == 0 and predictions.next_expiry() is None
 
 
+def test_a_batch_booked_again_whole_is_read_a_slice_a_call() -> None:
+    """`next_expiry` reads a batch whose blocks were all booked again later (a million stale
+    ones held the loop 225 ms) a slice a call: until read through it names the old time, an
+    early wake at which `expire` takes nothing; then the new one (docs/INVARIANTS.md)."""
+    from unittest.mock import patch
+
+    import selection_proto.core.cache.predictions as predictions_module
+    from selection_proto.core.cache.index import DeviceTree
+    from selection_proto.core.cache.predictions import Predictions
+
+    tree, budget = DeviceTree(), StateBudget(1 << 40)
+    predictions = Predictions(tree, 10.0, budget)
+    prompt = list(range(1, 1001))
+    with patch.object(predictions_module, "_SLICE", 100):
+        predictions.record((1, 0), prompt, now=0.0)
+        predictions.record((1, 0), prompt, now=4.0)
+        times = [predictions.next_expiry() for _ in range(11)]
+        assert times == [10.0] * 9 + [14.0] * 2  # the tenth call of 100 reads the stale 1,000 through
+        predictions.expire(10.0)
+        assert tree.find(prompt)[0] == {(1, 0): 1000} and budget.index_blocks == 1000
+        predictions.expire(14.0)
+        assert tree.find(prompt)[0] == {} and budget.index_blocks == 0 and predictions.next_expiry() is None
+
+
 STEPS = ("book", "book", "book", "free", "prefill", "free_later", "free_later", "tick", "overlap", "loads", "dump",
          "deadline", "outputs", "outputs")  # bookings, deferred frees and drained outputs the most often
 

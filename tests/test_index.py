@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from functools import partial
 from typing import Any
 from unittest.mock import patch
 
@@ -10,6 +11,7 @@ from conftest import Client, load_vectors, worker
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import selection_proto.core.cache.edges as edges_module
 import selection_proto.core.cache.index as index_module
 from selection_proto.core.cache.events import decode_json_events
 from selection_proto.core.cache.index import DeviceTree, IndexEventError
@@ -205,3 +207,61 @@ def test_a_removal_in_runs_answers_as_block_by_block(data: st.DataObject) -> Non
             assert trees[0].lookup[r].keys() == trees[1].lookup[r].keys()
         for chain in chains:
             assert trees[0].find(chain) == trees[1].find(chain)
+
+
+LONG_EDGE = {"_TABLE_MAX": 4, "_TABLE_STEP": 3, "_WINDOW": 2}  # every edge past 4 blocks is "long"
+WHOLE_TABLES = {"_TABLE_MAX": 1 << 30}  # each edge's position table built at once, as before
+
+
+def _with(constants: dict[str, int], work: Any) -> str:
+    with patch.multiple(edges_module, **constants):
+        try:
+            work()
+            return "ok"
+        except IndexEventError as exc:
+            return exc.text
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_a_long_edge_searched_a_step_at_a_time_answers_as_its_whole_table(data: st.DataObject) -> None:
+    """A long edge finds a hash's place by searching its packed bytes from the end back and builds
+    its position table a step at a time (a million-block edge's table is never built at once,
+    docs/INVARIANTS.md "Round three"); stores after a block mid-edge, removals, splits, appends and
+    engine hashes repeated on one edge answer as with the whole table built at first use."""
+    trees = (DeviceTree(), DeviceTree())
+    hashes = st.integers(1, 12)  # few values: an edge repeats engine hashes, as only an attacker's would
+    ranks = st.sampled_from([(1, 0), (2, 0)])
+    stored: list[int] = []
+    for _ in range(data.draw(st.integers(1, 12))):
+        rank = data.draw(ranks)
+        if data.draw(st.booleans()):
+            blocks = [(data.draw(hashes), data.draw(st.integers(1, 40))) for _ in range(data.draw(st.integers(1, 30)))]
+            parent = data.draw(st.sampled_from(stored)) if stored and data.draw(st.booleans()) else None
+            outcomes = [_with(c, partial(t.store, rank, parent, blocks)) for c, t in zip((LONG_EDGE, WHOLE_TABLES), trees, strict=True)]
+            stored.extend(b[0] for b in blocks)
+        else:
+            gone = [data.draw(hashes) for _ in range(data.draw(st.integers(1, 6)))]
+            outcomes = [_with(c, partial(t.remove, rank, gone)) for c, t in zip((LONG_EDGE, WHOLE_TABLES), trees, strict=True)]
+        assert outcomes[0] == outcomes[1]
+        assert trees[0].dump() == trees[1].dump()
+        assert {r: dict(t) for r, t in trees[0].lookup.items()}.keys() == trees[1].lookup.keys()
+        for r in trees[0].lookup:
+            assert [(h, trees[0].lookup[r][h].position(h)) for h in sorted(trees[0].lookup[r])] == \
+                [(h, trees[1].lookup[r][h].position(h)) for h in sorted(trees[1].lookup[r])]
+
+
+def test_a_million_block_edge_is_searched_not_tabled_at_once() -> None:
+    """Booking a 1,048,576-block prompt again asks for places deep inside its one edge, a piece at
+    a time: no piece builds a position table of more than a step (it took ~240 ms in one piece)."""
+    tree = DeviceTree()
+    blocks = [(h, h) for h in range(1, (1 << 20) + 1)]
+    tree.store((1, 0), None, blocks)
+    edge = tree.lookup[(1, 0)][1]
+    piece, tabled = 16384, 0
+    for start in range(piece, 1 << 20, piece):
+        tree.store((1, 0), blocks[start - 1][0], blocks[start:start + piece])
+        assert edge.pos is not None and len(edge.pos) <= tabled + 16384
+        tabled = len(edge.pos)
+    assert tree.find([b[1] for b in blocks])[0] == {(1, 0): 1 << 20}
+    assert edge.position(5) == 4 and edge.position(1 << 20) == (1 << 20) - 1 and edge.position(-1) is None

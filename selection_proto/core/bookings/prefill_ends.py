@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from ..cache.index import Block, DeviceTree, Rank
+from ..cache.edges import Block
+from ..cache.index import DeviceTree, Rank
 from .tracker import Booking
 
 __all__ = ["PrefillEnds"]

@@ -9,12 +9,13 @@ table.
 
 from __future__ import annotations
 
-from array import array
-from collections import deque
-from collections.abc import Iterable, Sequence
-from itertools import chain, repeat
+from collections.abc import Sequence
+from itertools import chain
 from operator import itemgetter
-from typing import TYPE_CHECKING, Final, cast
+from typing import Final
+
+from ..base.shards import LOW_BITS, HashShards
+from .edges import Block, Node, Rank, RankSets
 
 __all__ = [
     "BLOCK_NOT_FOUND",
@@ -27,8 +28,6 @@ __all__ = [
     "LOWER_TIERS",
 ]
 
-Rank = tuple[int, int]
-Block = tuple[int, int]  # (engine hash, local hash)
 
 TIERS: Final = ("device", "host_pinned", "disk", "external")
 LOWER_TIERS: Final = ("host_pinned", "disk", "external")
@@ -53,116 +52,6 @@ INVALID_BLOCK_SEQUENCE: Final = IndexEventError(
 )
 
 
-if TYPE_CHECKING:
-    _Packed = array[int]
-else:
-    _Packed = array
-
-
-class _Node(_Packed):
-    """One edge, packed: engine and local hash of each block side by side in one u64 array
-    (`[e0, l0, e1, l1, ...]`), with the ranks that cover all of it (an interned frozenset, shared
-    by most nodes) and those that cover a prefix of it (`part`, usually none).
-
-    Being its own packed array, a node is one object for the cyclic collector (two for an inner
-    node) and holds no per-block objects."""
-
-    __slots__ = ("full", "part", "children", "parent", "internal", "pos")
-
-    def __new__(cls, blocks: Iterable[int], full: frozenset[Rank], parent: _Node | None) -> _Node:
-        return cast("_Node", super().__new__(cls, "Q", blocks))  # typeshed's array.__new__ is not Self
-
-    def __init__(self, blocks: Iterable[int], full: frozenset[Rank], parent: _Node | None) -> None:
-        self.full = full
-        self.part: dict[Rank, int] | None = None
-        self.children: dict[int, _Node] | None = None
-        # A node that no rank covers leaves its parent at once (or unique prefixes, stored and
-        # evicted, would pile up there); every unlink breaks this back-reference, so no garbage
-        # is ever cyclic.
-        self.parent = parent
-        self.internal = False
-        self.pos: dict[int, int] | None = None  # engine hash -> last place; built on first use
-
-    @property
-    def size(self) -> int:
-        return len(self) >> 1
-
-    def local_hashes(self, start: int = 0, stop: int | None = None) -> list[int]:
-        stop = self.size if stop is None else stop
-        return self[2 * start + 1 : 2 * stop : 2].tolist()
-
-    def engine_hashes(self, start: int = 0, stop: int | None = None) -> list[int]:
-        stop = self.size if stop is None else stop
-        return self[2 * start : 2 * stop : 2].tolist()
-
-    def covers(self, r: Rank, i: int) -> bool:
-        if r in self.full:
-            return True
-        part = self.part
-        if not part:
-            return False
-        k = part.get(r)
-        return k is not None and i < k
-
-    def cutoff(self, r: Rank) -> int:
-        if r in self.full:
-            return len(self) >> 1
-        part = self.part
-        return part.get(r, 0) if part else 0
-
-    def live(self) -> bool:
-        return bool(self.full) or bool(self.part)
-
-    def position(self, h: int) -> int | None:
-        """Where engine hash `h` sits: its last place on the edge, unless a split moved a copy of
-        it to the tail (Dynamo's lookup then names the tail's block). Most stores name the edge's
-        last block; any other question builds the node's position table once."""
-        pos = self.pos
-        if pos is not None:
-            return pos.get(h)
-        end = (len(self) >> 1) - 1
-        if self[2 * end] == h:
-            return end
-        if end == 0:
-            return None
-        pos = self.pos = dict(zip(self[0::2], range(end + 1), strict=True))
-        return pos.get(h)
-
-
-class _RankSets:
-    """Interned coverage sets: a node holds one of a few shared frozensets instead of its own set.
-    Transitions are cached; the caches are dropped when they grow past a bound (sharing is only an
-    economy, never needed for correctness)."""
-
-    __slots__ = ("added", "removed")
-
-    _BOUND: Final = 4096
-
-    def __init__(self) -> None:
-        self.added: dict[tuple[frozenset[Rank], Rank], frozenset[Rank]] = {}
-        self.removed: dict[tuple[frozenset[Rank], Rank], frozenset[Rank]] = {}
-
-    def add(self, s: frozenset[Rank], r: Rank) -> frozenset[Rank]:
-        if r in s:
-            return s
-        t = self.added.get((s, r))
-        if t is None:
-            if len(self.added) >= self._BOUND:
-                self.added.clear()
-            t = self.added[(s, r)] = s | {r}
-        return t
-
-    def discard(self, s: frozenset[Rank], r: Rank) -> frozenset[Rank]:
-        if r not in s:
-            return s
-        t = self.removed.get((s, r))
-        if t is None:
-            if len(self.removed) >= self._BOUND:
-                self.removed.clear()
-            t = self.removed[(s, r)] = s - {r}
-        return t
-
-
 _NOBODY: Final[frozenset[Rank]] = frozenset()
 
 
@@ -172,18 +61,18 @@ class DeviceTree:
     __slots__ = ("root", "lookup", "sets")
 
     def __init__(self) -> None:
-        self.root = _Node((), _NOBODY, None)
+        self.root = Node((), _NOBODY, None)
         self.root.internal = True
-        self.lookup: dict[Rank, dict[int, _Node]] = {}
-        self.sets = _RankSets()
+        self.lookup: dict[Rank, HashShards[Node]] = {}  # a rank may hold millions
+        self.sets = RankSets()
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _new_node(self, blocks: Sequence[Block], r: Rank, parent: _Node) -> _Node:
-        return _Node(list(chain.from_iterable(blocks)), self.sets.add(_NOBODY, r), parent)  # sized exactly
+    def _new_node(self, blocks: Sequence[Block], r: Rank, parent: Node) -> Node:
+        return Node(list(chain.from_iterable(blocks)), self.sets.add(_NOBODY, r), parent)  # sized exactly
 
     @staticmethod
-    def _prune(n: _Node) -> None:
+    def _prune(n: Node) -> None:
         """After a rank's cover shrank: a node no rank covers whole loses its subtree (no rank can
         reach it), and a node nobody covers at all leaves its parent."""
         if not n.full and n.children:
@@ -201,15 +90,17 @@ class DeviceTree:
                 del siblings[n[1]]
             n.parent = None
 
-    def _point(self, r: Rank, blocks: Sequence[Block], n: _Node) -> None:
-        self.lookup[r].update(zip(map(itemgetter(0), blocks), repeat(n)))  # in C: a prompt may be 1M blocks
+    def _point(self, r: Rank, blocks: Sequence[Block], n: Node) -> None:
+        shards, bits = self.lookup[r].shards, LOW_BITS  # (inline: this is the hot path)
+        for h in map(itemgetter(0), blocks):
+            shards[h & bits][h] = n
 
-    def _promote(self, n: _Node, r: Rank) -> None:
+    def _promote(self, n: Node, r: Rank) -> None:
         if n.part:
             n.part.pop(r, None)
         n.full = self.sets.add(n.full, r)
 
-    def _cover_prefix(self, n: _Node, r: Rank, k: int) -> None:
+    def _cover_prefix(self, n: Node, r: Rank, k: int) -> None:
         if k == 0:
             return
         if k >= n.size:
@@ -222,7 +113,7 @@ class DeviceTree:
             part = n.part = {}
         part[r] = max(part.get(r, 0), k)
 
-    def _append(self, n: _Node, r: Rank, blocks: Sequence[Block]) -> None:
+    def _append(self, n: Node, r: Rank, blocks: Sequence[Block]) -> None:
         old = n.size
         others = [s for s in n.full if s != r]
         if others:
@@ -239,9 +130,9 @@ class DeviceTree:
             for j, b in enumerate(blocks):
                 pos[b[0]] = old + j
 
-    def _split(self, n: _Node, k: int) -> dict[int, _Node]:
+    def _split(self, n: Node, k: int) -> dict[int, Node]:
         """Cut `n` after `k` blocks; the tail becomes its only child. Returns `n`'s children."""
-        s = _Node(n[2 * k :], n.full, n)
+        s = Node(n[2 * k :], n.full, n)
         s.children = n.children
         if s.children:
             for child in s.children.values():
@@ -260,40 +151,43 @@ class DeviceTree:
         n.full = full
         del n[2 * k :]
         tail = s.engine_hashes()
-        head_pos = n.pos
+        head_pos = n.pos if not n.pos_from else None  # (a partial table is dropped)
         if head_pos is None and not set(tail).isdisjoint(n[0::2]):
             head_pos = dict(zip(n[0::2], range(k), strict=True))
         if head_pos is not None:  # the tail's hashes are the tail's, even where the head repeats one
             for h in tail:
                 head_pos.pop(h, None)
         n.pos = head_pos
+        n.pos_from = 0
         kids = n.children = {s[1]: s}
         n.internal = True
         for r in s.full:
-            table = self.lookup.setdefault(r, {})
-            for h in tail:
-                table[h] = s
+            self._table(r).set_all(tail, s)
         if s.part:
             for r, c in s.part.items():
-                table = self.lookup.setdefault(r, {})
-                for h in tail[:c]:
-                    table[h] = s
+                self._table(r).set_all(tail[:c], s)
         return kids
 
     # -- operations ----------------------------------------------------------------------------
 
     def ensure(self, r: Rank) -> None:
         if r not in self.lookup:
-            self.lookup[r] = {}
+            self.lookup[r] = HashShards()
+
+    def _table(self, r: Rank) -> HashShards[Node]:
+        table = self.lookup.get(r)  # (not setdefault: a HashShards is costlier to make than a dict)
+        if table is None:
+            table = self.lookup[r] = HashShards()
+        return table
 
     def store(self, r: Rank, parent_hash: int | None, blocks: Sequence[Block]) -> None:
         """Store `blocks` (engine, local) after `parent_hash`; raises IndexEventError without changes."""
-        table = self.lookup.setdefault(r, {})
-        cur: _Node
+        table = self._table(r)
+        cur: Node
         if parent_hash is not None:
             if any(b[0] == parent_hash for b in blocks):
                 raise INVALID_BLOCK_SEQUENCE
-            n = table.get(parent_hash)
+            n = table.shards[parent_hash & LOW_BITS].get(parent_hash)
             if n is None:
                 raise PARENT_NOT_FOUND
             p = n.position(parent_hash)
@@ -362,7 +256,10 @@ class DeviceTree:
 
     def remove(self, r: Rank, hashes: Sequence[int]) -> None:
         """Remove engine hashes; unknown ones are skipped; raises the first error after applying."""
-        table = self.lookup.setdefault(r, {})
+        table = self.lookup.get(r)
+        if table is None:
+            table = self._table(r)
+        shards, bits = table.shards, LOW_BITS  # (each hash's own shard, inline: the hot path)
         err: IndexEventError | None = None
         scrubbed: set[int] = set()
         i = 0
@@ -370,14 +267,14 @@ class DeviceTree:
         while i < total:
             h = hashes[i]
             i += 1
-            n = table.pop(h, None)
+            n = shards[h & bits].pop(h, None)
             if n is None:
                 if h not in scrubbed:
                     err = err or BLOCK_NOT_FOUND
                 continue
             p = n.position(h)
             if p is None:
-                table[h] = n
+                shards[h & bits][h] = n
                 err = err or BLOCK_NOT_FOUND
                 continue
             cc = n.cutoff(r)
@@ -391,7 +288,7 @@ class DeviceTree:
             elif p < cc:
                 while i < total:
                     g = hashes[i]
-                    if table.get(g) is not n:
+                    if shards[g & bits].get(g) is not n:
                         break
                     pg = n.position(g)
                     if pg is None or pg >= cc:
@@ -413,12 +310,12 @@ class DeviceTree:
                     n.part[r] = low
             self._prune(n)
             if len(stale) > _RUN:
-                deque(map(table.pop, stale, repeat(None)), 0)
+                table.discard_all(stale)
                 if i < total:  # only hashes still to come are looked up in it
                     scrubbed.update(stale)
             else:
                 for s in stale:
-                    table.pop(s, None)
+                    shards[s & bits].pop(s, None)
                     scrubbed.add(s)
         if err is not None:
             raise err
@@ -428,7 +325,7 @@ class DeviceTree:
         if not table:
             return
         seen: set[int] = set()
-        for n in table.values():
+        for n in table.values_all():
             if id(n) in seen:
                 continue
             seen.add(id(n))
@@ -439,10 +336,10 @@ class DeviceTree:
 
     def size(self, r: Rank) -> int:
         table = self.lookup.get(r)
-        return len(table) if table else 0
+        return len(table) if table is not None else 0
 
     def total_size(self) -> int:
-        return sum(len(t) for t in self.lookup.values())
+        return sum(map(len, self.lookup.values()))
 
     def find(self, q: Sequence[int]) -> tuple[dict[Rank, int], dict[Rank, int | None]]:
         """Contiguous-prefix scores per rank and the engine hash at each rank's last match."""
@@ -502,7 +399,7 @@ class DeviceTree:
     def dump(self) -> list[tuple[Rank, int | None, list[Block]]]:
         """Stores that rebuild every reachable answer, breadth first (core.md §7.5)."""
         out: list[tuple[Rank, int | None, list[Block]]] = []
-        queue: list[tuple[_Node, int | None, set[Rank] | None]] = [
+        queue: list[tuple[Node, int | None, set[Rank] | None]] = [
             (c, None, None) for c in (self.root.children or {}).values()
         ]
         head = 0
@@ -524,6 +421,6 @@ class DeviceTree:
         return out
 
 
-def _equal(n: _Node, start: int, blocks: Sequence[Block], count: int) -> bool:
+def _equal(n: Node, start: int, blocks: Sequence[Block], count: int) -> bool:
     """Whether blocks[:count] equal the node's edge from `start`, local and engine hashes alike."""
     return n[2 * start : 2 * (start + count)].tolist() == list(chain.from_iterable(blocks[:count]))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
 from collections.abc import Callable, Sequence
 from functools import partial
 from itertools import compress, repeat
@@ -17,11 +16,13 @@ from typing import Final
 
 from ..base.budget import StateBudget
 from ..base.hashing import sequence_hashes
+from ..base.shards import LOW_BITS, HashShards
 from .index import DeviceTree, IndexEventError, Rank
 
 __all__ = ["BUCKET", "Predictions"]
 
 BUCKET: Final = 0.1
+_SLICE: Final = 65536  # blocks of a batch read in one call looking for its first one still due
 
 
 class _Batch:
@@ -46,7 +47,7 @@ class Predictions:
         self.tree = tree
         self._ttl = ttl
         self._budget = budget
-        self._expiry: dict[Rank, dict[int, float]] = {}  # rank -> sequence hash -> when it goes
+        self._expiry: dict[Rank, HashShards[float]] = {}  # rank -> sequence hash -> when it goes
         self._heap: list[tuple[float, int, Rank, _Batch]] = []  # (when, order, rank, its batch)
         self._order = 0  # ties between batches of one time break by booking order
 
@@ -77,7 +78,10 @@ class Predictions:
             before = tree.size(rank)
             tree.store(rank, chained[start - 1] if start else None, list(zip(hashes, part, strict=True)))
             self._budget.index_blocks += tree.size(rank) - before
-            self._expiry.setdefault(rank, {}).update(dict.fromkeys(hashes, expiry))
+            due = self._expiry.get(rank)
+            if due is None:
+                due = self._expiry[rank] = HashShards()
+            due.set_all(hashes, expiry)
             if start == starts[-1]:
                 self._order += 1
                 heapq.heappush(self._heap, (expiry, self._order, rank, _Batch(chained if seqs is None else seqs)))
@@ -90,17 +94,23 @@ class Predictions:
         if due is None:
             return []
         hashes = batch.hashes[batch.start:] if batch.start else batch.hashes
-        return list(compress(hashes, map(eq, map(due.get, hashes), repeat(expiry))))
+        return list(compress(hashes, map(eq, due.get_all(hashes), repeat(expiry))))
 
     def _any_live(self, expiry: float, rank: Rank, batch: _Batch) -> bool:
+        """Whether a block of the batch may still be due: a batch booked again whole (a million
+        stale blocks) is read `_SLICE` blocks a call, so no call holds the loop reading all of
+        them; until it is read through it counts as live (a timer then fires early, harmlessly)."""
         due = self._expiry.get(rank)
         if due is None:
             return False
         hashes, i, end = batch.hashes, batch.start, len(batch.hashes)
-        while i < end and due.get(hashes[i]) != expiry:
-            i += 1
-        batch.start = i
-        return i < end
+        shards, bits = due.shards, LOW_BITS  # (inline: the hot loop)
+        if i < end and shards[hashes[i] & bits].get(hashes[i]) == expiry:
+            return True
+        stop = min(end, i + _SLICE)
+        dues = [shards[h & bits].get(h) for h in hashes[i:stop]]
+        batch.start = i + dues.index(expiry) if expiry in dues else stop
+        return batch.start < end
 
     def next_expiry(self) -> float | None:
         heap = self._heap
@@ -117,7 +127,7 @@ class Predictions:
             live = self._live(expiry, rank, batch)
             if live:
                 due = self._expiry[rank]
-                deque(map(due.__delitem__, live), 0)
+                due.delete_all(live)
                 if not due:
                     del self._expiry[rank]
                 gone.setdefault(rank, []).extend(live)

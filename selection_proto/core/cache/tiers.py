@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from .index import LOWER_TIERS, Block, DeviceTree, Rank
+from .edges import Block
+from .index import LOWER_TIERS, DeviceTree, Rank
 
 __all__ = ["KeyIndex", "LowerTier"]
 

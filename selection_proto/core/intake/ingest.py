@@ -247,8 +247,7 @@ class Ingest:
         if event.tier == "device":
             tree = index.device
             tree.ensure(rank)
-            lookup = tree.lookup
-            before = len(lookup[rank])
+            before = tree.size(rank)
             try:
                 if event.kind == "stored":
                     tree.store(rank, event.parent_hash, event.blocks)
@@ -261,7 +260,7 @@ class Ingest:
             except IndexEventError as exc:
                 return exc
             finally:  # a clear replaces the rank's table
-                budget.index_blocks += len(lookup[rank]) - before
+                budget.index_blocks += tree.size(rank) - before
             return None
         tier = index.lower[event.tier]
         before = tier.size(rank)
