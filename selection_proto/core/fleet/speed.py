@@ -178,11 +178,10 @@ class Speeds:
         """The fixed time of the rank's recent bookings not yet drained by `now`, in prefill tokens.
         `booked_prefill`: the rank's booked prefill tokens whose end has not been read. Once the
         fixed times and those tokens' time (at `MOST_APART` times the learned time a token) have
-        all passed since the last booking and
-        the prefill has still not ended, its engine is slower now than learned (a stall, another
-        process on its core): the time past that counts as still ahead, up to the backlog as last
-        written, where the rank would read as idle (docs/ROUTING.md, "An engine behind its
-        prediction")."""
+        all passed since the last booking and the prefill has still not ended, its engine is
+        slower now than learned (a stall, another process on its core): the time past that counts
+        as still ahead, up to the backlog as last written, where the rank would read as idle
+        (docs/ROUTING.md, "An engine behind its prediction")."""
         ahead = self._backlog.get(rank)
         if ahead is None:
             return 0.0
