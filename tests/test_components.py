@@ -537,6 +537,66 @@ def test_a_batch_booked_again_whole_is_read_a_slice_a_call() -> None:
         assert tree.find(prompt)[0] == {} and budget.index_blocks == 0 and predictions.next_expiry() is None
 
 
+def test_a_long_prediction_expires_tail_first_a_slice_a_tick() -> None:
+    """A booking longer than one slice leaves the tree tail first over several `expire` calls
+    (a million-block one held the loop 1.2 s of CPU in one), `next_expiry` naming the same time
+    until the last slice is out (docs/INVARIANTS.md)."""
+    from unittest.mock import patch
+
+    import selection_proto.core.cache.predictions as predictions_module
+    from selection_proto.core.cache.index import DeviceTree
+    from selection_proto.core.cache.predictions import Predictions
+
+    tree, budget = DeviceTree(), StateBudget(1 << 40)
+    predictions = Predictions(tree, 10.0, budget)
+    prompt, other = list(range(1, 1001)), list(range(5001, 5051))
+    with patch.object(predictions_module, "_EXPIRE_SLICE", 300):
+        predictions.record((1, 0), prompt, now=0.0)
+        predictions.record((2, 0), other, now=0.0)
+        held = []
+        while predictions.next_expiry() == 10.0:
+            predictions.expire(10.0)
+            held.append((tree.find(prompt)[0].get((1, 0), 0), tree.find(other)[0].get((2, 0), 0)))
+        assert held == [(700, 50), (400, 50), (100, 50), (0, 0)]  # the first booking's tail first
+        assert predictions.next_expiry() is None and budget.index_blocks == 0
+
+
+@settings(max_examples=200)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 40), st.integers(1, 2), st.integers(0, 30)),
+                max_size=12), st.integers(1, 25))
+def test_expiring_in_slices_leaves_the_tree_as_expiring_at_once(
+        bookings: list[tuple[int, int, int, int]], expire_slice: int) -> None:
+    """Bookings of prefixes of three prompts on two ranks at various times, each expired at every
+    time in turn: in slices of `expire_slice` blocks, called until the time is done, the tree,
+    the budget and the next expiry are as with one slice for everything."""
+    from unittest.mock import patch
+
+    import selection_proto.core.cache.predictions as predictions_module
+    from selection_proto.core.cache.index import DeviceTree
+    from selection_proto.core.cache.predictions import Predictions
+
+    prompts = [list(range(1000 * p + 1, 1000 * p + 41)) for p in range(3)]
+
+    def replay(size: int) -> list[Any]:
+        tree, budget = DeviceTree(), StateBudget(1 << 40)
+        predictions, seen = Predictions(tree, 5.0, budget), []
+
+        def expire_until(end: float) -> None:
+            while (due := predictions.next_expiry()) is not None and due <= end:
+                while predictions.next_expiry() == due:  # the time done, slice by slice
+                    predictions.expire(due)
+                seen.append([due, predictions.next_expiry(), budget.index_blocks, *(tree.find(p)[0] for p in prompts)])
+
+        with patch.object(predictions_module, "_EXPIRE_SLICE", size):
+            for prompt, length, rank, at in sorted(bookings, key=lambda b: b[3]):
+                expire_until(at)
+                predictions.record((rank, 0), prompts[prompt][:length], now=float(at))
+            expire_until(float("inf"))
+        return seen
+
+    assert replay(expire_slice) == replay(1 << 30)
+
+
 STEPS = ("book", "book", "book", "free", "prefill", "free_later", "free_later", "tick", "overlap", "loads", "dump",
          "deadline", "outputs", "outputs")  # bookings, deferred frees and drained outputs the most often
 

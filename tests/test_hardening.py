@@ -612,6 +612,41 @@ def test_a_million_block_prediction_leaves_health_its_turn_while_it_lives() -> N
         server.stop()
 
 
+def test_a_million_block_prediction_expires_leaving_health_its_turn() -> None:
+    """Approximate mode, a prompt of 1,048,576 blocks predicted for 4 s: at its expiry the blocks
+    leave the index a slice a tick, /health served between slices (the whole million in one tick
+    held the loop 1.2 s of CPU and more; a slice 17-48 ms, docs/INVARIANTS.md)."""
+    server = Server("--kv-events", "approximate", "--router-ttl-secs", "4", "--max-state-bytes", str(8 << 30))
+    try:
+        assert post(server, "/workers", b'{"worker_id": 1, "model_name": "m", "block_size": 1, '
+                                        b'"endpoint": "http://w"}')[0] == 201
+        idle = health_latencies(server)
+        body = json.dumps({"model_name": "m", "token_ids": list(range(1 << 20)), "reservation_id": "r"}).encode()
+        probe = json.dumps({"model_name": "m", "token_ids": list(range(4096))}).encode()
+        assert post(server, "/select_and_reserve", body)[0] == 200
+        assert get(server, "/loads")[0] == 200  # the booking's pieces have run
+        assert post(server, "/select", probe)[1]["cached_tokens"] == 4096  # predicted, not yet expired
+        expired = threading.Event()
+
+        def until_expired() -> None:  # the prompt's head leaves last (tail first)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not expired.is_set():
+                if post(server, "/select", probe)[1]["cached_tokens"] == 0:
+                    expired.set()
+                time.sleep(0.5)
+
+        watcher = threading.Thread(target=until_expired)
+        watcher.start()
+        seconds, cpu = health_waits(server, watcher)
+        watcher.join()
+        assert expired.is_set()
+        assert len(seconds) >= 20, seconds
+        assert_loop_turn(seconds, cpu, idle, None, 0.15)
+        assert server.proc.poll() is None
+    finally:
+        server.stop()
+
+
 # A client of its own process (its JSON work must not hold the prober's GIL): books a prompt of
 # 1,048,576 tokens (its first token id from argv[2]), reads the answer, frees it half a second
 # later; then the next (bench/stalls.py, book_1m_*).

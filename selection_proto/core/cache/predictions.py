@@ -23,17 +23,23 @@ __all__ = ["BUCKET", "Predictions"]
 
 BUCKET: Final = 0.1
 _SLICE: Final = 65536  # blocks of a batch read in one call looking for its first one still due
+# Blocks one `expire` takes out of the tree at most: a million-block prediction expires over many
+# ticks, its tail first as an engine evicts, instead of holding the loop for seconds in one.
+_EXPIRE_SLICE: Final = 16384
 
 
 class _Batch:
     """A booking's sequence hashes, sharing one expiry; `start` skips the leading blocks found
-    booked again since (each is skipped once, so asking when the next expiry is stays cheap)."""
+    booked again since (each is skipped once, so asking when the next expiry is stays cheap);
+    `end` stops before the trailing blocks already expired (a long batch expires tail first, a
+    slice a `tick`)."""
 
-    __slots__ = ("hashes", "start")
+    __slots__ = ("end", "hashes", "start")
 
     def __init__(self, hashes: Sequence[int]) -> None:
         self.hashes = hashes
         self.start = 0
+        self.end = len(hashes)
 
 
 class Predictions:
@@ -88,12 +94,11 @@ class Predictions:
 
         return [partial(piece, start) for start in starts]
 
-    def _live(self, expiry: float, rank: Rank, batch: _Batch) -> list[int]:
-        """The blocks of a batch still due at `expiry` (not booked again since)."""
+    def _live(self, expiry: float, rank: Rank, hashes: Sequence[int]) -> list[int]:
+        """The blocks among `hashes` still due at `expiry` (not booked again since)."""
         due = self._expiry.get(rank)
         if due is None:
             return []
-        hashes = batch.hashes[batch.start:] if batch.start else batch.hashes
         return list(compress(hashes, map(eq, due.get_all(hashes), repeat(expiry))))
 
     def _any_live(self, expiry: float, rank: Rank, batch: _Batch) -> bool:
@@ -103,7 +108,7 @@ class Predictions:
         due = self._expiry.get(rank)
         if due is None:
             return False
-        hashes, i, end = batch.hashes, batch.start, len(batch.hashes)
+        hashes, i, end = batch.hashes, batch.start, batch.end
         shards, bits = due.shards, LOW_BITS  # (inline: the hot loop)
         if i < end and shards[hashes[i] & bits].get(hashes[i]) == expiry:
             return True
@@ -119,23 +124,27 @@ class Predictions:
         return heap[0][0] if heap else None
 
     def expire(self, now: float) -> None:
-        """Take the blocks whose time has come out of the tree."""
-        heap = self._heap
-        gone: dict[Rank, list[int]] = {}
-        while heap and heap[0][0] <= now:
-            expiry, _, rank, batch = heapq.heappop(heap)
-            live = self._live(expiry, rank, batch)
-            if live:
-                due = self._expiry[rank]
-                due.delete_all(live)
-                if not due:
-                    del self._expiry[rank]
-                gone.setdefault(rank, []).extend(live)
-        tree = self.tree
-        for rank, hashes in gone.items():
+        """Take the blocks whose time has come out of the tree, at most `_EXPIRE_SLICE` of them:
+        while more are due, `next_expiry` stays at or before `now`, so the next `tick` goes on."""
+        heap, tree = self._heap, self.tree
+        budget = _EXPIRE_SLICE
+        while heap and heap[0][0] <= now and budget > 0:
+            expiry, _, rank, batch = heap[0]
+            start = max(batch.start, batch.end - budget)
+            live = self._live(expiry, rank, batch.hashes[start:batch.end])
+            budget -= batch.end - start
+            batch.end = start
+            if batch.end <= batch.start:
+                heapq.heappop(heap)
+            if not live:
+                continue
+            due = self._expiry[rank]
+            due.delete_all(live)
+            if not due:
+                del self._expiry[rank]
             before = tree.size(rank)
             try:
-                tree.remove(rank, hashes)
+                tree.remove(rank, live)
             except IndexEventError:
                 pass  # a block its rank no longer holds (the rank left, or was cleared)
             self._budget.index_blocks -= before - tree.size(rank)
