@@ -316,7 +316,6 @@ def test_a_strict_booking_conflicts_once_a_rank_of_its_pool_then_books_advisory(
 
             def one_write_at_a_time(*args: Any) -> None:  # b's next op waits for the test's word
                 b.link.held_writes = True
-                print("RESULTS", [(op.kind, op.ident, op.count) for op in args[0]], args[1])
                 written(*args)
 
             b.ledger.results = one_write_at_a_time  # type: ignore[method-assign]
