@@ -293,6 +293,54 @@ def test_strict_admission_spreads_a_burst_that_advisory_piles_on_one_worker(ledg
     run(main)
 
 
+def test_a_strict_booking_conflicts_once_a_rank_of_its_pool_then_books_advisory(ledger: LedgerServer) -> None:
+    """Replica b's booking is written each time after replica a has booked the same worker (the
+    least loaded) on the view b selected on: it conflicts, b selects again once its feed has
+    brought a's booking, and so on. Still strict after 3 conflicts, as long as it has conflicted
+    fewer times than its pool has ranks (six); then booked advisory, so never held longer
+    (docs/REPLICATION.md, "Strict admission")."""
+    async def main() -> None:
+        async with replicas(2, ledger.url, "tries", LedgerSettings(admission="strict")) as (a, b):
+            for worker_id in range(1, 7):
+                await a.ok("POST", "/workers", {**WORKER, "worker_id": worker_id}, status=201)
+            for worker_id in range(2, 7):  # worker 1 is the least loaded for the next 8 bookings
+                for n in range(8):
+                    await a.ok("POST", "/reservations", {**PROMPT, "worker_id": worker_id,
+                                                         "reservation_id": f"pre{worker_id}-{n}"}, status=201)
+            await settled([a, b])
+
+            def conflicts() -> float:
+                return b.service.metrics.value("selection_proto_ledger_events_total", ("conflict",))
+
+            written = b.ledger.results
+
+            def one_write_at_a_time(*args: Any) -> None:  # b's next op waits for the test's word
+                b.link.held_writes = True
+                written(*args)
+
+            b.ledger.results = one_write_at_a_time  # type: ignore[method-assign]
+            b.link.held_writes = True
+            ticket = b.send("POST", "/select_and_reserve", {**PROMPT, "reservation_id": "late"})
+            assert isinstance(ticket, int)
+            for round_ in range(6):
+                await until(lambda: bool(b.ledger.journal.ops))  # b's booking, on a view without a's next one
+                await a.ok("POST", "/select_and_reserve", {**PROMPT, "reservation_id": f"a{round_}"})
+                b.link.held_writes = False
+                b.link.poke()
+                await until(lambda: conflicts() > round_)  # noqa: B023
+                assert conflicts() == round_ + 1 and (ticket in b.answers) == (round_ == 5)
+            # Six conflicts, as many as the pool has ranks: selected again and booked advisory,
+            # answered at once.
+            status, body = await b.answer(ticket)
+            assert status == 200 and body["worker_id"] == 1
+            b.link.held_writes = False
+            b.link.poke()
+            await settled([a, b])
+            assert a.loads()[1][0] == b.loads()[1][0] == 7 and conflicts() == 6  # a's six and b's
+
+    run(main)
+
+
 def test_a_ledger_restarted_from_its_log_keeps_every_booking(ledger: LedgerServer) -> None:
     async def main() -> None:
         async with replicas(2, ledger.url) as (a, b):

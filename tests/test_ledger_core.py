@@ -91,12 +91,21 @@ def test_a_strict_booking_waits_for_the_ledger_and_a_conflict_selects_again() ->
     assert service.metrics.value("selection_proto_ledger_events_total", ("conflict",)) == 1
 
 
-def test_after_three_conflicts_a_strict_booking_is_made_advisory() -> None:
+@pytest.mark.parametrize("workers", [2, 6])
+def test_a_strict_booking_conflicts_once_a_rank_at_most_then_is_made_advisory(workers: int) -> None:
+    """A burst selected on one view spreads one booking a rank each round (docs/REPLICATION.md,
+    "Strict admission"): a booking is selected again as a strict one after as many conflicts as
+    its pool has ranks (at least 3), and booked advisory after that, never held longer."""
     service, mirror = replica(admission="strict")
+    for worker_id in range(3, workers + 1):
+        send(service, "POST", "/workers", {"worker_id": worker_id, "model_name": "m", "endpoint": "e",
+                                           "block_size": 4})
+    mirror.journal.take(100)
     assert isinstance(send(service, "POST", "/select_and_reserve", {**PROMPT, "reservation_id": "s"}), Pending)
-    for _ in range(3):
+    for _ in range(max(3, workers)):
         ops = mirror.journal.take(10)
-        assert ops[0].count is not None
+        assert [(op.kind, op.count is not None) for op in ops] == [("add", True)]
+        assert answers(service) == {}
         mirror.results(ops, [Reply("conflict", 0)], 1.0)  # the feed is already there: at once again
     last = mirror.journal.take(10)
     assert [(op.kind, op.count) for op in last] == [("add", None)]

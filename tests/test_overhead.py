@@ -124,6 +124,7 @@ def test_the_backlog_drains_with_time_and_a_worker_that_leaves_is_forgotten() ->
         speeds.observe((1, 0), 0, float(n), 0)
         speeds.observe((1, 0), tokens, n + 0.02 + 1e-5 * tokens, 1)
         speeds.completed((1, 0), tokens)
+    speeds.settle(100.0)  # the last end is read once its moment has passed (speed.py)
     assert speeds.overhead == pytest.approx(2000)
     assert speeds.backlog((1, 0), 100.0) == 0.0
     for _ in range(3):
@@ -204,3 +205,32 @@ def test_an_engine_behind_its_prediction_reads_as_busy_again(make_client: Callab
     for n in range(2):
         c.ok("POST", f"/reservations/s{n}/prefill_complete")
     assert choice(c)[0] == 1
+
+
+def _taught(ends: list[tuple[int, int]]) -> tuple[dict[int, tuple[float, int]], float]:
+    """The speeds and overhead four workers of another speed each are read at, after 80 prefill
+    ends one at a time and then `ends` (worker, tokens) all at one moment, in that order."""
+    speeds = Speeds(learn=True)
+    for wid in (1, 2, 3, 4):
+        speeds.set(wid, None, None)
+    for n in range(80):
+        rank, tokens = (1 + n % 4, 0), (2_000, 9_000, 30_000)[n % 3]
+        speeds.observe(rank, 0, float(n), 0)
+        speeds.ended(rank, tokens, 1, tokens, n + 0.05 + PER_TOKEN * (0.9 + rank[0] / 10) * tokens, completed=True)
+    for wid in (1, 2, 3, 4):
+        speeds.observe((wid, 0), 0, 99.95, 0)
+    for wid, tokens in ends:
+        speeds.ended((wid, 0), 1, 1, tokens, 100.0, completed=True)
+    speeds.observe((9, 0), 0, 101.0, 0)  # the next change, after that moment
+    return dict(speeds.of), speeds.overhead
+
+
+@given(st.lists(st.tuples(st.integers(1, 4), st.integers(0, 40_000)), min_size=2, max_size=10), st.randoms())
+def test_what_one_moments_prefill_ends_teach_does_not_depend_on_their_order(ends: list[tuple[int, int]],
+                                                                           rng: Any) -> None:
+    """A replica hears one moment's prefill ends in another order than one service: its own
+    first, then those the ledger brings (docs/ROUTING.md, "Replicas behind a balancer"). What
+    they teach, the learned speeds and the overhead, is the same to the last digit."""
+    shuffled = list(ends)
+    rng.shuffle(shuffled)
+    assert _taught(shuffled) == _taught(ends)

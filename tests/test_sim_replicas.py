@@ -168,7 +168,10 @@ def test_shared_replicas_drawing_from_one_generator_are_the_lone_service_under_t
     speeds, how far each rank's running prefill has got, and which prefills a prompt with nothing
     new to store waits behind (docs/ROUTING.md, "Replicas"): the ledger's bookings and prefill ends
     teach every replica the same, so that with one random generator shared replicas are the lone
-    service to the last digit (with a generator each, they differ only by their tie-breaks)."""
+    service to the last digit (with a generator each, they differ only by their tie-breaks). On a
+    mixed fleet too (`engine_speeds`, learned): a replica hears one batch of prefill ends in
+    another order than one service (its own first, then the ledger's), and the speeds it works
+    out from them must not depend on it."""
     from test_simulate import TRACE
 
     def conversation() -> Any:
@@ -177,12 +180,13 @@ def test_shared_replicas_drawing_from_one_generator_are_the_lone_service_under_t
                            str(TRACE), 512, limit=600, kv_blocks=1000)
 
     settings = Settings(kv_events="push", router_policy="ttft")
-    config = FleetConfig(engines=8, load=0.8, prefill_complete=False)
-    lone, shared = (run.to_json() for run in simulate(conversation, config, [
-        ("core", settings), ("core", ReplicaSetup(settings=settings, replicas=4, one_generator=True))]))
-    assert shared.pop("replicas")["replicas"] == 4
-    assert lone["requests"] == 600 and lone["failed"] == 0
-    assert shared == lone
+    for replicas, speeds in ((4, ()), (8, (1.0, 0.5))):
+        config = FleetConfig(engines=8, load=0.8, prefill_complete=False, engine_speeds=speeds)
+        lone, shared = (run.to_json() for run in simulate(conversation, config, [
+            ("core", settings), ("core", ReplicaSetup(settings=settings, replicas=replicas, one_generator=True))]))
+        assert shared.pop("replicas")["replicas"] == replicas
+        assert lone["requests"] == 600 and lone["failed"] == 0
+        assert shared == lone, speeds
 
 
 def test_strict_admission_spreads_a_burst_that_advisory_replicas_herd() -> None:

@@ -360,12 +360,16 @@ class Ledger:
         if entry.owner and (pool.tracker.bookings[rid].owner or self.origin) != entry.owner:
             return  # about another booking of the id: this replica's booked it again meanwhile
         booking = pool.tracker.bookings[rid]
+        load = pool.tracker.loads[booking.rank]
         if kind in (FREE, EXPIRE, PREFILL) and not booking.prefill_done:
             # Another replica's booking: its prefill's end teaches this replica's speeds as the
             # owner's (docs/ROUTING.md, "Replicas"), so that every replica's cost reads the same.
-            load = pool.tracker.loads[booking.rank]
             pool.speeds.ended(booking.rank, load.prefill_tokens, load.prefilling, booking.prefill_tokens, now,
                               completed=kind == PREFILL)
+        elif kind in (FREE, PREFILL):
+            # Its prefill had ended: the owner still writes the rank's busy time down here
+            # (`finish_booking`), and a learned speed is read from what was written down.
+            pool.speeds.observe(booking.rank, load.prefill_tokens, now, load.prefilling)
         if kind == FREE or kind == EXPIRE:
             pool.free(rid, now)
             self._selector._end_followers(pool, now)

@@ -72,6 +72,7 @@ def gauges(records: Iterable[WorkerCatalogRecord], pools: Mapping[Key, Pool], bu
     overheads: Samples = {}
     for key, pool in pools.items():
         sessions[key] = float(len(pool.sessions))
+        pool.speeds.settle(now)
         if pool.speeds.learn:
             overheads[key] = pool.speeds.overhead
         for worker_id, speed in pool.speeds.learned().items():

@@ -33,6 +33,7 @@ __all__ = ["LEDGER_DOWN", "OUTBOX_FULL", "Journal", "LedgerOp", "LedgerSettings"
 LEDGER_DOWN: Final = "ledger unavailable"
 OUTBOX_FULL: Final = "ledger outbox full"
 RECENT_ENDS: Final = 65_536  # ended bookings a replica remembers (the ledger keeps as many)
+STRICT_TRIES: Final = 3  # conflicts a strict booking may take at least, however few ranks its pool has
 
 
 def may_be_booked(rid: str) -> str:
@@ -50,7 +51,6 @@ class LedgerSettings:
     admission: Literal["advisory", "strict"] = "advisory"
     failure: Literal["open", "closed"] = "open"
     outbox_max: int = 100_000  # own changes queued while the ledger is away, at most
-    strict_tries: int = 3  # strict bookings retried after a conflict; then booked advisory
     # A free of an id no replica has written yet waits this long for the booking to reach the
     # ledger: a client may free on one replica right after another answered its booking.
     free_grace_secs: float = 2.0
@@ -132,13 +132,18 @@ class Journal:
         if sync and self.in_request:
             self.sync.append(op)
 
-    def booked(self, key: Key, booking: Booking) -> None:
+    def booked(self, key: Key, booking: Booking, ranks: int = 0) -> None:
+        """`ranks`: how many ranks the booking's pool has. A strict booking that conflicted is
+        selected again on the view the feed brought, as a strict one while it has conflicted
+        fewer times than that (at least `STRICT_TRIES`), then booked advisory: a burst selected
+        on one view spreads one booking a rank each round, so that by then it has had every
+        rank's chance (docs/REPLICATION.md, "Strict admission")."""
         rank = booking.rank
         record = AddRecord(key[0], key[1], rank[0], rank[1], booking.prefill_tokens,
                            booking.expected_output_tokens, booking.blocks)
         rk = rank_key(key[0], key[1], rank[0], rank[1])
         strict = (self.settings.admission == "strict" and self.connected and self.in_request
-                  and self.tries < self.settings.strict_tries)
+                  and self.tries < max(STRICT_TRIES, ranks))
         seen = self.adds.get(rk, 0) + len(self.own.get(rk, ())) if strict else None
         # An id used again after its booking ended is answered once the ledger has the booking:
         # a free of it sent after that answer, to any replica, then finds it there (not `gone`).

@@ -14,7 +14,14 @@ is learned as `overhead`, in prefill tokens (so that only ratios enter, as for t
 prefill end on a rank is a sample of (its prefill tokens, the rank-seconds with some prefill
 pending since the previous end there), and a least-squares line through the pool's samples,
 older ones weighing less, gives seconds per request over seconds per token (docs/ROUTING.md, "A
-fixed time per request"). Each booking then adds that fixed time to its rank's `backlog`, which
+fixed time per request"). Several ends on a rank at one moment are one sample, of the largest
+prefill among them (the others had nothing new to store).
+
+What one moment's prefill ends teach is read at the first change after that moment, in an order
+of its own: the samples by rank, and the speeds worked out again from what was written down
+until then (once every so many completed tokens). A replica hears a moment's ends in another
+order than one service (its own first, then the ledger's) and so learns exactly the same
+(docs/ROUTING.md, "Replicas behind a balancer"). Each booking then adds that fixed time to its rank's `backlog`, which
 drains as time passes: a burst of requests on one engine costs their fixed times however much
 of their prompts it holds (their prefill ends are read at once when there is nothing new to
 store, so pending bookings alone would not show it).
@@ -98,7 +105,7 @@ class Speeds:
     scaled), and `overhead` (prefill tokens each request costs beyond its own, learned: 0 until
     then); `observe`, `stopped` and `completed` are fed by the bookings when `learn` is on."""
 
-    __slots__ = ("of", "learn", "shadow", "overhead", "_declared", "_busy", "_done", "_since", "_unread",
+    __slots__ = ("of", "learn", "shadow", "overhead", "_declared", "_busy", "_done", "_since", "_unread", "_moment", "_ends",
                  "_started", "_pending", "_fit", "_fixed", "_per_token", "_backlog")
 
     def __init__(self, learn: bool, shadow: Speeds | None = None) -> None:
@@ -112,6 +119,8 @@ class Speeds:
         self._done: dict[int, int] = {}  # worker -> prefill tokens completed
         self._since: dict[Rank, float] = {}  # rank -> when its booked prefill last changed
         self._unread = 0  # tokens completed since the speeds were last worked out
+        self._moment = 0.0  # when the last prefill ended
+        self._ends: dict[Rank, tuple[int, float]] = {}  # rank -> that moment's sample (tokens, secs)
         # Rank -> when its running prefill began: its booked prefill last went from none to some,
         # or a prefill on it last ended (`left`).
         self._started: dict[Rank, float] = {}
@@ -155,6 +164,7 @@ class Speeds:
             self.shadow.observe(rank, booked_prefill, now, pending)
         if not self.learn:
             return
+        self.settle(now)
         since = self._since.get(rank)
         if since is not None and now > since:
             if booked_prefill > 0:
@@ -235,22 +245,34 @@ class Speeds:
             return
         secs = self._pending.pop(rank, 0.0)
         # A prefill that ended the moment the one ahead did (nothing new to store) or its booking
-        # was made took no time of its own to measure: not a sample. Decided from the pool's own
-        # state, so that a replica hearing the end through the ledger decides the same.
-        if secs > 0.0:
-            self._fit.add(max(prefill_tokens, 0), secs)
+        # was made took no time of its own to measure: alone, not a sample. Decided from the
+        # pool's own state, so that a replica hearing the end through the ledger decides the same.
+        tokens = max(prefill_tokens, 0)
+        held = self._ends.get(rank)
+        if held is not None:
+            self._ends[rank] = (max(tokens, held[0]), held[1] + secs)
+        elif secs > 0.0:
+            self._ends[rank] = (tokens, secs)
+        if tokens:
+            self._done[rank[0]] = self._done.get(rank[0], 0) + tokens
+            self._unread += tokens
+        self._moment = self._since.get(rank, self._moment)
+
+    def settle(self, now: float) -> None:
+        """Read what the last moment's prefill ends taught, once `now` is past it (before the
+        first change after it, or a read): its samples, by rank; and once every so many completed
+        tokens the speeds, a pass over the workers that one completion among many barely moves."""
+        if now <= self._moment or not (self._ends or self._unread):
+            return
+        if self._ends:
+            for rank in sorted(self._ends):
+                self._fit.add(*self._ends[rank])
+            self._ends.clear()
             line = self._fit.line()
             if line is not None:
                 self._fixed, self._per_token = line
                 self.overhead = self._fixed / self._per_token
-        if prefill_tokens <= 0:
-            return
-        worker_id = rank[0]
-        self._done[worker_id] = self._done.get(worker_id, 0) + prefill_tokens
-        self._unread += prefill_tokens
-        # Working the speeds out is one pass over the workers: in a large pool, once for every
-        # so many tokens, which one completion among many barely moves.
-        if self._done[worker_id] < LEARN_AFTER_TOKENS or self._unread * 16 < LEARN_AFTER_TOKENS * len(self._done):
+        if self._unread * 16 < LEARN_AFTER_TOKENS * len(self._done):
             return
         self._unread = 0
         base = worker_speed(None, None)[0]

@@ -147,6 +147,8 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
     shadow = s.shadow_policy  # scored beside the acting policy, never acting (docs/STATUS.md)
     predict = ttft or shadow == "ttft"
     learned = state.speeds if ttft or state.speeds.shadow is None else state.speeds.shadow
+    if predict:
+        learned.settle(now)  # what the moments before now taught (speed.py)
     speeds, unknown, pressure = learned.of, worker_speed(None, None), KV_PRESSURE * bs
     left, count_left = learned.left, COUNT_WHAT_IS_LEFT
     overhead = learned.overhead  # prefill tokens every request costs whatever it holds (0: not learned)

@@ -420,7 +420,7 @@ class Selector(Admission, Plans, PrefillReading):
         pool.watch[rank].booked(booking, len(prompt.blocks), prompt.isl, cached, pool.block_size, now)
         self._metrics.booking(pool.key, "booked")
         if self.journal is not None:
-            self.journal.booked(pool.key, booking)
+            self.journal.booked(pool.key, booking, len(pool.ranks()))
         if prefill and self._reads_prefill_ends and pool.fresh[rank].last_event_at is not None:
             pool.prefill_ends.booked(booking)
             self._watch_prefill(pool, booking, prompt, device_blocks, now)
