@@ -9,6 +9,9 @@ fit the fleet, not one engine), three ways, interleaved so that each sees the sa
     ttft@DIR  `ttft` with the picker of the checkout in DIR (another version, side by side)
     blind     the picker in the path, choosing as the default policy does with the cache weighed
               0 (`--overlap-score-weight 0`): what the picker costs a request apart from affinity
+    ttft-lean `ttft` with the answer streamed past the picker (`response_body_mode: NONE`): it
+              frees a booking at the stream's end and reads the prefill's end from the engine's
+              KV events, and no answer chunk waits for it
 
     python bench/real_gateway.py [--workload 768x12@4] [--workload 1536x6@3] [--rounds 2]
                                  [--seconds 60] [--policies ttft,default,rr] [--hidden 128 --layers 2]
@@ -172,6 +175,8 @@ def run_once(policy: str, workload: tuple[int, int, float], engines: list[VllmEn
     else:
         serve = ["--tokenizer", f"tiny={model}"]
         name, _, tree = policy.partition("@")
+        lean = name.endswith("-lean")
+        name = name.removesuffix("-lean")
         if name == "blind":
             serve += ["--overlap-score-weight", "0"]
         elif name != "default":
@@ -183,7 +188,8 @@ def run_once(policy: str, workload: tuple[int, int, float], engines: list[VllmEn
             os.chdir(tree)
         try:
             gateway = Gateway(*serve, *args.serve_arg, mode="subscribe", access_log=str(log),
-                              records=[e.worker(i) for i, e in enumerate(engines, 1)])
+                              records=[e.worker(i) for i, e in enumerate(engines, 1)],
+                              response_body_mode="NONE" if lean else None)
         finally:
             os.chdir(here)
             if saved is None:
