@@ -99,7 +99,7 @@ class Speeds:
     then); `observe`, `stopped` and `completed` are fed by the bookings when `learn` is on."""
 
     __slots__ = ("of", "learn", "shadow", "overhead", "_declared", "_busy", "_done", "_since", "_unread",
-                 "_started", "_pending", "_fit", "_fixed", "_per_token", "_backlog")
+                 "_started", "_pending", "_fit", "_fixed", "_per_token", "_backlog", "_done_pairs")
 
     def __init__(self, learn: bool, shadow: Speeds | None = None) -> None:
         self.of: dict[int, tuple[float, int]] = {}
@@ -110,6 +110,7 @@ class Speeds:
         self._declared: set[int] = set()
         self._busy: dict[int, float] = {}  # worker -> rank-seconds with prefill booked
         self._done: dict[int, int] = {}  # worker -> prefill tokens completed
+        self._done_pairs: dict[int, float] = {}  # worker -> their attention pairs (`Booking.pairs`)
         self._since: dict[Rank, float] = {}  # rank -> when its booked prefill last changed
         self._unread = 0  # tokens completed since the speeds were last worked out
         # Rank -> when its running prefill began: its booked prefill last went from none to some,
@@ -142,6 +143,7 @@ class Speeds:
         self._declared.discard(worker_id)
         self._busy.pop(worker_id, None)
         self._done.pop(worker_id, None)
+        self._done_pairs.pop(worker_id, None)
         for rank in [r for r in self._since if r[0] == worker_id]:
             del self._since[rank]
             self._started.pop(rank, None)
@@ -200,16 +202,17 @@ class Speeds:
             self._started[rank] = self._since[rank]
 
     def ended(self, rank: Rank, booked_prefill: int, pending: int, prefill_tokens: int, now: float,
-              completed: bool) -> None:
+              completed: bool, pairs: float = 0.0) -> None:
         """A booking's prefill of `prefill_tokens` stopped counting on the rank at `now`, which had
         `booked_prefill` tokens and `pending` bookings in prefill until then: `completed` (its
         prefill ran: what was learned moves), or freed before."""
         self.observe(rank, booked_prefill, now, pending)
         self.stopped(rank, prefill_tokens)
         if completed:
-            self.completed(rank, prefill_tokens)
+            self.completed(rank, prefill_tokens, pairs)
 
-    def left(self, rank: Rank, booked_prefill: int, now: float) -> float:
+    def left(self, rank: Rank, booked_prefill: int, now: float, booked_pairs: float = 0.0,
+             per_context: float = 0.0) -> float:
         """The rank's booked prefill still to run: what was booked, less what its engine has
         done at the worker's learned rate since its last prefill ended (or since it had none),
         so that an error in the rate never outlives the next prefill's end (all of it until a
@@ -223,14 +226,17 @@ class Speeds:
         busy = self._busy.get(rank[0], 0.0) + now - self._since.get(rank, now)
         if done_tokens < LEARN_AFTER_TOKENS or busy <= 0.0:
             return booked_prefill
-        done = done_tokens / busy * (now - started)
-        return booked_prefill - done if done < booked_prefill else 0.0
+        # In work: each token weighs 1 + its context * `per_context`, the booked ones and those the
+        # rate was learned from alike; what is left is then that share of the booked tokens.
+        booked = booked_prefill + booked_pairs * per_context
+        done = (done_tokens + self._done_pairs.get(rank[0], 0.0) * per_context) / busy * (now - started)
+        return booked_prefill * (booked - done) / booked if done < booked else 0.0
 
-    def completed(self, rank: Rank, prefill_tokens: int) -> None:
+    def completed(self, rank: Rank, prefill_tokens: int, pairs: float = 0.0) -> None:
         """A booking on the rank finished its prefill (observed just before): the learned speeds
         and overhead move."""
         if self.shadow is not None:
-            self.shadow.completed(rank, prefill_tokens)
+            self.shadow.completed(rank, prefill_tokens, pairs)
         if not self.learn:
             return
         secs = self._pending.pop(rank, 0.0)
@@ -247,6 +253,8 @@ class Speeds:
             return
         worker_id = rank[0]
         self._done[worker_id] = self._done.get(worker_id, 0) + prefill_tokens
+        if pairs:
+            self._done_pairs[worker_id] = self._done_pairs.get(worker_id, 0.0) + pairs
         self._unread += prefill_tokens
         # Working the speeds out is one pass over the workers: in a large pool, once for every
         # so many tokens, which one completion among many barely moves.
