@@ -57,10 +57,11 @@ NO_OVERRIDE: Final = RouterConfigOverride()
 # simulated cases of docs/ROUTING.md ("How close to the oracle") it brought the mean TTFT from
 # 1.058x the oracle's to 1.010x (geometric mean). bench/round3.py turns it off to compare.
 COUNT_WHAT_IS_LEFT = True
-# Measure how far a running prefill has got in work, each token weighed by the context it is
-# computed over as the cost weighs its own prefill, not in plain tokens: a long prompt's late
-# chunks run slower, and counted in plain tokens at the learned mean rate its rank read idle while
-# it still ran (docs/ROUTING.md, "What is left of a running prefill"). bench/round3.py turns it off.
+# Also measure how far a running prefill has got in work, each token weighed by the context it is
+# computed over as the cost weighs its own prefill, and count the larger of what is left in work
+# and in plain tokens: a long prompt's late chunks run slower than the learned mean rate, and in
+# plain tokens its rank read idle while it still ran (docs/ROUTING.md, "What is left of a running
+# prefill"). bench/round3.py turns it off.
 WEIGH_CONTEXT_IN_LEFT = True
 
 # Device prefix, host extension and disk+external extension blocks per rank (core.md §7.4).
@@ -198,7 +199,7 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
                                  decode_blocks, d, h, k, effective, cached, 0.0, 0.0, logit, 0.0)))
             continue
         per_token, kv_blocks = speeds.get(r[0], unknown)
-        # What is left of it, its progress weighed by each token's context (speed.py, `Speeds.left`).
+        # What is left of it, its progress also weighed by each token's context (speed.py, `Speeds.left`).
         queued = (left(r, active_prefill, now, load.prefill_pairs, context_weight) if count_left and active_prefill
                   else active_prefill)
         if overhead:  # with the prefill still booked, an engine behind its prediction reads busy
