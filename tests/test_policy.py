@@ -7,9 +7,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 from conftest import Client, stored, worker
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from selection_proto.core.base.hashing import block_hashes
 from selection_proto.core.base.settings import Settings
@@ -292,6 +292,7 @@ def test_ttft_prefers_short_prompts_running_to_a_long_one_of_as_many_tokens(
 
 @given(st.lists(st.tuples(st.integers(1, 200_000), st.floats(0.0, 200_000.0)), min_size=1, max_size=6),
        st.integers(0, 300_000), st.floats(0.0, 300_000.0), st.floats(0.0, 30.0))
+@example(done=[(20_000, 0.0)], booked=81, context=261774.45493264275, secs=0.0)  # read 81.00000000000001
 def test_what_is_left_stays_within_what_was_booked(done: list[tuple[int, float]], booked: int,
                                                    context: float, secs: float) -> None:
     """Whatever was learned (prefills of any size over any context), what is left of a rank's

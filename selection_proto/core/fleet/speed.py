@@ -236,7 +236,7 @@ class Speeds:
         # 18 cases, work alone 1.003x, tokens alone 1.022x).
         booked = booked_prefill + booked_pairs * per_context
         done = (done_tokens + self._done_pairs.get(rank[0], 0.0) * per_context) / busy * elapsed
-        weighed = booked_prefill * (booked - done) / booked if done < booked else 0.0
+        weighed = booked_prefill - booked_prefill * (done / booked) if done < booked else 0.0  # never above
         return plain if plain > weighed else weighed
 
     def completed(self, rank: Rank, prefill_tokens: int, pairs: float = 0.0) -> None:
