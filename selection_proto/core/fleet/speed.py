@@ -20,8 +20,10 @@ of their prompts it holds (their prefill ends are read at once when there is not
 store, so pending bookings alone would not show it).
 
 `left` reads how far a rank's running prefill has got at its worker's learned rate (tokens a
-rank-second, absolute) since the rank's last prefill ended: what `router_policy=ttft` counts as
-the rank's queue (docs/ROUTING.md, "What is left of a running prefill")."""
+rank-second, absolute) since the rank's last prefill ended, in plain tokens and in work (each
+token weighed by the context it is computed over), the larger rest counting: what
+`router_policy=ttft` counts as the rank's queue (docs/ROUTING.md, "What is left of a running
+prefill")."""
 
 from __future__ import annotations
 
