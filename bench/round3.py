@@ -5,7 +5,9 @@ behaviours, with the variants that were measured before deciding them:
 - `round 2`: ttft without reading a prefill's end from the engine's events;
 - `+ttl 1 s`: the blocks of in-flight prefills visible to the next selection (`predicted_ttl_secs=1`);
 - `whole`: a rank's running prefill counted whole until it ends, as before it was counted by what
-  is left of it (`cost.COUNT_WHAT_IS_LEFT` off).
+  is left of it (`cost.COUNT_WHAT_IS_LEFT` off);
+- `tokens`: what is left of it measured in plain tokens at the learned rate, as before its
+  progress was weighed by each token's context (`cost.WEIGH_CONTEXT_IN_LEFT` off).
 
     python bench/round3.py [--reference-python .venv-reference/bin/python] [--requests 2000] [--quick]
 
@@ -39,8 +41,9 @@ TTFT = Settings(kv_events="push", router_policy="ttft")
 
 
 def run_one(trace: Callable[[], Iterator[Any]], config: FleetConfig, name: str, setting: Settings | str | None,
-            left: bool = True, round2: bool = False) -> SettingRun:
+            left: bool = True, round2: bool = False, context: bool = True) -> SettingRun:
     cost.COUNT_WHAT_IS_LEFT = left
+    cost.WEIGH_CONTEXT_IN_LEFT = context
     reads = selection.Selector._reads_prefill_ends
     if round2:
         selection.Selector._reads_prefill_ends = property(lambda self: False)  # type: ignore[method-assign,assignment]
@@ -48,6 +51,7 @@ def run_one(trace: Callable[[], Iterator[Any]], config: FleetConfig, name: str, 
         (result,) = simulate(trace, config, [(name, setting)])
     finally:
         cost.COUNT_WHAT_IS_LEFT = True
+        cost.WEIGH_CONTEXT_IN_LEFT = True
         selection.Selector._reads_prefill_ends = reads  # type: ignore[method-assign]
     return result
 
@@ -79,8 +83,9 @@ def main() -> int:
     if args.quick:
         cases = cases[:1] + cases[4:5] + cases[-4:-3] + cases[-1:]
     print("| trace | slice | load | engines | clients | speeds | oracle mean | Dynamo mean / p99 | ttft mean / p99 "
-          "| ttft / oracle | ttft / Dynamo: mean, p99 | round 2 / oracle | +ttl 1 s / oracle | whole / oracle |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| ttft / oracle | ttft / Dynamo: mean, p99 | round 2 / oracle | +ttl 1 s / oracle | whole / oracle "
+          "| tokens: mean, p99 / oracle |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     try:
         for name, skip, load, engines, told, speeds in cases:
             path = TRACE if name == "conversation" else synthetic
@@ -96,13 +101,16 @@ def main() -> int:
             round2 = run_one(trace, config, "ttft", TTFT, left=False, round2=True)
             ttl = run_one(trace, config, "ttl", Settings(kv_events="push", router_policy="ttft", predicted_ttl_secs=1.0))
             whole = run_one(trace, config, "whole", TTFT, left=False)
+            tokens = run_one(trace, config, "tokens", TTFT, context=False)
             o, d, t = oracle.ttft, dynamo.ttft, ttft.ttft
             print(f"| {name} | {skip}-{skip + args.requests} | {load} | {engines} | "
                   f"{'report' if told else 'silent'} | {','.join(map(str, speeds)) or '-'} | {o['mean']:.3f} "
                   f"| {d['mean']:.3f} / {d['p99']:.3f} | {t['mean']:.3f} / {t['p99']:.3f} | {t['mean'] / o['mean']:.2f}x "
                   f"| {t['mean'] / d['mean']:.2f}x, {t['p99'] / d['p99']:.2f}x "
                   f"| {round2.ttft['mean'] / o['mean']:.2f}x | {ttl.ttft['mean'] / o['mean']:.2f}x "
-                  f"| {whole.ttft['mean'] / o['mean']:.2f}x |", flush=True)
+                  f"| {whole.ttft['mean'] / o['mean']:.2f}x "
+                  f"| {tokens.ttft['mean'] / o['mean']:.2f}x ({tokens.ttft['mean']:.3f} / {tokens.ttft['p99']:.3f}) |",
+                  flush=True)
     finally:
         if reference is not None:
             reference.terminate()

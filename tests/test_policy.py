@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 from conftest import Client, stored, worker
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from selection_proto.core.base.hashing import block_hashes
 from selection_proto.core.base.settings import Settings
@@ -231,3 +233,83 @@ def test_ttft_counts_what_is_left_of_a_running_prefill(make_client: Callable[...
     # The second begins now: all 10,000 of its tokens still to run (counted from 0 s at the
     # learned rate, the rank would read as idle).
     assert _explained(c)[1]["predicted_wait_secs"] > 0.5 * booked
+
+
+def _learned(speeds: Any, pairs_per_token: float) -> None:
+    """Workers 1 and 2 learn 10,000 tokens a second from 20,000-token prefills computed over a
+    mean context of `pairs_per_token` tokens each."""
+    for w in (1, 2):
+        speeds.set(w, None, None)
+        speeds.observe((w, 0), 0, 0.0)
+        speeds.observe((w, 0), 20_000, 2.0)
+        speeds.stopped((w, 0), 20_000)
+        speeds.completed((w, 0), 20_000, 20_000 * pairs_per_token)
+
+
+def test_a_long_prompt_is_further_from_done_than_short_ones_of_as_many_tokens() -> None:
+    """`Speeds.left` (docs/ROUTING.md, "What is left of a running prefill"): progress is counted
+    in work, each token weighing its context as the cost weighs a prompt's own prefill, so a
+    rank running one 40,000-token prompt (its late chunks computed over a long context) reads
+    more left after a second than one running four 10,000-token prompts; in plain tokens at the
+    learned rate both read the same."""
+    from selection_proto.core.fleet.speed import Speeds
+
+    speeds = Speeds(learn=True)
+    _learned(speeds, 5_000.0)
+    per_context = 1.0 / ATTENTION_CONTEXT_TOKENS
+    long_pairs, short_pairs = 40_000 * 20_000.0, 4 * 10_000 * 5_000.0
+    for w in (1, 2):
+        speeds.observe((w, 0), 0, 10.0)  # both busy from 10 s
+    long_left = speeds.left((1, 0), 40_000, 11.0, long_pairs, per_context)
+    short_left = speeds.left((2, 0), 40_000, 11.0, short_pairs, per_context)
+    assert long_left > short_left > 0.0
+    work_done = (20_000 + 20_000 * 5_000.0 * per_context) / 3.0  # 2 s busy before, 1 s since
+    assert long_left == pytest.approx(40_000 * (1 - work_done / (40_000 + long_pairs * per_context)))
+    # Without context (or weighed at nothing) it is the booked tokens less the learned rate's.
+    assert speeds.left((1, 0), 40_000, 11.0) == pytest.approx(40_000 - 20_000 / 3)
+
+
+def test_ttft_prefers_short_prompts_running_to_a_long_one_of_as_many_tokens(
+        make_client: Callable[..., Client]) -> None:
+    """All else equal, a rank whose running prefill is many short prompts is sooner free than one
+    running a long prompt of as many tokens (its late chunks attend over a long context): the
+    latter's rank is avoided although it has a few tokens less booked."""
+    c = make_client(router_policy="ttft")
+    for wid in (1, 2):
+        c.ok("POST", "/workers", worker(wid), status=201)
+    for n in range(3):  # both learn 10,000 tokens a second
+        _run(c, 1, f"a{n}", 10_000, 1.0)
+        _run(c, 2, f"b{n}", 10_000, 1.0)
+    c.ok("POST", "/reservations", {"model_name": "m", "token_ids": list(range(5 * 10**6, 5 * 10**6 + 40_000)),
+                                   "worker_id": 1, "reservation_id": "long"}, status=201)
+    for n in range(4):
+        c.ok("POST", "/reservations", {"model_name": "m", "token_ids": list(range(10**7 * (n + 1), 10**7 * (n + 1) + 10_004)),
+                                       "worker_id": 2, "reservation_id": f"short{n}"}, status=201)
+    c.now += 2.0
+    rows = _explained(c)
+    assert rows[2]["chosen"] and rows[1]["predicted_wait_secs"] > rows[2]["predicted_wait_secs"]
+
+
+@given(st.lists(st.tuples(st.integers(1, 200_000), st.floats(0.0, 200_000.0)), min_size=1, max_size=6),
+       st.integers(0, 300_000), st.floats(0.0, 300_000.0), st.floats(0.0, 30.0))
+@example(done=[(20_000, 0.0)], booked=81, context=261774.45493264275, secs=0.0)  # read 81.00000000000001
+def test_what_is_left_stays_within_what_was_booked(done: list[tuple[int, float]], booked: int,
+                                                   context: float, secs: float) -> None:
+    """Whatever was learned (prefills of any size over any context), what is left of a rank's
+    booked prefill is never negative nor more than was booked, and context weighed at nothing
+    reads as plain tokens."""
+    from selection_proto.core.fleet.speed import Speeds
+
+    speeds = Speeds(learn=True)
+    now = 0.0
+    for tokens, mean_context in done:
+        speeds.observe((1, 0), 0, now)
+        now += tokens / 10_000
+        speeds.observe((1, 0), tokens, now)
+        speeds.stopped((1, 0), tokens)
+        speeds.completed((1, 0), tokens, tokens * mean_context)
+    speeds.observe((1, 0), 0, now)
+    left = speeds.left((1, 0), booked, now + secs, booked * context, 1.0 / ATTENTION_CONTEXT_TOKENS)
+    assert 0.0 <= left <= booked
+    assert speeds.left((1, 0), booked, now + secs, booked * context, 0.0) == pytest.approx(
+        speeds.left((1, 0), booked, now + secs))

@@ -365,7 +365,7 @@ class Ledger:
             # Another replica's booking: its prefill's end teaches this replica's speeds as the
             # owner's (docs/ROUTING.md, "Replicas"), so that every replica's cost reads the same.
             pool.speeds.ended(booking.rank, load.prefill_tokens, load.prefilling, booking.prefill_tokens, now,
-                              completed=kind == PREFILL)
+                              completed=kind == PREFILL, pairs=booking.pairs)
         elif kind in (FREE, PREFILL):
             # Its prefill had ended: the owner still writes the rank's busy time down here
             # (`finish_booking`), and a learned speed is read from what was written down.
@@ -419,8 +419,11 @@ class Ledger:
         load = pool.tracker.loads[rank]
         pool.speeds.observe(rank, load.prefill_tokens, now, load.prefilling)
         pool.speeds.booked(rank, now)  # its fixed time joins the rank's backlog, as on its owner
-        booking = pool.tracker.book(rid, rank, record.blocks, record.prefill_tokens,
-                                    record.expected_output_tokens, now, checked=False)
+        # Its context as its blocks say (the owner knew its cached tokens exactly).
+        prefill = record.prefill_tokens
+        context = max(0, len(record.blocks) * pool.block_size - prefill) if record.blocks else 0
+        booking = pool.tracker.book(rid, rank, record.blocks, prefill, record.expected_output_tokens, now,
+                                    checked=False, pairs=prefill * (context + prefill * 0.5))
         booking.owner = owner
         if booking.prefill_tokens and self._selector._reads_prefill_ends and pool.fresh[rank].last_event_at is not None:
             # In its rank's queue of prefills, unwatched (its owner reads its end): a prompt with

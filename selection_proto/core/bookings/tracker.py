@@ -40,10 +40,14 @@ class DuplicateReservation(Conflict):
 
 
 class RankLoad:
-    __slots__ = ("prefill_tokens", "prefilling", "requests", "unique", "weights", "extra", "changes")
+    __slots__ = ("prefill_tokens", "prefill_pairs", "prefilling", "requests", "unique", "weights", "extra", "changes")
 
     def __init__(self) -> None:
         self.prefill_tokens = 0
+        # The attention of its booked prefill: each booking's new tokens times the context they
+        # are computed over (`Booking.pairs`), what router_policy=ttft weighs by the learned cost
+        # of context (docs/ROUTING.md, "What is left of a running prefill").
+        self.prefill_pairs = 0.0
         self.prefilling = 0  # bookings whose prefill has not ended (a fully cached one included)
         self.requests = 0
         self.unique: dict[int, int] = {}  # booked prompt block -> how many bookings hold it
@@ -70,7 +74,7 @@ class RankLoad:
 class Booking:
     __slots__ = ("rid", "rank", "blocks", "prefill_tokens", "prefill_done", "expected_output_tokens",
                  "booked_at", "outputs", "output_weight", "lease", "owner",
-                 "outputs_by", "predicted_cached", "prompt_tokens", "plan", "awaits", "holder")
+                 "outputs_by", "predicted_cached", "prompt_tokens", "plan", "awaits", "holder", "pairs")
 
     def __init__(self, rid: str, rank: Rank, blocks: list[int] | None, prefill_tokens: int,
                  expected_output_tokens: int | None, booked_at: float) -> None:
@@ -94,6 +98,7 @@ class Booking:
         self.awaits: list[int] | None = None
         # (fairness ID, uncached prompt tokens) it counts in `Tracker.held` (`fairness_kv_share` only).
         self.holder: tuple[str, int] | None = None
+        self.pairs = 0.0  # its prefill tokens times the mean context each is computed over
 
 
 class Tracker:
@@ -139,7 +144,7 @@ class Tracker:
 
     def book(self, rid: str, rank: Rank, blocks: list[int] | None, prefill_tokens: int,
              expected_output_tokens: int | None, now: float, checked: bool = True,
-             defer: Defer | None = None, holder: tuple[str, int] | None = None) -> Booking:
+             defer: Defer | None = None, holder: tuple[str, int] | None = None, pairs: float = 0.0) -> Booking:
         """`checked=False`: a mirrored booking, which the ledger already took (only the id is
         checked, by the caller). `defer`: where the counting of a booking of over `PIECE_BLOCKS`
         blocks goes, in pieces (no answer of the call that books reads it). `holder`: the fairness
@@ -154,6 +159,9 @@ class Tracker:
         load.requests += 1
         load.prefilling += 1
         load.prefill_tokens += prefill_tokens
+        if pairs:
+            booking.pairs = pairs
+            load.prefill_pairs += pairs
         if blocks:
             _in_pieces(_count, load, blocks, defer)
         if holder is not None:
@@ -184,6 +192,8 @@ class Tracker:
             load = self.loads[booking.rank]
             load.prefill_tokens -= booking.prefill_tokens
             load.prefilling -= 1
+            if booking.pairs:
+                load.prefill_pairs = _less(load.prefill_pairs, booking.pairs, load.prefilling)
         return booking
 
     def add_output_block(self, rid: str, decay_fraction: float | None) -> None:
@@ -222,6 +232,8 @@ class Tracker:
         if not booking.prefill_done:
             load.prefill_tokens -= booking.prefill_tokens
             load.prefilling -= 1
+            if booking.pairs:
+                load.prefill_pairs = _less(load.prefill_pairs, booking.pairs, load.prefilling)
         if booking.output_weight:
             load.extra -= booking.output_weight
         if booking.blocks:
@@ -244,6 +256,11 @@ class Tracker:
             return booking.booked_at + max_age
         return None
 
+
+
+def _less(total: float, part: float, left: int) -> float:
+    """A float sum less one of its parts; exactly 0 once none is left (no rounding error outlives them)."""
+    return total - part if left else 0.0
 
 
 def _in_pieces(step: Callable[[RankLoad, list[int]], None], load: RankLoad, blocks: list[int],

@@ -57,6 +57,12 @@ NO_OVERRIDE: Final = RouterConfigOverride()
 # simulated cases of docs/ROUTING.md ("How close to the oracle") it brought the mean TTFT from
 # 1.058x the oracle's to 1.010x (geometric mean). bench/round3.py turns it off to compare.
 COUNT_WHAT_IS_LEFT = True
+# Also measure how far a running prefill has got in work, each token weighed by the context it is
+# computed over as the cost weighs its own prefill, and count the larger of what is left in work
+# and in plain tokens: a long prompt's late chunks run slower than the learned mean rate, and in
+# plain tokens its rank read idle while it still ran (docs/ROUTING.md, "What is left of a running
+# prefill"). bench/round3.py turns it off.
+WEIGH_CONTEXT_IN_LEFT = True
 
 # Device prefix, host extension and disk+external extension blocks per rank (core.md §7.4).
 Estimates = tuple[dict[Rank, int], dict[Rank, int], dict[Rank, int]]
@@ -151,6 +157,7 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
         learned.settle(now)  # what the moments before now taught (speed.py)
     speeds, unknown, pressure = learned.of, worker_speed(None, None), KV_PRESSURE * bs
     left, count_left = learned.left, COUNT_WHAT_IS_LEFT
+    context_weight = 1.0 / ATTENTION_CONTEXT_TOKENS if WEIGH_CONTEXT_IN_LEFT else 0.0
     overhead = learned.overhead  # prefill tokens every request costs whatever it holds (0: not learned)
     backlog = learned.backlog
     # The constants as locals: this loop runs once per candidate of every selection.
@@ -194,7 +201,9 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
                                  decode_blocks, d, h, k, effective, cached, 0.0, 0.0, logit, 0.0)))
             continue
         per_token, kv_blocks = speeds.get(r[0], unknown)
-        queued = left(r, active_prefill, now) if count_left and active_prefill else active_prefill
+        # What is left of it, its progress also weighed by each token's context (speed.py, `Speeds.left`).
+        queued = (left(r, active_prefill, now, load.prefill_pairs, context_weight) if count_left and active_prefill
+                  else active_prefill)
         if overhead:  # with the prefill still booked, an engine behind its prediction reads busy
             queued += backlog(r, now, active_prefill)
         work = new_prefill * (1.0 + (cached + new_prefill * 0.5) * per_context) + overhead if cached else uncached_work

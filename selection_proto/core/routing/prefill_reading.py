@@ -73,7 +73,7 @@ class PrefillReading:
             return
         load = pool.tracker.loads[booking.rank]
         pool.speeds.ended(booking.rank, load.prefill_tokens, load.prefilling, booking.prefill_tokens, now,
-                          completed=True)
+                          completed=True, pairs=booking.pairs)
         pool.tracker.prefill_complete(booking.rid)
         pool.prefill_ends.ended(booking)
         if self.journal is not None:

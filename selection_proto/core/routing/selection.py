@@ -414,8 +414,8 @@ class Selector(Admission, Plans, PrefillReading):
         load = pool.tracker.loads[rank]
         pool.speeds.observe(rank, load.prefill_tokens, now, load.prefilling)
         pool.speeds.booked(rank, now)
-        booking = pool.tracker.book(rid, rank, blocks, prefill, expected_output_tokens, now,
-                                    defer=self._deferred.add if not self._dispatching else None,
+        booking = pool.tracker.book(rid, rank, blocks, prefill, expected_output_tokens, now, pairs=prefill * (
+            cached + prefill * 0.5), defer=self._deferred.add if not self._dispatching else None,
                                     holder=None if holder is None else (holder, max(1, prompt.isl - cached)))
         pool.watch[rank].booked(booking, len(prompt.blocks), prompt.isl, cached, pool.block_size, now)
         self._metrics.booking(pool.key, "booked")
@@ -530,7 +530,7 @@ class Selector(Admission, Plans, PrefillReading):
             pool.speeds.observe(booked.rank, load.prefill_tokens, now, load.prefilling)
         else:
             pool.speeds.ended(booked.rank, load.prefill_tokens, load.prefilling, booked.prefill_tokens, now,
-                              completed=not free)
+                              completed=not free, pairs=booked.pairs)
         # The blocks a huge booking leaves are uncounted after the answer, unless queued
         # selections are about to run (they must see them gone).
         defer = self._deferred.add if not pool.queue and not self._dispatching else None
