@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -219,6 +220,27 @@ def test_buffered_request_bodies_are_routed_too() -> None:
         assert len(ports) == 1
         events = list(gw.stream_events({"model": "m", "prompt": prefix, "stream": True}))
         assert events[-1] == b"data: [DONE]"
+        assert gw.wait_idle() == 0
+    finally:
+        gw.stop()
+
+
+def test_with_the_answer_streamed_past_the_picker_a_booking_lasts_as_long_as_its_request() -> None:
+    """`response_body_mode: NONE` with the trailers still `SEND` (docs/GATEWAY.md, "Measured"):
+    the answer goes from the engine to the client without the picker, whole; the booking is held
+    while it streams and freed when Envoy ends the picker's stream with the request. (With the
+    trailers `SKIP` too, Envoy ends that stream at the response headers and the booking with it.)"""
+    gw = Gateway(chunks=6, delay=0.15, response_body_mode="NONE")
+    try:
+        prefix = list(range(700, 764))
+        events: list[bytes] = []
+        reader = threading.Thread(target=lambda: events.extend(
+            gw.stream_events({"model": "m", "prompt": prefix, "stream": True})))
+        reader.start()
+        time.sleep(0.4)  # mid-stream: six chunks 0.15 s apart
+        assert reader.is_alive() and gw.active_requests() == 1
+        reader.join(10)
+        assert events[-1] == b"data: [DONE]" and len(events) == 7
         assert gw.wait_idle() == 0
     finally:
         gw.stop()
