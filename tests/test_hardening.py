@@ -615,7 +615,7 @@ def test_a_million_block_prediction_leaves_health_its_turn_while_it_lives() -> N
 def test_a_million_block_prediction_expires_leaving_health_its_turn() -> None:
     """Approximate mode, a prompt of 1,048,576 blocks predicted for 4 s: at its expiry the blocks
     leave the index a slice a tick, /health served between slices (the whole million in one tick
-    held the loop 1.2 s of CPU and more; a slice 17-48 ms, docs/INVARIANTS.md)."""
+    held the loop 1.2 s of CPU and more; a slice 10-22 ms, docs/INVARIANTS.md)."""
     server = Server("--kv-events", "approximate", "--router-ttl-secs", "4", "--max-state-bytes", str(8 << 30))
     try:
         assert post(server, "/workers", b'{"worker_id": 1, "model_name": "m", "block_size": 1, '

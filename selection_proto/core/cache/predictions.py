@@ -25,7 +25,7 @@ BUCKET: Final = 0.1
 _SLICE: Final = 65536  # blocks of a batch read in one call looking for its first one still due
 # Blocks one `expire` takes out of the tree at most: a million-block prediction expires over many
 # ticks, its tail first as an engine evicts, instead of holding the loop for seconds in one.
-_EXPIRE_SLICE: Final = 16384
+_EXPIRE_SLICE: Final = 8192
 
 
 class _Batch:
