@@ -167,7 +167,10 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
     speeds, unknown, pressure = learned.of, worker_speed(None, None), KV_PRESSURE * bs
     left, count_left = learned.left, COUNT_WHAT_IS_LEFT
     context_weight = 1.0 / ATTENTION_CONTEXT_TOKENS if WEIGH_CONTEXT_IN_LEFT else 0.0
-    saturation, saturated_context = READ_SATURATION, SATURATED_CONTEXT_WEIGHT / ATTENTION_CONTEXT_TOKENS
+    # Only where prefill ends are read from events does the booked prefill drop as engines run it
+    # (with silent clients, else, it stays booked until the request is freed).
+    saturation = READ_SATURATION and s.kv_events in ("push", "subscribe")
+    saturated_context = SATURATED_CONTEXT_WEIGHT / ATTENTION_CONTEXT_TOKENS
     heavier = learned.heavier
     overhead = learned.overhead  # prefill tokens every request costs whatever it holds (0: not learned)
     backlog = learned.backlog
