@@ -9,6 +9,9 @@ behaviours, with the variants that were measured before deciding them:
 - `tokens`: what is left of it measured in plain tokens at the learned rate, as before its
   progress was weighed by each token's context (`cost.WEIGH_CONTEXT_IN_LEFT` off).
 
+`round 2` also leaves saturated ranks unread (`cost.READ_SATURATION` off): without prefill ends
+its booked prefill stays booked until requests are freed and would read every rank saturated.
+
     python bench/round3.py [--reference-python .venv-reference/bin/python] [--requests 2000] [--quick]
 
 Runs in process (`simulate`'s API); Dynamo 1.6.1 over HTTP when `--reference-python` is given,
@@ -43,6 +46,7 @@ TTFT = Settings(kv_events="push", router_policy="ttft")
 def run_one(trace: Callable[[], Iterator[Any]], config: FleetConfig, name: str, setting: Settings | str | None,
             left: bool = True, round2: bool = False, context: bool = True) -> SettingRun:
     cost.COUNT_WHAT_IS_LEFT = left
+    cost.READ_SATURATION = not round2  # round 2 reads no prefill ends: every rank would read saturated
     cost.WEIGH_CONTEXT_IN_LEFT = context
     reads = selection.Selector._reads_prefill_ends
     if round2:
@@ -52,6 +56,7 @@ def run_one(trace: Callable[[], Iterator[Any]], config: FleetConfig, name: str, 
     finally:
         cost.COUNT_WHAT_IS_LEFT = True
         cost.WEIGH_CONTEXT_IN_LEFT = True
+        cost.READ_SATURATION = True
         selection.Selector._reads_prefill_ends = reads  # type: ignore[method-assign]
     return result
 

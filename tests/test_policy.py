@@ -313,3 +313,43 @@ def test_what_is_left_stays_within_what_was_booked(done: list[tuple[int, float]]
     assert 0.0 <= left <= booked
     assert speeds.left((1, 0), booked, now + secs, booked * context, 0.0) == pytest.approx(
         speeds.left((1, 0), booked, now + secs))
+
+
+@pytest.mark.parametrize("kv_blocks", [100, 1000])
+def test_ttft_counts_no_cache_on_a_rank_queueing_more_than_its_kv_holds(
+        make_client: Callable[..., Client], kv_blocks: int) -> None:
+    """A rank with more prefill booked than its KV blocks hold allocates all of it before it
+    admits this prompt, and LRU evicts what it holds of it by then: its cache is not counted (nor
+    booked), and the rank with a little less queued and nothing cached is chosen. With room for
+    the queue, the cache wins as before (docs/ROUTING.md, "How close to the oracle (round three)")."""
+    c = make_client(router_policy="ttft")
+    for wid in (1, 2):
+        c.ok("POST", "/workers", worker(wid, total_kv_blocks=kv_blocks), status=201)
+    prompt = list(range(400))  # 100 blocks of 4, 96 of them cached on worker 1
+    local = block_hashes(prompt, 4)
+    c.ok("POST", "/kv_events", [stored(1, 1, [(1000 + i, local[i]) for i in range(96)])])
+    for wid, tokens in ((1, 600), (2, 400)):  # 150 and 100 blocks queued
+        c.ok("POST", "/reservations", {"model_name": "m", "token_ids": list(range(10**6 * wid, 10**6 * wid + tokens)),
+                                       "worker_id": wid, "reservation_id": f"q{wid}"}, status=201)
+    rows = _explained(c, prompt)
+    if kv_blocks == 100:
+        assert rows[2]["chosen"] and rows[1]["cached_tokens"] == 0
+        assert rows[1]["potential_prefill_tokens"] == 600 + 400  # booked uncached were it chosen
+    else:
+        assert rows[1]["chosen"] and rows[1]["cached_tokens"] == 384
+
+
+def test_a_queue_of_longer_prompts_than_the_rate_was_learned_from_is_heavier() -> None:
+    """`Speeds.heavier`: a saturated rank's queue counts in work against what its worker's rate
+    was learned from: booked prompts over longer contexts than those weigh more than a token
+    each, shorter ones less, alike ones 1 (before a rate is learned: against plain tokens)."""
+    from selection_proto.core.fleet.speed import Speeds
+
+    speeds = Speeds(learn=True)
+    per_context = 1.0 / ATTENTION_CONTEXT_TOKENS
+    assert speeds.heavier((1, 0), 40_000, 40_000 * 20_000.0, per_context) == pytest.approx(1 + 20_000 * per_context)
+    _learned(speeds, 5_000.0)
+    assert speeds.heavier((1, 0), 40_000, 40_000 * 5_000.0, per_context) == pytest.approx(1.0)
+    assert speeds.heavier((1, 0), 40_000, 40_000 * 20_000.0, per_context) == pytest.approx(
+        (1 + 20_000 * per_context) / (1 + 5_000 * per_context))
+    assert speeds.heavier((1, 0), 40_000, 0.0, per_context) < 1.0

@@ -251,6 +251,16 @@ class Speeds:
         weighed = booked_prefill - booked_prefill * (done / booked) if done < booked else 0.0  # never above
         return plain if plain > weighed else weighed
 
+    def heavier(self, rank: Rank, booked_prefill: int, booked_pairs: float, per_context: float) -> float:
+        """How much more work a token of the rank's booked prefill is than a token of what its
+        worker's rate was learned from, each token weighing 1 + its context * `per_context`
+        (against 1 until a rate is learned)."""
+        booked = 1.0 + booked_pairs * per_context / booked_prefill
+        done_tokens = self._done.get(rank[0], 0)
+        if done_tokens < LEARN_AFTER_TOKENS:
+            return booked
+        return booked / (1.0 + self._done_pairs.get(rank[0], 0.0) * per_context / done_tokens)
+
     def completed(self, rank: Rank, prefill_tokens: int, pairs: float = 0.0) -> None:
         """A booking on the rank finished its prefill (observed just before): the learned speeds
         and overhead move."""

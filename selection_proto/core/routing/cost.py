@@ -63,6 +63,15 @@ COUNT_WHAT_IS_LEFT = True
 # plain tokens its rank read idle while it still ran (docs/ROUTING.md, "What is left of a running
 # prefill"). bench/round3.py turns it off.
 WEIGH_CONTEXT_IN_LEFT = True
+# A rank with more prefill booked than its KV blocks hold is saturated: its engine allocates all
+# of it before it admits the next request, and LRU evicts what this prompt holds cached there, so
+# it is counted (and booked) uncached; and its queue is counted in work, each booked token's
+# context weighing SATURATED_CONTEXT_WEIGHT times as it does in the cost of its own prefill, against
+# the worker's learned rate (speed.py, `Speeds.heavier`). Read in plain tokens with its cache kept,
+# a rank that took a long prompt read light while its queue ran twice the others' (docs/ROUTING.md,
+# "How close to the oracle (round three)": the p99 past saturation). False measures without it.
+SATURATED_CONTEXT_WEIGHT: Final = 1.5
+READ_SATURATION = True
 
 # Device prefix, host extension and disk+external extension blocks per rank (core.md §7.4).
 Estimates = tuple[dict[Rank, int], dict[Rank, int], dict[Rank, int]]
@@ -158,6 +167,11 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
     speeds, unknown, pressure = learned.of, worker_speed(None, None), KV_PRESSURE * bs
     left, count_left = learned.left, COUNT_WHAT_IS_LEFT
     context_weight = 1.0 / ATTENTION_CONTEXT_TOKENS if WEIGH_CONTEXT_IN_LEFT else 0.0
+    # Only where prefill ends are read from events does the booked prefill drop as engines run it
+    # (with silent clients, else, it stays booked until the request is freed).
+    saturation = READ_SATURATION and s.kv_events in ("push", "subscribe")
+    saturated_context = SATURATED_CONTEXT_WEIGHT / ATTENTION_CONTEXT_TOKENS
+    heavier = learned.heavier
     overhead = learned.overhead  # prefill tokens every request costs whatever it holds (0: not learned)
     backlog = learned.backlog
     # The constants as locals: this loop runs once per candidate of every selection.
@@ -204,6 +218,12 @@ def score(req: SelectRequest, state: Pool, prompt: PromptHashes, candidates: lis
         # What is left of it, its progress also weighed by each token's context (speed.py, `Speeds.left`).
         queued = (left(r, active_prefill, now, load.prefill_pairs, context_weight) if count_left and active_prefill
                   else active_prefill)
+        saturated = saturation and kv_blocks and active_prefill >= kv_blocks * bs
+        if saturated:
+            if queued and load.prefill_pairs:
+                queued *= heavier(r, active_prefill, load.prefill_pairs, saturated_context)
+            if cached and ttft:  # a shadow's cached tokens are Dynamo's booking's: left as they are
+                cached, new_prefill = 0, isl
         if overhead:  # with the prefill still booked, an engine behind its prediction reads busy
             queued += backlog(r, now, active_prefill)
         work = new_prefill * (1.0 + (cached + new_prefill * 0.5) * per_context) + overhead if cached else uncached_work
