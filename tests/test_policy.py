@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from selection_proto.core.base.hashing import block_hashes
 from selection_proto.core.base.settings import Settings
-from selection_proto.core.fleet.speed import DEFAULT_PREFILL_TOKENS_PER_SEC
+from selection_proto.core.fleet.speed import DEFAULT_PREFILL_TOKENS_PER_SEC, LEARN_AFTER_TOKENS, MOST_APART
 from selection_proto.core.routing.cost import (
     ATTENTION_CONTEXT_TOKENS,
     DECODE_DRAG,
@@ -235,6 +235,33 @@ def test_ttft_counts_what_is_left_of_a_running_prefill(make_client: Callable[...
     assert _explained(c)[1]["predicted_wait_secs"] > 0.5 * booked
 
 
+def test_ttft_reads_an_engine_stalled_far_past_its_prediction_as_busy(make_client: Callable[..., Client]) -> None:
+    """Worker 1 holds the prompt and has 8 new tokens booked (under 1 ms of prefill at the learned
+    rate, so due within 4 s: `MOST_APART` times the mean time a prefill took there), with no
+    per-request overhead learned. Before that it still takes the prompt; once its prefill is
+    seconds overdue (a stalled engine) the time past `MOST_APART` times its prediction
+    reads as work ahead, so the prompt goes to idle worker 2, more so the longer it stalls; its
+    prefill's end makes it the cheaper again (docs/ROUTING.md, "An engine far behind")."""
+    c = make_client(router_policy="ttft")
+    for wid in (1, 2):
+        c.ok("POST", "/workers", worker(wid), status=201)
+    for n in range(3):  # both learn 10,000 tokens a second
+        _run(c, 1, f"a{n}", 10_000, 1.0)
+        _run(c, 2, f"b{n}", 10_000, 1.0)
+    _cache(c, 1, 16)
+    c.ok("POST", "/reservations", {"model_name": "m", "token_ids": PROMPT + [10**7 + i for i in range(8)],
+                                   "worker_id": 1, "reservation_id": "s"}, status=201)
+    c.now += 3.9  # not due before `MOST_APART` times the 1 s a prefill end took there so far
+    assert _explained(c)[1]["chosen"]
+    c.now += 1.1
+    stalled = _explained(c)
+    assert stalled[2]["chosen"] and stalled[1]["predicted_wait_secs"] > 0.3
+    c.now += 2.0
+    assert _explained(c)[1]["predicted_wait_secs"] > stalled[1]["predicted_wait_secs"] + 0.3
+    c.ok("POST", "/reservations/s/prefill_complete")
+    assert _explained(c)[1]["chosen"]
+
+
 def _learned(speeds: Any, pairs_per_token: float) -> None:
     """Workers 1 and 2 learn 10,000 tokens a second from 20,000-token prefills computed over a
     mean context of `pairs_per_token` tokens each."""
@@ -296,7 +323,7 @@ def test_ttft_prefers_short_prompts_running_to_a_long_one_of_as_many_tokens(
 def test_what_is_left_stays_within_what_was_booked(done: list[tuple[int, float]], booked: int,
                                                    context: float, secs: float) -> None:
     """Whatever was learned (prefills of any size over any context), what is left of a rank's
-    booked prefill is never negative nor more than was booked, and context weighed at nothing
+    booked prefill is never negative nor more than was booked until it is far past due, and context weighed at nothing
     reads as plain tokens."""
     from selection_proto.core.fleet.speed import Speeds
 
@@ -310,7 +337,13 @@ def test_what_is_left_stays_within_what_was_booked(done: list[tuple[int, float]]
         speeds.completed((1, 0), tokens, tokens * mean_context)
     speeds.observe((1, 0), 0, now)
     left = speeds.left((1, 0), booked, now + secs, booked * context, 1.0 / ATTENTION_CONTEXT_TOKENS)
-    assert 0.0 <= left <= booked
+    # Past `MOST_APART` times its time at the learned rate, the time past due counts on top
+    # (docs/ROUTING.md, "An engine far behind").
+    total = sum(tokens for tokens, _ in done)
+    busy = total / 10_000 + secs
+    due = MOST_APART * max(booked * busy / total, total / 10_000 / len(done))  # at least a mean prefill's
+    past = secs - due if total >= LEARN_AFTER_TOKENS else 0.0
+    assert 0.0 <= left <= booked + (past * total / busy if past > 0.0 else 0.0) + 1e-6 * booked
     assert speeds.left((1, 0), booked, now + secs, booked * context, 0.0) == pytest.approx(
         speeds.left((1, 0), booked, now + secs))
 

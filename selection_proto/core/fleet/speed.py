@@ -108,7 +108,7 @@ class Speeds:
     then); `observe`, `stopped` and `completed` are fed by the bookings when `learn` is on."""
 
     __slots__ = ("of", "learn", "shadow", "overhead", "_declared", "_busy", "_done", "_since", "_unread", "_moment", "_ends",
-                 "_started", "_pending", "_fit", "_fixed", "_per_token", "_backlog", "_done_pairs")
+                 "_started", "_pending", "_fit", "_fixed", "_per_token", "_backlog", "_done_pairs", "_done_ends")
 
     def __init__(self, learn: bool, shadow: Speeds | None = None) -> None:
         self.of: dict[int, tuple[float, int]] = {}
@@ -120,6 +120,7 @@ class Speeds:
         self._busy: dict[int, float] = {}  # worker -> rank-seconds with prefill booked
         self._done: dict[int, int] = {}  # worker -> prefill tokens completed
         self._done_pairs: dict[int, float] = {}  # worker -> their attention pairs (`Booking.pairs`)
+        self._done_ends: dict[int, int] = {}  # worker -> its prefills completed (of some tokens)
         self._since: dict[Rank, float] = {}  # rank -> when its booked prefill last changed
         self._unread = 0  # tokens completed since the speeds were last worked out
         self._moment = 0.0  # when the last prefill ended
@@ -155,6 +156,7 @@ class Speeds:
         self._busy.pop(worker_id, None)
         self._done.pop(worker_id, None)
         self._done_pairs.pop(worker_id, None)
+        self._done_ends.pop(worker_id, None)
         for rank in [r for r in self._since if r[0] == worker_id]:
             del self._since[rank]
             self._started.pop(rank, None)
@@ -249,7 +251,23 @@ class Speeds:
         booked = booked_prefill + booked_pairs * per_context
         done = (done_tokens + self._done_pairs.get(rank[0], 0.0) * per_context) / busy * elapsed
         weighed = booked_prefill - booked_prefill * (done / booked) if done < booked else 0.0  # never above
-        return plain if plain > weighed else weighed
+        rest = plain if plain > weighed else weighed
+        # An engine far behind: its running prefill has taken more than `MOST_APART` times its
+        # time at the learned rate and still not ended (a stall, another process on its core).
+        # The time past that reads as work still ahead, growing with the stall; read only from
+        # the rank's own ends at a learned rate, so a rank whose ends are never heard (silent
+        # clients, no events) never reads behind (docs/ROUTING.md, "An engine far behind").
+        # A prefill takes at least one of the engine's iterations whatever its size: the due time
+        # is never below `MOST_APART` times the worker's mean rank-seconds a prefill end, read
+        # without the open interval (a stall must not raise its own due time).
+        predicted = booked_prefill * busy / done_tokens
+        per_end = self._busy.get(rank[0], 0.0) / self._done_ends[rank[0]]
+        # Counted from the rank's last prefill end or booking, whichever came later: a rank whose
+        # ends are late (or read only from its blocks) and keeps taking requests is not behind
+        # (counted from the end alone, silent clients on the conversation trace lost 5%).
+        quiet = now - max(started, self._since.get(rank, started))
+        past = (quiet if quiet < elapsed else elapsed) - MOST_APART * (predicted if predicted > per_end else per_end)
+        return rest + past * done_tokens / busy if past > 0.0 else rest
 
     def heavier(self, rank: Rank, booked_prefill: int, booked_pairs: float, per_context: float) -> float:
         """How much more work a token of the rank's booked prefill is than a token of what its
@@ -280,6 +298,7 @@ class Speeds:
             self._ends[rank] = (tokens, secs)
         if tokens:
             self._done[rank[0]] = self._done.get(rank[0], 0) + tokens
+            self._done_ends[rank[0]] = self._done_ends.get(rank[0], 0) + 1
             self._unread += tokens
             if pairs:
                 self._done_pairs[rank[0]] = self._done_pairs.get(rank[0], 0.0) + pairs
