@@ -133,6 +133,17 @@ def _run(c: Client, worker_id: int, rid: str, tokens: int, secs: float) -> None:
     c.ok("DELETE", f"/reservations/{rid}")
 
 
+def _two_learned_workers(make_client: Callable[..., Client]) -> Client:
+    """A `ttft` client with workers 1 and 2, both having learned 10,000 tokens a second."""
+    c = make_client(router_policy="ttft")
+    for wid in (1, 2):
+        c.ok("POST", "/workers", worker(wid), status=201)
+    for n in range(3):
+        _run(c, 1, f"a{n}", 10_000, 1.0)
+        _run(c, 2, f"b{n}", 10_000, 1.0)
+    return c
+
+
 def test_ttft_learns_a_slow_worker_that_its_record_does_not_declare(make_client: Callable[..., Client]) -> None:
     c = make_client(router_policy="ttft")
     for wid in (1, 2, 3):
@@ -212,12 +223,7 @@ def test_what_is_left_of_a_running_prefill() -> None:
 def test_ttft_counts_what_is_left_of_a_running_prefill(make_client: Callable[..., Client]) -> None:
     """The queue a rank's booked prefill makes shrinks as its engine works through it (at the
     rate learned from completions), and counts from the last prefill's end, not from before it."""
-    c = make_client(router_policy="ttft")
-    for wid in (1, 2):
-        c.ok("POST", "/workers", worker(wid), status=201)
-    for n in range(3):  # both learn 10,000 tokens a second
-        _run(c, 1, f"a{n}", 10_000, 1.0)
-        _run(c, 2, f"b{n}", 10_000, 1.0)
+    c = _two_learned_workers(make_client)
     for rid in ("x", "y"):  # 20,000 tokens booked on worker 1
         c.ok("POST", "/reservations", {"model_name": "m", "token_ids": list(range(10_000)),
                                        "worker_id": 1, "reservation_id": rid}, status=201)
@@ -242,12 +248,7 @@ def test_ttft_reads_an_engine_stalled_far_past_its_prediction_as_busy(make_clien
     seconds overdue (a stalled engine) the time past `MOST_APART` times its prediction
     reads as work ahead, so the prompt goes to idle worker 2, more so the longer it stalls; its
     prefill's end makes it the cheaper again (docs/ROUTING.md, "An engine far behind")."""
-    c = make_client(router_policy="ttft")
-    for wid in (1, 2):
-        c.ok("POST", "/workers", worker(wid), status=201)
-    for n in range(3):  # both learn 10,000 tokens a second
-        _run(c, 1, f"a{n}", 10_000, 1.0)
-        _run(c, 2, f"b{n}", 10_000, 1.0)
+    c = _two_learned_workers(make_client)
     _cache(c, 1, 16)
     c.ok("POST", "/reservations", {"model_name": "m", "token_ids": PROMPT + [10**7 + i for i in range(8)],
                                    "worker_id": 1, "reservation_id": "s"}, status=201)
@@ -301,12 +302,7 @@ def test_ttft_prefers_short_prompts_running_to_a_long_one_of_as_many_tokens(
     """All else equal, a rank whose running prefill is many short prompts is sooner free than one
     running a long prompt of as many tokens (its late chunks attend over a long context): the
     latter's rank is avoided although it has a few tokens less booked."""
-    c = make_client(router_policy="ttft")
-    for wid in (1, 2):
-        c.ok("POST", "/workers", worker(wid), status=201)
-    for n in range(3):  # both learn 10,000 tokens a second
-        _run(c, 1, f"a{n}", 10_000, 1.0)
-        _run(c, 2, f"b{n}", 10_000, 1.0)
+    c = _two_learned_workers(make_client)
     c.ok("POST", "/reservations", {"model_name": "m", "token_ids": list(range(5 * 10**6, 5 * 10**6 + 40_000)),
                                    "worker_id": 1, "reservation_id": "long"}, status=201)
     for n in range(4):
