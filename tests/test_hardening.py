@@ -672,7 +672,9 @@ print("booked", flush=True)
 
 # Approximate mode: a third prompt grows the index's lookup table and the predictions' expiry
 # times past 2.8 million entries, where one dict would double; the first again searches its edge.
-@pytest.mark.parametrize(("mode", "firsts", "worst"), [("push", "1,2", 0.15), ("approximate", "1,2,3,1", 0.15)])
+# Its bound is the goal itself (250 ms of loop CPU a probe): its worst probe measured 0.05-0.09 s
+# on some days and 0.13-0.18 s on others, at the same commit (docs/INVARIANTS.md).
+@pytest.mark.parametrize(("mode", "firsts", "worst"), [("push", "1,2", 0.15), ("approximate", "1,2,3,1", 0.25)])
 def test_a_million_block_booking_and_its_free_leave_health_its_turn(mode: str, firsts: str, worst: float) -> None:
     """A prompt of 1,048,576 tokens booked on a worker of block size 1 and freed, then another, by
     another process: /health waited for all of a booking's deferred pieces (0.4-3.4 s), and its
