@@ -294,6 +294,22 @@ def push_session(target: str, clock: Any) -> tuple[SelectionService, PushSession
     return service, session
 
 
+def test_a_close_right_after_a_large_message_waits_for_it() -> None:
+    """A large message, a small one and a close in one read: the close is handled once the large
+    message (held for the caller to decode) and the small one are applied, not before (it used to
+    close the stream with both still held, unless the turn happened to end between them)."""
+    service, session = push_session("/kv_events?worker_id=1&ack=true", lambda: 0.0)
+    removed = json.dumps([{"event_id": 6001, "data": {"removed": {"block_hashes": [1]}}}]).encode()
+    session.receive_data(_masked(0x1, _stored(1, 6000)) + _masked(0x1, removed)
+                         + _masked(0x8, (1000).to_bytes(2, "big")))
+    assert not session.closed and session.next_large() is not None
+    session.apply_held()
+    assert session.closed and session.close_code == 1000
+    assert re.findall(rb'"ack":(\d+)', session.data_to_send()) == [b"1", b"2"]
+    blocks = [b["block_hash"] for e in service.dump()["events"] for b in e["event"]["data"]["stored"]["blocks"]]
+    assert sorted(blocks) == list(range(2, 6001))
+
+
 def masked_text(payload: bytes) -> bytes:
     assert len(payload) < 126
     return bytes([0x81, 0x80 | len(payload)]) + b"\0\0\0\0" + payload
