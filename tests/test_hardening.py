@@ -367,31 +367,39 @@ def test_a_websocket_event_flood_leaves_other_clients_their_turn() -> None:
         server.stop()
 
 
+def subscribed_engine(server: Server, listener: socket.socket) -> socket.socket:
+    """A fake engine on `listener`: worker 1 registered with it as its `ws://` KV-event endpoint,
+    the server's subscription accepted (the 101 sent), and the listener closed, so that the
+    subscription is not made again after the engine closes it."""
+    import base64
+    import hashlib
+
+    endpoint = f"ws://127.0.0.1:{listener.getsockname()[1]}/events"
+    assert post(server, "/workers", json.dumps({"worker_id": 1, "model_name": "m", "block_size": 4,
+                                                "endpoint": "http://w", "kv_events_endpoint": endpoint}).encode())[0] == 201
+    engine, _ = listener.accept()
+    listener.close()
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += engine.recv(4096)
+    key = next(line.split(b":", 1)[1].strip() for line in head.split(b"\r\n")
+               if line.lower().startswith(b"sec-websocket-key:"))
+    accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+    engine.sendall(b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: Upgrade\r\n"
+                   b"sec-websocket-accept: " + accept + b"\r\n\r\n")
+    return engine
+
+
 def test_an_engine_flooding_a_websocket_subscription_leaves_other_clients_their_turn() -> None:
     """The same flood the other way: the server subscribed to an engine's `ws://` KV-event stream,
     and the engine sending `cleared` events, one per (unmasked) message, as fast as the socket takes
     them. A subscription's turn used to be a whole 64 KiB read (1,450 events, tens of ms); it is
     now a push stream's (transports/pump.py, TURN_SECS)."""
-    import base64
-    import hashlib
-
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(30)
     server = Server(mode="subscribe")
     try:
-        endpoint = f"ws://127.0.0.1:{listener.getsockname()[1]}/events"
-        assert post(server, "/workers", json.dumps({"worker_id": 1, "model_name": "m", "block_size": 4,
-                                                    "endpoint": "http://w", "kv_events_endpoint": endpoint}).encode())[0] == 201
-        engine, _ = listener.accept()
-        listener.close()  # the subscription is not made again after the engine closes it
-        head = b""
-        while b"\r\n\r\n" not in head:
-            head += engine.recv(4096)
-        key = next(line.split(b":", 1)[1].strip() for line in head.split(b"\r\n")
-                   if line.lower().startswith(b"sec-websocket-key:"))
-        accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
-        engine.sendall(b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: Upgrade\r\n"
-                       b"sec-websocket-accept: " + accept + b"\r\n\r\n")
+        engine = subscribed_engine(server, listener)
         frames = b"".join(bytes([0x81, len(event)]) + event for event in CLEARED_EVENTS)
         close = bytes([0x88, 2]) + (1000).to_bytes(2, "big")
 
@@ -403,6 +411,70 @@ def test_an_engine_flooding_a_websocket_subscription_leaves_other_clients_their_
 
         with engine:
             assert_a_flood_leaves_health_its_turn(server, flood)
+    finally:
+        listener.close()
+        server.stop()
+
+
+def final_frame(opcode: int, payload: bytes, *, masked: bool) -> bytes:
+    """One final frame; a client's `masked` with a zero key, so that its payload reads as sent."""
+    n = len(payload)
+    length = bytes([n]) if n < 126 else bytes([126]) + n.to_bytes(2, "big") if n < 65536 else \
+        bytes([127]) + n.to_bytes(8, "big")
+    if masked:
+        return bytes([0x80 | opcode, 0x80 | length[0]]) + length[1:] + b"\0\0\0\0" + payload
+    return bytes([0x80 | opcode]) + length + payload
+
+
+LARGE_EVENTS = 60_000
+FIRST_HASH = 10**9  # (long hashes: the message is 7.7 MB, under the 8 MiB a message may have)
+
+
+@pytest.mark.parametrize("direction", ["push", "subscription"])
+def test_one_8_mb_websocket_message_leaves_other_clients_their_turn(direction: str) -> None:
+    """One message of 60,000 stored events (7.7 MB), then a small one removing the first block,
+    then a close, all sent at once: pushed into `/kv_events`, or by an engine the server subscribed
+    to over `ws://`. Each is decoded in a worker thread and applied in slices (`pump.apply_large`),
+    so the loop's CPU during any `/health` probe stays under round two's 250 ms; every event is
+    applied, in order (the block removed after it was stored), though the close came right after.
+    Applied whole on the loop, the subscription's message held a probe for 1.3 s or more of loop
+    CPU (docs/INVARIANTS.md); held for a worker thread, the push stream's was lost to the close."""
+    events = [{"event_id": i + 1, "data": {"stored": {"parent_hash": None, "blocks": [
+        {"block_hash": FIRST_HASH + i, "tokens_hash": FIRST_HASH + i}]}}} for i in range(LARGE_EVENTS)]
+    large = json.dumps(events).encode()
+    removed = json.dumps([{"event_id": LARGE_EVENTS + 1, "data": {"removed": {"block_hashes": [FIRST_HASH]}}}])
+    masked = direction == "push"
+    wire = b"".join(final_frame(opcode, payload, masked=masked) for opcode, payload in [
+        (0x1, large), (0x1, removed.encode()), (0x8, (1000).to_bytes(2, "big"))])
+    assert 7 * MIB < len(large) < 8 * MIB
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(30)
+    server = Server(mode="subscribe" if direction == "subscription" else "push")
+    try:
+        if direction == "push":
+            assert post(server, "/workers", b'{"worker_id": 1, "model_name": "m", "block_size": 4, '
+                                            b'"endpoint": "http://w"}')[0] == 201
+            peer = upgraded(server, "/kv_events?worker_id=1")
+        else:
+            peer = subscribed_engine(server, listener)
+        idle = health_latencies(server)
+
+        def send() -> None:
+            peer.settimeout(120)  # for all of `sendall`, however busy the machine
+            peer.sendall(wire)  # the server applies both messages, answers the close, closes
+            while peer.recv(65536):
+                pass
+
+        with peer:
+            sender = threading.Thread(target=send)
+            sender.start()
+            seconds, cpu = health_waits(server, sender)
+            sender.join()
+        stored = [block["block_hash"] for event in json.loads(get(server, "/dump")[1])["events"]
+                  for block in event["event"]["data"]["stored"]["blocks"]]
+        assert sorted(stored) == list(range(FIRST_HASH + 1, FIRST_HASH + LARGE_EVENTS))
+        assert_loop_turn(seconds, cpu, idle, None, 0.25)
+        assert_healthy(server)
     finally:
         listener.close()
         server.stop()

@@ -119,6 +119,64 @@ def test_websocket_engine_endpoint_with_reconnect() -> None:
         engine.shutdown()
 
 
+def counter(port: int, family: str, label: str) -> float:
+    """The sum of `family`'s samples whose labels include `label`."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in http_text(port, "/metrics").splitlines()
+               if line.startswith(family + "{") and label in line)
+
+
+def test_large_websocket_messages_apply_in_order_and_bad_ones_drop_as_small_ones_do() -> None:
+    """An engine's messages over 256 KiB are decoded in a worker thread and applied in slices, as a
+    push stream's are: in order between small ones (the block removed after the large message
+    stored it stays removed), and a malformed large one dropped and counted as a malformed small
+    one is, the subscription kept."""
+    connections: list[int] = []
+
+    def stored(first: int, count: int) -> str:
+        return json.dumps([{"event_id": first + i, "data": {"stored": {"parent_hash": None, "blocks": [
+            {"block_hash": first + i, "tokens_hash": first + i}]}}} for i in range(count)])
+
+    malformed_large = "[" + '{"event_id": 1},' * 20_000 + "1]"
+    large = stored(1, 6000)
+    assert min(len(malformed_large), len(large)) > 256 * 1024
+
+    def handler(ws: Any) -> None:
+        connections.append(1)
+        for message in ["[1]", malformed_large, large, json.dumps([
+                {"event_id": 6001, "data": {"removed": {"block_hashes": [1]}}}]), stored(6002, 1)]:
+            ws.send(message)
+        try:
+            ws.recv(timeout=30)
+        except Exception:  # noqa: BLE001 - the service closes the subscription at the end
+            pass
+
+    wport = free_port()
+    engine = ws_serve(handler, "127.0.0.1", wport, max_size=None)
+    thread = threading.Thread(target=engine.serve_forever, daemon=True)
+    thread.start()
+    server = Server(mode="subscribe")
+    try:
+        http(server.port, "POST", "/workers", {"worker_id": 1, "endpoint": "http://w1", "block_size": 4,
+                                              "kv_events_endpoint": f"ws://127.0.0.1:{wport}/events"})
+        expected = [*range(2, 6001), 6002]
+
+        def stored_blocks() -> list[int]:
+            dump = http(server.port, "GET", "/dump")[1]
+            return sorted(block["block_hash"] for event in dump["events"]
+                          for block in event["event"]["data"]["stored"]["blocks"])
+
+        assert wait_for(lambda: stored_blocks() == expected, 30), stored_blocks()[:5]
+        dropped = "selection_proto_kv_events_dropped_total"
+        assert counter(server.port, dropped, 'reason="invalid_message"') == 2
+        assert counter(server.port, dropped, "") == 2
+        assert counter(server.port, "selection_proto_internal_errors_total", "") == 0
+        assert counter(server.port, "selection_proto_kv_subscription_failures_total", "") == 0
+        assert connections == [1]
+    finally:
+        assert server.stop() == 0
+        engine.shutdown()
+
+
 def test_unreachable_endpoints_are_retried_and_counted() -> None:
     dead = free_port()
     server = Server(mode="subscribe")

@@ -9,17 +9,29 @@ import socket
 import time
 from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from test_http import Server, read_response, request
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from selection_proto import SelectionService, Settings, WorkerRequest
-from selection_proto.adapters.ws import PushSession, server_handshake
+from selection_proto.adapters import ws as ws_adapter
+from selection_proto.adapters.ws import (
+    LargeMessage,
+    PushSession,
+    StreamSession,
+    SubscriptionSession,
+    server_handshake,
+)
+from selection_proto.core.base.errors import SelectionError
+from selection_proto.core.base.outputs import SubscribeKvEvents
+from selection_proto.core.intake.streams import DecodedMessage, decode_or_error
 
 B1, B2 = 14643705804678351452, 16777012769546811212
 
@@ -294,6 +306,22 @@ def push_session(target: str, clock: Any) -> tuple[SelectionService, PushSession
     return service, session
 
 
+def test_a_close_right_after_a_large_message_waits_for_it() -> None:
+    """A large message, a small one and a close in one read: the close is handled once the large
+    message (held for the caller to decode) and the small one are applied, not before (it used to
+    close the stream with both still held, unless the turn happened to end between them)."""
+    service, session = push_session("/kv_events?worker_id=1&ack=true", lambda: 0.0)
+    removed = json.dumps([{"event_id": 6001, "data": {"removed": {"block_hashes": [1]}}}]).encode()
+    session.receive_data(_masked(0x1, _stored(1, 6000)) + _masked(0x1, removed)
+                         + _masked(0x8, (1000).to_bytes(2, "big")))
+    assert not session.closed and session.next_large() is not None
+    session.apply_held()
+    assert session.closed and session.close_code == 1000
+    assert re.findall(rb'"ack":(\d+)', session.data_to_send()) == [b"1", b"2"]
+    blocks = [b["block_hash"] for e in service.dump()["events"] for b in e["event"]["data"]["stored"]["blocks"]]
+    assert sorted(blocks) == list(range(2, 6001))
+
+
 def masked_text(payload: bytes) -> bytes:
     assert len(payload) < 126
     return bytes([0x81, 0x80 | len(payload)]) + b"\0\0\0\0" + payload
@@ -340,3 +368,203 @@ def test_a_read_is_handled_a_turn_at_a_time_and_nothing_is_lost(count: int, cuts
     assert whole.data_to_send().count(b'"ack":') == count
     assert service.handle("GET", "/dump", "", [], b"", now=1.0) == whole_service.handle("GET", "/dump", "", [], b"",
                                                                                        now=1.0)
+
+
+def subscription_session(clock: Any) -> tuple[SelectionService, SubscriptionSession]:
+    """A service subscribed to worker 1's engine, and the session of that subscription, its
+    handshake answered as an engine would."""
+    import base64
+    import hashlib
+    import random
+
+    service = SelectionService(Settings(kv_events="subscribe"), random.Random(0))
+    service.upsert_worker(WorkerRequest(worker_id=1, model_name="m", endpoint="e", block_size=4,
+                                        kv_events_endpoint="ws://engine/events"), now=0.0)
+    subscribe = next(out for out in iter(service.next_output, None) if isinstance(out, SubscribeKvEvents))
+    session = SubscriptionSession(service, clock, subscribe.stream, "engine", "/events")
+    key = re.search(rb"(?i)sec-websocket-key: *(\S+)", session.data_to_send())
+    assert key is not None
+    accept = base64.b64encode(hashlib.sha1(key[1] + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+    session.receive_data(b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: Upgrade\r\n"
+                         b"sec-websocket-accept: " + accept + b"\r\n\r\n")
+    assert session.accepted
+    return service, session
+
+
+def stored_blocks(service: SelectionService) -> set[int]:
+    return {b["block_hash"] for e in service.dump()["events"] for b in e["event"]["data"]["stored"]["blocks"]}
+
+
+def _unmasked(opcode: int, payload: bytes) -> bytes:
+    """One server frame (FIN set), as an engine sends it."""
+    masked = _masked(opcode, payload)
+    return bytes([masked[0], masked[1] & 0x7F]) + masked[2:-len(payload) - 4] + payload
+
+
+class StreamSessionMachine(RuleBasedStateMachine):
+    """Either role's session driven as its transport drives it (bytes read only when nothing
+    waits, the backlog resumed a turn at a time, a large message decoded and applied a slice at a
+    time), in any interleaving, the bytes cut anywhere: small and large messages storing blocks,
+    removing earlier ones or malformed, then maybe a close. Whenever no large message is part
+    applied, the index holds what applying the messages handled so far in order gives; a
+    malformed message is refused as a small one is (push: closed 1007; subscription: dropped and
+    counted); acks count applied messages; a close is handled only after every message before
+    it. The large-message and slice bounds are scaled down (600 bytes, 3 events, 8 blocks) so that
+    an example stays cheap."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patches = [mock.patch.object(ws_adapter, name, value) for name, value in
+                        (("LARGE_MESSAGE", 600), ("SLICE_EVENTS", 3), ("SLICE_BLOCKS", 8))]
+        for patch in self.patches:
+            patch.start()
+        self.ticks = 0
+        self.role = ""
+        self.wire = b""
+        self.sent: list[list[int] | tuple[int, ...] | None] = []  # stored, removed, malformed
+        self.closing = False
+        self.next_hash = self.next_event = 1
+        self.acks: list[int] = []
+        self.slicing: tuple[LargeMessage, DecodedMessage | SelectionError, int] | None = None
+
+    def clock(self) -> float:
+        self.ticks += 1
+        return float(self.ticks)
+
+    @precondition(lambda self: not self.role)
+    @rule(role=st.sampled_from(["push", "subscription"]))
+    def open(self, role: str) -> None:
+        self.role = role
+        opened: tuple[SelectionService, StreamSession] = (
+            push_session("/kv_events?worker_id=1&ack=true", self.clock) if role == "push"
+            else subscription_session(self.clock))
+        self.service, self.session = opened
+
+    def frame(self, opcode: int, payload: bytes) -> bytes:
+        return _masked(opcode, payload) if self.role == "push" else _unmasked(opcode, payload)
+
+    def events(self, data: list[dict[str, Any]]) -> bytes:
+        self.next_event += len(data)
+        return json.dumps([{"event_id": self.next_event - len(data) + i, "data": d} for i, d in enumerate(data)]).encode()
+
+    @precondition(lambda self: self.role and not self.closing)
+    @rule(count=st.integers(1, 12), large=st.booleans(), text=st.booleans())
+    def send_stored(self, count: int, large: bool, text: bool) -> None:
+        hashes = list(range(self.next_hash, self.next_hash + count + (10 if large else 0)))  # 10 more: past 600 bytes
+        self.next_hash += len(hashes)
+        if text:
+            payload = self.events([{"stored": {"parent_hash": None, "blocks": [{"block_hash": h, "tokens_hash": h}]}}
+                                   for h in hashes])
+        else:  # an engine batch
+            payload = msgpack.packb([0.0, [["BlockStored", [h], None, [h, h, h, h], 4, None, "GPU", None, None]
+                                           for h in hashes], 0])
+        self.wire += self.frame(0x1 if text else 0x2, payload)
+        self.sent.append(hashes)
+
+    @precondition(lambda self: self.role and not self.closing and self.next_hash > 1)
+    @rule(data=st.data())
+    def send_removed(self, data: st.DataObject) -> None:
+        hashes = tuple(data.draw(st.lists(st.integers(1, self.next_hash - 1), min_size=1, max_size=60)))
+        self.wire += self.frame(0x1, self.events([{"removed": {"block_hashes": list(hashes)}}]))
+        self.sent.append(hashes)
+
+    @precondition(lambda self: self.role and not self.closing)
+    @rule(large=st.booleans())
+    def send_malformed(self, large: bool) -> None:
+        self.wire += self.frame(0x1, b"[" + b'{"event_id": 1},' * (60 if large else 1) + b"1]")
+        self.sent.append(None)
+
+    @precondition(lambda self: self.role and not self.closing)
+    @rule()
+    def send_close(self) -> None:
+        self.wire += self.frame(0x8, (1000).to_bytes(2, "big"))
+        self.closing = True
+
+    def may_read(self) -> bool:
+        return bool(self.wire) and not self.session.backlog and self.session.next_large() is None
+
+    @precondition(lambda self: self.role and self.may_read())
+    @rule(size=st.integers(1, 3000), turn=st.integers(1, 4))
+    def read(self, size: int, turn: int) -> None:
+        chunk, self.wire = self.wire[:size], self.wire[size:]
+        self.session.receive_data(chunk, until=self.clock() + turn)
+        self.take_acks()
+
+    @precondition(lambda self: self.role and not self.session.backlog and self.session.next_large() is None)
+    @rule()
+    def keepalive(self) -> None:
+        """Nothing read for a while: the transport pings (a no-op once closed)."""
+        self.session.ping()
+        self.session.data_to_send()
+
+    @precondition(lambda self: self.role and self.session.backlog and self.session.next_large() is None)
+    @rule(turn=st.integers(1, 4))
+    def resume(self, turn: int) -> None:
+        self.session.resume(until=self.clock() + turn)
+        self.take_acks()
+
+    @precondition(lambda self: self.role and self.session.next_large() is not None)
+    @rule()
+    def apply_a_slice(self) -> None:
+        message = self.session.next_large()
+        assert message is not None and len(message.data) > 600
+        if self.slicing is None or self.slicing[0] is not message:
+            self.slicing = (message, decode_or_error(message.data), 0)
+        _, decoded, start = self.slicing
+        following = self.session.apply_slice(message, decoded, start)
+        self.slicing = None if following is None else (message, decoded, following)
+        self.take_acks()
+
+    def take_acks(self) -> None:
+        self.acks += [int(n) for n in re.findall(rb'"ack":(\d+)', self.session.data_to_send())]
+
+    def metric(self, family: str, label: str) -> int:
+        text = self.service.handle("GET", "/metrics", "", [], b"", now=float(self.ticks)).body.decode()  # type: ignore[union-attr]
+        return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith(family + "{") and label in line))
+
+    @invariant()
+    def the_index_is_the_messages_applied_in_order(self) -> None:
+        if not self.role or self.session.next_large() is not None:
+            return  # a large message part applied: checked once it is done
+        handled = self.metric("selection_proto_ws_messages_total", 'direction="in"')
+        blocks: set[int] = set()
+        applied = malformed = 0
+        for message in self.sent[:handled]:
+            if message is None:
+                malformed += 1
+                if self.role == "push":
+                    break
+            else:
+                applied += 1
+                blocks = blocks | set(message) if isinstance(message, list) else blocks - set(message)
+        assert stored_blocks(self.service) == blocks
+        if self.role == "push":
+            assert self.acks == list(range(1, applied + 1))
+            assert self.session.closed == (malformed > 0 or self.session.close_code == 1000)
+            assert self.session.close_code in (None, 1007 if malformed else 1000)
+        else:
+            assert self.metric("selection_proto_kv_events_dropped_total", 'reason="invalid_message"') == malformed
+        if self.session.close_code == 1000:
+            assert handled == len(self.sent)  # every message before the close
+
+    def teardown(self) -> None:
+        try:
+            if self.role:  # everything sent is read and handled
+                while not self.session.closed and (self.wire or self.session.backlog):
+                    if self.session.next_large() is not None:
+                        self.apply_a_slice()
+                    elif self.session.backlog:
+                        self.resume(4)
+                    else:
+                        self.read(3000, 4)
+                self.the_index_is_the_messages_applied_in_order()
+                if self.closing and (self.role == "subscription" or None not in self.sent):
+                    assert self.session.close_code == 1000
+        finally:
+            for patch in self.patches:
+                patch.stop()
+
+
+StreamSessionMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=25, deadline=None)
+test_stream_sessions = StreamSessionMachine.TestCase

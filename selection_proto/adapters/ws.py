@@ -2,14 +2,15 @@
 
 `PushSession` is the server side of `GET /kv_events` after the HTTP upgrade; `SubscriptionSession`
 is the client side of an outbound `ws://` subscription. Both reassemble fragmented messages up to
-8 MiB, answer pings, echo closes, and hand each complete message to the core.
+8 MiB, answer pings, echo closes, and hand each complete message to the core: a small one at once,
+a large one (`StreamSession.next_large`) to the transport, which decodes it in a worker thread and
+feeds it back a slice at a time (`apply_slice`).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Final, NamedTuple
 
@@ -39,12 +40,12 @@ from ..core.intake.streams import DecodedMessage, decode_or_error, slice_end
 from ..core.service import SelectionService
 from .inflight import InFlight
 
-__all__ = ["LARGE_MESSAGE", "MAX_MESSAGE", "SLICE_BLOCKS", "SLICE_EVENTS", "ForwardingClient", "LargeMessage", "PushSession", "SubscriptionSession", "check_handshake", "cut_reason", "server_handshake"]
+__all__ = ["LARGE_MESSAGE", "MAX_MESSAGE", "SLICE_BLOCKS", "SLICE_EVENTS", "ForwardingClient", "LargeMessage", "PushSession", "StreamSession", "SubscriptionSession", "check_handshake", "cut_reason", "server_handshake"]
 
 MAX_MESSAGE: Final = 8 * 1024 * 1024
-# A push message larger than this is held for the transport, which decodes it away from the event
-# loop and applies it a slice at a time (SLICE_EVENTS events, SLICE_BLOCKS blocks), letting other
-# connections run in between.
+# A stream message (pushed or subscribed to) larger than this is held for the transport, which
+# decodes it away from the event loop and applies it a slice at a time (SLICE_EVENTS events,
+# SLICE_BLOCKS blocks), letting other connections run in between.
 LARGE_MESSAGE: Final = 256 * 1024
 SLICE_EVENTS: Final = 1024
 SLICE_BLOCKS: Final = 8192
@@ -98,8 +99,19 @@ def server_handshake(target: str, headers: list[tuple[bytes, bytes]]) -> WSConne
     return ws
 
 
-class _Session:
-    """Message reassembly, control frames and closing shared by both roles."""
+class LargeMessage(NamedTuple):
+    data: bytes | str
+    seq: int | None
+
+
+class StreamSession:
+    """Message reassembly, control frames, closing, and the handing over of large messages,
+    shared by both roles.
+
+    Messages are applied as they complete, in order, except a large one: it is held, and the
+    frames after it wait (`backlog`) until the caller has taken it with `next_large`, decoded it
+    (`decode_or_error`, pure, in any thread) and fed it to `apply_slice` to the end. A close that
+    follows a large message at once so waits for it too."""
 
     kind = "websocket_in"
 
@@ -116,11 +128,13 @@ class _Session:
         self.close_code: int | None = None
         self.ping_outstanding = False
         self._backlog: Iterator[Event] | None = None  # frames received and not yet handled
+        self._large: LargeMessage | None = None  # a large message the caller has yet to apply
+        self.stream: int | None = None  # the core's id of the event stream, while it is open
 
     @property
     def backlog(self) -> bool:
-        """Received bytes wait to be handled (`receive_data` stopped at its `until`): call
-        `resume` before reading more."""
+        """Received bytes wait to be handled (`receive_data` stopped at its `until`, or at a large
+        message): apply the large message, if any, and call `resume` before reading more."""
         return self._backlog is not None and not self.closed
 
     def data_to_send(self) -> bytes:
@@ -187,7 +201,10 @@ class _Session:
         self.resume(until)
 
     def resume(self, until: float | None = None) -> None:
-        """Handle the frames `receive_data` left (all of them, or until the clock passes `until`)."""
+        """Handle the frames `receive_data` left: all of them, or until the clock passes `until`,
+        or up to a large message (`next_large`)."""
+        if self._large is not None and not self.closed:
+            return  # the large message first
         events = self._backlog if self._backlog is not None else self._ws.events()
         self._backlog = None
         clock = self._clock
@@ -195,7 +212,7 @@ class _Session:
             if self.closed:
                 return
             self._event(event)
-            if until is not None and clock() >= until:
+            if self._large is not None or (until is not None and clock() >= until):
                 self._backlog = events
                 return
 
@@ -239,34 +256,86 @@ class _Session:
             self._other(event)
 
     def _message(self, data: bytes | str) -> None:
+        """Hook: a complete message; its framing read, it goes on to `_take`."""
         raise NotImplementedError
 
     def _other(self, event: Event) -> None:
         """Hook for handshake events (client role)."""
 
+    def _take(self, data: bytes | str, seq: int | None) -> None:
+        """Apply a message's events now, or hold a large one for the caller."""
+        if len(data) > LARGE_MESSAGE:
+            self._large = LargeMessage(data, seq)
+        else:
+            self._apply(data, seq, 0, None)
 
-class LargeMessage(NamedTuple):
-    data: bytes | str
-    seq: int | None
+    def next_large(self) -> LargeMessage | None:
+        """The large message the caller is to decode and apply before anything after it, or None."""
+        return None if self.closed else self._large
+
+    def apply_slice(self, message: LargeMessage, decoded: DecodedMessage | SelectionError,
+                    start: int) -> int | None:
+        """Apply the events of `message` from `start` on, a slice of at most SLICE_EVENTS events and
+        SLICE_BLOCKS blocks (`slice_end`); the next start, or None when the message is done
+        (applied or refused, or the stream closed)."""
+        if self.closed:
+            return None
+        if isinstance(decoded, SelectionError):
+            count = stop = 0  # refused whole, as a small one would be (`_apply`)
+        else:
+            count = len(decoded.events) if isinstance(decoded, EngineBatch) else len(decoded)
+            stop = slice_end(decoded, start, SLICE_EVENTS, SLICE_BLOCKS)
+        if not self._apply(decoded, message.seq, start, stop, last=stop >= count):
+            return None
+        if stop < count:
+            return stop
+        self._large = None
+        return None
+
+    def apply_held(self) -> None:
+        """Handle everything received, large messages decoded here: for a caller that has no
+        worker thread to decode in (the transports do, and apply slices between turns)."""
+        while not self.closed:
+            if (message := self.next_large()) is not None:
+                decoded = decode_or_error(message.data)
+                start: int | None = 0
+                while start is not None:
+                    start = self.apply_slice(message, decoded, start)
+            elif self.backlog:
+                self.resume()
+            else:
+                return
+
+    def _apply(self, data: bytes | str | DecodedMessage | SelectionError, seq: int | None, start: int,
+               stop: int | None, last: bool = True) -> bool:
+        """One message, or its events `start:stop`; False when the core refused it and the
+        stream is closed (a subscription's core drops and counts a bad message instead)."""
+        assert self.stream is not None
+        try:
+            self._service.stream_message(self.stream, data, seq=seq, now=self._clock(), start=start,
+                                         stop=stop)
+        except StreamError as exc:
+            self.close(exc.code, exc.reason)
+            return False
+        if last:
+            self._applied()
+        return True
+
+    def _applied(self) -> None:
+        """Hook: a message's last event was applied."""
 
 
-class PushSession(_Session):
-    """The server side of `GET /kv_events` (a push stream), from the upgrade request on.
-
-    Messages are applied as they complete, in order, except that from the first large one on
-    they are held: `next_large` applies the held small ones and hands over the large one, which
-    the caller decodes (`decode_or_error`, pure, in any thread) and feeds to `apply_slice`."""
+class PushSession(StreamSession):
+    """The server side of `GET /kv_events` (a push stream), from the upgrade request on."""
 
     def __init__(self, service: SelectionService, clock: Callable[[], float], ws: WSConnection,
                  target: str, trailing: bytes, in_flight: InFlight | None = None) -> None:
         """`ws` comes from `server_handshake`, its request taken and not yet answered."""
         super().__init__(service, clock, ws, in_flight)
         self._send(AcceptConnection())
-        self.stream: int | None = None
         self._seq_framing = False
         self._ack = False
         self._processed = 0
-        self._held: deque[LargeMessage] = deque()
         self._bind(target.partition("?")[2])
         if trailing and not self.closed:
             self.receive_data(trailing)
@@ -313,64 +382,13 @@ class PushSession(_Session):
                 self.close(1007, "invalid engine batch: missing 8-byte seq prefix")
                 return
             seq, data = int.from_bytes(data[:8], "big"), data[8:]
-        if self._held or len(data) > LARGE_MESSAGE:
-            self._held.append(LargeMessage(data, seq))
-            return
-        self._apply(data, seq, 0, None)
+        self._take(data, seq)
 
-    def next_large(self) -> LargeMessage | None:
-        """Apply held messages up to the first large one and return it (still held), or None."""
-        while self._held and not self.closed:
-            message = self._held[0]
-            if len(message.data) > LARGE_MESSAGE:
-                return message
-            self._held.popleft()
-            self._apply(message.data, message.seq, 0, None)
-        return None
-
-    def apply_slice(self, message: LargeMessage, decoded: DecodedMessage | SelectionError,
-                    start: int) -> int | None:
-        """Apply the events of `message` from `start` on, a slice of at most SLICE_EVENTS events and
-        SLICE_BLOCKS blocks (`slice_end`); the next start, or None when the message is done
-        (acked, or the stream closed)."""
-        if self.closed:
-            return None
-        if isinstance(decoded, SelectionError):
-            count = stop = 0  # refused whole: `_apply` closes the stream with its code
-        else:
-            count = len(decoded.events) if isinstance(decoded, EngineBatch) else len(decoded)
-            stop = slice_end(decoded, start, SLICE_EVENTS, SLICE_BLOCKS)
-        if not self._apply(decoded, message.seq, start, stop, last=stop >= count):
-            return None
-        if stop < count:
-            return stop
-        self._held.popleft()
-        return None
-
-    def apply_held(self) -> None:
-        """Apply every held message now, large ones decoded here: for a caller that has no
-        worker thread to decode in (the transport slices instead)."""
-        while (message := self.next_large()) is not None:
-            decoded = decode_or_error(message.data)
-            start: int | None = 0
-            while start is not None:
-                start = self.apply_slice(message, decoded, start)
-
-    def _apply(self, data: bytes | str | DecodedMessage | SelectionError, seq: int | None, start: int,
-               stop: int | None, last: bool = True) -> bool:
-        assert self.stream is not None
-        try:
-            self._service.stream_message(self.stream, data, seq=seq, now=self._clock(), start=start,
-                                         stop=stop)
-        except StreamError as exc:
-            self.close(exc.code, exc.reason)
-            return False
-        if last:
-            self._processed += 1
-            if self._ack:
-                self._send(TextMessage(data=f'{{"ack":{self._processed}}}'))
-                self._count(WS_MESSAGES, ("out", "text"))
-        return True
+    def _applied(self) -> None:
+        self._processed += 1
+        if self._ack:
+            self._send(TextMessage(data=f'{{"ack":{self._processed}}}'))
+            self._count(WS_MESSAGES, ("out", "text"))
 
     def _closed(self) -> None:
         if self.stream is not None:
@@ -378,10 +396,11 @@ class PushSession(_Session):
             self.stream = None
 
 
-class SubscriptionSession(_Session):
+class SubscriptionSession(StreamSession):
     """The client side of an outbound `ws://` / `wss://` subscription (transports.md §4)."""
 
     kind = "websocket_out"
+    stream: int  # the subscription's, for the session's whole life
 
     def __init__(self, service: SelectionService, clock: Callable[[], float], stream: int, host: str,
                  target: str) -> None:
@@ -407,7 +426,7 @@ class SubscriptionSession(_Session):
                 self._service.stream_dropped(self.stream, "invalid_message")
                 return
             seq, data = int.from_bytes(data[:8], "big"), data[8:]
-        self._service.stream_message(self.stream, data, seq=seq, now=self._clock())
+        self._take(data, seq)
 
     def _closed(self) -> None:
         if self.accepted:

@@ -17,10 +17,9 @@ from ..adapters.http import HttpConnection
 from ..adapters.inflight import InFlight
 from ..adapters.ws import PushSession
 from ..core.base.metrics import CONNECTIONS
-from ..core.intake.streams import decode_or_error
 from ..core.service import SelectionService
 from .config import ServerConfig
-from .pump import TURN_BYTES, TURN_SECS, flush, receive
+from .pump import TURN_BYTES, TURN_SECS, apply_large, flush, receive
 
 __all__ = ["GONE", "PushStreams"]
 
@@ -59,13 +58,14 @@ class PushStreams:
             session = PushSession(self.service, self.clock, ws, target, trailing, self.in_flight)
             if session.stream is not None:
                 self.ws_sessions[session.stream] = (session, stream, lock)
+            between_slices = partial(self._between_slices, session, stream, lock)
             await flush(partial(self.send, stream), session, lock)
             interval = self.config.ws_ping_interval_secs
             while not session.closed:
                 if session.backlog:  # the last turn ran out: others first, then the rest
                     await anyio.sleep(0)
                     session.resume(self.clock() + TURN_SECS)
-                    await self._large_messages(session, stream, lock)
+                    await apply_large(session, between_slices)
                 elif (data := await receive(stream, interval, TURN_BYTES)) is None:
                     if session.ping_outstanding:
                         session.close(1011, "keepalive ping timeout")
@@ -73,7 +73,7 @@ class PushStreams:
                         session.ping()
                 else:
                     session.receive_data(data, self.clock() + TURN_SECS)
-                    await self._large_messages(session, stream, lock)
+                    await apply_large(session, between_slices)
                 await flush(partial(self.send, stream), session, lock)
                 await self.pump()
         except GONE:
@@ -101,17 +101,8 @@ class PushStreams:
             self.ws_count -= 1
             self.service.observe(CONNECTIONS, ("websocket_in",), float(self.ws_count))
 
-    async def _large_messages(self, session: PushSession, stream: anyio.abc.ByteStream,
+    async def _between_slices(self, session: PushSession, stream: anyio.abc.ByteStream,
                               lock: anyio.Lock) -> None:
-        """Large messages are decoded in a worker thread (a pure function of their bytes) and
-        applied in slices, so that an 8 MB message of 70k events does not stall other clients.
-        The stream is not read meanwhile."""
-        while (message := session.next_large()) is not None:
-            decoded = await anyio.to_thread.run_sync(decode_or_error, message.data)
-            start: int | None = 0
-            while start is not None:
-                start = session.apply_slice(message, decoded, start)
-                await flush(partial(self.send, stream), session, lock)
-                await self.pump()
-                await anyio.sleep(0)
-
+        """What a stream's turn ends with, also after each slice of a large message."""
+        await flush(partial(self.send, stream), session, lock)
+        await self.pump()

@@ -17,7 +17,7 @@ from ..core.base.metrics import KV_REPLAYS, SUBSCRIPTION_FAILURES
 from ..core.base.outputs import OutputEvent, SubscribeKvEvents, UnsubscribeKvEvents
 from ..core.service import SelectionService
 from .logs import log
-from .pump import TURN_BYTES, TURN_SECS, flush, receive
+from .pump import TURN_BYTES, TURN_SECS, apply_large, flush, receive
 from .zmq_sub import DISCONNECTED, ZmqHub, fetch_replay
 
 __all__ = ["BACKOFF_MAX", "BACKOFF_START", "Subscriptions", "backoff_delays", "connect"]
@@ -141,6 +141,11 @@ class Subscriptions:
                                       f"{host}:{port}", target)
         try:
             async with stream:
+
+                async def between_turns() -> None:  # also between the slices of a large message
+                    await flush(stream.send, session)
+                    await self.changed()
+
                 await flush(stream.send, session)
                 while not session.closed:
                     if session.backlog:  # the last turn ran out: others first, then the rest
@@ -153,8 +158,8 @@ class Subscriptions:
                         if data is None:
                             return "handshake", f"no handshake answer within {HANDSHAKE_TIMEOUT:g} s"
                         session.receive_data(data, anyio.current_time() + TURN_SECS)
-                    await flush(stream.send, session)
-                    await self.changed()
+                    await apply_large(session, between_turns)
+                    await between_turns()
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
             session.connection_lost()
             return "closed", str(exc) or type(exc).__name__
