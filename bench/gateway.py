@@ -326,6 +326,67 @@ def wrk(port: int, bodies: list[bytes], connections: int, seconds: int) -> dict[
     return {"rps": float(rate.group(1)), "p50_ms": ms("50%"), "p99_ms": ms("99%"), "requests": int(total.group(1))}
 
 
+def in_process(args: argparse.Namespace, bodies: list[bytes], tokenizer: str | None) -> None:
+    """`--in-process`: the Sans-IO part of each request alone (no sockets, no HTTP/2): the
+    messages Envoy sends for it, as bytes, read and answered by one `ExtProcStream` as the gRPC
+    server's handler does (`ProcessingRequest.FromString`, `receive`, the body prepared and
+    routed, replies serialized, the deferred work run), in CPU microseconds (process time)."""
+    import random
+
+    from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+    from envoy.service.ext_proc.v3.external_processor_pb2 import (
+        HttpBody,
+        HttpHeaders,
+        HttpTrailers,
+        ProcessingRequest,
+    )
+
+    from selection_proto.adapters.ext_proc import ExtProcStream, prepare_body
+    from selection_proto.core.base.settings import Settings
+    from selection_proto.core.service import SelectionService
+    from selection_proto.transports.ext_proc import load_tokenizers
+
+    tokenizers = load_tokenizers((("m", tokenizer),)) if tokenizer else {}
+    service = SelectionService(Settings(kv_events="approximate"), random.Random(0))
+    record = {"worker_id": 1, "model_name": "m", "block_size": args.block_size, "endpoint": "http://127.0.0.1:8000"}
+    assert service.handle("POST", "/workers", "", [("content-type", "application/json")], json.dumps(record).encode(),
+                          now=0.0).status == 201
+    head = ProcessingRequest(request_headers=HttpHeaders(headers=HeaderMap(headers=[
+        HeaderValue(key=k, raw_value=v.encode()) for k, v in ((":path", "/v1/completions"), (":method", "POST"),
+                                                               ("content-type", "application/json"))])))
+    answer = sse_events(args.chunks, args.prompt_tokens) if args.answer == "sse" else [ANSWER]
+    tail = [ProcessingRequest(response_headers=HttpHeaders()).SerializeToString(),
+            *(ProcessingRequest(response_body=HttpBody(body=chunk)).SerializeToString() for chunk in answer),
+            ProcessingRequest(response_body=HttpBody(end_of_stream=True)).SerializeToString()
+            if args.answer == "sse" else ProcessingRequest(response_trailers=HttpTrailers()).SerializeToString()]
+    requests = [[head.SerializeToString(), ProcessingRequest(request_body=HttpBody(body=body, end_of_stream=True)
+                                                             ).SerializeToString(), *tail] for body in bodies]
+    now = 1.0
+
+    def one(messages: list[bytes]) -> None:
+        stream = ExtProcStream(service, tokenizers, defer_parse=True)
+        for payload in messages:
+            stream.receive(ProcessingRequest.FromString(payload), now)
+            if stream.body_ready:
+                stream.route_prepared(prepare_body(stream.take_body(), tokenizers, service.pools), now)
+            for reply in stream.replies():
+                reply.SerializeToString()
+            stream.replies_written()
+            service.deferred.run()
+        stream.close(now)
+
+    for messages in requests:  # warm: every prompt seen once
+        one(messages)
+    rounds = []
+    for _ in range(5):
+        start = time.process_time()
+        for messages in requests * 4:
+            one(messages)
+        rounds.append((time.process_time() - start) * 1e6 / (4 * len(requests)))
+    print(f"in process, {len(tail) + 2} messages a request: {min(rounds):.0f} us a request (median of five "
+          f"{sorted(rounds)[2]:.0f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=int, default=5)
@@ -340,6 +401,7 @@ def main() -> None:
     parser.add_argument("--chunk-delay-ms", type=float, default=2.0, help="between a stream's events (2)")
     parser.add_argument("--events", action="store_true", help="the engine publishes its blocks; serve subscribes")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--in-process", action="store_true", help="the picker's Sans-IO part alone, no sockets")
     parser.add_argument("--profile", metavar="FILE", help="run serve under cProfile, its stats written to FILE")
     parser.add_argument("--no-booked", action="store_true",
                         help="no sampling of /loads (its requests are ~1%% of serve's CPU at 1k token ids, more with SSE)")
@@ -355,11 +417,20 @@ def main() -> None:
     else:
         bodies = [json.dumps({"model": "m", "prompt": list(range(args.prompt_tokens)), "max_tokens": 1,
                               **stream}).encode()]
+    if args.in_process:
+        in_process(args, bodies, os.path.join(folder, "tokenizer") if args.prompt == "text" else None)
+        shutil.rmtree(folder, ignore_errors=True)
+        return
     publisher = Publisher(args.block_size) if args.events else None
     engine, api, ext_proc = (free_port() for _ in range(3))
     start_engine(engine, EngineOptions(args.chunks, args.chunk_delay_ms / 1000, args.block_size, publisher, tokenize))
-    profile = ["-m", "cProfile", "-o", args.profile] if args.profile else []
-    serve = subprocess.Popen([sys.executable, *profile, "-m", "selection_proto", "serve", "--port", str(api), "--kv-events",
+    # The loop thread's CPU time, not the wall clock: on a loaded machine the wall clock charges
+    # whatever ran last with the time the process waited for a core.
+    profile = ["-c", "import cProfile, runpy, sys, time; profile = cProfile.Profile(time.thread_time); "
+               "sys.argv[0] = 'selection_proto'; profile.enable()\ntry: runpy.run_module('selection_proto', "
+               f"run_name='__main__')\nfinally: profile.disable(); profile.dump_stats({args.profile!r})"] \
+        if args.profile else ["-m", "selection_proto"]
+    serve = subprocess.Popen([sys.executable, *profile, "serve", "--port", str(api), "--kv-events",
                               "subscribe" if args.events else "approximate", "--ext-proc-port", str(ext_proc),
                               "--backend", args.backend, *serve_args], stderr=subprocess.DEVNULL)
     envoys: list[subprocess.Popen[bytes]] = []
