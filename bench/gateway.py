@@ -401,6 +401,7 @@ def main() -> None:
     parser.add_argument("--chunk-delay-ms", type=float, default=2.0, help="between a stream's events (2)")
     parser.add_argument("--events", action="store_true", help="the engine publishes its blocks; serve subscribes")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--idle-seconds", type=float, default=2.0, help="serve's idle CPU measured first (2)")
     parser.add_argument("--in-process", action="store_true", help="the picker's Sans-IO part alone, no sockets")
     parser.add_argument("--profile", metavar="FILE", help="run serve under cProfile, its stats written to FILE")
     parser.add_argument("--no-booked", action="store_true",
@@ -457,8 +458,9 @@ def main() -> None:
             ports[path] = listen
         time.sleep(2)  # the picker's health check passes (and its subscription opens)
         idle = cpu_seconds(serve.pid)
-        time.sleep(2)
-        print(f"serve idle: {(cpu_seconds(serve.pid) - idle) * 500:.1f} ms of CPU a second", flush=True)
+        time.sleep(args.idle_seconds)
+        print(f"serve idle: {(cpu_seconds(serve.pid) - idle) * 1000 / args.idle_seconds:.1f} ms of CPU a second",
+              flush=True)
         rows = []
         for connections in (int(c) for c in args.connections.split(",")):
             for path in paths:
