@@ -52,14 +52,12 @@ ANSWER = b'{"object":"text_completion","choices":[{"text":"ok","index":0}]}'
 
 class EngineOptions:
     """How the fake engine answers: `chunks` SSE events `delay` seconds apart to a request asking
-    for a stream; with `publish`, each prompt's whole blocks of `block_size` tokens are published
-    as one BlockStored batch (`tokenize` reads a text prompt's tokens)."""
+    for a stream; with `publish` (a `Publisher`), each prompt's tokens are published as stored
+    (`tokenize` reads a text prompt's tokens)."""
 
-    def __init__(self, chunks: int = 16, delay: float = 0.002, block_size: int = 16,
-                 publish: Any = None, tokenize: Any = None) -> None:
-        self.chunks, self.delay, self.block_size = chunks, delay, block_size
+    def __init__(self, chunks: int = 16, delay: float = 0.002, publish: Any = None, tokenize: Any = None) -> None:
+        self.chunks, self.delay = chunks, delay
         self.publish, self.tokenize = publish, tokenize
-        self.seq = 0
 
 
 def sse_events(chunks: int, prompt_tokens: int) -> list[bytes]:
@@ -424,7 +422,7 @@ def main() -> None:
         return
     publisher = Publisher(args.block_size) if args.events else None
     engine, api, ext_proc = (free_port() for _ in range(3))
-    start_engine(engine, EngineOptions(args.chunks, args.chunk_delay_ms / 1000, args.block_size, publisher, tokenize))
+    start_engine(engine, EngineOptions(args.chunks, args.chunk_delay_ms / 1000, publisher, tokenize))
     # The loop thread's CPU time, not the wall clock: on a loaded machine the wall clock charges
     # whatever ran last with the time the process waited for a core.
     profile = ["-c", "import cProfile, runpy, sys, time; profile = cProfile.Profile(time.thread_time); "
