@@ -8,6 +8,16 @@ against one fast fake engine (asyncio, a fixed 60-byte JSON answer), three ways:
 
     python bench/gateway.py [--seconds 5] [--connections 1,16] [--prompt-tokens 1024] [--paths direct,envoy,picker]
                             [--backend asyncio|uvloop|trio]   (serve's event loop)
+                            [--prompt ids|text] [--answer json|sse] [--events] [--block-size 16]
+
+As bench/real_gateway.py's requests are, without vLLM: `--prompt text` sends text prompts (64
+of them in turn, random token ids of the tests' tiny tokenizer decoded, so that each is about
+`--prompt-tokens` tokens) that `serve` tokenizes (`--tokenizer m=`: tests/engines/tiny_model.py's
+tokenizer, built here); `--answer sse` asks for a stream (`"stream": true`, `stream_options`) and
+the engine answers as vLLM does: `--chunks` SSE events `--chunk-delay-ms` apart, one with the
+usage, `data: [DONE]`; `--events` has the engine publish each prompt's blocks (BlockStored,
+msgpack over ZMQ, as vLLM) and `serve` subscribe to them (`--kv-events subscribe`). Envoy sends
+the engine the picker's requests chunked (the engine reads both framings).
 
 Everything shares the machine's cores (Envoy runs one worker thread); read the figures as what
 each hop adds here, not as any one part's ceiling. For the picker's paths, "cpu ms" is `serve`'s
@@ -40,26 +50,116 @@ from http_load import free_port, wait_port  # noqa: E402
 ANSWER = b'{"object":"text_completion","choices":[{"text":"ok","index":0}]}'
 
 
+class EngineOptions:
+    """How the fake engine answers: `chunks` SSE events `delay` seconds apart to a request asking
+    for a stream; with `publish` (a `Publisher`), each prompt's tokens are published as stored
+    (`tokenize` reads a text prompt's tokens)."""
+
+    def __init__(self, chunks: int = 16, delay: float = 0.002, publish: Any = None, tokenize: Any = None) -> None:
+        self.chunks, self.delay = chunks, delay
+        self.publish, self.tokenize = publish, tokenize
+
+
+def sse_events(chunks: int, prompt_tokens: int) -> list[bytes]:
+    """vLLM's `/v1/completions` stream (with `include_usage`): a token an event, the usage, [DONE]."""
+    head = {"id": "cmpl-0123456789abcdef", "object": "text_completion", "created": 1765000000, "model": "m"}
+    out = [b"data: %s\n\n" % json.dumps({**head, "choices": [{"index": 0, "text": " tok", "logprobs": None,
+                                                             "finish_reason": None if i < chunks - 1 else "length",
+                                                             "stop_reason": None}], "usage": None}).encode()
+           for i in range(chunks)]
+    usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + chunks, "completion_tokens": chunks,
+             "prompt_tokens_details": {"cached_tokens": prompt_tokens // 2}}
+    out.append(b"data: %s\n\n" % json.dumps({**head, "choices": [], "usage": usage}).encode())
+    out.append(b"data: [DONE]\n\n")
+    return out
+
+
 class _Engine(asyncio.Protocol):
-    """Answers each request (head + content-length body) with ANSWER, keep-alive."""
+    """Answers each request (head + content-length body) with ANSWER, or with an SSE stream when
+    it asks for one (EngineOptions), keep-alive."""
+
+    options = EngineOptions()
 
     def connection_made(self, transport: Any) -> None:
         self.transport, self.buffer = transport, b""
+        self.loop = asyncio.get_running_loop()
+        self.streaming: list[bytes] = []  # the events still to send of the stream under way
+        self.queued: list[bytes] = []  # requests that came in meanwhile (a client may pipeline)
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
         while (end := self.buffer.find(b"\r\n\r\n")) >= 0:
             head = self.buffer[:end].lower()
-            match = re.search(rb"content-length:\s*(\d+)", head)
-            size = int(match.group(1)) if match else 0
-            if len(self.buffer) < end + 4 + size:
-                return
-            self.buffer = self.buffer[end + 4 + size:]
-            self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                                 % (len(ANSWER), ANSWER))
+            if b"transfer-encoding: chunked" in head:
+                body, rest = _dechunk(self.buffer[end + 4:])
+                if rest is None:
+                    break
+                self.buffer = rest
+            else:
+                match = re.search(rb"content-length:\s*(\d+)", head)
+                size = int(match.group(1)) if match else 0
+                if len(self.buffer) < end + 4 + size:
+                    break
+                body = self.buffer[end + 4:end + 4 + size]
+                self.buffer = self.buffer[end + 4 + size:]
+            self.queued.append(body)
+        if not self.streaming:
+            self._next()
+
+    def _next(self) -> None:
+        while self.queued:
+            body = self.queued.pop(0)
+            options = self.options
+            stream = b'"stream": true' in body or b'"stream":true' in body
+            tokens = 0
+            if stream or options.publish is not None:
+                request = json.loads(body)
+                prompt = request["prompt"]
+                ids = options.tokenize(prompt) if isinstance(prompt, str) else prompt
+                tokens = len(ids)
+                if options.publish is not None:
+                    options.publish(ids)
+            if not stream:
+                self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                                     b"content-length: %d\r\n\r\n%s" % (len(ANSWER), ANSWER))
+                continue
+            self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                                 b"transfer-encoding: chunked\r\n\r\n")
+            self.streaming = sse_events(options.chunks, tokens)
+            self.loop.call_later(options.delay, self._event)
+            return
+
+    def _event(self) -> None:
+        if self.transport.is_closing():  # the client went away mid-stream (wrk stops)
+            return
+        event = self.streaming.pop(0)
+        self.transport.write(b"%x\r\n%s\r\n" % (len(event), event))
+        if self.streaming:
+            self.loop.call_later(self.options.delay, self._event)
+        else:
+            self.transport.write(b"0\r\n\r\n")
+            self._next()
 
 
-def start_engine(port: int) -> None:
+def _dechunk(data: bytes) -> tuple[bytes, bytes | None]:
+    """A chunked body's bytes and what follows it (None: not whole yet)."""
+    body, at = b"", 0
+    while (line := data.find(b"\r\n", at)) >= 0:
+        size = int(data[at:line].split(b";")[0], 16)
+        if size == 0:
+            end = data.find(b"\r\n", line + 2)
+            return (body, data[end + 2:]) if end >= 0 else (b"", None)
+        if len(data) < line + 2 + size + 2:
+            break
+        body += data[line + 2:line + 2 + size]
+        at = line + 2 + size + 2
+    return b"", None
+
+
+def start_engine(port: int, options: EngineOptions | None = None) -> None:
+    if options is not None:
+        _Engine.options = options
+
     def run() -> None:
         loop = asyncio.new_event_loop()
         server = loop.run_until_complete(loop.create_server(_Engine, "127.0.0.1", port))
@@ -69,12 +169,61 @@ def start_engine(port: int) -> None:
     wait_port(port)
 
 
+class Publisher:
+    """The engine's KV events as vLLM publishes them: a batch `[ts, [BlockStored...], dp_rank]`
+    on a PUB socket, numbered, each prompt's whole blocks (vLLM's hashes here: arbitrary numbers)."""
+
+    def __init__(self, block_size: int) -> None:
+        import zmq
+
+        self.block_size = block_size
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.pub = zmq.Context.instance().socket(zmq.PUB)
+        self.pub.bind(self.endpoint)
+        self.seq = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, ids: list[int]) -> None:
+        import msgpack
+
+        size = self.block_size
+        whole = len(ids) // size * size
+        hashes = [hash(tuple(ids[:end])) & (2**63 - 1) for end in range(size, whole + 1, size)]
+        payload = msgpack.packb([time.time(), [["BlockStored", hashes, None, list(ids[:whole]), size, None, "GPU",
+                                                None, None]], 0])
+        with self.lock:
+            self.seq += 1
+            self.pub.send_multipart([b"", self.seq.to_bytes(8, "big"), payload])
+
+
+def text_prompts(folder: str, tokens: int, count: int = 64) -> tuple[list[str], Any]:
+    """`count` text prompts of about `tokens` tokens of the tests' tiny tokenizer (built in
+    `folder`), as vLLM's benchmark makes them: random token ids, decoded; and its encoder."""
+    import random
+    from pathlib import Path
+
+    sys.path.insert(0, os.path.join(ROOT, "tests", "engines"))
+    from tiny_model import build_tokenizer
+    from tokenizers import Tokenizer
+
+    build_tokenizer(Path(folder))
+    tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    rng = random.Random(42)
+    # Decoded ids merge when read again (1,024 random ids read back as ~740 tokens): scaled once.
+    trial = tokenizer.decode([rng.randrange(2, 1024) for _ in range(tokens)])
+    ids = round(tokens * tokens / len(tokenizer.encode(trial).ids))
+    prompts = [tokenizer.decode([rng.randrange(2, 1024) for _ in range(ids)]) for _ in range(count)]
+    return prompts, lambda text: tokenizer.encode(text).ids
+
+
 # What Envoy sends the picker of the response (the request is always sent whole, streamed).
 RESPONSE_MODES = {
     "streamed": {"response_header_mode": "SEND", "response_body_mode": "FULL_DUPLEX_STREAMED",
                  "response_trailer_mode": "SEND"},  # deploy/envoy/envoy.yaml: prefill seen at the first chunk
     "headers": {"response_header_mode": "SEND", "response_body_mode": "NONE", "response_trailer_mode": "SKIP"},
     "none": {"response_header_mode": "SKIP", "response_body_mode": "NONE", "response_trailer_mode": "SKIP"},
+    # bench/real_gateway.py's `-lean`: the answer streams past the picker; its trailers end the booking
+    "lean": {"response_header_mode": "SEND", "response_body_mode": "NONE", "response_trailer_mode": "SEND"},
 }
 
 
@@ -144,12 +293,15 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def wrk(port: int, body: bytes, connections: int, seconds: int) -> dict[str, float]:
-    with tempfile.NamedTemporaryFile("wb", suffix=".json", delete=False) as data, \
+def wrk(port: int, bodies: list[bytes], connections: int, seconds: int) -> dict[str, float]:
+    """wrk's figures sending `bodies` in turn (each connection from the first)."""
+    with tempfile.NamedTemporaryFile("wb", suffix=".jsonl", delete=False) as data, \
             tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
-        data.write(body)
+        data.write(b"\n".join(bodies) + b"\n")
         script.write('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-                     f'local f = io.open("{data.name}", "rb")\nwrk.body = f:read("*all")\nf:close()\n')
+                     f'local bodies = {{}}\nfor line in io.lines("{data.name}") do bodies[#bodies + 1] = line end\n'
+                     'local i = 0\nrequest = function()\n  i = i % #bodies + 1\n'
+                     '  return wrk.format(nil, nil, nil, bodies[i])\nend\n')
     try:
         out = subprocess.run(["wrk", "-t", str(min(connections, 2)), "-c", str(connections), "-d", f"{seconds}s",
                               "--latency", "-s", script.name, f"http://127.0.0.1:{port}/v1/completions"],
@@ -172,28 +324,124 @@ def wrk(port: int, body: bytes, connections: int, seconds: int) -> dict[str, flo
     return {"rps": float(rate.group(1)), "p50_ms": ms("50%"), "p99_ms": ms("99%"), "requests": int(total.group(1))}
 
 
+def in_process(args: argparse.Namespace, bodies: list[bytes], tokenizer: str | None) -> None:
+    """`--in-process`: the Sans-IO part of each request alone (no sockets, no HTTP/2): the
+    messages Envoy sends for it, as bytes, read and answered by one `ExtProcStream` as the gRPC
+    server's handler does (`ProcessingRequest.FromString`, `receive`, the body prepared and
+    routed, replies serialized, the deferred work run), in CPU microseconds (process time)."""
+    import random
+
+    from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+    from envoy.service.ext_proc.v3.external_processor_pb2 import (
+        HttpBody,
+        HttpHeaders,
+        HttpTrailers,
+        ProcessingRequest,
+    )
+
+    from selection_proto.adapters.ext_proc import ExtProcStream, prepare_body
+    from selection_proto.core.base.settings import Settings
+    from selection_proto.core.service import SelectionService
+    from selection_proto.transports.ext_proc import load_tokenizers
+
+    tokenizers = load_tokenizers((("m", tokenizer),)) if tokenizer else {}
+    service = SelectionService(Settings(kv_events="approximate"), random.Random(0))
+    record = {"worker_id": 1, "model_name": "m", "block_size": args.block_size, "endpoint": "http://127.0.0.1:8000"}
+    assert service.handle("POST", "/workers", "", [("content-type", "application/json")], json.dumps(record).encode(),
+                          now=0.0).status == 201
+    head = ProcessingRequest(request_headers=HttpHeaders(headers=HeaderMap(headers=[
+        HeaderValue(key=k, raw_value=v.encode()) for k, v in ((":path", "/v1/completions"), (":method", "POST"),
+                                                               ("content-type", "application/json"))])))
+    answer = sse_events(args.chunks, args.prompt_tokens) if args.answer == "sse" else [ANSWER]
+    tail = [ProcessingRequest(response_headers=HttpHeaders()).SerializeToString(),
+            *(ProcessingRequest(response_body=HttpBody(body=chunk)).SerializeToString() for chunk in answer),
+            ProcessingRequest(response_body=HttpBody(end_of_stream=True)).SerializeToString()
+            if args.answer == "sse" else ProcessingRequest(response_trailers=HttpTrailers()).SerializeToString()]
+    requests = [[head.SerializeToString(), ProcessingRequest(request_body=HttpBody(body=body, end_of_stream=True)
+                                                             ).SerializeToString(), *tail] for body in bodies]
+    now = 1.0
+
+    def one(messages: list[bytes]) -> None:
+        stream = ExtProcStream(service, tokenizers, defer_parse=True)
+        for payload in messages:
+            stream.receive(ProcessingRequest.FromString(payload), now)
+            if stream.body_ready:
+                stream.route_prepared(prepare_body(stream.take_body(), tokenizers, service.pools), now)
+            for reply in stream.replies():
+                reply.SerializeToString()
+            stream.replies_written()
+            service.deferred.run()
+        stream.close(now)
+
+    for messages in requests:  # warm: every prompt seen once
+        one(messages)
+    rounds = []
+    for _ in range(5):
+        start = time.process_time()
+        for messages in requests * 4:
+            one(messages)
+        rounds.append((time.process_time() - start) * 1e6 / (4 * len(requests)))
+    print(f"in process, {len(tail) + 2} messages a request: {min(rounds):.0f} us a request (median of five "
+          f"{sorted(rounds)[2]:.0f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=int, default=5)
     parser.add_argument("--connections", default="1,16")
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--paths", default="direct,envoy,picker",
-                        help="picker takes the response mode: picker (streamed), picker:headers, picker:none")
+                        help="picker takes the response mode: picker (streamed), picker:headers, picker:none, picker:lean")
     parser.add_argument("--backend", default="asyncio", choices=("asyncio", "uvloop", "trio"))
+    parser.add_argument("--prompt", default="ids", choices=("ids", "text"), help="token ids, or text serve tokenizes")
+    parser.add_argument("--answer", default="json", choices=("json", "sse"), help="one JSON answer, or a stream")
+    parser.add_argument("--chunks", type=int, default=16, help="SSE events of tokens a stream (16)")
+    parser.add_argument("--chunk-delay-ms", type=float, default=2.0, help="between a stream's events (2)")
+    parser.add_argument("--events", action="store_true", help="the engine publishes its blocks; serve subscribes")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--idle-seconds", type=float, default=2.0, help="serve's idle CPU measured first (2)")
+    parser.add_argument("--in-process", action="store_true", help="the picker's Sans-IO part alone, no sockets")
+    parser.add_argument("--profile", metavar="FILE", help="run serve under cProfile, its stats written to FILE")
+    parser.add_argument("--no-booked", action="store_true",
+                        help="no sampling of /loads (its requests are ~1%% of serve's CPU at 1k token ids, more with SSE)")
     args = parser.parse_args()
-    body = json.dumps({"model": "m", "prompt": list(range(args.prompt_tokens)), "max_tokens": 1}).encode()
-    engine, api, ext_proc = (free_port() for _ in range(3))
-    start_engine(engine)
-    serve = subprocess.Popen([sys.executable, "-m", "selection_proto", "serve", "--port", str(api), "--kv-events",
-                              "approximate", "--ext-proc-port", str(ext_proc), "--backend", args.backend], stderr=subprocess.DEVNULL)
     folder = tempfile.mkdtemp()
+    stream = {"stream": True, "stream_options": {"include_usage": True}} if args.answer == "sse" else {}
+    tokenize = None
+    serve_args = []
+    if args.prompt == "text":
+        prompts, tokenize = text_prompts(os.path.join(folder, "tokenizer"), args.prompt_tokens)
+        bodies = [json.dumps({"model": "m", "prompt": p, "max_tokens": args.chunks, **stream}).encode() for p in prompts]
+        serve_args = ["--tokenizer", f"m={os.path.join(folder, 'tokenizer')}"]
+    else:
+        bodies = [json.dumps({"model": "m", "prompt": list(range(args.prompt_tokens)), "max_tokens": 1,
+                              **stream}).encode()]
+    if args.in_process:
+        in_process(args, bodies, os.path.join(folder, "tokenizer") if args.prompt == "text" else None)
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    publisher = Publisher(args.block_size) if args.events else None
+    engine, api, ext_proc = (free_port() for _ in range(3))
+    start_engine(engine, EngineOptions(args.chunks, args.chunk_delay_ms / 1000, publisher, tokenize))
+    # The loop thread's CPU time, not the wall clock: on a loaded machine the wall clock charges
+    # whatever ran last with the time the process waited for a core.
+    profile = ["-c", "import cProfile, runpy, sys, time; profile = cProfile.Profile(time.thread_time); "
+               "sys.argv[0] = 'selection_proto'; profile.enable()\ntry: runpy.run_module('selection_proto', "
+               f"run_name='__main__')\nfinally: profile.disable(); profile.dump_stats({args.profile!r})"] \
+        if args.profile else ["-m", "selection_proto"]
+    serve = subprocess.Popen([sys.executable, *profile, "serve", "--port", str(api), "--kv-events",
+                              "subscribe" if args.events else "approximate", "--ext-proc-port", str(ext_proc),
+                              "--backend", args.backend, *serve_args], stderr=subprocess.DEVNULL)
     envoys: list[subprocess.Popen[bytes]] = []
     try:
         wait_port(api)
         wait_port(ext_proc)
+        record = {"worker_id": 1, "model_name": "m", "block_size": args.block_size,
+                  "endpoint": f"http://127.0.0.1:{engine}"}
+        if publisher is not None:
+            record["kv_events_endpoint"] = publisher.endpoint
         request = urllib.request.Request(f"http://127.0.0.1:{api}/workers", method="POST", data=json.dumps(
-            {"worker_id": 1, "model_name": "m", "block_size": 16, "endpoint": f"http://127.0.0.1:{engine}"}).encode(),
-            headers={"content-type": "application/json"})
+            record).encode(), headers={"content-type": "application/json"})
         urllib.request.urlopen(request).read()
         paths = args.paths.split(",")
         ports = {"direct": engine}
@@ -206,17 +454,22 @@ def main() -> None:
                                             "--base-id", str(listen), "--concurrency", "1", "--log-level", "error"]))
             wait_port(listen)
             ports[path] = listen
-        time.sleep(2)  # the picker's health check passes
+        time.sleep(2)  # the picker's health check passes (and its subscription opens)
+        idle = cpu_seconds(serve.pid)
+        time.sleep(args.idle_seconds)
+        print(f"serve idle: {(cpu_seconds(serve.pid) - idle) * 1000 / args.idle_seconds:.1f} ms of CPU a second",
+              flush=True)
         rows = []
         for connections in (int(c) for c in args.connections.split(",")):
             for path in paths:
-                held = BookingSampler(api) if path.startswith("picker") else None
+                held = BookingSampler(api) if path.startswith("picker") and not args.no_booked else None
                 before = cpu_seconds(serve.pid)
-                result = wrk(ports[path], body, connections, args.seconds)
+                result = wrk(ports[path], bodies, connections, args.seconds)
                 # serve's CPU a request: the picker's own work (the sampler's requests are ~1%)
                 cpu = (cpu_seconds(serve.pid) - before) * 1000 / result["requests"]
                 rows.append({"path": path, "connections": connections, **result,
-                             **({"booked_share": held.stop(), "serve_cpu_ms": cpu} if held is not None else {})})
+                             **({"booked_share": held.stop() if held else float("nan"), "serve_cpu_ms": cpu}
+                                if path.startswith("picker") else {})})
         print(f"{'path':16} {'conns':>5} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'booked':>7} {'cpu ms':>7}")
         for row in rows:
             picked = f"{row['booked_share']:>7.0%} {row['serve_cpu_ms']:>7.2f}" if "booked_share" in row else ""

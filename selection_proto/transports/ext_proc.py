@@ -32,7 +32,7 @@ from .ext_proc_calls import (
     bearer_matches,
 )
 from .logs import log
-from .loop_stream import LoopListener, on_asyncio
+from .loop_stream import LoopListener, LoopStream, on_asyncio
 
 if TYPE_CHECKING:
     from ..adapters.openai import ChatTokenizer
@@ -272,8 +272,13 @@ class _Connection:
             self.deadlines.popleft()
         closing, limit = self._closing_time()
         body_deadline = self.deadlines[0][0] if self.deadlines else float("inf")
-        with anyio.move_on_after(min(closing, body_deadline) - clock()):
-            return await self.stream.receive()
+        timeout = min(closing, body_deadline) - clock()
+        if isinstance(self.stream, LoopStream):
+            if (data := await self.stream.receive_within(timeout)) is not None:
+                return data
+        else:
+            with anyio.move_on_after(timeout):
+                return await self.stream.receive()
         now = clock()
         closing, limit = self._closing_time()  # (what the deadline's wait spanned may have moved it)
         if now >= closing:

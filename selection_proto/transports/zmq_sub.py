@@ -232,7 +232,10 @@ class ZmqHub:
 def _deliver(stream: Any, token: Any, item: Any) -> bool:
     """Hand `item` to the loop's task, waiting while its stream is full; False when it is gone."""
     try:
-        anyio.from_thread.run(stream.send, item, token=token)
+        try:  # a call on the loop, no task (the stream has room but while the loop lags behind)
+            anyio.from_thread.run_sync(stream.send_nowait, item, token=token)
+        except anyio.WouldBlock:
+            anyio.from_thread.run(stream.send, item, token=token)
     except (anyio.BrokenResourceError, anyio.ClosedResourceError, RuntimeError):
         return False
     return True

@@ -27,10 +27,10 @@ CORPUS = [
 ]
 
 
-def build(folder: Path, hidden_size: int = 128, layers: int = 2) -> None:
-    import torch
+def build_tokenizer(folder: Path) -> None:
+    """The tokenizer alone (`tokenizer.json`, `tokenizer_config.json`): it needs only the
+    `tokenizers` wheel, so that a picker's bench can tokenize as the engines' picker does."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer(models.BPE(unk_token=None))
@@ -47,6 +47,13 @@ def build(folder: Path, hidden_size: int = 128, layers: int = 2) -> None:
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
         "model_max_length": 2048, "chat_template": CHAT_TEMPLATE,
     }))
+
+
+def build(folder: Path, hidden_size: int = 128, layers: int = 2) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    build_tokenizer(folder)
     torch.manual_seed(0)
     heads = max(4, hidden_size // 32)  # heads of 32 dimensions, two queries to a KV head
     config = LlamaConfig(vocab_size=1024, hidden_size=hidden_size, intermediate_size=2 * hidden_size,

@@ -113,9 +113,10 @@ def _tokens(value: Any, where: str) -> tuple[tuple[int, ...], bool]:
         tokens, eagle = flat, True
     else:
         tokens, eagle = value, False
-    for t in tokens:
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= 0xFFFFFFFF:
-            raise InvalidBatch(f"{where}: {what}")
+    # Checked at C speed (a prompt's thousand ids a batch): msgpack gives ints as `int` exactly,
+    # so any other type (a bool, a float, a string) is refused, then the range on the extremes.
+    if set(map(type, tokens)) - {int} or (tokens and not (min(tokens) >= 0 and max(tokens) <= 0xFFFFFFFF)):
+        raise InvalidBatch(f"{where}: {what}")
     return tuple(tokens), eagle
 
 
