@@ -13,6 +13,12 @@ behaviours, with the variants that were measured before deciding them:
 its booked prefill stays booked until requests are freed and would read every rank saturated.
 
     python bench/round3.py [--reference-python .venv-reference/bin/python] [--requests 2000] [--quick]
+                           [--seeds 0,1,...]
+
+`--seeds` runs each case once per seed (the random tie-breaks of every router; the trace and the
+fleet stay) with the oracle, Dynamo's cost and `ttft` only, and prints per case the geometric
+mean of ttft / oracle over the seeds, its range, and how many seeds are past 1.10x: a single
+case moves by up to ±15% with the seed (docs/ROUTING.md, "How close to the oracle").
 
 Runs in process (`simulate`'s API); Dynamo 1.6.1 over HTTP when `--reference-python` is given,
 else its cost in process (`router_policy=dynamo`) stands in for it."""
@@ -20,7 +26,9 @@ else its cost in process (`router_policy=dynamo`) stands in for it."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -66,6 +74,7 @@ def main() -> int:
     parser.add_argument("--reference-python", default=None)
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--quick", action="store_true", help="four cases only")
+    parser.add_argument("--seeds", help="comma-separated seeds: ttft, the oracle and Dynamo's cost at each")
     args = parser.parse_args()
     synthetic = os.path.join(tempfile.mkdtemp(), "synthetic.jsonl")
     synthetic_trace(synthetic, args.requests)
@@ -87,6 +96,8 @@ def main() -> int:
         (0.8, 8, True), (1.1, 8, True), (0.8, 4, True), (0.8, 8, False))]
     if args.quick:
         cases = cases[:1] + cases[4:5] + cases[-4:-3] + cases[-1:]
+    if args.seeds:
+        return over_seeds(cases, [int(s) for s in args.seeds.split(",")], synthetic, args.requests, url, reference)
     print("| trace | slice | load | engines | clients | speeds | oracle mean | Dynamo mean / p99 | ttft mean / p99 "
           "| ttft / oracle | ttft / Dynamo: mean, p99 | round 2 / oracle | +ttl 1 s / oracle | whole / oracle "
           "| tokens: mean, p99 / oracle |")
@@ -116,6 +127,38 @@ def main() -> int:
                   f"| {whole.ttft['mean'] / o['mean']:.2f}x "
                   f"| {tokens.ttft['mean'] / o['mean']:.2f}x ({tokens.ttft['mean']:.3f} / {tokens.ttft['p99']:.3f}) |",
                   flush=True)
+    finally:
+        if reference is not None:
+            reference.terminate()
+            reference.wait(timeout=30)
+    return 0
+
+
+def over_seeds(cases: list[tuple[str, int, float, int, bool, tuple[float, ...]]], seeds: list[int], synthetic: str,
+               requests: int, url: str | None, reference: subprocess.Popen[bytes] | None) -> int:
+    print(f"| trace | slice | load | engines | clients | speeds | oracle mean | Dynamo mean | ttft mean "
+          f"| ttft / oracle over {len(seeds)} seeds: geometric mean (range) | seeds past 1.10x | ttft / Dynamo |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    try:
+        for name, skip, load, engines, told, speeds in cases:
+            path = TRACE if name == "conversation" else synthetic
+            skip = skip if name == "conversation" else 0
+
+            def trace(path: str = path, skip: int = skip) -> Iterator[Any]:
+                return parse_trace(_lines(path), path, 512, skip=skip, limit=requests, kv_blocks=1000)
+
+            runs = []
+            for seed in seeds:
+                config = FleetConfig(engines=engines, load=load, prefill_complete=told, engine_speeds=speeds, seed=seed)
+                runs.append([run_one(trace, config, label, setting).ttft["mean"] for label, setting in (
+                    ("oracle", None), ("dynamo", url or Settings(kv_events="push")), ("ttft", TTFT))])
+            ratios = [t / o for o, _, t in runs]
+            geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+            oracle, dynamo, ttft = (statistics.fmean(column) for column in zip(*runs, strict=True))
+            print(f"| {name} | {skip}-{skip + requests} | {load} | {engines} | {'report' if told else 'silent'} "
+                  f"| {','.join(map(str, speeds)) or '-'} | {oracle:.3f} | {dynamo:.3f} | {ttft:.3f} "
+                  f"| {geomean:.3f}x ({min(ratios):.2f}-{max(ratios):.2f}) | {sum(r > 1.10 for r in ratios)} "
+                  f"| {ttft / dynamo:.2f}x |", flush=True)
     finally:
         if reference is not None:
             reference.terminate()
