@@ -69,6 +69,12 @@ def run_one(trace: Callable[[], Iterator[Any]], config: FleetConfig, name: str, 
     return result
 
 
+def case_trace(name: str, skip: int, synthetic: str, requests: int) -> Callable[[], Iterator[Any]]:
+    """A case's trace, read afresh at each call: the conversation trace from `skip`, or the synthetic one."""
+    path, skip = (TRACE, skip) if name == "conversation" else (synthetic, 0)
+    return lambda: parse_trace(_lines(path), path, 512, skip=skip, limit=requests, kv_blocks=1000)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reference-python", default=None)
@@ -104,12 +110,8 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     try:
         for name, skip, load, engines, told, speeds in cases:
-            path = TRACE if name == "conversation" else synthetic
+            trace = case_trace(name, skip, synthetic, args.requests)
             skip = skip if name == "conversation" else 0
-
-            def trace(path: str = path, skip: int = skip) -> Iterator[Any]:
-                return parse_trace(_lines(path), path, 512, skip=skip, limit=args.requests, kv_blocks=1000)
-
             config = FleetConfig(engines=engines, load=load, prefill_complete=told, engine_speeds=speeds)
             oracle = run_one(trace, config, "oracle", None)
             dynamo = run_one(trace, config, "dynamo", url or Settings(kv_events="push"))
@@ -141,12 +143,8 @@ def over_seeds(cases: list[tuple[str, int, float, int, bool, tuple[float, ...]]]
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     try:
         for name, skip, load, engines, told, speeds in cases:
-            path = TRACE if name == "conversation" else synthetic
+            trace = case_trace(name, skip, synthetic, requests)
             skip = skip if name == "conversation" else 0
-
-            def trace(path: str = path, skip: int = skip) -> Iterator[Any]:
-                return parse_trace(_lines(path), path, 512, skip=skip, limit=requests, kv_blocks=1000)
-
             runs = []
             for seed in seeds:
                 config = FleetConfig(engines=engines, load=load, prefill_complete=told, engine_speeds=speeds, seed=seed)

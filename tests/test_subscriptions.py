@@ -83,6 +83,17 @@ def http_text(port: int, path: str) -> str:
         return read_response(sock, bytearray())[2].decode()
 
 
+def subscribed_to(handler: Any, **options: Any) -> tuple[Any, Server]:
+    """A WebSocket engine serving `handler` on loopback, and a server with worker 1 subscribed to it."""
+    wport = free_port()
+    engine = ws_serve(handler, "127.0.0.1", wport, **options)
+    threading.Thread(target=engine.serve_forever, daemon=True).start()
+    server = Server(mode="subscribe")
+    http(server.port, "POST", "/workers", {"worker_id": 1, "endpoint": "http://w1", "block_size": 4,
+                                          "kv_events_endpoint": f"ws://127.0.0.1:{wport}/events"})
+    return engine, server
+
+
 def test_websocket_engine_endpoint_with_reconnect() -> None:
     connections: list[int] = []
 
@@ -99,14 +110,8 @@ def test_websocket_engine_endpoint_with_reconnect() -> None:
         except Exception:  # noqa: BLE001 - the service closes the subscription at the end
             pass
 
-    wport = free_port()
-    engine = ws_serve(handler, "127.0.0.1", wport)
-    thread = threading.Thread(target=engine.serve_forever, daemon=True)
-    thread.start()
-    server = Server(mode="subscribe")
+    engine, server = subscribed_to(handler)
     try:
-        http(server.port, "POST", "/workers", {"worker_id": 1, "endpoint": "http://w1", "block_size": 4,
-                                              "kv_events_endpoint": f"ws://127.0.0.1:{wport}/events"})
         assert wait_for(lambda: device_blocks(server.port) == {1: 2})
         assert len(connections) == 2
         _, answer = http(server.port, "POST", "/overlap_scores", {"token_ids": list(range(1, 9))})
@@ -150,14 +155,8 @@ def test_large_websocket_messages_apply_in_order_and_bad_ones_drop_as_small_ones
         except Exception:  # noqa: BLE001 - the service closes the subscription at the end
             pass
 
-    wport = free_port()
-    engine = ws_serve(handler, "127.0.0.1", wport, max_size=None)
-    thread = threading.Thread(target=engine.serve_forever, daemon=True)
-    thread.start()
-    server = Server(mode="subscribe")
+    engine, server = subscribed_to(handler, max_size=None)
     try:
-        http(server.port, "POST", "/workers", {"worker_id": 1, "endpoint": "http://w1", "block_size": 4,
-                                              "kv_events_endpoint": f"ws://127.0.0.1:{wport}/events"})
         expected = [*range(2, 6001), 6002]
 
         def stored_blocks() -> list[int]:
