@@ -103,7 +103,11 @@ def main() -> int:
     if args.quick:
         cases = cases[:1] + cases[4:5] + cases[-4:-3] + cases[-1:]
     if args.seeds:
-        return over_seeds(cases, [int(s) for s in args.seeds.split(",")], synthetic, args.requests, url, reference)
+        try:
+            return over_seeds(cases, [int(s) for s in args.seeds.split(",")], synthetic, args.requests, url)
+        finally:
+            if reference is not None:
+                reference.terminate()
     print("| trace | slice | load | engines | clients | speeds | oracle mean | Dynamo mean / p99 | ttft mean / p99 "
           "| ttft / oracle | ttft / Dynamo: mean, p99 | round 2 / oracle | +ttl 1 s / oracle | whole / oracle "
           "| tokens: mean, p99 / oracle |")
@@ -137,30 +141,25 @@ def main() -> int:
 
 
 def over_seeds(cases: list[tuple[str, int, float, int, bool, tuple[float, ...]]], seeds: list[int], synthetic: str,
-               requests: int, url: str | None, reference: subprocess.Popen[bytes] | None) -> int:
+               requests: int, url: str | None) -> int:
     print(f"| trace | slice | load | engines | clients | speeds | oracle mean | Dynamo mean | ttft mean "
           f"| ttft / oracle over {len(seeds)} seeds: geometric mean (range) | seeds past 1.10x | ttft / Dynamo |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    try:
-        for name, skip, load, engines, told, speeds in cases:
-            trace = case_trace(name, skip, synthetic, requests)
-            skip = skip if name == "conversation" else 0
-            runs = []
-            for seed in seeds:
-                config = FleetConfig(engines=engines, load=load, prefill_complete=told, engine_speeds=speeds, seed=seed)
-                runs.append([run_one(trace, config, label, setting).ttft["mean"] for label, setting in (
-                    ("oracle", None), ("dynamo", url or Settings(kv_events="push")), ("ttft", TTFT))])
-            ratios = [t / o for o, _, t in runs]
-            geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
-            oracle, dynamo, ttft = (statistics.fmean(column) for column in zip(*runs, strict=True))
-            print(f"| {name} | {skip}-{skip + requests} | {load} | {engines} | {'report' if told else 'silent'} "
-                  f"| {','.join(map(str, speeds)) or '-'} | {oracle:.3f} | {dynamo:.3f} | {ttft:.3f} "
-                  f"| {geomean:.3f}x ({min(ratios):.2f}-{max(ratios):.2f}) | {sum(r > 1.10 for r in ratios)} "
-                  f"| {ttft / dynamo:.2f}x |", flush=True)
-    finally:
-        if reference is not None:
-            reference.terminate()
-            reference.wait(timeout=30)
+    for name, skip, load, engines, told, speeds in cases:
+        trace = case_trace(name, skip, synthetic, requests)
+        skip = skip if name == "conversation" else 0
+        runs = []
+        for seed in seeds:
+            config = FleetConfig(engines=engines, load=load, prefill_complete=told, engine_speeds=speeds, seed=seed)
+            runs.append([run_one(trace, config, label, setting).ttft["mean"] for label, setting in (
+                ("oracle", None), ("dynamo", url or Settings(kv_events="push")), ("ttft", TTFT))])
+        ratios = [t / o for o, _, t in runs]
+        geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+        oracle, dynamo, ttft = (statistics.fmean(column) for column in zip(*runs, strict=True))
+        print(f"| {name} | {skip}-{skip + requests} | {load} | {engines} | {'report' if told else 'silent'} "
+              f"| {','.join(map(str, speeds)) or '-'} | {oracle:.3f} | {dynamo:.3f} | {ttft:.3f} "
+              f"| {geomean:.3f}x ({min(ratios):.2f}-{max(ratios):.2f}) | {sum(r > 1.10 for r in ratios)} "
+              f"| {ttft / dynamo:.2f}x |", flush=True)
     return 0
 
 
