@@ -13,12 +13,14 @@ behaviours, with the variants that were measured before deciding them:
 its booked prefill stays booked until requests are freed and would read every rank saturated.
 
     python bench/round3.py [--reference-python .venv-reference/bin/python] [--requests 2000] [--quick]
-                           [--seeds 0,1,...]
+                           [--seeds 0,1,...] [--slices 0,4000]
 
 `--seeds` runs each case once per seed (the random tie-breaks of every router; the trace and the
 fleet stay) with the oracle, Dynamo's cost and `ttft` only, and prints per case the geometric
 mean of ttft / oracle over the seeds, its range, and how many seeds are past 1.10x: a single
-case moves by up to ±15% with the seed (docs/ROUTING.md, "How close to the oracle").
+case moves by up to ±15% with the seed (docs/ROUTING.md, "How close to the oracle"). `--slices`
+names where the conversation trace's cases start (0 and 4000 unless given); with `--seeds` and
+more than two slices, a second table gives each configuration over all its slices and seeds.
 
 Runs in process (`simulate`'s API); Dynamo 1.6.1 over HTTP when `--reference-python` is given,
 else its cost in process (`router_policy=dynamo`) stands in for it."""
@@ -26,7 +28,6 @@ else its cost in process (`router_policy=dynamo`) stands in for it."""
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import subprocess
@@ -81,6 +82,8 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--quick", action="store_true", help="four cases only")
     parser.add_argument("--seeds", help="comma-separated seeds: ttft, the oracle and Dynamo's cost at each")
+    parser.add_argument("--slices", default="0,4000", help="comma-separated requests of the conversation trace "
+                        "its cases skip")
     args = parser.parse_args()
     synthetic = os.path.join(tempfile.mkdtemp(), "synthetic.jsonl")
     synthetic_trace(synthetic, args.requests)
@@ -94,7 +97,8 @@ def main() -> int:
         url = f"http://127.0.0.1:{port}"
     # (trace, skip, load, engines, clients report prefill_complete, engine speeds)
     cases: list[tuple[str, int, float, int, bool, tuple[float, ...]]] = []
-    for skip in (0, 4000):
+    slices = [int(s) for s in args.slices.split(",")]
+    for skip in slices:
         cases += [("conversation", skip, load, engines, True, ()) for load, engines in ((0.8, 8), (1.1, 8), (0.8, 4), (0.8, 16))]
         cases += [("conversation", skip, 0.8, 8, False, ()), ("conversation", skip, 0.8, 8, True, (1.0, 0.5)),
                   ("conversation", skip, 0.8, 8, False, (1.0, 0.5))]
@@ -102,6 +106,8 @@ def main() -> int:
         (0.8, 8, True), (1.1, 8, True), (0.8, 4, True), (0.8, 8, False))]
     if args.quick:
         cases = cases[:1] + cases[4:5] + cases[-4:-3] + cases[-1:]
+    if len(slices) > 2:  # the configurations a slice's trajectory moves most, at 0.8 on 8 or 16 engines
+        cases = [case for case in cases if case[2] == 0.8 and case[3] in (8, 16)]
     if args.seeds:
         try:
             return over_seeds(cases, [int(s) for s in args.seeds.split(",")], synthetic, args.requests, url)
@@ -145,6 +151,7 @@ def over_seeds(cases: list[tuple[str, int, float, int, bool, tuple[float, ...]]]
     print(f"| trace | slice | load | engines | clients | speeds | oracle mean | Dynamo mean | ttft mean "
           f"| ttft / oracle over {len(seeds)} seeds: geometric mean (range) | seeds past 1.10x | ttft / Dynamo |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    by_configuration: dict[tuple[str, float, int, bool, tuple[float, ...]], list[float]] = {}
     for name, skip, load, engines, told, speeds in cases:
         trace = case_trace(name, skip, synthetic, requests)
         skip = skip if name == "conversation" else 0
@@ -154,12 +161,21 @@ def over_seeds(cases: list[tuple[str, int, float, int, bool, tuple[float, ...]]]
             runs.append([run_one(trace, config, label, setting).ttft["mean"] for label, setting in (
                 ("oracle", None), ("dynamo", url or Settings(kv_events="push")), ("ttft", TTFT))])
         ratios = [t / o for o, _, t in runs]
-        geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+        by_configuration.setdefault((name, load, engines, told, speeds), []).extend(ratios)
+        geomean = statistics.geometric_mean(ratios)
         oracle, dynamo, ttft = (statistics.fmean(column) for column in zip(*runs, strict=True))
         print(f"| {name} | {skip}-{skip + requests} | {load} | {engines} | {'report' if told else 'silent'} "
               f"| {','.join(map(str, speeds)) or '-'} | {oracle:.3f} | {dynamo:.3f} | {ttft:.3f} "
               f"| {geomean:.3f}x ({min(ratios):.2f}-{max(ratios):.2f}) | {sum(r > 1.10 for r in ratios)} "
               f"| {ttft / dynamo:.2f}x |", flush=True)
+    if len({case[1] for case in cases}) > 2:
+        print("\n| trace | load | engines | clients | speeds | runs | ttft / oracle: geometric mean (range) "
+              "| runs past 1.10x |")
+        print("|---|---|---|---|---|---|---|---|")
+        for (name, load, engines, told, speeds), ratios in by_configuration.items():
+            print(f"| {name} | {load} | {engines} | {'report' if told else 'silent'} | {','.join(map(str, speeds)) or '-'} "
+                  f"| {len(ratios)} | {statistics.geometric_mean(ratios):.3f}x ({min(ratios):.2f}-{max(ratios):.2f}) "
+                  f"| {sum(r > 1.10 for r in ratios)} |")
     return 0
 
 
