@@ -17,6 +17,7 @@ import atexit
 import gc
 import itertools
 import json
+import os
 import runpy
 import selectors
 import sys
@@ -26,6 +27,18 @@ import time
 MAIN = threading.get_ident()
 clock, cpu = time.perf_counter, time.thread_time
 records: list[tuple[object, ...]] = []
+# The loop thread's context switches (opened by that thread: /proc/thread-self resolves then).
+_status = os.open("/proc/thread-self/status", os.O_RDONLY)
+
+
+def switches() -> tuple[int, int]:
+    """This thread's context switches so far: voluntary (it blocked: epoll, a lock, the GIL) and
+    not (the kernel took its core away)."""
+    text = os.pread(_status, 4096, 0)
+    voluntary = text.index(b"voluntary_ctxt_switches:")
+    involuntary = text.index(b"nonvoluntary_ctxt_switches:")
+    return int(text[voluntary + 24:text.index(b"\n", voluntary)]), int(text[involuntary + 27:text.index(b"\n", involuntary)])
+
 
 
 def on_gc(phase: str, info: dict[str, int]) -> None:
@@ -41,7 +54,7 @@ def select(self: selectors.EpollSelector, timeout: float | None = None) -> list[
         return _select(self, timeout)
     start, started = clock(), cpu()
     ready = _select(self, timeout)
-    records.append(("wake", start, clock(), started, cpu(), len(ready)))
+    records.append(("wake", start, clock(), started, cpu(), len(ready), *switches()))
     return ready
 
 
@@ -66,11 +79,23 @@ def patch() -> None:
         return out
 
     ext_proc_calls.ProcessHandler.message = traced  # type: ignore[method-assign]
+    from selection_proto.adapters import openai
+
+    encode = openai.ChatTokenizer._encode
+
+    def traced_encode(self: openai.ChatTokenizer, text: str, add_special_tokens: bool) -> list[int]:
+        start, started = clock(), cpu()
+        out = encode(self, text, add_special_tokens)
+        if threading.get_ident() == MAIN:
+            records.append(("tokenize", start, clock(), cpu() - started))
+        return out
+
+    openai.ChatTokenizer._encode = traced_encode  # type: ignore[method-assign]
     flush = ext_proc._Connection.flush
 
     async def traced_flush(self: ext_proc._Connection) -> None:
         await flush(self)
-        records.append(("flush", clock(), cpu()))
+        records.append(("flush", clock(), cpu(), *switches()))
 
     ext_proc._Connection.flush = traced_flush  # type: ignore[method-assign]
 
@@ -106,17 +131,30 @@ def report(path: str, decisions: list[float]) -> str:
         wake = wakes[max(0, bisect.bisect_right(wake_ends, start) - 1)]  # the loop's turn it came in
         flushed = flushes[min(len(flushes) - 1, bisect.bisect_left(flush_times, end))]  # its answer written
         window = [g for g in gc_pairs if g[1] >= wake[2] and g[0] <= flushed[1]]
-        out.append((decision, (flushed[1] - wake[2]) * 1000, (flushed[2] - wake[4]) * 1000, (end - start) * 1000,
-                    msg_cpu * 1000, sum(g[1] - g[0] for g in window) * 1000))
+        out.append((decision, (flushed[1] - wake[2]) * 1000, (flushed[2] - wake[4]) * 1000,
+                    flushed[3] - wake[6], flushed[4] - wake[7], (end - start) * 1000, msg_cpu * 1000,
+                    sum(g[1] - g[0] for g in window) * 1000))
     out.sort()
-    lines = ["Envoy's ms | picker, from the loop's wake to the answer written: wall / CPU ms"
-             " | the body's message: wall / CPU | collector ms"]
-    for envoy, wall, used, msg, msg_cpu, collector in [out[len(out) // 2], *out[-max(1, len(out) // 100):]]:
-        lines.append(f"{envoy:6.0f} | {wall:7.2f} / {used:5.2f} | {msg:6.2f} / {msg_cpu:5.2f} | {collector:5.2f}")
-    turns = sorted(((b[1] - a[2]) * 1000, (b[3] - a[4]) * 1000) for a, b in itertools.pairwise(wakes))
-    lines.append("the loop's longest turns, wall / CPU ms: " + ", ".join(f"{w:.1f} / {c:.1f}" for w, c in turns[-5:]))
-    lines.append(f"collector passes while serving: {sum(1 for g in gc_pairs if g[0] >= routed[0][3])}"
-                 f" ({sum(1 for g in gc_pairs if g[0] >= routed[0][3] and g[2] == 2)} of generation 2)")
+    lines = ["Envoy's ms | picker, from the loop's wake to the answer written: wall / CPU ms, its thread's"
+             " switches blocked / preempted | the body's message: wall / CPU | collector ms"]
+    for envoy, wall, used, blocked, preempted, msg, msg_cpu, collector in [
+            out[len(out) // 2], *out[-max(1, len(out) // 100):]]:
+        lines.append(f"{envoy:6.0f} | {wall:7.2f} / {used:5.2f}, {blocked} / {preempted} | {msg:6.2f} / {msg_cpu:5.2f}"
+                     f" | {collector:5.2f}")
+    lines.append(f"all decisions' windows: {sum(o[3] for o in out)} switches blocked,"
+                 f" {sum(o[4] for o in out)} preempted")
+    tokenized = [r for r in rows if r[0] == "tokenize"]
+    bodies = [r for r in rows if r[0] == "msg" and r[2] == "request_body"]
+    in_tokenizer = sum(max(0.0, r[2] - r[1] - r[3]) for r in tokenized) * 1000
+    in_bodies = sum(max(0.0, r[4] - r[3] - r[5]) for r in bodies) * 1000
+    lines.append(f"request bodies' messages: {in_bodies:.0f} ms of wall beyond their CPU over the run,"
+                 f" {in_tokenizer:.0f} of it while tokenizing ({sum(r[3] for r in tokenized) * 1000:.0f} of their"
+                 f" {sum(r[5] for r in bodies) * 1000:.0f} ms of CPU)")
+    serving = routed[0][3]
+    turns = sorted(((b[1] - a[2]) * 1000, (b[3] - a[4]) * 1000) for a, b in itertools.pairwise(wakes) if a[2] >= serving)
+    lines.append("the loop's longest turns while serving, wall / CPU ms: " + ", ".join(f"{w:.1f} / {c:.1f}" for w, c in turns[-5:]))
+    lines.append(f"collector passes while serving: {sum(1 for g in gc_pairs if g[0] >= serving)}"
+                 f" ({sum(1 for g in gc_pairs if g[0] >= serving and g[2] == 2)} of generation 2)")
     heap = [r for r in rows if r[0] == "heap"]
     if heap:
         lines.append(f"at exit: {heap[0][1]:,} objects tracked; a full pass over them {heap[0][2]:.0f} ms of CPU")
