@@ -6,8 +6,8 @@ for bench/gateway.py's `--trace FILE` (docs/PERFORMANCE.md, "The picker's long t
 On the event loop's thread, with the wall clock and the thread's CPU time (a stretch whose CPU
 is near its wall time is work; one whose CPU is low waited: for a core, a lock, a peer), it
 records each `ExternalProcessor` message handled (which message, from the first byte of its
-protobuf), each write to Envoy, each return from the loop's epoll wait, and each pass of the
-cyclic collector (gc.callbacks, any thread); at exit, the heap's size and what a full pass of
+protobuf), each write to Envoy, each return from the loop's epoll wait (with the thread's
+context switches so far: it blocked, or was preempted), and each pass of the cyclic collector (gc.callbacks, any thread); at exit, the heap's size and what a full pass of
 the collector over it costs. FILE gets one JSON line a record when serve exits; `report`
 joins them to the decisions in Envoy's access log."""
 
@@ -27,18 +27,16 @@ import time
 MAIN = threading.get_ident()
 clock, cpu = time.perf_counter, time.thread_time
 records: list[tuple[object, ...]] = []
-# The loop thread's context switches (opened by that thread: /proc/thread-self resolves then).
-_status = os.open("/proc/thread-self/status", os.O_RDONLY)
+STATUS = "/proc/thread-self/status"
+_status = -1  # the loop thread's STATUS, opened by that thread (/proc/thread-self resolves then)
 
 
 def switches() -> tuple[int, int]:
-    """This thread's context switches so far: voluntary (it blocked: epoll, a lock, the GIL) and
-    not (the kernel took its core away)."""
-    text = os.pread(_status, 4096, 0)
-    voluntary = text.index(b"voluntary_ctxt_switches:")
-    involuntary = text.index(b"nonvoluntary_ctxt_switches:")
-    return int(text[voluntary + 24:text.index(b"\n", voluntary)]), int(text[involuntary + 27:text.index(b"\n", involuntary)])
-
+    """The loop thread's context switches so far: voluntary (it blocked: epoll, a lock, the GIL)
+    and not (the kernel gave its core to another thread)."""
+    lines = os.pread(_status, 4096, 0).splitlines()
+    counts = dict(line.split(b":") for line in lines if line.endswith(b"ctxt_switches", 0, line.find(b":")))
+    return int(counts[b"voluntary_ctxt_switches"]), int(counts[b"nonvoluntary_ctxt_switches"])
 
 
 def on_gc(phase: str, info: dict[str, int]) -> None:
@@ -162,6 +160,7 @@ def report(path: str, decisions: list[float]) -> str:
 
 
 if __name__ == "__main__":
+    _status = os.open(STATUS, os.O_RDONLY)
     gc.callbacks.append(on_gc)
     selectors.EpollSelector.select = select  # type: ignore[method-assign]
     patch()
