@@ -9,6 +9,7 @@ against one fast fake engine (asyncio, a fixed 60-byte JSON answer), three ways:
     python bench/gateway.py [--seconds 5] [--connections 1,16] [--prompt-tokens 1024] [--paths direct,envoy,picker]
                             [--backend asyncio|uvloop|trio]   (serve's event loop)
                             [--prompt ids|text] [--answer json|sse] [--events] [--block-size 16]
+                            [--rate R] [--decisions] [--trace FILE]
 
 As bench/real_gateway.py's requests are, without vLLM: `--prompt text` sends text prompts (64
 of them in turn, random token ids of the tests' tiny tokenizer decoded, so that each is about
@@ -18,6 +19,11 @@ the engine answers as vLLM does: `--chunks` SSE events `--chunk-delay-ms` apart,
 usage, `data: [DONE]`; `--events` has the engine publish each prompt's blocks (BlockStored,
 msgpack over ZMQ, as vLLM) and `serve` subscribe to them (`--kv-events subscribe`). Envoy sends
 the engine the picker's requests chunked (the engine reads both framings).
+
+`--rate R` has each connection wait 1/R s after each answer (the real bench's clients send a few
+requests a second); `--decisions` reads the picker's decision times from Envoy's access log as
+bench/real_gateway.py does; `--trace FILE` runs `serve` under bench/decision_trace.py and joins
+its records to them: where the slowest decisions' time went, wall and CPU.
 
 Everything shares the machine's cores (Envoy runs one worker thread); read the figures as what
 each hop adds here, not as any one part's ceiling. For the picker's paths, "cpu ms" is `serve`'s
@@ -227,12 +233,22 @@ RESPONSE_MODES = {
 }
 
 
-def envoy_config(folder: str, listen: int, engine: int, picker: int | None, response_mode: str = "streamed") -> str:
+# Envoy's access log line a request: the picker's decision as bench/real_gateway.py reads it (from
+# the request's last byte in to its first byte to the engine), and when the request started.
+DECISION_LOG_FORMAT = "%COMMON_DURATION(DS_RX_END:US_TX_BEG:ms)% %START_TIME(%s.%6f)%\n"
+
+
+def envoy_config(folder: str, listen: int, engine: int, picker: int | None, response_mode: str = "streamed",
+                 access_log: str | None = None) -> str:
     with open(os.path.join(ROOT, "deploy", "envoy", "envoy.yaml")) as fh:
         config = yaml.safe_load(fh)
     resources = config["static_resources"]
     resources["listeners"][0]["address"]["socket_address"].update(address="127.0.0.1", port_value=listen)
     manager = resources["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    if access_log is not None:
+        manager["access_log"] = [{"name": "envoy.access_loggers.file", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+            "path": access_log, "log_format": {"text_format_source": {"inline_string": DECISION_LOG_FORMAT}}}}]
     config["admin"]["address"]["socket_address"]["port_value"] = free_port()
     if picker is None:  # a plain proxy: no ext_proc, a static cluster to the engine
         manager["http_filters"] = manager["http_filters"][1:]
@@ -293,15 +309,26 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def wrk(port: int, bodies: list[bytes], connections: int, seconds: int) -> dict[str, float]:
-    """wrk's figures sending `bodies` in turn (each connection from the first)."""
+def read_log(path: str) -> list[tuple[float, float]]:
+    """Each request's decision (ms) and start (s, wall clock) from `DECISION_LOG_FORMAT` lines."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as fh:
+        fields = [line.split() for line in fh]
+    return [(float(f[0]), float(f[1])) for f in fields if len(f) == 2 and f[0] != "-"]
+
+
+def wrk(port: int, bodies: list[bytes], connections: int, seconds: int, rate: float = 0.0) -> dict[str, float]:
+    """wrk's figures sending `bodies` in turn (each connection from the first); with `rate`, each
+    connection waits 1/rate s after each answer (about `rate` requests a second, less the answers' time)."""
     with tempfile.NamedTemporaryFile("wb", suffix=".jsonl", delete=False) as data, \
             tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
         data.write(b"\n".join(bodies) + b"\n")
         script.write('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
                      f'local bodies = {{}}\nfor line in io.lines("{data.name}") do bodies[#bodies + 1] = line end\n'
                      'local i = 0\nrequest = function()\n  i = i % #bodies + 1\n'
-                     '  return wrk.format(nil, nil, nil, bodies[i])\nend\n')
+                     '  return wrk.format(nil, nil, nil, bodies[i])\nend\n'
+                     + (f'delay = function()\n  return {1000 / rate:.0f}\nend\n' if rate else ''))
     try:
         out = subprocess.run(["wrk", "-t", str(min(connections, 2)), "-c", str(connections), "-d", f"{seconds}s",
                               "--latency", "-s", script.name, f"http://127.0.0.1:{port}/v1/completions"],
@@ -402,6 +429,11 @@ def main() -> None:
     parser.add_argument("--idle-seconds", type=float, default=2.0, help="serve's idle CPU measured first (2)")
     parser.add_argument("--in-process", action="store_true", help="the picker's Sans-IO part alone, no sockets")
     parser.add_argument("--profile", metavar="FILE", help="run serve under cProfile, its stats written to FILE")
+    parser.add_argument("--rate", type=float, default=0.0,
+                        help="about this many requests a second a connection (wrk waits 1/rate s after each answer)")
+    parser.add_argument("--decisions", action="store_true",
+                        help="the picker's decision times from Envoy's access log, as bench/real_gateway.py reads them")
+    parser.add_argument("--trace", metavar="FILE", help="run serve under bench/decision_trace.py, its records to FILE")
     parser.add_argument("--no-booked", action="store_true",
                         help="no sampling of /loads (its requests are ~1%% of serve's CPU at 1k token ids, more with SSE)")
     args = parser.parse_args()
@@ -428,7 +460,7 @@ def main() -> None:
     profile = ["-c", "import cProfile, runpy, sys, time; profile = cProfile.Profile(time.thread_time); "
                "sys.argv[0] = 'selection_proto'; profile.enable()\ntry: runpy.run_module('selection_proto', "
                f"run_name='__main__')\nfinally: profile.disable(); profile.dump_stats({args.profile!r})"] \
-        if args.profile else ["-m", "selection_proto"]
+        if args.profile else [os.path.join(HERE, "decision_trace.py"), args.trace] if args.trace else ["-m", "selection_proto"]
     serve = subprocess.Popen([sys.executable, *profile, "serve", "--port", str(api), "--kv-events",
                               "subscribe" if args.events else "approximate", "--ext-proc-port", str(ext_proc),
                               "--backend", args.backend, *serve_args], stderr=subprocess.DEVNULL)
@@ -445,13 +477,17 @@ def main() -> None:
         urllib.request.urlopen(request).read()
         paths = args.paths.split(",")
         ports = {"direct": engine}
+        logs: dict[str, str | None] = {}
         for path in paths:
             if path == "direct":
                 continue
             listen = free_port()
             picker, mode = (None, "") if path == "envoy" else (ext_proc, path.partition(":")[2] or "streamed")
-            envoys.append(subprocess.Popen([envoy_binary(), "-c", envoy_config(folder, listen, engine, picker, mode),
-                                            "--base-id", str(listen), "--concurrency", "1", "--log-level", "error"]))
+            logs[path] = os.path.join(folder, f"access-{listen}.log") if args.decisions else None
+            envoys.append(subprocess.Popen([envoy_binary(), "-c", envoy_config(folder, listen, engine, picker, mode,
+                                                                                logs[path]),
+                                            "--base-id", str(listen), "--concurrency", "1", "--log-level", "error",
+                                            "--file-flush-interval-msec", "250"]))
             wait_port(listen)
             ports[path] = listen
         time.sleep(2)  # the picker's health check passes (and its subscription opens)
@@ -460,11 +496,22 @@ def main() -> None:
         print(f"serve idle: {(cpu_seconds(serve.pid) - idle) * 1000 / args.idle_seconds:.1f} ms of CPU a second",
               flush=True)
         rows = []
+        traced: list[float] = []  # every decision logged, in order (joined to --trace's records)
         for connections in (int(c) for c in args.connections.split(",")):
             for path in paths:
                 held = BookingSampler(api) if path.startswith("picker") and not args.no_booked else None
                 before = cpu_seconds(serve.pid)
-                result = wrk(ports[path], bodies, connections, args.seconds)
+                log = logs.get(path)
+                seen = len(read_log(log)) if log else 0
+                result = wrk(ports[path], bodies, connections, args.seconds, args.rate)
+                if log:
+                    time.sleep(1)  # Envoy writes its access log every 250 ms
+                    in_order = [d for _, d in sorted((start, d) for d, start in read_log(log)[seen:])]
+                    traced += in_order
+                    decisions = sorted(in_order)
+                    result |= {"decisions": len(decisions), "decide_p50": decisions[len(decisions) // 2],
+                               "decide_p99": decisions[min(len(decisions) - 1, int(len(decisions) * 0.99))],
+                               "decide_max": decisions[-1], "decide_mean": sum(decisions) / len(decisions)}
                 # serve's CPU a request: the picker's own work (the sampler's requests are ~1%)
                 cpu = (cpu_seconds(serve.pid) - before) * 1000 / result["requests"]
                 rows.append({"path": path, "connections": connections, **result,
@@ -475,6 +522,11 @@ def main() -> None:
             picked = f"{row['booked_share']:>7.0%} {row['serve_cpu_ms']:>7.2f}" if "booked_share" in row else ""
             print(f"{row['path']:16} {row['connections']:>5} {row['rps']:>8.0f} {row['p50_ms']:>8.2f} "
                   f"{row['p99_ms']:>8.2f} {picked}")
+        for row in rows:
+            if "decisions" in row:
+                print(f"{row['path']:16} {row['connections']:>5} decision (Envoy's log, ms, {row['decisions']} requests):"
+                      f" p50 {row['decide_p50']:.0f} mean {row['decide_mean']:.1f} p99 {row['decide_p99']:.0f}"
+                      f" max {row['decide_max']:.0f}")
         print(json.dumps(rows))
     finally:
         for envoy in envoys:
@@ -482,6 +534,10 @@ def main() -> None:
             envoy.wait()
         serve.terminate()
         serve.wait()
+        if args.trace and args.decisions:
+            from decision_trace import report
+
+            print(report(args.trace, traced))
         shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -389,6 +389,17 @@ def probe(engine: VllmEngine, tokens: int) -> str:
             f"{w * 1000:.1f} ms (prefill {(c - w) * 1000 / tokens:.3f} ms a token; load {os.getloadavg()[0]:.1f})")
 
 
+def nicer_session(pid: int, steps: int) -> None:
+    """Make the scheduler's group of `pid`'s session `steps` nicer than this process's. Where the
+    kernel groups each session's processes (autogroup: /proc/PID/autogroup), CPU is shared between
+    the groups first, a group's weight set by its own nice level: an engine in a session of its
+    own (tests/engines/vllm.py) weighs as much as the whole session of the client, Envoy and the
+    picker, whatever their processes' nice levels (docs/PERFORMANCE.md, "The picker's long tail")."""
+    own, theirs = Path("/proc/self/autogroup"), Path(f"/proc/{pid}/autogroup")
+    if own.exists() and theirs.exists():  # (a kernel without autogroup: nice levels alone rank them)
+        theirs.write_text(str(min(19, int(own.read_text().split()[-1]) + steps)))
+
+
 def parse_workload(text: str) -> tuple[int, int, float]:
     match = re.fullmatch(r"(\d+)x(\d+)@([\d.]+)", text)
     if not match:
@@ -410,7 +421,8 @@ def main() -> None:
     parser.add_argument("--executor", choices=("uni", "mp"), default="uni",
                         help="vLLM's executor: uni (the model in the engine core's process, the default) or mp")
     parser.add_argument("--engine-nice", type=int, default=0, metavar="N",
-                        help="run the engines N steps nicer than the rest (0): the routing path ahead of them")
+                        help="run the engines N steps nicer than the rest (0): the routing path ahead of them"
+                             " (their processes and their sessions' scheduler groups)")
     parser.add_argument("--keep", metavar="DIR", help="keep the engines' logs and results here")
     args = parser.parse_args()
     workloads = args.workload or [(768, 12, 4.0), (1536, 6, 3.0)]
@@ -427,6 +439,7 @@ def main() -> None:
             engine.healthy_or_retried()
             if args.engine_nice and engine.proc is not None:  # every thread of its process group
                 os.setpriority(os.PRIO_PGRP, engine.proc.pid, os.getpriority(os.PRIO_PROCESS, 0) + args.engine_nice)
+                nicer_session(engine.proc.pid, args.engine_nice)
         print(f"model {model.name}: engines up in {', '.join(f'{e.starts[-1]:.0f} s' for e in engines)}", flush=True)
         for prefix_len in sorted({w[0] for w in workloads}):
             print(probe(engines[0], prefix_len + args.suffix), flush=True)
