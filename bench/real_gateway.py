@@ -160,14 +160,15 @@ class Skew(threading.Thread):
 
 
 def run_once(policy: str, workload: tuple[int, int, float], engines: list[VllmEngine], model: Path,
-             args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+             args: argparse.Namespace, folder: Path, round_: int = 1) -> dict[str, Any]:
     prefix_len, prefixes, rate = workload
     for engine in engines:
         status, answer = engine.post("/reset_prefix_cache", {})
         assert status == 200, answer
     gateway: Gateway | None = None
     rr: RoundRobin | None = None
-    log = folder / f"access-{policy.replace('/', '_')}.log"
+    name = f"{policy.replace('/', '_')}-{prefix_len}x{prefixes}-r{round_}"  # each run's files kept apart
+    log = folder / f"access-{name}.log"
     log.unlink(missing_ok=True)
     if policy == "rr":
         rr = RoundRobin(engines, folder, log)
@@ -212,7 +213,7 @@ def run_once(policy: str, workload: tuple[int, int, float], engines: list[VllmEn
                   "engines": sum(cpu_seconds(e.proc.pid if e.proc else None) for e in engines)}
     skew = Skew(engines)
     skew.start()
-    result = folder / f"result-{policy.replace('/', '_')}.json"
+    result = folder / f"result-{name}.json"
     result.unlink(missing_ok=True)
     requests = prefixes * max(1, int(rate * args.seconds) // prefixes)  # the client sends whole rounds of prefixes
     command = [vllm_python(), "-c", CLIENT, "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}",
@@ -269,11 +270,29 @@ def run_once(policy: str, workload: tuple[int, int, float], engines: list[VllmEn
            "policy": policy, "mean": data["mean_ttft_ms"], "p50": data["median_ttft_ms"], "p99": data["p99_ttft_ms"],
            "hit": hits / queries if queries else 0.0, "done": data["completed"], "requests": requests,
            "skew": skew.skew(), "load": load,
-           "cpu": {k: (cpu[k] - cpu_before[k]) * 1000 / max(1, data["completed"]) for k in cpu}, "max": ttfts[-1] if ttfts else 0.0, "tail": tail}
+           "cpu": {k: (cpu[k] - cpu_before[k]) * 1000 / max(1, data["completed"]) for k in cpu}, "max": ttfts[-1] if ttfts else 0.0, "tail": tail,
+           "ttfts": data.get("ttfts") or [], "starts": data.get("start_times") or []}
     if picker:
         out["learned"] = " ".join(line for line in picker.splitlines()
                                   if line.startswith(("selection_proto_worker_learned", "selection_proto_learned_request_overhead")))
     return out
+
+
+def paired(run: dict[str, Any], baseline: dict[str, Any]) -> str:
+    """Requests slower than a limit under one policy and under round robin in the same round, and
+    how many of them came within 0.3 s of one under the other (the client's seed sends the same
+    prompts at the same moments): an engine stall at a moment of the workload (a burst) hits
+    either policy, a routing mistake only one."""
+    def slow(row: dict[str, Any], limit: float) -> list[float]:
+        first = row["starts"][0] if row["starts"] else 0.0
+        return [s - first for s, t in zip(row["starts"], row["ttfts"], strict=True) if t and t > limit]
+
+    counts = []
+    for limit in (0.1, 0.2):
+        here, there = slow(run, limit), slow(baseline, limit)
+        near = sum(1 for s in here if any(abs(s - o) < 0.3 for o in there))
+        counts.append(f"over {limit * 1000:.0f} ms {len(here)} against {len(there)} ({near} near one of those)")
+    return "; ".join(counts)
 
 
 def cpu_seconds(pid: int | None) -> float:
@@ -447,7 +466,7 @@ def main() -> None:
             rows = []
             for round_ in range(args.rounds):
                 for policy in args.policies.split(","):
-                    row = run_once(policy, workload, engines, model, args, folder)
+                    row = run_once(policy, workload, engines, model, args, folder, round_ + 1)
                     rows.append(row)
                     print(f"{workload[0]}x{workload[1]}@{workload[2]:g} round {round_ + 1} {policy:8s} "
                           f"mean {row['mean']:7.1f}  p50 {row['p50']:7.1f}  p99 {row['p99']:7.1f}  max {row['max']:7.1f} ms"
@@ -458,6 +477,10 @@ def main() -> None:
                           f"  {row.get('learned', '')}\n    CPU a request: "
                           + ", ".join(f"{k} {v:.1f} ms" for k, v in row["cpu"].items())
                           + f"\n    tail: {row['tail']}", flush=True)
+                baseline = next((r for r in rows[-len(args.policies.split(",")):] if r["policy"] == "rr"), None)
+                for row in rows[-len(args.policies.split(",")):]:
+                    if baseline is not None and row is not baseline:
+                        print(f"    {row['policy']} against rr, request by request: {paired(row, baseline)}")
             print(f"\n| {workload[0]} x {workload[1]} at {workload[2]:g}/s | mean (ms) | p50 | p99 | hit rate | load |")
             print("|---|---|---|---|---|---|")
             for policy in args.policies.split(","):
