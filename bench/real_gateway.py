@@ -175,13 +175,13 @@ def run_once(policy: str, workload: tuple[int, int, float], engines: list[VllmEn
         port = rr.port
     else:
         serve = ["--tokenizer", f"tiny={model}"]
-        name, _, tree = policy.partition("@")
-        lean = name.endswith("-lean")
-        name = name.removesuffix("-lean")
-        if name == "blind":
+        picker, _, tree = policy.partition("@")
+        lean = picker.endswith("-lean")
+        picker = picker.removesuffix("-lean")
+        if picker == "blind":
             serve += ["--overlap-score-weight", "0"]
-        elif name != "default":
-            serve += ["--router-policy", name]
+        elif picker != "default":
+            serve += ["--router-policy", picker]
         # `ttft@/path`: the picker of another checkout (the code before a change, side by side).
         saved, here = os.environ.get("PYTHONPATH"), os.getcwd()
         if tree:  # `-m selection_proto` looks in the current folder first
