@@ -7,6 +7,8 @@ fit the fleet, not one engine), three ways, interleaved so that each sees the sa
     default   the same with the default policy (Dynamo 1.6.1's cost)
     rr        Envoy's own round robin over the two engines (the yaml without ext_proc)
     ttft@DIR  `ttft` with the picker of the checkout in DIR (another version, side by side)
+    rr-watched  `rr` with a `ttft` picker (and its Envoy) running beside it, subscribed to the
+              engines' KV events but not in the path: what the picker's presence costs the engines
     blind     the picker in the path, choosing as the default policy does with the cache weighed
               0 (`--overlap-score-weight 0`): what the picker costs a request apart from affinity
     ttft-lean `ttft` with the answer streamed past the picker (`response_body_mode: NONE`): it
@@ -170,12 +172,12 @@ def run_once(policy: str, workload: tuple[int, int, float], engines: list[VllmEn
     name = f"{policy.replace('/', '_')}-{prefix_len}x{prefixes}-r{round_}"  # each run's files kept apart
     log = folder / f"access-{name}.log"
     log.unlink(missing_ok=True)
-    if policy == "rr":
+    if policy.startswith("rr"):
         rr = RoundRobin(engines, folder, log)
         port = rr.port
-    else:
+    if policy != "rr":
         serve = ["--tokenizer", f"tiny={model}"]
-        picker, _, tree = policy.partition("@")
+        picker, _, tree = policy.replace("rr-watched", "ttft").partition("@")
         lean = picker.endswith("-lean")
         picker = picker.removesuffix("-lean")
         if picker == "blind":
@@ -188,7 +190,8 @@ def run_once(policy: str, workload: tuple[int, int, float], engines: list[VllmEn
             os.environ["PYTHONPATH"] = tree
             os.chdir(tree)
         try:
-            gateway = Gateway(*serve, *args.serve_arg, mode="subscribe", access_log=str(log),
+            gateway = Gateway(*serve, *args.serve_arg, mode="subscribe",
+                              access_log=str(log) if rr is None else None,
                               records=[e.worker(i) for i, e in enumerate(engines, 1)],
                               response_body_mode="NONE" if lean else None)
         finally:
@@ -197,7 +200,8 @@ def run_once(policy: str, workload: tuple[int, int, float], engines: list[VllmEn
                 os.environ.pop("PYTHONPATH", None)
             else:
                 os.environ["PYTHONPATH"] = saved
-        port = gateway.port
+        if rr is None:
+            port = gateway.port
         deadline = time.monotonic() + 60  # until both subscriptions are open (events since then count)
         while True:
             rows = gateway.api("POST", "/overlap_scores", {"model_name": "tiny", "token_ids": [1]})[1]["freshness"]
@@ -208,7 +212,7 @@ def run_once(policy: str, workload: tuple[int, int, float], engines: list[VllmEn
         time.sleep(1.0)
     before = [e.metrics() for e in engines]
     front = gateway.server.proc.pid if gateway is not None else None
-    envoy = gateway.envoy.pid if gateway is not None else rr.proc.pid if rr is not None else None
+    envoy = rr.proc.pid if rr is not None else gateway.envoy.pid if gateway is not None else None
     cpu_before = {"picker": cpu_seconds(front), "envoy": cpu_seconds(envoy),
                   "engines": sum(cpu_seconds(e.proc.pid if e.proc else None) for e in engines)}
     skew = Skew(engines)
