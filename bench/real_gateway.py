@@ -14,6 +14,7 @@ fit the fleet, not one engine), three ways, interleaved so that each sees the sa
     ttft-lean `ttft` with the answer streamed past the picker (`response_body_mode: NONE`): it
               frees a booking at the stream's end and reads the prefill's end from the engine's
               KV events, and no answer chunk waits for it
+    ttft-bare `ttft-lean` with the answer's headers past the picker too (`response_header_mode: SKIP`)
 
     python bench/real_gateway.py [--workload 768x12@4] [--workload 1536x6@3] [--rounds 2]
                                  [--seconds 60] [--policies ttft,default,rr] [--hidden 128 --layers 2]
@@ -178,8 +179,8 @@ def run_once(policy: str, workload: tuple[int, int, float], engines: list[VllmEn
     if policy != "rr":
         serve = ["--tokenizer", f"tiny={model}"]
         picker, _, tree = policy.replace("rr-watched", "ttft").partition("@")
-        lean = picker.endswith("-lean")
-        picker = picker.removesuffix("-lean")
+        lean, bare = picker.endswith("-lean"), picker.endswith("-bare")
+        picker = picker.removesuffix("-lean").removesuffix("-bare")
         if picker == "blind":
             serve += ["--overlap-score-weight", "0"]
         elif picker != "default":
@@ -193,7 +194,8 @@ def run_once(policy: str, workload: tuple[int, int, float], engines: list[VllmEn
             gateway = Gateway(*serve, *args.serve_arg, mode="subscribe",
                               access_log=str(log) if rr is None else None,
                               records=[e.worker(i) for i, e in enumerate(engines, 1)],
-                              response_body_mode="NONE" if lean else None)
+                              response_body_mode="NONE" if lean or bare else None,
+                              response_header_mode="SKIP" if bare else None)
         finally:
             os.chdir(here)
             if saved is None:

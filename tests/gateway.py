@@ -134,11 +134,13 @@ class Gateway:
                  delay: float = 0.02, first_delay: float = 0.0, mode: str = "approximate",
                  worker: dict[str, Any] | None = None, body_mode: str = "FULL_DUPLEX_STREAMED",
                  subset: list[str] | None = None, records: list[dict[str, Any]] | None = None,
-                 access_log: str | None = None, response_body_mode: str | None = None) -> None:
+                 access_log: str | None = None, response_body_mode: str | None = None,
+                 response_header_mode: str | None = None) -> None:
         """`records`: register these workers (real engines) instead of starting fake ones;
         `access_log`: Envoy writes `ACCESS_LOG_FORMAT` there for each request; `response_body_mode`
         other than the yaml's (`NONE`: the answer streams past the picker; its trailers, still
-        `SEND`, keep the picker's stream and so the booking open until the request ends)."""
+        `SEND`, keep the picker's stream and so the booking open until the request ends);
+        `response_header_mode` likewise (`SKIP`: nor the answer's headers)."""
         self.server = Server("--ext-proc-port", "0", *serve_args, mode=mode)
         self.ext_proc_port = int(self.server.ext_proc_url(30).rsplit(":", 1)[1])
         # Each engine on its own loopback address, as pods have theirs (the subset hint matches IPs).
@@ -169,6 +171,8 @@ class Gateway:
         ext_proc["processing_mode"]["request_body_mode"] = body_mode
         if response_body_mode is not None:
             ext_proc["processing_mode"]["response_body_mode"] = response_body_mode
+        if response_header_mode is not None:
+            ext_proc["processing_mode"]["response_header_mode"] = response_header_mode
         if subset is not None:  # a filter before the picker sets the hint, as a gateway would
             manager["http_filters"].insert(0, {"name": "envoy.filters.http.set_metadata", "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config",

@@ -225,12 +225,14 @@ def test_buffered_request_bodies_are_routed_too() -> None:
         gw.stop()
 
 
-def test_with_the_answer_streamed_past_the_picker_a_booking_lasts_as_long_as_its_request() -> None:
-    """`response_body_mode: NONE` with the trailers still `SEND` (docs/GATEWAY.md, "Measured"):
-    the answer goes from the engine to the client without the picker, whole; the booking is held
-    while it streams and freed when Envoy ends the picker's stream with the request. (With the
-    trailers `SKIP` too, Envoy ends that stream at the response headers and the booking with it.)"""
-    gw = Gateway(chunks=6, delay=0.15, response_body_mode="NONE")
+@pytest.mark.parametrize("header_mode", ["SEND", "SKIP"])
+def test_with_the_answer_streamed_past_the_picker_a_booking_lasts_as_long_as_its_request(header_mode: str) -> None:
+    """`response_body_mode: NONE` with the trailers still `SEND` (docs/GATEWAY.md, "Measured"), the
+    answer's headers sent to the picker or not: the answer goes from the engine to the client
+    without the picker, whole; the booking is held while it streams and freed when Envoy ends the
+    picker's stream with the request. (With the trailers `SKIP` too, Envoy ends that stream at the
+    response headers and the booking with it.)"""
+    gw = Gateway(chunks=6, delay=0.15, response_body_mode="NONE", response_header_mode=header_mode)
     try:
         prefix = list(range(700, 764))
         events: list[bytes] = []
