@@ -486,7 +486,7 @@ def main() -> None:
                 baseline = next((r for r in rows[-len(args.policies.split(",")):] if r["policy"] == "rr"), None)
                 for row in rows[-len(args.policies.split(",")):]:
                     if baseline is not None and row is not baseline:
-                        print(f"    {row['policy']} against rr, request by request: {paired(row, baseline)}")
+                        print(f"    {row['policy']} against rr, slow requests: {paired(row, baseline)}")
             print(f"\n| {workload[0]} x {workload[1]} at {workload[2]:g}/s | mean (ms) | p50 | p99 | hit rate | load |")
             print("|---|---|---|---|---|---|")
             for policy in args.policies.split(","):
