@@ -10,7 +10,10 @@ The engines are niced 10 steps (their sessions' scheduler groups too), as with
 `real_gateway.py --engine-nice 10`, and their prefix caches reset before each run. Besides the
 mean, p50, p99 and the requests over 100 and 200 ms, each run's requests are split by what the
 client had in flight when they were sent: nothing on either engine, a request on the other
-engine only, or one on their own engine (docs/ROUTING.md, "On real engines").
+engine only, or one on their own engine (docs/ROUTING.md, "On real engines"). Each group's time
+is split where the engine published the prompt's last block (`BlockStored` on its KV-event
+socket, matched by the block's tokens): sent to stored (the engine computed the prompt), and
+stored to the first token (its way out).
 """
 
 from __future__ import annotations
@@ -27,19 +30,54 @@ import threading
 import time
 from pathlib import Path
 
+import zmq
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 sys.path.insert(0, str(HERE))
 from engines.vllm import VllmEngine  # noqa: E402
 from real_gateway import BLOCKS, build_model, nicer_session  # noqa: E402
 
+from selection_proto.core.cache.engine import decode_batch  # noqa: E402
+
 PREFIXES, PREFIX_TOKENS, SUFFIX_TOKENS, OUTPUT_TOKENS = 12, 768, 32, 16
+BLOCK = 32
 
-# One sent request: (when it was sent, s from the run's start; its engine; TTFT s; latency s).
-Sent = tuple[float, int, float, float]
+# One sent request: (when it was sent, s from the run's start; its engine; TTFT s; latency s;
+# when its prompt's last block was stored, s from when it was sent).
+Sent = tuple[float, int, float, float, float]
 
 
-def send(engine: VllmEngine, prompt: list[int], at: float, index: int, out: list[Sent], start: float) -> None:
+class Stored(threading.Thread):
+    """When each engine published each block (keyed by the block's tokens), from its KV events."""
+
+    def __init__(self, engines: list[VllmEngine]) -> None:
+        super().__init__(daemon=True)
+        self.context = zmq.Context()
+        self.sockets = []
+        for engine in engines:
+            socket = self.context.socket(zmq.SUB)
+            socket.setsockopt(zmq.SUBSCRIBE, b"")
+            socket.connect(f"tcp://127.0.0.1:{engine.events_port}")
+            self.sockets.append(socket)
+        self.at: dict[tuple[int, ...], float] = {}
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        for socket in self.sockets:
+            poller.register(socket, zmq.POLLIN)
+        while True:
+            for socket, _ in poller.poll():
+                frames = socket.recv_multipart()
+                now = time.perf_counter()
+                for event in decode_batch(frames[-1]).events:
+                    if event.tag == "BlockStored":
+                        tokens = event.tokens
+                        for i in range(0, len(tokens) - BLOCK + 1, BLOCK):
+                            self.at.setdefault(tuple(tokens[i:i + BLOCK]), now)
+
+
+def send(engine: VllmEngine, prompt: list[int], index: int, out: list[Sent], start: float, stored: Stored) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", engine.http_port, timeout=120)
     body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "ignore_eos": True,
                        "stream": True}).encode()
@@ -50,21 +88,25 @@ def send(engine: VllmEngine, prompt: list[int], at: float, index: int, out: list
     for line in response:
         if first is None and line.startswith(b"data: {"):
             first = time.perf_counter() - sent
-    out.append((sent - start, index, first if first is not None else float("nan"), time.perf_counter() - sent))
+    done = time.perf_counter()
     conn.close()
+    time.sleep(0.05)  # (the event may come a moment after the answer)
+    out.append((sent - start, index, first if first is not None else float("nan"), done - sent,
+                stored.at.get(tuple(prompt[-BLOCK:]), float("nan")) - sent))
 
 
-def run(policy: str, plan: list[tuple[float, int, list[int]]], engines: list[VllmEngine]) -> list[Sent]:
+def run(policy: str, plan: list[tuple[float, int, list[int]]], engines: list[VllmEngine], stored: Stored) -> list[Sent]:
     for engine in engines:
         status, answer = engine.post("/reset_prefix_cache", {})
         assert status == 200, answer
+    stored.at.clear()  # the same prompts again: each run reads its own stores
     out: list[Sent] = []
     threads = []
     start = time.perf_counter()
     for i, (at, prefix, prompt) in enumerate(plan):
         time.sleep(max(0.0, start + at - time.perf_counter()))
         index = prefix % 2 if policy == "affinity" else i % 2
-        thread = threading.Thread(target=send, args=(engines[index], prompt, at, index, out, start))
+        thread = threading.Thread(target=send, args=(engines[index], prompt, index, out, start, stored))
         thread.start()
         threads.append(thread)
     for thread in threads:
@@ -77,13 +119,22 @@ def report(policy: str, rate: float, round_: int, out: list[Sent]) -> str:
     line = (f"{rate:g}/s round {round_} {policy:8s} mean {statistics.mean(ttfts):6.1f}  p50 {ttfts[len(ttfts) // 2]:6.1f}"
             f"  p99 {ttfts[int(len(ttfts) * 0.99)]:6.1f} ms  over 100 ms {sum(t > 100 for t in ttfts)}"
             f"  over 200 ms {sum(t > 200 for t in ttfts)}\n   ")
-    groups: dict[str, list[float]] = {"both idle": [], "other busy": [], "own busy": []}
-    for sent, engine, ttft, _ in out:
+    groups: dict[str, list[tuple[float, float]]] = {"both idle": [], "other busy": [], "own busy": []}
+    for sent, engine, ttft, _, stored in out:
         own = any(q[1] == engine and q[0] < sent < q[0] + q[3] for q in out)
         other = any(q[1] != engine and q[0] < sent < q[0] + q[3] for q in out)
-        groups["own busy" if own else "other busy" if other else "both idle"].append(ttft * 1000)
-    return line + "; ".join(f"{name}: {len(v)} requests, mean {statistics.mean(v):.1f}, over 100 ms {sum(t > 100 for t in v)}"
-                            for name, v in groups.items() if v)
+        groups["own busy" if own else "other busy" if other else "both idle"].append((ttft * 1000, stored * 1000))
+
+    def split(rows: list[tuple[float, float]]) -> str:
+        seen = [(t, s) for t, s in rows if s == s]  # (a block already stored by an earlier prompt: not seen)
+        if not seen:
+            return "stored not seen"
+        return (f"to stored {statistics.mean(s for _, s in seen):.1f}, stored to first token"
+                f" {statistics.mean(t - s for t, s in seen):.1f} ({len(seen)} seen)")
+
+    return line + "\n   ".join(f"{name}: {len(v)} requests, mean {statistics.mean(t for t, _ in v):.1f},"
+                                f" over 100 ms {sum(t > 100 for t, _ in v)}; {split(v)}"
+                                for name, v in groups.items() if v)
 
 
 def main() -> None:
@@ -105,6 +156,9 @@ def main() -> None:
             assert engine.proc is not None
             os.setpriority(os.PRIO_PGRP, engine.proc.pid, os.getpriority(os.PRIO_PROCESS, 0) + 10)
             nicer_session(engine.proc.pid, 10)
+        stored = Stored(engines)
+        stored.start()
+        time.sleep(1.0)  # the subscriptions' handshakes
         for rate in args.rate or [2.0]:
             rng = random.Random(42)
             prefixes = [[rng.randrange(2, 1024) for _ in range(PREFIX_TOKENS)] for _ in range(PREFIXES)]
@@ -115,7 +169,7 @@ def main() -> None:
                 plan.append((at, prefix, prefixes[prefix] + [rng.randrange(2, 1024) for _ in range(SUFFIX_TOKENS)]))
             for round_ in range(1, args.rounds + 1):
                 for policy in ("affinity", "rr"):
-                    print(report(policy, rate, round_, run(policy, plan, engines)), flush=True)
+                    print(report(policy, rate, round_, run(policy, plan, engines, stored)), flush=True)
     finally:
         for engine in engines:
             engine.kill()
