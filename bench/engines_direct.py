@@ -10,7 +10,8 @@ The engines are niced 10 steps (their sessions' scheduler groups too), as with
 `real_gateway.py --engine-nice 10`, and their prefix caches reset before each run. Besides the
 mean, p50, p99 and the requests over 100 and 200 ms, each run's requests are split by what the
 client had in flight when they were sent: nothing on either engine, a request on the other
-engine only, or one on their own engine (docs/ROUTING.md, "On real engines"). Each group's time
+engine only, or one on their own engine, and those to an idle fleet by how long their engine had
+been idle (docs/ROUTING.md, "On real engines"). Each group's time
 is split where the engine published the prompt's last block (`BlockStored` on its KV-event
 socket, matched by the block's tokens): sent to stored (the engine computed the prompt), and
 stored to the first token (its way out).
@@ -132,6 +133,15 @@ def report(policy: str, rate: float, round_: int, out: list[Sent]) -> str:
         return (f"to stored {statistics.mean(s for _, s in seen):.1f}, stored to first token"
                 f" {statistics.mean(t - s for t, s in seen):.1f} ({len(seen)} seen)")
 
+    # Arrivals to an idle fleet by how long their engine had been idle (since its last answer ended).
+    gaps: dict[str, list[tuple[float, float]]] = {"idle < 0.5 s": [], "0.5-2 s": [], "> 2 s": []}
+    for sent, engine, ttft, _, stored in out:
+        ends = [q[0] + q[3] for q in out if q[1] == engine and q[0] + q[3] <= sent]
+        busy = any(q[0] < sent < q[0] + q[3] for q in out)
+        if ends and not busy:
+            gap = sent - max(ends)
+            gaps["idle < 0.5 s" if gap < 0.5 else "0.5-2 s" if gap < 2 else "> 2 s"].append((ttft * 1000, stored * 1000))
+    groups.update({f"both idle, own {name}": v for name, v in gaps.items()})
     return line + "\n   ".join(f"{name}: {len(v)} requests, mean {statistics.mean(t for t, _ in v):.1f},"
                                 f" over 100 ms {sum(t > 100 for t, _ in v)}; {split(v)}"
                                 for name, v in groups.items() if v)
