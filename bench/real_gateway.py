@@ -18,6 +18,7 @@ fit the fleet, not one engine), three ways, interleaved so that each sees the sa
 
     python bench/real_gateway.py [--workload 768x12@4] [--workload 1536x6@3] [--rounds 2]
                                  [--seconds 60] [--policies ttft,default,rr] [--hidden 128 --layers 2]
+                                 [--engine-nice 10 | --engine-cpus 1]
 
 A workload `LENxN@RATE` is N prefixes of LEN tokens at RATE requests a second, each prompt a
 prefix and a random suffix of `--suffix` tokens, `--output` tokens answered. The picker
@@ -26,7 +27,9 @@ tokenizer (`--tokenizer tiny=PATH`), as docs/GATEWAY.md's recipe does. Before ea
 engines' prefix caches are reset; the hit rate is the engines' `vllm:prefix_cache_hits` over
 `vllm:prefix_cache_queries` during the run. `--hidden/--layers` build a larger random Llama
 (tests/engines/tiny_model.py): prefill then dominates a request's time (docs/ROUTING.md, "On
-real engines"). Also printed per run: how often one engine had two or more requests waiting or
+real engines"). `--engine-cpus 1` runs both engines on core 1 and the client, Envoy and the
+picker on the others, so the path takes no CPU from the engines, as beside engines on
+accelerators (docs/ROUTING.md, "The path on a core of its own"). Also printed per run: how often one engine had two or more requests waiting or
 running while the other had none (`skew`, sampled from their /metrics every 0.1 s), and with
 the picker, its learned speeds and per-request overhead from its /metrics, and the CPU time the
 picker, Envoy and the engines (with their children) used per request.
@@ -425,6 +428,36 @@ def nicer_session(pid: int, steps: int) -> None:
         theirs.write_text(str(min(19, int(own.read_text().split()[-1]) + steps)))
 
 
+def two_engines(model: Path, folder: Path, executor: str, cpus: set[int] | None) -> list[VllmEngine]:
+    """The bench's two engines, each on a core of its own, or both on `cpus` (not started)."""
+    cores = sorted(cpus or {0, 1})
+    return [VllmEngine(model, folder, f"engine{i}", core=cores[i % len(cores)], gpu_blocks=BLOCKS,
+                       extra_args=("--distributed-executor-backend", executor)) for i in range(2)]
+
+
+def start_engines(engines: list[VllmEngine], cpus: set[int] | None, nice: int) -> None:
+    """Start the engines and wait until they answer. With `cpus` they run there and this process,
+    with all it starts after them (the client, Envoy, the picker), on the other CPUs; `nice` ranks
+    the engines that many steps nicer (every thread of their process groups, and their sessions'
+    scheduler groups)."""
+    path_cpus = os.sched_getaffinity(0) - (cpus or set())
+    assert path_cpus, "--engine-cpus leaves no CPU for the client, Envoy and the picker"
+    if cpus:  # the engines inherit it
+        os.sched_setaffinity(0, cpus)
+    for engine in engines:
+        engine.start()
+    os.sched_setaffinity(0, path_cpus)
+    for engine in engines:
+        engine.healthy_or_retried()
+        if nice and engine.proc is not None:
+            os.setpriority(os.PRIO_PGRP, engine.proc.pid, os.getpriority(os.PRIO_PROCESS, 0) + nice)
+            nicer_session(engine.proc.pid, nice)
+
+
+def parse_cpus(text: str) -> set[int]:
+    return {int(cpu) for cpu in text.split(",")}
+
+
 def parse_workload(text: str) -> tuple[int, int, float]:
     match = re.fullmatch(r"(\d+)x(\d+)@([\d.]+)", text)
     if not match:
@@ -448,6 +481,9 @@ def main() -> None:
     parser.add_argument("--engine-nice", type=int, default=0, metavar="N",
                         help="run the engines N steps nicer than the rest (0): the routing path ahead of them"
                              " (their processes and their sessions' scheduler groups)")
+    parser.add_argument("--engine-cpus", type=parse_cpus, metavar="LIST",
+                        help="run both engines on these CPUs (e.g. 1) and the client, Envoy and the picker on"
+                             " the others: the path on cores of its own, as engines on accelerators leave it")
     parser.add_argument("--keep", metavar="DIR", help="keep the engines' logs and results here")
     args = parser.parse_args()
     workloads = args.workload or [(768, 12, 4.0), (1536, 6, 3.0)]
@@ -455,16 +491,9 @@ def main() -> None:
     folder.mkdir(parents=True, exist_ok=True)
     models = Path(os.environ.get("REAL_GATEWAY_MODELS", Path(tempfile.gettempdir()) / "real-gateway-models"))
     model = build_model(models / f"llama-{args.hidden}x{args.layers}", args.hidden, args.layers)
-    engines = [VllmEngine(model, folder, f"engine{i}", core=i, gpu_blocks=BLOCKS,
-                          extra_args=("--distributed-executor-backend", args.executor)) for i in range(2)]
+    engines = two_engines(model, folder, args.executor, args.engine_cpus)
     try:
-        for engine in engines:
-            engine.start()
-        for engine in engines:
-            engine.healthy_or_retried()
-            if args.engine_nice and engine.proc is not None:  # every thread of its process group
-                os.setpriority(os.PRIO_PGRP, engine.proc.pid, os.getpriority(os.PRIO_PROCESS, 0) + args.engine_nice)
-                nicer_session(engine.proc.pid, args.engine_nice)
+        start_engines(engines, args.engine_cpus, args.engine_nice)
         print(f"model {model.name}: engines up in {', '.join(f'{e.starts[-1]:.0f} s' for e in engines)}", flush=True)
         for prefix_len in sorted({w[0] for w in workloads}):
             print(probe(engines[0], prefix_len + args.suffix), flush=True)
